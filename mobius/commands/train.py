@@ -1,0 +1,33 @@
+"""``mobius train CONFIG [--section.key=value ...] [--resume [DIR]]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from mobius.config import describe_fields, load_config
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train or fine-tune a model from a YAML config",
+                       description="Train or fine-tune a model. Any configuration key can be overridden with "
+                                   "--section.key=value (e.g. --train.max_steps=10).",
+                       epilog="configuration keys:\n" + describe_fields(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML run file (see configs/)")
+    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="DIR",
+                   help="continue from the latest step checkpoint in output.dir, or from DIR")
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mobius.run import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, resume=args.resume)
+    first, last = result.losses[0] if result.losses else float("nan"), result.losses[-1] if result.losses else float("nan")
+    ev = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
+    print(f"done: {result.steps} steps, loss {first:.4f} -> {last:.4f}{ev}; checkpoint: {result.final_dir}")
+    return 0

@@ -1,0 +1,301 @@
+"""Run configuration: typed dataclasses, one YAML loader, ``--section.key=value`` overrides.
+
+Every field carries its documentation in ``metadata["help"]``; ``mobius train --help`` prints them.
+Unknown keys, wrong types and impossible values are :class:`~mobius.errors.ConfigError` naming the
+file and the key path. Paths a user must fill in are written ``<FILL IN: what>`` in the shipped
+configs; :meth:`Config.check_ready` rejects them with a message that says what to put there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mobius.errors import ConfigError
+
+PLACEHOLDER = "<FILL IN"
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelSection:
+    checkpoint: str | None = _f(None, "Hugging Face checkpoint directory to fine-tune (config.json + weights).")
+    preset: str | None = _f(None, "Architecture preset, e.g. gpt2-tiny, gpt2-xl, opt-1.3b: trained from scratch when "
+                            "no checkpoint is given; with a checkpoint, the architecture it must have (and what "
+                            "'mobius plan' uses before the checkpoint is at hand).")
+    dropout: float | None = _f(None, "Set every dropout probability to this; null keeps the checkpoint's or preset's.")
+    activation_checkpointing: bool = _f(False, "Recompute each block's activations in backward (single mode).")
+
+    def __post_init__(self) -> None:
+        if self.checkpoint is None and self.preset is None:
+            raise ConfigError("set model.checkpoint (a Hugging Face directory) or model.preset (an architecture)")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class DataSection:
+    path: str = _f("builtin:stdlib-docs", "A .txt or .jsonl file, or a directory of them. 'builtin:stdlib-docs' "
+                   "gathers the docstrings of Python's standard library (the CPU demo).")
+    text_field: str = _f("text", "Field holding the text in .jsonl records.")
+    seq_len: int = _f(512, "Tokens per training sequence (documents are packed into blocks of this length).")
+    tokenizer: str | None = _f(None, "A tokenizer.json file or a directory holding one; null uses the checkpoint's "
+                               "own, or byte-level tokens when training from scratch.")
+    val_fraction: float = _f(0.02, "Fraction of the blocks held out for evaluation.")
+    cache_dir: str = _f(".mobius_cache", "Where tokenized data is cached as memory-mapped arrays.")
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len must be at least 2, got {self.seq_len}")
+        if not 0.0 <= self.val_fraction < 0.5:
+            raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {self.val_fraction}")
+
+
+@dataclass
+class TrainSection:
+    max_steps: int = _f(100, "Optimizer steps to run.")
+    micro_batch_size: int = _f(4, "Sequences per micro-batch.")
+    micro_batches: int = _f(4, "Micro-batches per optimizer step (gradient accumulation / pipeline depth).")
+    lr: float = _f(3e-4, "Peak learning rate (AdamW).")
+    min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
+    warmup_steps: int = _f(10, "Linear warm-up steps.")
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay (applied to matrices, not biases or norms).")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    seed: int = _f(1234, "Seed for initialisation, data order and dropout.")
+    precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32, bf16 (autocast) or fp16 (autocast with dynamic "
+                                                     "loss scaling).")
+    eval_every: int = _f(50, "Evaluate on the held-out blocks every N steps (0: only at the end).")
+    eval_batches: int = _f(8, "Micro-batches per evaluation.")
+    log_every: int = _f(1, "Write a metrics line every N steps.")
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "micro_batches", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be positive, got {self.lr}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"train.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+
+
+@dataclass
+class ParallelSection:
+    mode: Literal["auto", "single", "pipeline", "zero"] = _f("auto", "single: one device; pipeline: the swapped "
+                                                              "Mobius pipeline; zero: chunked ZeRO (NVLink boxes); "
+                                                              "auto: pick from the machine.")
+    devices: int = _f(1, "GPUs to use (CPU worker processes stand in when there is no GPU).")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "Run on CUDA when available (auto), or force cpu/cuda.")
+    mapping: Literal["cross", "sequential"] = _f("cross", "Stage-to-GPU mapping: cross (topology-aware) or sequential.")
+    prefetch: bool = _f(True, "Upload the next stage while the current one computes.")
+    p2p: Literal["auto", "on", "off"] = _f("auto", "GPU peer-to-peer for activations: auto-detect, force on, force off "
+                                          "(through pinned host memory).")
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ConfigError(f"parallel.devices must be at least 1, got {self.devices}")
+
+
+@dataclass
+class PartitionSection:
+    solver: Literal["auto", "gurobi", "highs"] = _f("auto", "MIP solver: gurobi, highs, or auto (gurobi, then HiGHS "
+                                                    "when the free licence cannot take the model).")
+    time_limit_s: float = _f(30.0, "Solver time limit in seconds.")
+    profile: Literal["auto", "measured", "estimated"] = _f("auto", "Unit costs measured on this machine's GPU, "
+                                                           "estimated from datasheets, or auto.")
+    gpu: str | None = _f(None, "GPU model for estimated profiles, e.g. rtx3090, rtx4090, a100-40gb, h100.")
+    gpu_memory_gib: float | None = _f(None, "Usable GPU memory per device; null: the device's own.")
+    cache_dir: str = _f(".mobius_cache", "Where measured profiles are cached.")
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s <= 0:
+            raise ConfigError(f"partition.time_limit_s must be positive, got {self.time_limit_s}")
+        if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
+            raise ConfigError(f"partition.gpu_memory_gib must be positive, got {self.gpu_memory_gib}")
+
+
+@dataclass
+class TopologySection:
+    file: str | None = _f(None, "Saved topology (mobius topo --json, or nvidia-smi topo -m text) instead of detecting.")
+    bandwidth_file: str | None = _f(None, "Bandwidth JSON from 'mobius topo --bench' for the cost model.")
+
+
+@dataclass
+class OutputSection:
+    dir: str = _f("runs/default", "Run directory: metrics.jsonl, checkpoints, plots.")
+    save_every: int = _f(0, "Write a checkpoint every N steps (0: only the final one).")
+    keep_last: int = _f(2, "Keep this many step checkpoints (the final one is always kept).")
+    save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Checkpoint dtype; auto: the dtype of the "
+                                                             "checkpoint fine-tuned, fp32 from scratch.")
+    plot: bool = _f(True, "Draw loss.png at the end when matplotlib is installed.")
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0 or self.keep_last < 1:
+            raise ConfigError(f"output.save_every must be >= 0 and output.keep_last >= 1, got {self.save_every}, "
+                              f"{self.keep_last}")
+
+
+@dataclass
+class Config:
+    model: ModelSection
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    partition: PartitionSection = field(default_factory=PartitionSection)
+    topology: TopologySection = field(default_factory=TopologySection)
+    output: OutputSection = field(default_factory=OutputSection)
+    source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in _sections()}
+
+    def check_ready(self) -> None:
+        """Reject placeholder paths that the user has to fill in before running."""
+        for section, key in (("model", "checkpoint"), ("data", "path"), ("data", "tokenizer"),
+                             ("topology", "file"), ("topology", "bandwidth_file")):
+            value = getattr(getattr(self, section), key)
+            if isinstance(value, str) and value.startswith(PLACEHOLDER):
+                raise ConfigError(f"{self.source}: {section}.{key} is still a placeholder ({value}); set it in the file "
+                                  f"or with --{section}.{key}=PATH")
+
+
+def _sections() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(Config) if not f.metadata.get("internal")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """Check (and gently coerce int -> float) a YAML value against a field's type hint."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _check_type(value, inner[0], where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = "|".join(str(a) for a in typing.get_args(tp))
+            raise ConfigError(f"{where} must be one of {choices}, got {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML reads "3e-4" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{where} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def _build_section(cls: type, values: dict, where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a mapping of keys, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {where}.{near[0]}?)" if near else f" (known: {', '.join(names)})"
+            raise ConfigError(f"unknown key {where}.{key}{hint}")
+        kwargs[key] = _check_type(value, hints[key], f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["--train.lr=1e-4", "--model.preset", "gpt2"]`` -> ``{"train": {"lr": 1e-4}, "model": {...}}``."""
+    out: dict = {}
+    i = 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(f"unrecognised argument {arg!r}; overrides look like --section.key=value")
+        if "=" in arg:
+            key, raw = arg[2:].split("=", 1)
+        elif i + 1 < len(overrides):
+            key, raw = arg[2:], overrides[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override {arg} has no value")
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = yaml.safe_load(raw) if raw != "" else None
+        i += 1
+    return out
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+    """Build a :class:`Config` from nested dicts, naming ``source`` in every error."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the file must hold a mapping of sections, got {type(raw).__name__}")
+    sections = {f.name: f for f in _sections()}
+    hints = typing.get_type_hints(Config)
+    built = {}
+    try:
+        for key in raw:
+            if key not in sections:
+                near = difflib.get_close_matches(str(key), list(sections), n=1)
+                raise ConfigError(f"unknown section {key!r}" + (f" (did you mean {near[0]}?)" if near else
+                                                                f" (known: {', '.join(sections)})"))
+        for name in sections:
+            if name in raw or name == "model":
+                built[name] = _build_section(hints[name], raw.get(name) or {}, name)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return Config(**built, source=source)
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in extra.items():
+        if isinstance(out.get(section), dict) and isinstance(values, dict):
+            out[section].update(values)
+        else:
+            out[section] = values
+    return out
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
+    """Load a YAML run file and apply ``--section.key=value`` overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the file must hold a mapping of sections, got {type(raw).__name__}")
+    return config_from_dict(merge(raw, parse_overrides(overrides or [])), str(path))
+
+
+def describe_fields() -> str:
+    """Every configuration key with its default and documentation (for ``--help``)."""
+    lines = []
+    for sec in _sections():
+        lines.append(f"{sec.name}:")
+        for f in dataclasses.fields(typing.get_type_hints(Config)[sec.name]):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            lines.append(f"  {sec.name}.{f.name} (default {default!r}): {f.metadata['help']}")
+    return "\n".join(lines)

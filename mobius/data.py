@@ -1,0 +1,323 @@
+"""Tokenizers and packed, cached, resumable training data from local files.
+
+* Tokenizers go through the ``tokenizers`` library: the checkpoint's own ``tokenizer.json`` (or
+  GPT-2 style ``vocab.json`` + ``merges.txt``), or a byte-level tokenizer (256 byte tokens and an
+  end-of-text token) for from-scratch runs, which is also saved as a ``tokenizer.json``.
+* Text comes from ``.txt`` files (one document each), ``.jsonl`` files (one document per record,
+  field configurable) or directories of them; ``builtin:stdlib-docs`` gathers the docstrings of
+  Python's standard library, text present wherever Python is.
+* Documents are tokenized once, joined with end-of-text tokens and cached as a memory-mapped array
+  keyed by the sources and the tokenizer; training reads blocks of ``seq_len + 1`` tokens in a
+  seeded, per-epoch shuffled order whose position is saved with checkpoints.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import logging
+import os
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from mobius.errors import ConfigError, MobiusError
+
+log = logging.getLogger(__name__)
+
+BUILTIN_STDLIB = "builtin:stdlib-docs"
+EOT = "<|endoftext|>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` with the end-of-text id mobius packs documents with."""
+
+    tokenizer: "tokenizers.Tokenizer"  # noqa: F821
+    eos_id: int
+    name: str  # identifies the tokenizer in cache keys
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def save(self, directory: Path) -> dict[str, Path]:
+        """Write ``tokenizer.json`` (+ a minimal tokenizer_config.json); returns name -> path."""
+        directory.mkdir(parents=True, exist_ok=True)
+        tok = directory / "tokenizer.json"
+        self.tokenizer.save(str(tok))
+        conf = directory / "tokenizer_config.json"
+        eos = self.tokenizer.id_to_token(self.eos_id)
+        conf.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                                    "bos_token": eos, "unk_token": eos}, indent=2) + "\n")
+        return {"tokenizer.json": tok, "tokenizer_config.json": conf}
+
+
+def byte_tokenizer() -> TextTokenizer:
+    """256 byte tokens (GPT-2's byte-to-unicode alphabet, no merges) and ``<|endoftext|>`` = 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_byte_of))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT])
+    return TextTokenizer(tok, tok.token_to_id(EOT), "bytes-v1")
+
+
+def _byte_of(ch: str) -> int:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, others to 256+n."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    code = ord(ch)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def _eos_of(tok: "tokenizers.Tokenizer", path: Path) -> int:  # noqa: F821
+    for candidate in (EOT, "</s>", "<eos>", "<|eot_id|>"):
+        i = tok.token_to_id(candidate)
+        if i is not None:
+            return i
+    raise MobiusError(f"{path}: tokenizer has no end-of-text token (looked for {EOT}, </s>, <eos>)")
+
+
+def load_tokenizer(spec: str | None, checkpoint: str | None) -> TextTokenizer:
+    """The tokenizer a run uses: ``spec`` if given, else the checkpoint's own, else byte-level."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    for base in ([Path(spec)] if spec else []) + ([Path(checkpoint)] if checkpoint and not spec else []):
+        file = base if base.is_file() else base / "tokenizer.json"
+        if file.is_file():
+            try:
+                tok = Tokenizer.from_file(str(file))
+            except Exception as e:  # tokenizers raises its own Exception type
+                raise MobiusError(f"{file}: not a valid tokenizer.json ({e})") from e
+            return TextTokenizer(tok, _eos_of(tok, file), _file_digest(file))
+        vocab, merges = base / "vocab.json", base / "merges.txt"
+        if vocab.is_file() and merges.is_file():
+            tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            return TextTokenizer(tok, _eos_of(tok, vocab), _file_digest(vocab) + _file_digest(merges))
+        if spec:
+            raise ConfigError(f"data.tokenizer {spec}: no tokenizer.json (or vocab.json + merges.txt) there")
+        log.warning("checkpoint %s has no tokenizer files; using byte-level tokens", checkpoint)
+    return byte_tokenizer()
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents
+# ---------------------------------------------------------------------------------------------
+def stdlib_docstrings() -> Iterator[str]:
+    """Docstrings of the standard library's modules, classes and functions (parsed, never imported)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo", "dist-packages"}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if parts[0] in skip or "tests" in parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    yield doc
+
+
+def source_files(path: str) -> list[Path]:
+    """The .txt / .jsonl files a ``data.path`` names, in a stable order."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"data.path {path} does not exist")
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl") and f.is_file())
+    if not files:
+        raise ConfigError(f"data.path {path} holds no .txt or .jsonl files")
+    for f in files:
+        if f.suffix not in (".txt", ".jsonl"):
+            raise ConfigError(f"data.path {f}: only .txt and .jsonl files are supported")
+    return files
+
+
+def documents(path: str, text_field: str) -> Iterator[str]:
+    """Every document of a data source, in order."""
+    if path == BUILTIN_STDLIB:
+        yield from stdlib_docstrings()
+        return
+    for f in source_files(path):
+        if f.suffix == ".txt":
+            yield f.read_text(encoding="utf-8", errors="replace")
+            continue
+        with f.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise MobiusError(f"{f}:{n}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or text_field not in record:
+                    raise MobiusError(f"{f}:{n}: record has no {text_field!r} field (set data.text_field)")
+                yield str(record[text_field])
+
+
+def _source_key(path: str, text_field: str) -> str:
+    if path == BUILTIN_STDLIB:
+        return f"{path}:{sys.version}:{sysconfig.get_paths()['stdlib']}"
+    stats = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in source_files(path)]
+    return f"{text_field}|" + "|".join(stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token cache
+# ---------------------------------------------------------------------------------------------
+def tokenize_to_cache(path: str, text_field: str, tokenizer: TextTokenizer, cache_dir: str) -> np.ndarray:
+    """Token ids of all documents joined by end-of-text, cached as a memory-mapped array."""
+    key = hashlib.sha256(f"{_source_key(path, text_field)}|{tokenizer.name}".encode()).hexdigest()[:20]
+    cache = Path(cache_dir)
+    file, meta_file = cache / f"tokens-{key}.bin", cache / f"tokens-{key}.json"
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    if file.is_file() and meta_file.is_file():
+        meta = json.loads(meta_file.read_text())
+        return np.memmap(file, dtype=meta["dtype"], mode="r", shape=(meta["tokens"],))
+    cache.mkdir(parents=True, exist_ok=True)
+    n = _write_tokens(documents(path, text_field), tokenizer, cache, file, dtype)
+    if n == 0:
+        raise MobiusError(f"data.path {path} holds no text")
+    _atomic_write_text(meta_file, json.dumps({"tokens": n, "dtype": np.dtype(dtype).name, "source": path,
+                                              "tokenizer": tokenizer.name}))
+    return np.memmap(file, dtype=dtype, mode="r", shape=(n,))
+
+
+def _write_tokens(docs: Iterator[str], tokenizer: TextTokenizer, cache: Path, file: Path, dtype: type) -> int:
+    from tqdm import tqdm
+
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tokens-", suffix=".tmp")
+    n = 0
+    try:
+        with os.fdopen(fd, "wb") as out, tqdm(desc="tokenizing", unit=" docs", leave=False,
+                                              disable=not sys.stderr.isatty()) as bar:
+            batch: list[str] = []
+            for doc in _chain(docs, [None]):
+                if doc is not None:
+                    batch.append(doc)
+                if batch and (doc is None or len(batch) == 256):
+                    for ids in tokenizer.encode_batch(batch):
+                        np.asarray(ids + [tokenizer.eos_id], dtype=dtype).tofile(out)
+                        n += len(ids) + 1
+                    bar.update(len(batch))
+                    batch = []
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return n
+
+
+def _chain(a: Iterator, b: list) -> Iterator:
+    yield from a
+    yield from b
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks and the sampler
+# ---------------------------------------------------------------------------------------------
+class PackedBlocks:
+    """Consecutive blocks of ``seq_len + 1`` tokens (neighbours share one token) over a token array."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, start: int = 0, count: int | None = None):
+        self.tokens, self.seq_len, self.start = tokens, seq_len, start
+        total = (len(tokens) - 1) // seq_len
+        self.count = total - start if count is None else count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks by index -> (inputs [B, T], targets [B, T]) as int64."""
+        rows = [np.asarray(self.tokens[(self.start + i) * self.seq_len:(self.start + i + 1) * self.seq_len + 1])
+                for i in indices]
+        block = torch.from_numpy(np.stack(rows).astype(np.int64))  # [B, T + 1]
+        return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+
+
+@dataclass
+class TrainData:
+    """Train / eval split of the packed blocks and a resumable, seeded shuffled order."""
+
+    train: PackedBlocks
+    val: PackedBlocks
+    seed: int
+    position: int = 0  # samples drawn so far (the resumable state)
+
+    def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``batch_size`` training blocks: (inputs [B, T], targets [B, T])."""
+        idx = np.array([self._index(self.position + i) for i in range(batch_size)])
+        self.position += batch_size
+        return self.train.get(idx)
+
+    def _index(self, sample: int) -> int:
+        epoch, offset = divmod(sample, len(self.train))
+        if not hasattr(self, "_perm") or self._perm[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = (epoch, rng.permutation(len(self.train)))
+        return int(self._perm[1][offset])
+
+    def eval_batches(self, batch_size: int, batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Fixed held-out batches (the same ones at every evaluation)."""
+        n = min(batches, len(self.val) // batch_size)
+        for b in range(n):
+            yield self.val.get(np.arange(b * batch_size, (b + 1) * batch_size))
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "train_blocks": len(self.train)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["train_blocks"] != len(self.train):
+            raise MobiusError(f"the data changed since the checkpoint: {len(self.train)} training blocks now, "
+                              f"{state['train_blocks']} then")
+        self.position, self.seed = state["position"], state["seed"]
+
+
+def build_data(tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int, min_val_blocks: int = 1) -> TrainData:
+    """Split packed blocks into training blocks and a held-out tail for evaluation."""
+    total = (len(tokens) - 1) // seq_len
+    n_val = max(min_val_blocks, int(total * val_fraction)) if val_fraction > 0 else 0
+    if total - n_val < 1:
+        raise MobiusError(f"the data holds {len(tokens)} tokens, too few for one training block of "
+                          f"{seq_len + 1} tokens plus {n_val} held-out blocks; lower data.seq_len or add text")
+    train = PackedBlocks(tokens, seq_len, 0, total - n_val)
+    val = PackedBlocks(tokens, seq_len, total - n_val, n_val)
+    return TrainData(train, val, seed)

@@ -1,0 +1,117 @@
+"""Engines run one optimizer step over a list of micro-batches; the :class:`~mobius.trainer.Trainer`
+loop around them (schedule, data, metrics, checkpoints) is shared by every parallel mode.
+
+:class:`SingleEngine` is the reference: one CPU or one GPU, fp32 master weights, autocast for
+bf16/fp16, dynamic loss scaling for fp16, global-norm clipping, torch AdamW. Every parallel engine
+is tested against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from mobius.config import Config
+from mobius.models.base import CausalLM, has_dropout, lm_loss, run_units
+from mobius.optim import LossScaler, clip_coefficient, make_adamw, set_lr
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs [B, T], targets [B, T])
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepStats:
+    loss: float  # mean loss over the step's micro-batches
+    grad_norm: float  # global gradient norm before clipping (inf/nan on fp16 overflow)
+    skipped: bool = False  # fp16 overflow: no update was made
+    loss_scale: float = 1.0
+    extra: dict | None = None  # engine-specific counters (bytes moved, stall time, ...)
+
+
+class Engine(Protocol):
+    def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats: ...
+    def evaluate(self, batches: list[Batch]) -> float: ...
+    def model_state(self) -> dict[str, torch.Tensor]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+def global_norm(grads: list[torch.Tensor]) -> float:
+    """L2 norm over all gradients (fp32 accumulation)."""
+    if not grads:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+    return float(torch.linalg.vector_norm(norms))
+
+
+class SingleEngine:
+    """The reference engine: the whole model on one device."""
+
+    def __init__(self, model: CausalLM, cfg: Config, device: torch.device):
+        self.model = model.to(device)
+        self.cfg, self.device = cfg, device
+        named = list(dict((id(p), (n, p)) for n, p in model.named_parameters()).values())  # tied weights once
+        self.params = [p for _, p in named]
+        self.optimizer = make_adamw(named, cfg.train, fused=device.type == "cuda")
+        self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
+        self.dropout = has_dropout(model)
+
+    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor, seed: tuple[int, int, int] | None) -> torch.Tensor:
+        with autocast(self.device, self.cfg.train.precision):
+            logits = run_units(self.model.units(), x.to(self.device), dropout_seed=seed,
+                               checkpoint_blocks=self.cfg.model.activation_checkpointing)  # [B, T, V]
+            return lm_loss(logits, y.to(self.device))
+
+    def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats:
+        self.model.train()
+        M = len(batches)
+        factor = self.scaler.loss_factor()
+        total = torch.zeros((), device=self.device)
+        for m, (x, y) in enumerate(batches):
+            seed = (self.cfg.train.seed, step, m) if self.dropout else None
+            loss = self._forward_loss(x, y, seed)
+            (loss * (factor / M)).backward()
+            total += loss.detach()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if factor != 1.0:
+            torch._foreach_mul_(grads, 1.0 / factor)
+        norm = global_norm(grads)
+        skipped = self.scaler.update(not math.isfinite(norm))
+        if not skipped:
+            coef = clip_coefficient(norm, self.cfg.train.grad_clip)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(float(total) / M, norm, skipped, self.scaler.scale if self.scaler.enabled else 1.0)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> float:
+        self.model.eval()
+        losses = [float(self._forward_loss(x, y, None)) for x, y in batches]
+        return sum(losses) / max(1, len(losses))
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,19 @@
+"""Errors a user can act on. The CLI prints them as one line and exits with code 2."""
+
+from __future__ import annotations
+
+
+class MobiusError(ValueError):
+    """A problem with the user's input, files or machine, worded so they can fix it."""
+
+
+class ConfigError(MobiusError):
+    """A bad configuration file, key or value."""
+
+
+class CheckpointError(MobiusError):
+    """A checkpoint directory that is missing, incomplete or does not match the model."""
+
+
+class NotAvailableError(MobiusError):
+    """A feature that this build or this machine cannot provide."""

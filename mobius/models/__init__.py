@@ -1,0 +1,67 @@
+"""Model families (GPT-2, OPT): configs, presets, builders and unit descriptions."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+from mobius.errors import ConfigError
+from mobius.models import gpt2, opt
+from mobius.models.base import CausalLM, UnitSpec, lm_loss
+
+ModelConfig = gpt2.GPT2Config | opt.OPTConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config_cls: type
+    model_cls: type
+    unit_specs: Callable[..., list[UnitSpec]]
+    presets: dict
+
+
+FAMILIES: dict[str, Family] = {
+    "gpt2": Family("gpt2", gpt2.GPT2Config, gpt2.GPT2, gpt2.unit_specs, gpt2.PRESETS),
+    "opt": Family("opt", opt.OPTConfig, opt.OPT, opt.unit_specs, opt.PRESETS),
+}
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    return FAMILIES[cfg.family]
+
+
+def preset_names() -> list[str]:
+    return [name for fam in FAMILIES.values() for name in fam.presets]
+
+
+def get_preset(name: str) -> ModelConfig:
+    """A fresh copy of a preset architecture, e.g. ``"gpt2-xl"`` or ``"opt-13b"``."""
+    for fam in FAMILIES.values():
+        if name in fam.presets:
+            return copy.deepcopy(fam.presets[name])
+    raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(preset_names())}")
+
+
+def build_model(cfg: ModelConfig) -> CausalLM:
+    """Build a randomly initialised model for a config."""
+    return family_of(cfg).model_cls(cfg)
+
+
+def unit_specs(cfg: ModelConfig) -> list[UnitSpec]:
+    """Describe the model's units (embed, blocks, head) without building them."""
+    return family_of(cfg).unit_specs(cfg)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Parameters of the model, counting a tied embedding once."""
+    specs = unit_specs(cfg)
+    total = sum(s.param_count for s in specs)
+    if cfg.tie_word_embeddings:
+        total -= cfg.vocab_size * (cfg.word_embed_proj_dim if cfg.family == "opt" else cfg.n_embd)
+    return total
+
+
+__all__ = ["CausalLM", "UnitSpec", "lm_loss", "ModelConfig", "FAMILIES", "family_of", "get_preset",
+           "preset_names", "build_model", "unit_specs", "param_count"]

@@ -1,0 +1,118 @@
+"""The contract every model family follows: an ordered list of cuttable units.
+
+A model is ``embed -> block_0 .. block_{L-1} -> head``. Each unit is a plain ``nn.Module``:
+
+* the embedding takes ``input_ids`` ``[B, T]`` (int64) and returns hidden states ``[B, T, H]``;
+* a block takes and returns hidden states ``[B, T, H]``;
+* the head takes hidden states ``[B, T, H]`` and returns logits ``[B, T, V]``.
+
+A partitioner may cut between any two units. :class:`UnitSpec` describes a unit without building
+it, so a profiler can build one unit of each kind at a time (a 13B model never has to fit whole)
+and an analytic estimate can count FLOPs and bytes.
+
+Tied weights (GPT-2 and OPT tie the input embedding to the output projection) are declared by
+:meth:`CausalLM.tied_weights`; inside one process they are the same ``Parameter``, while a pipeline
+that puts the two ends on different stages keeps one copy per stage and sums their gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+UnitKind = Literal["embed", "block", "head"]
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A description of one unit, enough to build, profile or estimate it.
+
+    ``signature`` is equal for units that are identical in shape and cost (all blocks of a
+    model), so a profiler measures each signature once.
+    """
+
+    name: str  # "embed", "block.3", "head"
+    kind: UnitKind
+    signature: str
+    param_count: int  # parameters owned by this unit (a tied weight counts in both ends)
+    hidden_size: int
+    vocab_size: int
+    build: Callable[[], nn.Module]
+    fwd_flops: Callable[[int, int], float]  # (batch, seq) -> forward FLOPs of one call
+    out_numel: Callable[[int, int], int]  # (batch, seq) -> elements of the unit's output
+
+    def make_input(self, batch: int, seq: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """A random input of the right shape for this unit (token ids for the embedding)."""
+        if self.kind == "embed":
+            return torch.randint(0, self.vocab_size, (batch, seq), device=device)  # [B, T]
+        return torch.randn(batch, seq, self.hidden_size, device=device, dtype=dtype)  # [B, T, H]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy. logits [B, T, V], targets [B, T] (already shifted)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class CausalLM(nn.Module):
+    """Base class of the model families: ``embed``, ``blocks`` and ``head`` run in order."""
+
+    embed: nn.Module
+    blocks: nn.ModuleList
+    head: nn.Module
+
+    def units(self) -> list[nn.Module]:
+        """The units in execution order: embedding, every block, head."""
+        return [self.embed, *self.blocks, self.head]
+
+    def unit_names(self) -> list[str]:
+        return ["embed", *[f"block.{i}" for i in range(len(self.blocks))], "head"]
+
+    def tied_weights(self) -> list[tuple[str, str]]:
+        """Pairs of parameter names (``unit_name.param_name``) that share one tensor."""
+        return []
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V]."""
+        x = input_ids
+        for unit in self.units():
+            x = unit(x)
+        return x
+
+
+def unit_seed(seed: int, step: int, micro_batch: int, unit_index: int) -> int:
+    """The dropout seed of one unit on one micro-batch: the same in every execution order,
+    process and recomputation, so pipelined and single-device runs draw identical masks."""
+    h = seed & 0xFFFFFFFF
+    for v in (step, micro_batch, unit_index):
+        h = (h * 0x9E3779B97F4A7C15 + v + 1) % (1 << 61)
+    return h
+
+
+def run_units(units: list[nn.Module], x: torch.Tensor, first_index: int = 0,
+              dropout_seed: tuple[int, int, int] | None = None, checkpoint_blocks: bool = False) -> torch.Tensor:
+    """Run consecutive units. ``dropout_seed`` = (seed, step, micro_batch) reseeds the RNG before each
+    unit (needed only when dropout is active); ``checkpoint_blocks`` recomputes blocks in backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    for k, unit in enumerate(units):
+        if dropout_seed is not None:
+            torch.manual_seed(unit_seed(*dropout_seed, first_index + k))
+        if checkpoint_blocks and x.is_floating_point() and torch.is_grad_enabled():
+            x = checkpoint(unit, x, use_reentrant=False)
+        else:
+            x = unit(x)
+    return x
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """True when any dropout in the model (modules or SDPA probabilities) is non-zero."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        if getattr(m, "attn_pdrop", 0) > 0:
+            return True
+    return False

@@ -1,0 +1,345 @@
+"""Hugging Face checkpoints in and out: one explicit key map per family, one conversion loop.
+
+A checkpoint directory holds ``config.json`` and weights as ``model.safetensors``,
+``pytorch_model.bin`` or either sharded with a ``*.index.json``. :func:`load_checkpoint` reads one
+into a mobius model; :func:`save_checkpoint` writes a directory that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads. Missing, unexpected or misshapen keys
+and unreadable files are :class:`~mobius.errors.CheckpointError` naming the key or file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from mobius.errors import CheckpointError
+from mobius.models import FAMILIES, ModelConfig, build_model, gpt2, opt
+from mobius.models.base import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Named weight transforms: (hf -> mobius, mobius -> hf)
+# ---------------------------------------------------------------------------------------------
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _transpose(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous()
+
+
+TRANSFORMS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "identity": (_identity, _identity),
+    # GPT-2's Conv1D stores [in, out]; nn.Linear stores [out, in]
+    "conv1d_to_linear": (_transpose, _transpose),
+}
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    hf: str
+    ours: str
+    transform: str = "identity"
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    rules: list[KeyRule]
+    prefix: str  # the base-model prefix a checkpoint of the bare model lacks ("transformer.", "model.")
+    tied: tuple[str, str] | None  # (hf key of the head's weight, our key of the embedding) when tied
+    ignored_suffixes: tuple[str, ...] = ()  # legacy buffers found in old checkpoints
+
+
+def gpt2_key_map(cfg: gpt2.GPT2Config) -> KeyMap:
+    """GPT2LMHeadModel <-> mobius GPT2."""
+    rules = [KeyRule("transformer.wte.weight", "embed.wte.weight"), KeyRule("transformer.wpe.weight", "embed.wpe.weight")]
+    for i in range(cfg.n_layer):
+        h, b = f"transformer.h.{i}.", f"blocks.{i}."
+        for hf_name, our_name, tr in [("ln_1", "ln_1", None), ("attn.c_attn", "attn.qkv", "conv1d_to_linear"),
+                                      ("attn.c_proj", "attn.proj", "conv1d_to_linear"), ("ln_2", "ln_2", None),
+                                      ("mlp.c_fc", "mlp.fc", "conv1d_to_linear"),
+                                      ("mlp.c_proj", "mlp.proj", "conv1d_to_linear")]:
+            rules.append(KeyRule(f"{h}{hf_name}.weight", f"{b}{our_name}.weight", tr or "identity"))
+            rules.append(KeyRule(f"{h}{hf_name}.bias", f"{b}{our_name}.bias"))
+    rules += [KeyRule("transformer.ln_f.weight", "head.ln_f.weight"), KeyRule("transformer.ln_f.bias", "head.ln_f.bias")]
+    tied = ("lm_head.weight", "embed.wte.weight") if cfg.tie_word_embeddings else None
+    if not cfg.tie_word_embeddings:
+        rules.append(KeyRule("lm_head.weight", "head.lm_head.weight"))
+    return KeyMap(rules, "transformer.", tied, ignored_suffixes=(".attn.bias", ".attn.masked_bias"))
+
+
+def opt_key_map(cfg: opt.OPTConfig) -> KeyMap:
+    """OPTForCausalLM <-> mobius OPT (pre/post-LayerNorm, optional project_in/out)."""
+    d = "model.decoder."
+    rules = [KeyRule(f"{d}embed_tokens.weight", "embed.embed_tokens.weight"),
+             KeyRule(f"{d}embed_positions.weight", "embed.embed_positions.weight")]
+    if cfg.projects:
+        rules += [KeyRule(f"{d}project_in.weight", "embed.project_in.weight"),
+                  KeyRule(f"{d}project_out.weight", "head.project_out.weight")]
+    params = ["weight", "bias"] if cfg.enable_bias else ["weight"]
+    for i in range(cfg.num_hidden_layers):
+        h, b = f"{d}layers.{i}.", f"blocks.{i}."
+        for hf_name, our_name in [("self_attn.q_proj", "attn.q_proj"), ("self_attn.k_proj", "attn.k_proj"),
+                                  ("self_attn.v_proj", "attn.v_proj"), ("self_attn.out_proj", "attn.out_proj"),
+                                  ("fc1", "fc1"), ("fc2", "fc2")]:
+            rules += [KeyRule(f"{h}{hf_name}.{p}", f"{b}{our_name}.{p}") for p in params]
+        for hf_name, our_name in [("self_attn_layer_norm", "ln_1"), ("final_layer_norm", "ln_2")]:
+            rules += [KeyRule(f"{h}{hf_name}.{p}", f"{b}{our_name}.{p}") for p in ("weight", "bias")]
+    if cfg.has_final_layer_norm:
+        rules += [KeyRule(f"{d}final_layer_norm.{p}", f"head.final_layer_norm.{p}") for p in ("weight", "bias")]
+    tied = ("lm_head.weight", "embed.embed_tokens.weight") if cfg.tie_word_embeddings else None
+    if not cfg.tie_word_embeddings:
+        rules.append(KeyRule("lm_head.weight", "head.lm_head.weight"))
+    return KeyMap(rules, "model.", tied)
+
+
+KEY_MAPS: dict[str, Callable[..., KeyMap]] = {"gpt2": gpt2_key_map, "opt": opt_key_map}
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The one conversion loop
+# ---------------------------------------------------------------------------------------------
+def _normalise_key(key: str, km: KeyMap) -> str:
+    """Checkpoints of the bare model (GPT2Model, OPTModel) lack the base prefix."""
+    if key.startswith(km.prefix) or key.startswith("lm_head."):
+        return key
+    return km.prefix + key
+
+
+def from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Convert a Hugging Face state dict to mobius names (tied head included under its own name)."""
+    km = KEY_MAPS[cfg.family](cfg)
+    state = {_normalise_key(k, km): v for k, v in hf_state.items()}
+    out: dict[str, torch.Tensor] = {}
+    for rule in km.rules:
+        if rule.hf not in state:
+            raise CheckpointError(f"checkpoint is missing key {rule.hf!r} (needed for {rule.ours})")
+        out[rule.ours] = TRANSFORMS[rule.transform][0](state[rule.hf])
+    used = {r.hf for r in km.rules}
+    if km.tied is not None:
+        head_key, embed_key = km.tied
+        out["head.lm_head.weight"] = out[embed_key]
+        if head_key in state and not torch.equal(state[head_key], out[embed_key]):
+            log.warning("checkpoint's %s differs from the tied embedding; using the embedding (as transformers does)",
+                        head_key)
+        used.add(head_key)
+    unexpected = sorted(k for k in state if k not in used and not k.endswith(km.ignored_suffixes))
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"checkpoint has unexpected keys {unexpected[:5]}{more} for a {cfg.family} model "
+                              f"of this configuration")
+    return out
+
+
+def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Convert a mobius state dict to Hugging Face names (the inverse of :func:`from_hf`)."""
+    km = KEY_MAPS[cfg.family](cfg)
+    out: dict[str, torch.Tensor] = {}
+    for rule in km.rules:
+        if rule.ours not in state:
+            raise CheckpointError(f"model state is missing {rule.ours!r}")
+        out[rule.hf] = TRANSFORMS[rule.transform][1](state[rule.ours])
+    if km.tied is not None:
+        out[km.tied[0]] = out[next(r.hf for r in km.rules if r.ours == km.tied[1])]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------
+UNSUPPORTED = {  # HF config fields whose non-default values this implementation does not model
+    "gpt2": {"add_cross_attention": False, "scale_attn_weights": True},
+    "opt": {"_remove_final_layer_norm": False, "layerdrop": 0.0},
+}
+
+
+def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
+    """Build a mobius model config from a Hugging Face ``config.json`` dict."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    for key, default in UNSUPPORTED[model_type].items():
+        if hf.get(key, default) != default:
+            raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported (only {default!r})")
+    cls = FAMILIES[model_type].config_cls
+    aliases = {"n_ctx": "n_positions"} if model_type == "gpt2" else {}
+    kwargs = {}
+    for f in fields(cls):
+        for key in (f.name, *[a for a, t in aliases.items() if t == f.name]):
+            if key in hf and hf[key] is not None:
+                kwargs[f.name] = hf[key]
+                break
+    return cls(**kwargs)
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """A ``config.json`` dict that transformers reads back into the same architecture."""
+    d = asdict(cfg)
+    d.update(model_type=cfg.family, architectures=[HF_ARCHITECTURES[cfg.family]],
+             torch_dtype=str(dtype).removeprefix("torch."))
+    if cfg.family == "gpt2":
+        d.update(n_ctx=cfg.n_positions, n_inner=cfg.n_inner)
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """Read ``<path>/config.json`` into a mobius model config."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot be read as JSON ({e})") from e
+    return config_from_hf(hf, str(file))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    for name in WEIGHT_FILES:
+        f = path / name
+        if not f.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return [f]
+        try:
+            weight_map = json.loads(f.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{f}: not a valid shard index ({e})") from e
+        shards = [path / s for s in dict.fromkeys(weight_map.values())]
+        for s in shards:
+            if not s.is_file():
+                raise CheckpointError(f"{f} names shard {s.name}, which is missing")
+        return shards
+    raise CheckpointError(f"{path}: no weights found (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def _read_file(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors/torch raise several types for truncated or corrupt files
+        raise CheckpointError(f"{file}: cannot be read, the file is truncated or corrupt ({type(e).__name__}: {e})") from e
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, by their Hugging Face names."""
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(Path(path)):
+        state.update(_read_file(file))
+    return state
+
+
+def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None,
+                    dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Load a Hugging Face checkpoint directory into a new mobius model on the CPU (in eval mode)."""
+    cfg = cfg or read_config(path)
+    model = build_model(cfg)
+    load_into(model, from_hf(read_state_dict(path), cfg), source=str(path))
+    return model.to(dtype).eval()
+
+
+def load_into(model: CausalLM, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Copy a mobius state dict into a model, checking every key and shape."""
+    own = model.state_dict()
+    for key, target in own.items():
+        if key not in state:
+            raise CheckpointError(f"{source}: missing weight {key!r}")
+        if tuple(state[key].shape) != tuple(target.shape):
+            raise CheckpointError(f"{source}: weight {key!r} has shape {tuple(state[key].shape)}, "
+                                  f"the model expects {tuple(target.shape)}")
+    extra = sorted(set(state) - set(own))
+    if extra:
+        raise CheckpointError(f"{source}: unexpected weights {extra[:5]}")
+    with torch.no_grad():
+        for key, target in own.items():
+            target.copy_(state[key])
+
+
+def save_checkpoint(model_or_state: CausalLM | dict[str, torch.Tensor], cfg: ModelConfig, path: str | os.PathLike,
+                    dtype: torch.dtype = torch.float32, extra: Callable[[Path], None] | None = None,
+                    max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write a Hugging Face checkpoint directory atomically (temporary name, then rename).
+
+    ``extra(tmp_dir)`` may write more files (tokenizer, trainer state) before the rename.
+    """
+    state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
+    hf_state = to_hf(state, cfg)
+    km = KEY_MAPS[cfg.family](cfg)
+    if km.tied is not None:
+        hf_state.pop(km.tied[0])  # transformers re-ties the head on load; a shared tensor is saved once
+    hf_state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in hf_state.items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
+        _write_weights(hf_state, tmp, max_shard_bytes)
+        if extra is not None:
+            extra(tmp)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_weights(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / "model.safetensors"), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata=meta)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """Move a finished directory into place; an existing one is swapped out, then removed."""
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)

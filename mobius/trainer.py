@@ -1,0 +1,233 @@
+"""The training loop shared by every engine: schedule, data, evaluation, metrics, checkpoints, resume.
+
+Run directory layout (``output.dir``)::
+
+    metrics.jsonl                 one JSON object per logged step (step, loss, lr, tokens_per_s, ...)
+    checkpoints/step-000050/      HF checkpoint (fp32) + tokenizer + trainer_state.pt (resumable)
+    final/                        HF checkpoint in output.save_dtype + tokenizer
+    loss.png                      when matplotlib is installed
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mobius.config import Config
+from mobius.data import TextTokenizer, TrainData
+from mobius.engine import DTYPES, Engine, StepStats
+from mobius.errors import CheckpointError
+from mobius.models import ModelConfig
+from mobius.models.hf import save_checkpoint
+from mobius.optim import lr_at
+
+log = logging.getLogger(__name__)
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    final_dir: Path | None = None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def step_checkpoints(out_dir: Path) -> list[Path]:
+    """Resumable step checkpoints in a run directory, oldest first."""
+    root = out_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / STATE_FILE).is_file())
+
+
+def read_trainer_state(path: Path) -> dict:
+    file = path / STATE_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a resumable checkpoint (no {STATE_FILE})")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{file}: cannot be read ({type(e).__name__}: {e})") from e
+
+
+class Trainer:
+    """Drives an engine through ``train.max_steps`` optimizer steps."""
+
+    def __init__(self, cfg: Config, engine: Engine, data: TrainData, tokenizer: TextTokenizer,
+                 model_cfg: ModelConfig, save_dtype: torch.dtype, tokens_per_step: int | None = None):
+        self.cfg, self.engine, self.data, self.tokenizer = cfg, engine, data, tokenizer
+        self.model_cfg, self.save_dtype = model_cfg, save_dtype
+        self.out = Path(cfg.output.dir)
+        self.step = 0
+        self.result = TrainResult(steps=0)
+        self.tokens_per_step = tokens_per_step or cfg.train.micro_batch_size * cfg.train.micro_batches * cfg.data.seq_len
+
+    # ---- resume -------------------------------------------------------------------------------
+    def restore(self, state: dict) -> None:
+        """Restore optimizer, schedule position, data position and RNG from a trainer state."""
+        self.engine.load_state_dict(state["engine"])
+        self.data.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.result.losses = list(state.get("losses", []))
+        self._truncate_metrics()
+        log.info("resumed at step %d", self.step)
+
+    def _truncate_metrics(self) -> None:
+        """Drop metrics lines written after the checkpoint (a run that went on and then stopped)."""
+        file = self.out / "metrics.jsonl"
+        if file.is_file():
+            keep = [line for line in file.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= self.step]
+            tmp = file.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, file)
+
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "engine": self.engine.state_dict(), "data": self.data.state_dict(),
+                "rng": rng_state(), "losses": self.result.losses, "config": self.cfg.to_dict()}
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save(self, path: Path, dtype: torch.dtype, resumable: bool) -> Path:
+        state = self._trainer_state() if resumable else None
+
+        def extra(tmp: Path) -> None:
+            self.tokenizer.save(tmp)
+            if state is not None:
+                torch.save(state, tmp / STATE_FILE)
+            (tmp / "mobius.json").write_text(json.dumps({"step": self.step, "config": self.cfg.to_dict()}, indent=2))
+
+        return save_checkpoint(self.engine.model_state(), self.model_cfg, path, dtype=dtype, extra=extra)
+
+    def _save_step(self) -> None:
+        self.save(self.out / "checkpoints" / f"step-{self.step:06d}", torch.float32, resumable=True)
+        for old in step_checkpoints(self.out)[:-self.cfg.output.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        batches = list(self.data.eval_batches(self.cfg.train.micro_batch_size, self.cfg.train.eval_batches))
+        return self.engine.evaluate(batches) if batches else float("nan")
+
+    def _one_step(self) -> tuple[StepStats, float, float]:
+        t = self.cfg.train
+        lr = lr_at(self.step, t)
+        batches = [self.data.next_batch(t.micro_batch_size) for _ in range(t.micro_batches)]
+        start = time.perf_counter()
+        stats = self.engine.train_step(self.step, batches, lr)
+        return stats, lr, time.perf_counter() - start
+
+    def run(self) -> TrainResult:
+        from tqdm import tqdm
+
+        t, o = self.cfg.train, self.cfg.output
+        self.out.mkdir(parents=True, exist_ok=True)
+        metrics = (self.out / "metrics.jsonl").open("a" if self.step else "w")
+        tty = sys.stderr.isatty()
+        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", disable=not tty, dynamic_ncols=True)
+        quiet_every = max(1, t.max_steps // 20)
+        try:
+            while self.step < t.max_steps:
+                stats, lr, dt = self._one_step()
+                self.step += 1
+                self.result.losses.append(stats.loss)
+                record = self._record(stats, lr, dt)
+                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
+                bar.update(1)
+                if not tty and (self.step % quiet_every == 0 or self.step == t.max_steps):
+                    log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s", self.step, t.max_steps, stats.loss, lr,
+                             record["tokens_per_s"])
+                if o.save_every and self.step % o.save_every == 0 and self.step < t.max_steps:
+                    self._save_step()
+        finally:
+            bar.close()
+            metrics.close()
+        return self.result
+
+    def _record(self, stats: StepStats, lr: float, dt: float) -> dict:
+        t = self.cfg.train
+        record = {"step": self.step, "loss": round(stats.loss, 6), "lr": lr,
+                  "tokens_per_s": round(self.tokens_per_step / dt, 1), "step_s": round(dt, 4),
+                  "grad_norm": round(stats.grad_norm, 6) if math.isfinite(stats.grad_norm) else None}
+        if stats.skipped or stats.loss_scale != 1.0:
+            record.update(skipped=stats.skipped, loss_scale=stats.loss_scale)
+        if stats.extra:
+            record.update(stats.extra)
+        if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
+            ev = self.evaluate()
+            self.result.eval_losses.append((self.step, ev))
+            record.update(eval_loss=round(ev, 6), eval_ppl=round(math.exp(min(ev, 50.0)), 3))
+            log.debug("step %d eval loss %.4f", self.step, ev)
+        return record
+
+    def finish(self) -> TrainResult:
+        """Write the final checkpoint (and the loss plot) after :meth:`run`."""
+        self.result.steps = self.step
+        self.result.final_dir = self.save(self.out / "final", self.save_dtype, resumable=self.save_dtype == torch.float32)
+        if self.cfg.output.plot:
+            plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+        return self.result
+
+
+def plot_losses(metrics_file: Path, png: Path) -> bool:
+    """Draw the training (and eval) loss curve; returns False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed; no loss plot")
+        return False
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
+    ev = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return True
+
+
+def save_dtype_for(cfg: Config, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    if cfg.output.save_dtype != "auto":
+        return DTYPES[cfg.output.save_dtype]
+    return checkpoint_dtype or torch.float32

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny Hugging Face checkpoints built locally (never downloaded) and local text."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. " * 3
+    + "Pipelines move activations between stages; swapping moves stages between memories. "
+    + "A root complex shares its bandwidth among the GPUs beneath it. "
+)
+
+
+def tiny_gpt2_config(**kw):
+    import transformers
+
+    base = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=64, bos_token_id=0, eos_token_id=0)
+    base.update(kw)
+    return transformers.GPT2Config(**base)
+
+
+def tiny_opt_config(**kw):
+    import transformers
+
+    base = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=64, vocab_size=300,
+                max_position_embeddings=64, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    base.update(kw)
+    return transformers.OPTConfig(**base)
+
+
+def make_hf_model(kind: str, **kw):
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(tiny_gpt2_config(**kw))
+    else:
+        model = transformers.OPTForCausalLM(tiny_opt_config(**kw))
+    return model.eval()
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT * 40)
+    return f
+
+
+@pytest.fixture
+def jsonl_file(tmp_path: Path) -> Path:
+    f = tmp_path / "corpus.jsonl"
+    with f.open("w") as fh:
+        for i in range(200):
+            fh.write(json.dumps({"body": f"record {i}: " + TEXT}) + "\n")
+    return f
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "gpt2-tiny-hf"
+    make_hf_model("gpt2").save_pretrained(d)
+    return d

@@ -1,0 +1,99 @@
+"""Tokenizers, the token cache, packing, shuffling and the resumable position."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mobius.data import (BUILTIN_STDLIB, build_data, byte_tokenizer, documents, load_tokenizer, stdlib_docstrings,
+                         tokenize_to_cache)
+from mobius.errors import ConfigError, MobiusError
+
+
+def test_byte_tokenizer_round_trip(tmp_path: Path) -> None:
+    tok = byte_tokenizer()
+    text = "héllo\tworld\n  ünïcode ✓"
+    ids = tok.encode_batch([text])[0]
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert tok.vocab_size == 257 and tok.eos_id == 256
+    saved = tok.save(tmp_path)
+    again = load_tokenizer(str(tmp_path), None)
+    assert again.encode_batch([text])[0] == ids and again.eos_id == 256
+    assert "tokenizer.json" in saved
+
+
+def test_checkpoint_tokenizer_files_are_used(tmp_path: Path) -> None:
+    import json
+
+    vocab = {ch: i for i, ch in enumerate(["a", "b", "c", "Ġ", "ab", "<|endoftext|>"])}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    tok = load_tokenizer(None, str(tmp_path))
+    assert tok.encode_batch(["ab c"])[0] == [4, 3, 2]
+    assert tok.eos_id == 5
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
+        load_tokenizer(str(tmp_path / "missing"), None)
+
+
+def test_jsonl_text_field_and_errors(jsonl_file: Path, tmp_path: Path) -> None:
+    docs = list(documents(str(jsonl_file), "body"))
+    assert len(docs) == 200 and docs[3].startswith("record 3:")
+    with pytest.raises(MobiusError, match=r"corpus\.jsonl:1: record has no 'text' field"):
+        list(documents(str(jsonl_file), "text"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        list(documents(str(tmp_path / "nothing"), "text"))
+
+
+def test_cache_is_reused_and_blocks_pack(text_file: Path, tmp_path: Path) -> None:
+    tok = byte_tokenizer()
+    cache = tmp_path / "cache"
+    a = tokenize_to_cache(str(text_file), "text", tok, str(cache))
+    files = sorted(cache.glob("tokens-*.bin"))
+    assert len(files) == 1
+    mtime = files[0].stat().st_mtime_ns
+    b = tokenize_to_cache(str(text_file), "text", tok, str(cache))
+    assert files[0].stat().st_mtime_ns == mtime and np.array_equal(a, b)
+    assert a[-1] == tok.eos_id and len(a) == len(text_file.read_bytes()) + 1
+    data = build_data(a, seq_len=32, val_fraction=0.1, seed=0)
+    x, y = data.next_batch(3)
+    assert x.shape == (3, 32) and y.shape == (3, 32)
+    assert np.array_equal(x[:, 1:].numpy(), y[:, :-1].numpy())  # targets are inputs shifted by one
+
+
+def test_shuffle_is_seeded_and_resumable(text_file: Path, tmp_path: Path) -> None:
+    tokens = tokenize_to_cache(str(text_file), "text", byte_tokenizer(), str(tmp_path))
+    one = build_data(tokens, 16, 0.05, seed=1)
+    two = build_data(tokens, 16, 0.05, seed=1)
+    other = build_data(tokens, 16, 0.05, seed=2)
+    seq_one = [one.next_batch(4)[0] for _ in range(5)]
+    seq_two = [two.next_batch(4)[0] for _ in range(5)]
+    assert all(np.array_equal(a, b) for a, b in zip(seq_one, seq_two))
+    assert not np.array_equal(seq_one[0], other.next_batch(4)[0])
+    resumed = build_data(tokens, 16, 0.05, seed=1)
+    resumed.load_state_dict(two.state_dict())
+    assert np.array_equal(resumed.next_batch(4)[0], two.next_batch(4)[0])
+    # an epoch visits every training block once
+    full = build_data(tokens, 16, 0.05, seed=3)
+    seen = sorted(full._index(i) for i in range(len(full.train)))
+    assert seen == list(range(len(full.train)))
+    # held-out blocks are disjoint from training blocks and fixed
+    ev1 = [x for x, _ in full.eval_batches(2, 3)]
+    ev2 = [x for x, _ in full.eval_batches(2, 3)]
+    assert all(np.array_equal(a, b) for a, b in zip(ev1, ev2)) and len(ev1) >= 1
+
+
+def test_too_little_data_is_a_clear_error(tmp_path: Path) -> None:
+    f = tmp_path / "small.txt"
+    f.write_text("tiny")
+    tokens = tokenize_to_cache(str(f), "text", byte_tokenizer(), str(tmp_path))
+    with pytest.raises(MobiusError, match="too few for one training block"):
+        build_data(tokens, 64, 0.1, 0)
+
+
+def test_stdlib_docstrings_exist_everywhere() -> None:
+    first = [d for _, d in zip(range(50), stdlib_docstrings())]
+    assert len(first) == 50 and all(isinstance(d, str) and d for d in first)
+    assert BUILTIN_STDLIB == "builtin:stdlib-docs"
