@@ -114,7 +114,7 @@ def prepare(cfg: Config, resume: str | None = None) -> RunParts:
         state = read_trainer_state(resume_dir)
     else:
         mc = _model_config(cfg, tokenizer)
-        model = load_checkpoint(cfg.model.checkpoint, mc) if cfg.model.checkpoint else build_model(mc)
+        model = load_checkpoint(cfg.model.checkpoint, mc) if cfg.model.checkpoint else build_model(mc, cfg.train.seed)
     ck_dtype = _checkpoint_dtype(Path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
     log.info("model: %s, %.1fM parameters", mc.family, param_count(mc) / 1e6)
     return RunParts(mc, model, tokenizer, data, ck_dtype, state)

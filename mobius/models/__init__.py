@@ -44,9 +44,14 @@ def get_preset(name: str) -> ModelConfig:
     raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(preset_names())}")
 
 
-def build_model(cfg: ModelConfig) -> CausalLM:
-    """Build a randomly initialised model for a config."""
-    return family_of(cfg).model_cls(cfg)
+def build_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
+    """Build a model for a config, initialised from ``seed`` (unit by unit, see ``init_weights``)."""
+    return family_of(cfg).model_cls(cfg, seed)
+
+
+def init_unit(cfg: ModelConfig, unit: "torch.nn.Module", index: int, seed: int) -> None:
+    """Initialise one unit (built alone, e.g. from ``UnitSpec.build``) as ``build_model`` would."""
+    family_of(cfg).model_cls.init_unit(cfg, unit, index, seed)
 
 
 def unit_specs(cfg: ModelConfig) -> list[UnitSpec]:
@@ -64,4 +69,4 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 __all__ = ["CausalLM", "UnitSpec", "lm_loss", "ModelConfig", "FAMILIES", "family_of", "get_preset",
-           "preset_names", "build_model", "unit_specs", "param_count"]
+           "preset_names", "build_model", "init_unit", "unit_specs", "param_count"]

@@ -17,6 +17,7 @@ that puts the two ends on different stages keeps one copy per stage and sums the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -75,12 +76,40 @@ class CausalLM(nn.Module):
         """Pairs of parameter names (``unit_name.param_name``) that share one tensor."""
         return []
 
+    def init_weights(self, seed: int) -> None:
+        """Initialise every unit from its own seeded generator (see :func:`init_unit_`), so that a
+        pipeline worker can initialise any single unit exactly as the whole model would."""
+        init = type(self).init_unit
+        for k, unit in enumerate(self.units()):
+            init(self.config, unit, k, seed)
+        for a, b in self.tied_weights():
+            assert self.get_parameter(a) is self.get_parameter(b)
+
+    @staticmethod
+    def init_unit(cfg: object, unit: nn.Module, index: int, seed: int) -> None:
+        raise TypeError("model families define init_unit")
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V]."""
         x = input_ids
         for unit in self.units():
             x = unit(x)
         return x
+
+
+def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int,
+               residual_suffixes: tuple[str, ...] = ()) -> None:
+    """GPT-style initialisation of one unit from a generator seeded by (seed, unit index):
+    weights N(0, std), residual output projections N(0, std / sqrt(2 n_layer)), zero biases,
+    unit LayerNorm gains. The tied head weight is left alone (it is the embedding's)."""
+    gen = torch.Generator().manual_seed(unit_seed(seed, -1, -1, index))
+    with torch.no_grad():
+        for name, p in unit.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0) if ("ln" in name or "layer_norm" in name) and name.endswith("weight") else p.zero_()
+                continue
+            s = std / math.sqrt(2 * n_layer) if name.endswith(residual_suffixes) else std
+            p.copy_(torch.randn(p.shape, generator=gen) * s)
 
 
 def unit_seed(seed: int, step: int, micro_batch: int, unit_index: int) -> int:

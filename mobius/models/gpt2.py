@@ -8,7 +8,6 @@ equivalent: ``nn.Linear`` instead of ``Conv1D`` (weights are transposed on load,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import CausalLM, UnitSpec
+from mobius.models.base import CausalLM, UnitSpec, init_unit_
 
 ACTIVATIONS = {
     "gelu_new": partial(F.gelu, approximate="tanh"),
@@ -151,33 +150,29 @@ class GPT2(CausalLM):
     """GPT-2 language model. With ``tie_word_embeddings`` the head's projection *is* ``embed.wte``'s
     weight (one Parameter); a pipeline that separates them keeps a copy per end and sums gradients."""
 
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPT2Config, seed: int = 0):
         super().__init__()
         self.config = cfg
         self.embed = GPT2Embedding(cfg)
         self.blocks = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
         self.head = GPT2Head(cfg)
-        self.reset_parameters()
         if cfg.tie_word_embeddings:
             self.head.lm_head.weight = self.embed.wte.weight
+        self.init_weights(seed)
 
     def tied_weights(self) -> list[tuple[str, str]]:
         return [("embed.wte.weight", "head.lm_head.weight")] if self.config.tie_word_embeddings else []
 
-    def reset_parameters(self) -> None:
+    @staticmethod
+    def init_unit(cfg: GPT2Config, unit: nn.Module, index: int, seed: int) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
-        init_gpt_style(self, std=0.02, n_layer=self.config.n_layer, residual_suffixes=("attn.proj.weight", "mlp.proj.weight"))
-
-
-def init_gpt_style(model: nn.Module, std: float, n_layer: int, residual_suffixes: tuple[str, ...]) -> None:
-    """Normal(0, std) weights, zero biases, unit LayerNorms; residual outputs scaled down."""
-    for name, p in model.named_parameters():
-        if p.dim() == 1:
-            nn.init.ones_(p) if "ln" in name or "layer_norm" in name else nn.init.zeros_(p)
-        elif name.endswith(residual_suffixes):
-            nn.init.normal_(p, 0.0, std / math.sqrt(2 * n_layer))
-        else:
-            nn.init.normal_(p, 0.0, std)
+        if isinstance(unit, GPT2Head) and cfg.tie_word_embeddings:
+            tied = unit.lm_head.weight
+            unit.lm_head.weight = nn.Parameter(torch.empty(0))  # the embedding's, initialised with it
+            init_unit_(unit, index, seed, 0.02, cfg.n_layer)
+            unit.lm_head.weight = tied
+            return
+        init_unit_(unit, index, seed, 0.02, cfg.n_layer, residual_suffixes=("attn.proj.weight", "mlp.proj.weight"))
 
 
 def unit_specs(cfg: GPT2Config) -> list[UnitSpec]:

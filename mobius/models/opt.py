@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import CausalLM, UnitSpec
-from mobius.models.gpt2 import ACTIVATIONS, init_gpt_style, transformer_block_flops
+from mobius.models.base import CausalLM, UnitSpec, init_unit_
+from mobius.models.gpt2 import ACTIVATIONS, transformer_block_flops
 
 POSITION_OFFSET = 2  # OPT's learned positions start at index 2 (a fairseq legacy)
 
@@ -165,18 +165,29 @@ class OPTHead(nn.Module):
 class OPT(CausalLM):
     """OPT language model; the head's projection is tied to ``embed.embed_tokens`` by default."""
 
-    def __init__(self, cfg: OPTConfig):
+    def __init__(self, cfg: OPTConfig, seed: int = 0):
         super().__init__()
         self.config = cfg
         self.embed = OPTEmbedding(cfg)
         self.blocks = nn.ModuleList(OPTBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.head = OPTHead(cfg)
-        init_gpt_style(self, std=0.02, n_layer=cfg.num_hidden_layers, residual_suffixes=())
         if cfg.tie_word_embeddings:
             self.head.lm_head.weight = self.embed.embed_tokens.weight
+        self.init_weights(seed)
 
     def tied_weights(self) -> list[tuple[str, str]]:
         return [("embed.embed_tokens.weight", "head.lm_head.weight")] if self.config.tie_word_embeddings else []
+
+    @staticmethod
+    def init_unit(cfg: OPTConfig, unit: nn.Module, index: int, seed: int) -> None:
+        """OPT initialisation: N(0, 0.02) weights (metaseq's init_std), zero biases, unit norms."""
+        if isinstance(unit, OPTHead) and cfg.tie_word_embeddings:
+            tied = unit.lm_head.weight
+            unit.lm_head.weight = nn.Parameter(torch.empty(0))
+            init_unit_(unit, index, seed, 0.02, cfg.num_hidden_layers)
+            unit.lm_head.weight = tied
+            return
+        init_unit_(unit, index, seed, 0.02, cfg.num_hidden_layers)
 
 
 def unit_specs(cfg: OPTConfig) -> list[UnitSpec]:

@@ -1,0 +1,197 @@
+"""Cross mapping (Mobius eq. 12-13): exact search against brute force, heuristic against exact."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mobius.errors import MobiusError
+from topology import Mapping, Topology, contention, cross_mapping, load_topology, sequential_mapping
+from topology.mapping import EXACT_LIMIT, _Labels, as_groups, slot_weights
+from topology.sysfs import topology_from_sysfs
+
+FIXTURES = Path(__file__).parent / "fixtures" / "topology"
+STAGE_COUNTS = [1, 2, 3, 5, 8, 12, 16, 48]
+
+
+def _partitions(n: int, largest: int | None = None) -> list[list[int]]:
+    """Integer partitions of n, parts in non-increasing order."""
+    largest = n if largest is None else largest
+    if n == 0:
+        return [[]]
+    return [[k] + rest for k in range(min(n, largest), 0, -1) for rest in _partitions(n - k, k)]
+
+
+def _fixture_groups() -> dict[str, list[list[int]]]:
+    out = {p.name: load_topology(p).root_complexes for p in sorted(FIXTURES.glob("*.txt"))}
+    out.update({p.name: topology_from_sysfs(p).root_complexes for p in sorted(FIXTURES.glob("sysfs_*"))})
+    return out
+
+
+def _direct(slots: tuple[int, ...], groups: list[list[int]], num_stages: int) -> float:
+    """Eq. 12-13 written out independently of the library: sum shared(i, j) / |i - j|."""
+    rc = {g: k for k, grp in enumerate(groups) for g in grp}
+    size = {g: len(grp) for grp in groups for g in grp}
+    gpu = [slots[s % len(slots)] for s in range(num_stages)]
+    return sum(size[gpu[i]] / (j - i) for i in range(num_stages) for j in range(i + 1, num_stages)
+               if gpu[i] != gpu[j] and rc[gpu[i]] == rc[gpu[j]])
+
+
+def _brute_force(groups: list[list[int]], num_stages: int) -> float:
+    """Least contention over all N! GPU orders (vectorised over permutations)."""
+    n = sum(len(g) for g in groups)
+    perms = np.array(list(itertools.permutations(range(n))), dtype=np.intp)
+    share = np.zeros((n, n))
+    for g in groups:
+        for a in g:
+            for b in g:
+                if a != b:
+                    share[a, b] = len(g)
+    w = slot_weights(n, num_stages)
+    costs = np.zeros(len(perms))
+    for a in range(n):
+        for b in range(a + 1, n):
+            costs += w[a, b] * share[perms[:, a], perms[:, b]]
+    return float(costs.min())
+
+
+# ------------------------------------------------------------------------------------ definition
+def test_slot_weights_match_direct_sum() -> None:
+    from topology.mapping import _cost, _share_matrix
+
+    rng = np.random.default_rng(1)
+    for groups in ([[0, 1], [2, 3]], [[0, 2, 5], [1], [3, 4]], [[0, 1, 2, 3], [4, 5, 6, 7]]):
+        n = sum(len(g) for g in groups)
+        for stages in (1, 4, 7, 30):
+            slots = tuple(int(x) for x in rng.permutation(n))
+            expected = _direct(slots, groups, stages)
+            assert contention(slots, groups, stages) == pytest.approx(expected, abs=1e-12)
+            assert _cost(slot_weights(n, stages), _share_matrix(groups), slots) == pytest.approx(expected, abs=1e-9)
+
+
+def test_same_gpu_pairs_are_left_out() -> None:
+    # One GPU: every pair of stages is on it, so nothing contends.
+    assert cross_mapping([1], 10).contention == 0.0
+    # Two GPUs of one root complex, 3 stages: pairs (0,1) and (1,2) cost 2/1 each; (0,2) is on one GPU.
+    assert sequential_mapping([2], 3).contention == pytest.approx(4.0)
+
+
+# ------------------------------------------------------------------------------------ exact = brute force
+@pytest.mark.parametrize("name,groups", sorted(_fixture_groups().items()))
+def test_exact_matches_brute_force_on_fixtures(name: str, groups: list[list[int]]) -> None:
+    assert sum(len(g) for g in groups) <= 8
+    for stages in STAGE_COUNTS:
+        m = cross_mapping(groups, stages)
+        assert m.method == "exact"
+        assert sorted(m.slots) == list(range(sum(len(g) for g in groups)))
+        assert m.contention == pytest.approx(_brute_force(groups, stages), abs=1e-9), (name, stages)
+        assert m.contention == pytest.approx(_direct(m.slots, groups, stages), abs=1e-9)
+        assert m.sequential_contention == pytest.approx(_direct(tuple(range(len(m.slots))), groups, stages), abs=1e-9)
+        assert m.contention <= m.sequential_contention + 1e-9
+
+
+@pytest.mark.parametrize("sizes", [p for n in range(2, 6) for p in _partitions(n)])
+def test_exact_matches_direct_brute_force_small(sizes: list[int]) -> None:
+    groups = as_groups(sizes)
+    n = sum(sizes)
+    for stages in (2, 5, 9):
+        best = min(_direct(p, groups, stages) for p in itertools.permutations(range(n)))
+        assert cross_mapping(sizes, stages).contention == pytest.approx(best, abs=1e-9)
+
+
+def test_symmetry_pruning_counts() -> None:
+    assert _Labels.of(as_groups([4, 4])).sequence_count() == 35
+    assert _Labels.of(as_groups([2, 2, 2, 2])).sequence_count() == 105
+    assert _Labels.of(as_groups([1] * 8)).sequence_count() == 1
+    for sizes in _partitions(8):
+        labels = _Labels.of(as_groups(sizes))
+        from topology.mapping import _sequences
+
+        assert sum(1 for _ in _sequences(labels)) == labels.sequence_count() <= 1000
+
+
+def test_exact_is_fast_for_8_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    worst, worst_sizes = 0.0, None
+    for sizes in _partitions(8):
+        t0 = time.perf_counter()
+        cross_mapping(sizes, 48)
+        dt = time.perf_counter() - t0
+        if dt > worst:
+            worst, worst_sizes = dt, sizes
+    t0 = time.perf_counter()
+    cross_mapping([4, 4], 48)
+    paper = time.perf_counter() - t0
+    with capsys.disabled():
+        print(f"\nexact cross mapping, 8 GPUs, 48 stages: 4+4 {paper * 1e3:.2f} ms; slowest layout {worst_sizes} {worst * 1e3:.2f} ms")
+    assert worst < 1.0
+
+
+# ------------------------------------------------------------------------------------ the paper's cases
+def test_paper_2x2_crosses_adjacent_stages() -> None:
+    topo = load_topology(FIXTURES / "topo2x2_sys.txt")
+    m = cross_mapping(topo, 8)
+    rc = [topo.gpus[m.gpu_of_stage(j)].root_complex for j in range(8)]
+    assert all(rc[j] != rc[j + 1] for j in range(7)), rc
+    assert m.slots == (0, 2, 1, 3) and m.contention < m.sequential_contention
+    assert m.stage_gpus() == [0, 2, 1, 3, 0, 2, 1, 3]
+
+
+def test_one_root_complex_keeps_sequential_order() -> None:
+    m = cross_mapping(Topology.synthetic([4]), 8)
+    assert m.slots == (0, 1, 2, 3) and m.contention == pytest.approx(m.sequential_contention)
+    single = cross_mapping(load_topology(FIXTURES / "single_gpu.txt"), 5)
+    assert single.slots == (0,) and single.contention == 0.0 and single.gpu_of_stage(4) == 0
+
+
+def test_paper_1x3_and_4x4() -> None:
+    m13 = cross_mapping(load_topology(FIXTURES / "topo1x3_spaces.txt"), 8)
+    assert m13.contention < m13.sequential_contention
+    m44 = cross_mapping(load_topology(FIXTURES / "topo8_4x4_nic.txt"), 16)
+    rc = [0 if m44.gpu_of_stage(j) < 4 else 1 for j in range(16)]
+    assert all(rc[j] != rc[j + 1] for j in range(15))
+
+
+# ------------------------------------------------------------------------------------ heuristic
+@pytest.mark.parametrize("n", range(2, 9))
+def test_heuristic_close_to_exact(n: int) -> None:
+    for sizes in _partitions(n):
+        for stages in (n, 2 * n + 1, 48):
+            exact = cross_mapping(sizes, stages, method="exact")
+            heur = cross_mapping(sizes, stages, method="heuristic")
+            assert heur.method == "heuristic" and sorted(heur.slots) == list(range(n))
+            assert heur.contention == pytest.approx(_direct(heur.slots, as_groups(sizes), stages), abs=1e-9)
+            assert heur.contention <= exact.contention * 1.03 + 1e-9, (sizes, stages, heur, exact)
+
+
+def test_large_boxes_use_heuristic() -> None:
+    sizes = [4, 4, 4, 4]
+    assert _Labels.of(as_groups(sizes)).sequence_count() > EXACT_LIMIT
+    t0 = time.perf_counter()
+    m = cross_mapping(sizes, 32)
+    assert time.perf_counter() - t0 < 2.0
+    assert m.method == "heuristic" and m.contention < m.sequential_contention
+    rc = [m.gpu_of_stage(j) // 4 for j in range(32)]
+    assert all(rc[j] != rc[j + 1] for j in range(31))
+    big = cross_mapping([8, 8], 48)  # 6,435 label sequences: still exact
+    assert big.method == "exact" and big.contention <= cross_mapping([8, 8], 48, method="heuristic").contention + 1e-9
+
+
+# ------------------------------------------------------------------------------------ API
+def test_mapping_api_and_errors() -> None:
+    m = cross_mapping([[0, 2], [1, 3]], 6)
+    assert isinstance(m, Mapping) and m.num_stages == 6 and m.slots == (0, 1, 2, 3)  # already crossed
+    assert m.reduction == pytest.approx(0.0)
+    seq = sequential_mapping([2, 2], 6)
+    assert seq.method == "sequential" and seq.slots == (0, 1, 2, 3) and seq.contention == seq.sequential_contention
+    assert cross_mapping([2, 2], 6).reduction > 0.3
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(MobiusError, match="number of stages"):
+            cross_mapping([2, 2], bad)  # type: ignore[arg-type]
+    with pytest.raises(MobiusError, match="exactly once"):
+        cross_mapping([[0, 1], [1, 2]], 4)
+    with pytest.raises(MobiusError, match="unknown mapping method"):
+        cross_mapping([2, 2], 4, method="magic")
