@@ -17,6 +17,7 @@ from mobius.errors import MobiusError
 # sub-command name -> module in mobius.commands exposing add_parser(subparsers) and run(args) -> int
 COMMANDS = {
     "train": "mobius.commands.train",
+    "plan": "mobius.commands.plan",
     "topo": "mobius.commands.topo",
 }
 

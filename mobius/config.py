@@ -108,10 +108,17 @@ class ParallelSection:
     prefetch: bool = _f(True, "Upload the next stage while the current one computes.")
     p2p: Literal["auto", "on", "off"] = _f("auto", "GPU peer-to-peer for activations: auto-detect, force on, force off "
                                           "(through pinned host memory).")
+    offload_inputs: Literal["auto", "on", "off"] = _f("auto", "Keep each stage's boundary inputs in host memory "
+                                                      "between its forward and backward: auto (when GPU memory "
+                                                      "is short), on, off.")
+    stages: int = _f(0, "Pipeline stages; 0 lets the partitioner choose. A number splits the units evenly "
+                     "(for experiments).")
 
     def __post_init__(self) -> None:
         if self.devices < 1:
             raise ConfigError(f"parallel.devices must be at least 1, got {self.devices}")
+        if self.stages < 0:
+            raise ConfigError(f"parallel.stages must be >= 0, got {self.stages}")
 
 
 @dataclass
@@ -193,6 +200,8 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
         return _check_type(value, inner[0], where)
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(typing.get_args(tp)):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
         if value not in typing.get_args(tp):
             choices = "|".join(str(a) for a in typing.get_args(tp))
             raise ConfigError(f"{where} must be one of {choices}, got {value!r}")

@@ -23,12 +23,15 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
 
 from mobius.errors import ConfigError, MobiusError
+
+if TYPE_CHECKING:
+    import tokenizers
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ EOT = "<|endoftext|>"
 class TextTokenizer:
     """A ``tokenizers.Tokenizer`` with the end-of-text id mobius packs documents with."""
 
-    tokenizer: "tokenizers.Tokenizer"  # noqa: F821
+    tokenizer: "tokenizers.Tokenizer"
     eos_id: int
     name: str  # identifies the tokenizer in cache keys
 
@@ -93,7 +96,7 @@ def _byte_of(ch: str) -> int:
     return others[code - 256]
 
 
-def _eos_of(tok: "tokenizers.Tokenizer", path: Path) -> int:  # noqa: F821
+def _eos_of(tok: "tokenizers.Tokenizer", path: Path) -> int:
     for candidate in (EOT, "</s>", "<eos>", "<|eot_id|>"):
         i = tok.token_to_id(candidate)
         if i is not None:

@@ -11,16 +11,20 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 
 from mobius.config import Config
+from mobius.errors import CheckpointError
+from mobius.models.hf import save_checkpoint
 from mobius.models.base import CausalLM, has_dropout, lm_loss, run_units
 from mobius.optim import LossScaler, clip_coefficient, make_adamw, set_lr
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs [B, T], targets [B, T])
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ENGINE_FILE = "engine.pt"
 
 
 @dataclass
@@ -33,11 +37,13 @@ class StepStats:
 
 
 class Engine(Protocol):
+    is_main: bool  # the process that logs and writes shared files
+
     def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats: ...
     def evaluate(self, batches: list[Batch]) -> float: ...
     def model_state(self) -> dict[str, torch.Tensor]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
+    def save(self, path: Path, dtype: torch.dtype, extra: Callable[[Path], None] | None, resumable: bool) -> Path: ...
+    def restore(self, path: Path) -> None: ...
     def close(self) -> None: ...
 
 
@@ -57,6 +63,8 @@ def global_norm(grads: list[torch.Tensor]) -> float:
 
 class SingleEngine:
     """The reference engine: the whole model on one device."""
+
+    is_main = True
 
     def __init__(self, model: CausalLM, cfg: Config, device: torch.device):
         self.model = model.to(device)
@@ -106,10 +114,21 @@ class SingleEngine:
     def model_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()}
+    def save(self, path: Path, dtype: torch.dtype, extra: Callable[[Path], None] | None, resumable: bool) -> Path:
+        """A Hugging Face checkpoint (+ ``engine.pt`` with optimizer and loss-scale state)."""
+        def write(tmp: Path) -> None:
+            if resumable:
+                torch.save({"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()},
+                           tmp / ENGINE_FILE)
+            if extra is not None:
+                extra(tmp)
+        return save_checkpoint(self.model_state(), self.model.config, path, dtype=dtype, extra=write)
 
-    def load_state_dict(self, state: dict) -> None:
+    def restore(self, path: Path) -> None:
+        file = path / ENGINE_FILE
+        if not file.is_file():
+            raise CheckpointError(f"{path}: no {ENGINE_FILE} (not a single-device checkpoint)")
+        state = torch.load(file, map_location="cpu", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
 

@@ -28,6 +28,7 @@ class RunParts:
     data: TrainData
     checkpoint_dtype: torch.dtype | None
     resume_state: dict | None
+    resume_dir: Path | None
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -41,8 +42,8 @@ def resolve_mode(cfg: Config) -> str:
     mode = cfg.parallel.mode
     if mode == "auto":
         mode = "single" if cfg.parallel.devices == 1 else "pipeline"
-    if mode in ("pipeline", "zero"):
-        raise NotAvailableError(f"parallel.mode={mode} is not available yet in this version; use parallel.mode=single")
+    if mode == "zero":
+        raise NotAvailableError("parallel.mode=zero is not available yet in this version; use single or pipeline")
     if mode == "single" and cfg.parallel.devices != 1:
         raise ConfigError(f"parallel.mode=single runs on one device, but parallel.devices={cfg.parallel.devices}")
     return mode
@@ -95,29 +96,45 @@ def _model_config(cfg: Config, tokenizer: TextTokenizer) -> ModelConfig:
     return mc
 
 
-def prepare(cfg: Config, resume: str | None = None) -> RunParts:
-    """Tokenizer, data, model config and initial weights (fresh, fine-tune or resumed)."""
-    cfg.check_ready()
-    resume_dir = _resume_dir(cfg, resume)
+def prepare_data(cfg: Config, resume_dir: Path | None) -> tuple[TextTokenizer, TrainData]:
+    """The run's tokenizer and its packed, split, cached data."""
     tokenizer = load_tokenizer(cfg.data.tokenizer, str(resume_dir or cfg.model.checkpoint or "") or None)
     tokens = tokenize_to_cache(cfg.data.path, cfg.data.text_field, tokenizer, cfg.data.cache_dir)
     data = build_data(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed)
-    log.info("data: %s tokens, %d training blocks of %d, %d held out", f"{len(tokens):,}", len(data.train),
-             cfg.data.seq_len, len(data.val))
-    torch.manual_seed(cfg.train.seed)
-    state = None
+    log.debug("data: %s tokens, %d training blocks of %d, %d held out", f"{len(tokens):,}", len(data.train),
+              cfg.data.seq_len, len(data.val))
+    return tokenizer, data
+
+
+def run_model_config(cfg: Config, tokenizer: TextTokenizer,
+                     resume_dir: Path | None) -> tuple[ModelConfig, torch.dtype | None]:
+    """The architecture being trained, and the dtype of the checkpoint fine-tuned (if any)."""
     if resume_dir is not None:
         mc = read_config(resume_dir)
         if cfg.model.dropout is not None:
             mc.set_dropout(cfg.model.dropout)
-        model = load_checkpoint(resume_dir, mc)
-        state = read_trainer_state(resume_dir)
     else:
         mc = _model_config(cfg, tokenizer)
-        model = load_checkpoint(cfg.model.checkpoint, mc) if cfg.model.checkpoint else build_model(mc, cfg.train.seed)
     ck_dtype = _checkpoint_dtype(Path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
+    return mc, ck_dtype
+
+
+def prepare(cfg: Config, resume: str | None = None) -> RunParts:
+    """Tokenizer, data, model config and initial weights (fresh, fine-tune or resumed)."""
+    cfg.check_ready()
+    resume_dir = _resume_dir(cfg, resume)
+    tokenizer, data = prepare_data(cfg, resume_dir)
+    log.info("data: %d training blocks of %d tokens, %d held out", len(data.train), cfg.data.seq_len, len(data.val))
+    mc, ck_dtype = run_model_config(cfg, tokenizer, resume_dir)
+    state = read_trainer_state(resume_dir) if resume_dir is not None else None
+    if resume_dir is not None:
+        model = load_checkpoint(resume_dir, mc)
+    elif cfg.model.checkpoint:
+        model = load_checkpoint(cfg.model.checkpoint, mc)
+    else:
+        model = build_model(mc, cfg.train.seed)
     log.info("model: %s, %.1fM parameters", mc.family, param_count(mc) / 1e6)
-    return RunParts(mc, model, tokenizer, data, ck_dtype, state)
+    return RunParts(mc, model, tokenizer, data, ck_dtype, state, resume_dir)
 
 
 def _resume_dir(cfg: Config, resume: str | None) -> Path | None:
@@ -142,6 +159,8 @@ def train(cfg: Config, resume: str | None = None) -> TrainResult:
     """Run a whole training job as the config says; returns losses and the final checkpoint path."""
     cfg.check_ready()
     mode = resolve_mode(cfg)
+    if mode == "pipeline":
+        return train_pipeline(cfg, resume)
     parts = prepare(cfg, resume)
     device = resolve_device(cfg)
     log.info("mode: %s on %s, precision %s", mode, device, cfg.train.precision)
@@ -149,12 +168,26 @@ def train(cfg: Config, resume: str | None = None) -> TrainResult:
     trainer = Trainer(cfg, engine, parts.data, parts.tokenizer, parts.model_cfg,
                       save_dtype_for(cfg, parts.checkpoint_dtype))
     if parts.resume_state is not None:
-        trainer.restore(parts.resume_state)
+        trainer.restore(parts.resume_state, parts.resume_dir)
     try:
         trainer.run()
         return trainer.finish()
     finally:
         engine.close()
+
+
+def train_pipeline(cfg: Config, resume: str | None) -> TrainResult:
+    """Plan the stages here, then run the swapped pipeline in one worker process per device."""
+    from scheduler.launch import spawn
+    from scheduler.plan import pipeline_spec
+
+    resume_dir = _resume_dir(cfg, resume)
+    tokenizer, data = prepare_data(cfg, resume_dir)  # the workers then only map the token cache
+    mc, _ = run_model_config(cfg, tokenizer, resume_dir)
+    spec = pipeline_spec(cfg, mc)
+    log.info("data: %d training blocks of %d tokens; model: %s, %.1fM parameters", len(data.train),
+             cfg.data.seq_len, mc.family, param_count(mc) / 1e6)
+    return spawn(cfg, spec, str(resume_dir) if resume_dir else None)
 
 
 __all__ = ["train", "prepare", "resolve_device", "resolve_mode", "DTYPES"]

@@ -30,7 +30,6 @@ from mobius.data import TextTokenizer, TrainData
 from mobius.engine import DTYPES, Engine, StepStats
 from mobius.errors import CheckpointError
 from mobius.models import ModelConfig
-from mobius.models.hf import save_checkpoint
 from mobius.optim import lr_at
 
 log = logging.getLogger(__name__)
@@ -89,11 +88,12 @@ class Trainer:
         self.step = 0
         self.result = TrainResult(steps=0)
         self.tokens_per_step = tokens_per_step or cfg.train.micro_batch_size * cfg.train.micro_batches * cfg.data.seq_len
+        self.main = engine.is_main
 
     # ---- resume -------------------------------------------------------------------------------
-    def restore(self, state: dict) -> None:
-        """Restore optimizer, schedule position, data position and RNG from a trainer state."""
-        self.engine.load_state_dict(state["engine"])
+    def restore(self, state: dict, path: Path) -> None:
+        """Restore optimizer, schedule position, data position and RNG from a checkpoint."""
+        self.engine.restore(path)
         self.data.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         self.step = state["step"]
@@ -104,15 +104,15 @@ class Trainer:
     def _truncate_metrics(self) -> None:
         """Drop metrics lines written after the checkpoint (a run that went on and then stopped)."""
         file = self.out / "metrics.jsonl"
-        if file.is_file():
+        if file.is_file() and self.main:
             keep = [line for line in file.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= self.step]
             tmp = file.with_name(".metrics.jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
             os.replace(tmp, file)
 
     def _trainer_state(self) -> dict:
-        return {"step": self.step, "engine": self.engine.state_dict(), "data": self.data.state_dict(),
-                "rng": rng_state(), "losses": self.result.losses, "config": self.cfg.to_dict()}
+        return {"step": self.step, "data": self.data.state_dict(), "rng": rng_state(), "losses": self.result.losses,
+                "config": self.cfg.to_dict()}
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, path: Path, dtype: torch.dtype, resumable: bool) -> Path:
@@ -124,12 +124,13 @@ class Trainer:
                 torch.save(state, tmp / STATE_FILE)
             (tmp / "mobius.json").write_text(json.dumps({"step": self.step, "config": self.cfg.to_dict()}, indent=2))
 
-        return save_checkpoint(self.engine.model_state(), self.model_cfg, path, dtype=dtype, extra=extra)
+        return self.engine.save(path, dtype, extra, resumable)
 
     def _save_step(self) -> None:
         self.save(self.out / "checkpoints" / f"step-{self.step:06d}", torch.float32, resumable=True)
-        for old in step_checkpoints(self.out)[:-self.cfg.output.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        if self.main:
+            for old in step_checkpoints(self.out)[:-self.cfg.output.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
 
     # ---- the loop -----------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -149,8 +150,8 @@ class Trainer:
 
         t, o = self.cfg.train, self.cfg.output
         self.out.mkdir(parents=True, exist_ok=True)
-        metrics = (self.out / "metrics.jsonl").open("a" if self.step else "w")
-        tty = sys.stderr.isatty()
+        metrics = (self.out / "metrics.jsonl").open("a" if self.step else "w") if self.main else open(os.devnull, "w")
+        tty = sys.stderr.isatty() and self.main
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", disable=not tty, dynamic_ncols=True)
         quiet_every = max(1, t.max_steps // 20)
         try:
@@ -164,7 +165,7 @@ class Trainer:
                     metrics.flush()
                 bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
                 bar.update(1)
-                if not tty and (self.step % quiet_every == 0 or self.step == t.max_steps):
+                if self.main and not tty and (self.step % quiet_every == 0 or self.step == t.max_steps):
                     log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s", self.step, t.max_steps, stats.loss, lr,
                              record["tokens_per_s"])
                 if o.save_every and self.step % o.save_every == 0 and self.step < t.max_steps:
@@ -194,7 +195,7 @@ class Trainer:
         """Write the final checkpoint (and the loss plot) after :meth:`run`."""
         self.result.steps = self.step
         self.result.final_dir = self.save(self.out / "final", self.save_dtype, resumable=self.save_dtype == torch.float32)
-        if self.cfg.output.plot:
+        if self.cfg.output.plot and self.main:
             plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
         return self.result
 

@@ -68,3 +68,22 @@ def gpt2_dir(tmp_path: Path) -> Path:
     d = tmp_path / "gpt2-tiny-hf"
     make_hf_model("gpt2").save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def deep_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2 with 10 blocks (12 units) so 4 workers can run 12 stages."""
+    from mobius.data import byte_tokenizer
+
+    d = tmp_path_factory.mktemp("deep") / "gpt2-10"
+    make_hf_model("gpt2", n_layer=10, n_embd=32, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attn_pdrop=0.0).save_pretrained(d)
+    byte_tokenizer().save(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    f = tmp_path_factory.mktemp("text") / "corpus.txt"
+    f.write_text(TEXT * 40)
+    return f

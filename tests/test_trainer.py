@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mobius.config import config_from_dict
+from mobius.config import Config, config_from_dict
 from mobius.run import train
 
 
-def _cfg(tmp_path: Path, data: Path, out: str = "run", **sections) -> "Config":
+def _cfg(tmp_path: Path, data: Path, out: str = "run", **sections) -> Config:
     raw = {
         "model": {"preset": "gpt2-tiny"},
         "data": {"path": str(data), "seq_len": 32, "cache_dir": str(tmp_path / "cache")},

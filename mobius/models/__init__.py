@@ -6,6 +6,8 @@ import copy
 from dataclasses import dataclass
 from typing import Callable
 
+from torch import nn
+
 from mobius.errors import ConfigError
 from mobius.models import gpt2, opt
 from mobius.models.base import CausalLM, UnitSpec, lm_loss
@@ -49,9 +51,28 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
     return family_of(cfg).model_cls(cfg, seed)
 
 
-def init_unit(cfg: ModelConfig, unit: "torch.nn.Module", index: int, seed: int) -> None:
+def init_unit(cfg: ModelConfig, unit: nn.Module, index: int, seed: int) -> None:
     """Initialise one unit (built alone, e.g. from ``UnitSpec.build``) as ``build_model`` would."""
     family_of(cfg).model_cls.init_unit(cfg, unit, index, seed)
+
+
+def tied_weights(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """Tied parameter pairs (embedding name, head name) of a config, without building the model."""
+    if not cfg.tie_word_embeddings:
+        return []
+    embed = "embed.wte.weight" if cfg.family == "gpt2" else "embed.embed_tokens.weight"
+    return [(embed, "head.lm_head.weight")]
+
+
+def dropout_active(cfg: ModelConfig) -> bool:
+    """True when any dropout probability of the config is non-zero."""
+    names = ("resid_pdrop", "embd_pdrop", "attn_pdrop") if cfg.family == "gpt2" else ("dropout", "attention_dropout")
+    return any(getattr(cfg, n) > 0 for n in names)
+
+
+def hidden_size(cfg: ModelConfig) -> int:
+    """Width of the activations that cross stage boundaries."""
+    return cfg.n_embd if cfg.family == "gpt2" else cfg.hidden_size
 
 
 def unit_specs(cfg: ModelConfig) -> list[UnitSpec]:
@@ -69,4 +90,4 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 __all__ = ["CausalLM", "UnitSpec", "lm_loss", "ModelConfig", "FAMILIES", "family_of", "get_preset",
-           "preset_names", "build_model", "init_unit", "unit_specs", "param_count"]
+           "preset_names", "build_model", "init_unit", "tied_weights", "hidden_size", "dropout_active", "unit_specs", "param_count"]

@@ -161,7 +161,9 @@ class GPT2(CausalLM):
         self.init_weights(seed)
 
     def tied_weights(self) -> list[tuple[str, str]]:
-        return [("embed.wte.weight", "head.lm_head.weight")] if self.config.tie_word_embeddings else []
+        from mobius.models import tied_weights
+
+        return tied_weights(self.config)
 
     @staticmethod
     def init_unit(cfg: GPT2Config, unit: nn.Module, index: int, seed: int) -> None:

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -117,41 +117,57 @@ def _normalise_key(key: str, km: KeyMap) -> str:
     return km.prefix + key
 
 
-def from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Convert a Hugging Face state dict to mobius names (tied head included under its own name)."""
+def from_hf(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig,
+            only: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Convert a Hugging Face state dict to mobius names (the tied head included under its own name).
+
+    ``hf_state`` may be lazy (:class:`LazyCheckpoint`): keys are all checked, but only tensors whose
+    mobius name passes ``only`` are read (a pipeline worker loads just its stages).
+    """
     km = KEY_MAPS[cfg.family](cfg)
-    state = {_normalise_key(k, km): v for k, v in hf_state.items()}
+    names = {_normalise_key(k, km): k for k in hf_state.keys()}
     out: dict[str, torch.Tensor] = {}
     for rule in km.rules:
-        if rule.hf not in state:
+        if rule.hf not in names:
             raise CheckpointError(f"checkpoint is missing key {rule.hf!r} (needed for {rule.ours})")
-        out[rule.ours] = TRANSFORMS[rule.transform][0](state[rule.hf])
+        if only is None or only(rule.ours) or (km.tied and rule.ours == km.tied[1] and only("head.lm_head.weight")):
+            out[rule.ours] = TRANSFORMS[rule.transform][0](hf_state[names[rule.hf]])
     used = {r.hf for r in km.rules}
     if km.tied is not None:
         head_key, embed_key = km.tied
-        out["head.lm_head.weight"] = out[embed_key]
-        if head_key in state and not torch.equal(state[head_key], out[embed_key]):
+        if embed_key in out:
+            out["head.lm_head.weight"] = out[embed_key]
+        if head_key in names and embed_key in out and not torch.equal(hf_state[names[head_key]], out[embed_key]):
             log.warning("checkpoint's %s differs from the tied embedding; using the embedding (as transformers does)",
                         head_key)
         used.add(head_key)
-    unexpected = sorted(k for k in state if k not in used and not k.endswith(km.ignored_suffixes))
+    unexpected = sorted(k for k in names if k not in used and not k.endswith(km.ignored_suffixes))
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         raise CheckpointError(f"checkpoint has unexpected keys {unexpected[:5]}{more} for a {cfg.family} model "
                               f"of this configuration")
+    if only is not None:
+        out = {k: v for k, v in out.items() if only(k)}
     return out
 
 
-def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Convert a mobius state dict to Hugging Face names (the inverse of :func:`from_hf`)."""
+def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, partial: bool = False) -> dict[str, torch.Tensor]:
+    """Convert a mobius state dict to Hugging Face names (the inverse of :func:`from_hf`).
+    ``partial``: convert what is there (one pipeline worker's stages) instead of requiring all."""
     km = KEY_MAPS[cfg.family](cfg)
     out: dict[str, torch.Tensor] = {}
     for rule in km.rules:
         if rule.ours not in state:
+            if partial:
+                continue
             raise CheckpointError(f"model state is missing {rule.ours!r}")
         out[rule.hf] = TRANSFORMS[rule.transform][1](state[rule.ours])
     if km.tied is not None:
-        out[km.tied[0]] = out[next(r.hf for r in km.rules if r.ours == km.tied[1])]
+        embed_hf = next(r.hf for r in km.rules if r.ours == km.tied[1])
+        if embed_hf in out:
+            out[km.tied[0]] = out[embed_hf]
+        elif "head.lm_head.weight" in state:
+            out[km.tied[0]] = state["head.lm_head.weight"]
     return out
 
 
@@ -243,6 +259,50 @@ def _read_file(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     except CheckpointError:
         raise
     except Exception as e:  # safetensors/torch raise several types for truncated or corrupt files
+        raise CheckpointError(f"{file}: cannot be read, the file is truncated or corrupt ({type(e).__name__}: {e})") from e
+
+
+class LazyCheckpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a checkpoint directory by Hugging Face name, read from disk on access."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._where: dict[str, Path] = {}
+        for file in _weight_files(self.path):
+            for key in _keys_of(file):
+                self._where[key] = file
+        self._bins: dict[Path, dict] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        file = self._where[key]
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as f:
+                    return f.get_tensor(key)
+            if file not in self._bins:
+                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            return self._bins[file][key]
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read {key} ({type(e).__name__}: {e})") from e
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _keys_of(file: Path) -> list[str]:
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                return list(f.keys())
+        return list(torch.load(file, map_location="cpu", weights_only=True, mmap=True).keys())
+    except Exception as e:
         raise CheckpointError(f"{file}: cannot be read, the file is truncated or corrupt ({type(e).__name__}: {e})") from e
 
 

@@ -176,7 +176,9 @@ class OPT(CausalLM):
         self.init_weights(seed)
 
     def tied_weights(self) -> list[tuple[str, str]]:
-        return [("embed.embed_tokens.weight", "head.lm_head.weight")] if self.config.tie_word_embeddings else []
+        from mobius.models import tied_weights
+
+        return tied_weights(self.config)
 
     @staticmethod
     def init_unit(cfg: OPTConfig, unit: nn.Module, index: int, seed: int) -> None:

@@ -1,0 +1,172 @@
+"""GPU benchmark of the swapped pipeline against all-in-GPU training (and, through the shared peer
+scripts, FSDP2 and DeepSpeed offload), on the DESIGN.md workload: a GPT-style 1.42B model (hidden
+2048, 24 layers, 16 heads, sequence 1024), 4 micro-batches of 4, bf16.
+
+    python bench/pipeline_bench.py --what ref,mobius --cap-gib 24 --steps 5 --out bench_out
+
+``ref``: mobius's reference engine, whole model and AdamW states on the GPU (uncapped).
+``mobius``: the pipeline engine on one GPU capped at ``--cap-gib`` (a 24 GB consumer card), one
+worker, stages planned by partition/ (or ``--stages N`` split evenly), CPU AdamW.
+Prints a table and writes ``<out>/pipeline_bench.json``: step time, tokens/s, TFLOPs (6 N tokens / t),
+peak GPU memory, bytes host->GPU / GPU->host per step (the runtime's counters), upload stalls, and
+the planner's predicted step time beside the measured one. ``--smoke`` runs a tiny model on the CPU
+to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mobius.config import Config, config_from_dict  # noqa: E402
+from mobius.models import build_model, get_preset, param_count  # noqa: E402
+
+
+def make_cfg(args: argparse.Namespace, mode: str) -> Config:
+    raw = {"model": {"preset": args.preset, "dropout": 0.0},
+           "data": {"seq_len": args.seq},
+           "train": {"micro_batch_size": args.mbs, "micro_batches": args.micro_batches, "precision": args.precision,
+                     "lr": 1e-5, "warmup_steps": 0, "grad_clip": args.grad_clip, "max_steps": 1000},
+           "parallel": {"mode": mode, "device": "cpu" if args.smoke else "cuda", "stages": args.stages,
+                        "prefetch": not args.no_prefetch},
+           "partition": {"gpu_memory_gib": args.cap_gib, "time_limit_s": 20},
+           "output": {"dir": str(Path(args.out) / mode), "plot": False}}
+    return config_from_dict(raw, "pipeline_bench")
+
+
+def batches(args: argparse.Namespace, vocab: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for _ in range(args.micro_batches):
+        t = torch.randint(0, vocab, (args.mbs, args.seq + 1), generator=g)
+        out.append((t[:, :-1], t[:, 1:]))
+    return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_engine(engine, args: argparse.Namespace, vocab: int) -> tuple[float, list]:
+    """Median step time over ``--steps`` after ``--warmup`` steps, and the timed steps' stats."""
+    stats, times = [], []
+    for step in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        st = engine.train_step(step, batches(args, vocab, step), 1e-5)
+        if hasattr(engine, "sync"):
+            engine.sync()  # the CPU updates of this step are part of its cost
+        sync()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            stats.append(st)
+    times.sort()
+    return times[len(times) // 2], stats
+
+
+def result_row(name: str, t: float, n_params: int, tokens: int, stats: list, **extra) -> dict:
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    row = {"name": name, "step_s": round(t, 4), "tokens_per_s": round(tokens / t), "tflops": round(6 * n_params * tokens / t / 1e12, 1),
+           "peak_gib": round(peak, 2), "loss": round(stats[-1].loss, 4)}
+    if stats and stats[-1].extra:
+        row.update({k: stats[-1].extra[k] for k in ("h2d_bytes", "d2h_bytes", "p2p_bytes", "traffic_x_params", "stall_s")
+                    if k in stats[-1].extra})
+    row.update(extra)
+    return row
+
+
+def run_ref(args: argparse.Namespace) -> dict:
+    from mobius.engine import SingleEngine
+
+    cfg = make_cfg(args, "single")
+    mc = get_preset(args.preset)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    engine = SingleEngine(build_model(mc, 0), cfg, device)
+    t, stats = time_engine(engine, args, mc.vocab_size)
+    tokens = args.mbs * args.micro_batches * args.seq
+    row = result_row("all-in-GPU (mobius reference engine)", t, param_count(mc), tokens, stats)
+    del engine
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return row
+
+
+def run_mobius(args: argparse.Namespace) -> dict:
+    import torch.distributed as dist
+
+    from scheduler.engine import PipelineEngine
+    from scheduler.launch import free_port, worker_device
+    from scheduler.plan import pipeline_spec
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    cfg = make_cfg(args, "pipeline")
+    mc = get_preset(args.preset)
+    t_plan = time.perf_counter()
+    spec = pipeline_spec(cfg, mc)
+    plan_s = time.perf_counter() - t_plan
+    device = worker_device(cfg, 0)
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    engine = PipelineEngine(cfg, mc, spec, device)
+    t, stats = time_engine(engine, args, mc.vocab_size)
+    tokens = args.mbs * args.micro_batches * args.seq
+    predicted = getattr(spec, "predicted_step_s", None)
+    row = result_row(f"mobius pipeline, {args.cap_gib} GiB cap", t, param_count(mc), tokens, stats,
+                     stages=spec.num_stages, boundaries=list(spec.boundaries), plan_s=round(plan_s, 2),
+                     predicted_step_s=predicted)
+    engine.close()
+    dist.destroy_process_group()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--what", default="ref,mobius")
+    p.add_argument("--preset", default="gpt-1.4b")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--mbs", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--grad-clip", type=float, default=0.0, help="0 as in the peers' runs (no clipping)")
+    p.add_argument("--cap-gib", type=float, default=24.0)
+    p.add_argument("--stages", type=int, default=0, help="0: planned by partition/")
+    p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
+    args = p.parse_args()
+    if args.smoke:
+        args.preset, args.seq, args.mbs, args.micro_batches, args.steps, args.warmup = "gpt2-tiny", 32, 2, 2, 2, 1
+        args.precision = "fp32"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for what in args.what.split(","):
+        rows.append({"ref": run_ref, "mobius": run_mobius}[what](args))
+        print(json.dumps(rows[-1]), flush=True)
+    report(rows, args)
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    ref = next((r for r in rows if r["name"].startswith("all-in-GPU")), None)
+    print(f"\n{'system':45s} {'step s':>8s} {'tok/s':>8s} {'TFLOPs':>7s} {'peak GiB':>9s} {'vs all-in-GPU':>14s}")
+    for r in rows:
+        rel = f"{ref['step_s'] / r['step_s']:.2f}x" if ref else "-"
+        print(f"{r['name']:45s} {r['step_s']:8.3f} {r['tokens_per_s']:8d} {r['tflops']:7.1f} {r['peak_gib']:9.2f} {rel:>14s}")
+    out = Path(args.out) / "pipeline_bench.json"
+    out.write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                               else "cpu", "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""partition: how to cut a model into pipeline stages, and what that will cost.
+
+Numbers in, plans out. The pieces, in the order a plan is made:
+
+* :mod:`partition.profile` -- unit costs, measured one distinct unit at a time (``profile_units``)
+  or estimated from a GPU catalogue (``estimate_units``); ``get_profile`` picks and caches.
+* :mod:`partition.hardware` -- :class:`Hardware`: GPUs, usable memory, links, shared root complexes.
+* :mod:`partition.mip` -- the partition MIP (gurobipy, or HiGHS when the free licence refuses),
+  seeded by :mod:`partition.heuristic` and checked by :mod:`partition.evaluate`.
+* :mod:`partition.simulate` -- discrete-event simulation of the swapped pipeline with contention.
+* :mod:`partition.baselines` -- minimum-stage, maximum-stage, time-balanced; exhaustive search.
+* :mod:`partition.plan` -- :func:`plan_model`, the one entry point, and :class:`Plan`.
+
+Only ``partition.profile``'s measuring functions import torch.
+"""
+
+from partition.baselines import BASELINES, exhaustive_search, maximum_stage, minimum_stage, time_balanced
+from partition.costs import ModelProfile, StageCost, UnitCost, stage_cost, stage_costs
+from partition.evaluate import ModelEvaluator, model_schedule, model_step_time
+from partition.gpus import GPU_CATALOGUE, GPUSpec, gpu_spec, lookup_gpu
+from partition.hardware import Hardware
+from partition.mip import MipResult, build_model, solve_partition, solve_stage_count
+from partition.plan import Plan, StagePlan, plan_model
+from partition.profile import estimate_units, get_profile, profile_units
+from partition.simulate import SimResult, simulate
+
+__all__ = [
+    "BASELINES", "GPU_CATALOGUE", "GPUSpec", "Hardware", "MipResult", "ModelEvaluator", "ModelProfile", "Plan",
+    "SimResult", "StageCost", "StagePlan", "UnitCost", "build_model", "estimate_units", "exhaustive_search",
+    "get_profile", "gpu_spec", "lookup_gpu", "maximum_stage", "minimum_stage", "model_schedule", "model_step_time",
+    "plan_model", "profile_units", "simulate", "solve_partition", "solve_stage_count", "stage_cost", "stage_costs",
+    "time_balanced",
+]

@@ -1,0 +1,152 @@
+"""The cost model shared by the profiler, simulator, MIP and baselines: numbers only, no torch.
+
+A model is an ordered list of units (embedding, blocks, head). :class:`UnitCost` holds what one
+unit costs for one micro-batch; :class:`ModelProfile` holds all of them plus the setting they were
+measured or estimated for. :func:`stage_cost` sums a contiguous range of units into a stage and
+:class:`StageCost` gives the stage's memory peaks under the pipeline's memory model:
+
+* forward of stage j (activation checkpointing at stage boundaries, no autograd graph kept):
+  ``params + M * input checkpoints + max unit working set``;
+* backward of stage j (recompute, then backward, one micro-batch at a time):
+  ``params + grads + M * input checkpoints + sum of units' saved activations + max working set``.
+
+When two consecutive stages share a GPU (a single-GPU pipeline), the activations (forward) and
+their gradients (backward) stay on the GPU for the next stage, so the producing stage also holds
+``M`` of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+ProfileSource = Literal["measured", "estimated"]
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """What one unit costs for one micro-batch at the profile's batch size, sequence and precision."""
+
+    name: str
+    kind: str  # embed | block | head
+    signature: str  # equal for identical units
+    param_count: int
+    fwd_s: float  # forward of one micro-batch
+    bwd_s: float  # backward of one micro-batch, including the recompute of its forward
+    param_bytes: int  # parameters in the training dtype (what is uploaded)
+    grad_bytes: int  # gradients in the training dtype (what is downloaded)
+    in_bytes: int  # input per micro-batch (token ids for the embedding)
+    act_bytes: int  # output per micro-batch (what crosses a stage boundary after this unit)
+    saved_bytes: int  # activations autograd keeps for one micro-batch during the recompute
+    work_bytes: int  # transient working memory of one micro-batch beyond params, grads and saved
+
+
+@dataclass
+class ModelProfile:
+    """Per-unit costs for one setting (micro-batch size, sequence length, precision, device)."""
+
+    units: list[UnitCost]
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    device_name: str
+    source: ProfileSource
+    profile_s: float = 0.0  # wall time spent measuring (0 for estimates and cache hits)
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    def param_bytes(self) -> int:
+        """Parameter bytes of all units in the training dtype (a tied weight counts at both ends)."""
+        return sum(u.param_bytes for u in self.units)
+
+    def param_count(self) -> int:
+        return sum(u.param_count for u in self.units)
+
+    def identical_blocks(self) -> bool:
+        """True when the units are ``prefix + run of identical units + suffix`` with at most one
+        unit in each of the prefix and suffix (the normal embed / blocks / head shape)."""
+        sigs = [u.signature for u in self.units]
+        if len(sigs) < 3:
+            return False
+        return len(set(sigs[1:-1])) == 1
+
+    def shape_key(self) -> str:
+        """A short hash of the units' signatures, for cache keys."""
+        text = "|".join(u.signature for u in self.units)
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ModelProfile":
+        units = [UnitCost(**u) for u in data["units"]]
+        rest = {k: v for k, v in data.items() if k != "units"}
+        return cls(units=units, **rest)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A contiguous range of units ``[first, end)`` summed into one stage."""
+
+    first: int
+    end: int
+    fwd_s: float
+    bwd_s: float
+    param_count: int
+    param_bytes: int
+    grad_bytes: int
+    in_bytes: int
+    out_bytes: int
+    saved_bytes: int
+    work_bytes: int
+
+    def fwd_peak(self, micro_batches: int, keep_out: bool = False) -> int:
+        """Peak GPU bytes while running the forward of all micro-batches."""
+        extra = micro_batches * self.out_bytes if keep_out else 0
+        return self.param_bytes + micro_batches * self.in_bytes + self.work_bytes + extra
+
+    def bwd_peak(self, micro_batches: int, keep_in_grad: bool = False) -> int:
+        """Peak GPU bytes while running the backward (with recompute) of all micro-batches."""
+        extra = micro_batches * self.in_bytes if keep_in_grad else 0
+        return (self.param_bytes + self.grad_bytes + micro_batches * self.in_bytes + self.saved_bytes
+                + self.work_bytes + extra)
+
+    def bwd_upload(self, micro_batches: int) -> int:
+        """Bytes uploaded before the backward when the stage is not resident: params + checkpoints."""
+        return self.param_bytes + micro_batches * self.in_bytes
+
+
+def stage_cost(profile: ModelProfile, first: int, end: int) -> StageCost:
+    """Sum units ``[first, end)`` of ``profile`` into a :class:`StageCost`."""
+    assert 0 <= first < end <= profile.num_units, (first, end)
+    units = profile.units[first:end]
+    return StageCost(
+        first=first, end=end,
+        fwd_s=sum(u.fwd_s for u in units), bwd_s=sum(u.bwd_s for u in units),
+        param_count=sum(u.param_count for u in units),
+        param_bytes=sum(u.param_bytes for u in units), grad_bytes=sum(u.grad_bytes for u in units),
+        in_bytes=units[0].in_bytes, out_bytes=units[-1].act_bytes,
+        saved_bytes=sum(u.saved_bytes for u in units), work_bytes=max(u.work_bytes for u in units),
+    )
+
+
+def stage_costs(profile: ModelProfile, boundaries: list[int]) -> list[StageCost]:
+    """Stage costs for a partition given as boundaries ``[0, b1, ..., num_units]``."""
+    check_boundaries(boundaries, profile.num_units)
+    return [stage_cost(profile, a, b) for a, b in zip(boundaries, boundaries[1:])]
+
+
+def check_boundaries(boundaries: list[int], num_units: int) -> None:
+    """Assert that ``boundaries`` is a strictly increasing cover of ``[0, num_units]``."""
+    assert boundaries[0] == 0 and boundaries[-1] == num_units, (boundaries, num_units)
+    assert all(a < b for a, b in zip(boundaries, boundaries[1:])), boundaries

@@ -1,0 +1,92 @@
+"""A small catalogue of GPUs' datasheet figures, for planning a server from a machine without its GPUs.
+
+Throughputs are dense (no sparsity) tensor-core figures for half precision with FP32 accumulation,
+which is what PyTorch's fp16/bf16 matrix multiplies use; GeForce cards run FP32 accumulation at
+half their FP16-accumulate rate. ``fp32_tflops`` is the non-tensor FP32 rate. PCIe rates are
+per direction and *effective* (what a pinned ``cudaMemcpy`` reaches), not the line rate:
+Gen3 x16 13.1 GB/s (the Mobius paper's measured maximum), Gen5 x16 54.7 GB/s (measured on the H100
+host of DESIGN.md), Gen4 in between.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from mobius.errors import ConfigError
+
+GB = 1e9
+GiB = 1 << 30
+PCIE_LANE_Bps = {3: 13.1e9 / 16, 4: 26.2e9 / 16, 5: 54.7e9 / 16}
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Datasheet figures for one GPU model."""
+
+    name: str
+    half_tflops: float  # dense fp16/bf16 tensor throughput, FP32 accumulate
+    fp32_tflops: float
+    mem_GBps: float  # device memory bandwidth
+    memory_bytes: int
+    pcie_gen: int
+    pcie_lanes: int = 16
+
+    def pcie_Bps(self) -> float:
+        """Effective host<->GPU bandwidth per direction."""
+        return PCIE_LANE_Bps[self.pcie_gen] * self.pcie_lanes
+
+    def tflops(self, precision: str) -> float:
+        return self.fp32_tflops if precision == "fp32" else self.half_tflops
+
+
+GPU_CATALOGUE: dict[str, GPUSpec] = {
+    "rtx3090": GPUSpec("rtx3090", 35.6, 35.6, 936, 24 * GiB, 4),
+    "rtx3090ti": GPUSpec("rtx3090ti", 40.0, 40.0, 1008, 24 * GiB, 4),
+    "rtx4090": GPUSpec("rtx4090", 82.6, 82.6, 1008, 24 * GiB, 4),
+    "v100-16gb": GPUSpec("v100-16gb", 125.0, 15.7, 900, 16 * GiB, 3),
+    "a100-40gb": GPUSpec("a100-40gb", 312.0, 19.5, 1555, 40 * GiB, 4),
+    "a100-80gb": GPUSpec("a100-80gb", 312.0, 19.5, 2039, 80 * GiB, 4),
+    "h100": GPUSpec("h100", 989.4, 67.0, 3350, 80 * GiB, 5),
+    "h100-pcie": GPUSpec("h100-pcie", 756.0, 51.0, 2000, 80 * GiB, 5),
+}
+
+_ALIASES = [  # (regex on a normalised device name, catalogue key); first match wins
+    (r"3090ti", "rtx3090ti"), (r"3090", "rtx3090"), (r"4090", "rtx4090"),
+    (r"v100", "v100-16gb"), (r"a100.*80", "a100-80gb"), (r"a100", "a100-40gb"),
+    (r"h100.*pcie", "h100-pcie"), (r"h100", "h100"), (r"h200", "h100"),
+]
+
+
+def lookup_gpu(name: str) -> GPUSpec | None:
+    """The catalogue entry for a key (``rtx3090``) or a device name (``NVIDIA GeForce RTX 3090 Ti``)."""
+    if name in GPU_CATALOGUE:
+        return GPU_CATALOGUE[name]
+    norm = re.sub(r"[^a-z0-9]", "", name.lower())
+    for pattern, key in _ALIASES:
+        if re.search(pattern, norm):
+            return GPU_CATALOGUE[key]
+    return None
+
+
+def gpu_spec(value: str | dict | GPUSpec) -> GPUSpec:
+    """A :class:`GPUSpec` from a catalogue name, a device name, or user-supplied figures.
+
+    A dict may name a ``base`` catalogue entry and override any field, or give every field.
+    """
+    if isinstance(value, GPUSpec):
+        return value
+    if isinstance(value, str):
+        spec = lookup_gpu(value)
+        if spec is None:
+            raise ConfigError(f"unknown GPU {value!r} for an estimated profile; known: {', '.join(GPU_CATALOGUE)} "
+                              f"(or give figures: half_tflops, fp32_tflops, mem_GBps, memory_bytes, pcie_gen)")
+        return spec
+    fields = dict(value)
+    base = fields.pop("base", None)
+    try:
+        if base is not None:
+            return replace(gpu_spec(base), **fields)
+        return GPUSpec(**fields)
+    except TypeError as e:
+        raise ConfigError(f"bad GPU figures {value!r}: {e}") from None

@@ -1,0 +1,269 @@
+"""The machine as the planner sees it: GPUs, memory, PCIe links and what they share.
+
+Each GPU has its own host link (``h2d_Bps``, ``d2h_Bps``, per direction). GPUs are grouped into
+root complexes (``groups``); in a commodity server the GPUs of a group sit behind one PCIe switch
+whose uplink to the CPU is the resource they share (``rc_h2d_Bps``/``rc_d2h_Bps`` per group, per
+direction). Directions are independent (PCIe is full duplex) unless ``bidir_Bps`` caps a GPU's two
+directions together. ``p2p_Bps`` is the GPU-to-GPU rate when peer-to-peer works; ``None`` means
+activations travel through pinned host memory (two hops).
+
+Everything here is plain numbers; :meth:`Hardware.from_topology` is the one adapter to
+``topology``'s types and imports nothing from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from mobius.errors import ConfigError
+from partition.gpus import GB, PCIE_LANE_Bps, GiB, gpu_spec, lookup_gpu
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RESERVE_BYTES = int(1.5 * GiB)  # CUDA context, cuBLAS workspace, allocator slack
+PAPER_LINK_Bps = 13.1e9  # the Mobius paper's maximum measured host<->GPU bandwidth (§4.2)
+PAPER_ADAM_PARAMS_PER_S = 4.0e9  # assumption: DeepSpeed-style CPU Adam on 2 x Xeon Gold 6130 (32 cores)
+
+
+@dataclass
+class Hardware:
+    """GPUs, usable memory and the bandwidth model the planner and simulator use."""
+
+    num_gpus: int
+    gpu_memory_bytes: int  # usable per GPU for model data (context and slack already taken off)
+    h2d_Bps: list[float]
+    d2h_Bps: list[float]
+    groups: list[list[int]]
+    rc_h2d_Bps: list[float]
+    rc_d2h_Bps: list[float]
+    p2p_Bps: float | None = None
+    bidir_Bps: list[float] | None = None
+    p2p_pairs_Bps: list[list[float | None]] | None = None  # per pair (overrides p2p_Bps where given)
+    cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S
+    name: str = "custom"
+    gpu_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = self.num_gpus
+        if n < 1:
+            raise ConfigError(f"hardware needs at least one GPU, got {n}")
+        for key in ("h2d_Bps", "d2h_Bps"):
+            if len(getattr(self, key)) != n or min(getattr(self, key)) <= 0:
+                raise ConfigError(f"hardware.{key} needs {n} positive rates, got {getattr(self, key)}")
+        members = sorted(g for grp in self.groups for g in grp)
+        if members != list(range(n)):
+            raise ConfigError(f"hardware groups {self.groups} must cover GPUs 0..{n - 1} exactly once")
+        if len(self.rc_h2d_Bps) != len(self.groups) or len(self.rc_d2h_Bps) != len(self.groups):
+            raise ConfigError("hardware needs one shared rate per group and direction")
+        if self.gpu_memory_bytes <= 0:
+            raise ConfigError(f"usable GPU memory must be positive, got {self.gpu_memory_bytes} bytes")
+        self._group_index = {g: i for i, grp in enumerate(self.groups) for g in grp}
+
+    def group_of(self, gpu: int) -> int:
+        """Index of the root complex (group) holding ``gpu``."""
+        return self._group_index[gpu]
+
+    def p2p_rate(self, src: int, dst: int) -> float | None:
+        """Peer-to-peer rate from ``src`` to ``dst``, or None when that pair goes through host memory."""
+        if self.p2p_pairs_Bps is not None:
+            return self.p2p_pairs_Bps[src][dst]
+        return self.p2p_Bps
+
+    def uncontended_h2d(self, gpu: int) -> float:
+        """Host->GPU rate when ``gpu`` transfers alone."""
+        rate = min(self.h2d_Bps[gpu], self.rc_h2d_Bps[self.group_of(gpu)])
+        return min(rate, self.bidir_Bps[gpu]) if self.bidir_Bps else rate
+
+    def uncontended_d2h(self, gpu: int) -> float:
+        """GPU->host rate when ``gpu`` transfers alone."""
+        rate = min(self.d2h_Bps[gpu], self.rc_d2h_Bps[self.group_of(gpu)])
+        return min(rate, self.bidir_Bps[gpu]) if self.bidir_Bps else rate
+
+    def shared_h2d(self, gpu: int) -> float:
+        """Host->GPU rate when every GPU of the group uploads at once (the pessimistic view)."""
+        grp = self.group_of(gpu)
+        return min(self.uncontended_h2d(gpu), self.rc_h2d_Bps[grp] / len(self.groups[grp]))
+
+    def shared_d2h(self, gpu: int) -> float:
+        grp = self.group_of(gpu)
+        return min(self.uncontended_d2h(gpu), self.rc_d2h_Bps[grp] / len(self.groups[grp]))
+
+    def subset(self, gpus: list[int]) -> "Hardware":
+        """The same machine restricted to ``gpus`` (renumbered 0..len-1 in that order)."""
+        pos = {g: i for i, g in enumerate(gpus)}
+        groups, rc_h, rc_d = [], [], []
+        for grp, h, d in zip(self.groups, self.rc_h2d_Bps, self.rc_d2h_Bps):
+            kept = [pos[g] for g in grp if g in pos]
+            if kept:
+                groups.append(kept)
+                rc_h.append(h)
+                rc_d.append(d)
+        return dataclasses.replace(
+            self, num_gpus=len(gpus), h2d_Bps=[self.h2d_Bps[g] for g in gpus], d2h_Bps=[self.d2h_Bps[g] for g in gpus],
+            groups=groups, rc_h2d_Bps=rc_h, rc_d2h_Bps=rc_d,
+            bidir_Bps=[self.bidir_Bps[g] for g in gpus] if self.bidir_Bps else None,
+            p2p_pairs_Bps=[[self.p2p_pairs_Bps[a][b] for b in gpus] for a in gpus] if self.p2p_pairs_Bps else None,
+            gpu_names=[self.gpu_names[g] for g in gpus] if self.gpu_names else [])
+
+    def describe(self) -> str:
+        """One line: GPUs, memory, links, groups."""
+        link = self.h2d_Bps[0] / GB
+        rc = ", ".join(f"{grp}@{r / GB:.1f}" for grp, r in zip(self.groups, self.rc_h2d_Bps))
+        pairs = sum(1 for a in range(self.num_gpus) for b in range(self.num_gpus) if a != b and self.p2p_rate(a, b))
+        p2p = (f"P2P on {pairs} of {self.num_gpus * (self.num_gpus - 1)} GPU pairs" if pairs
+               else "no P2P (activations via host memory)")
+        return (f"{self.name}: {self.num_gpus} GPU(s), {self.gpu_memory_bytes / GiB:.1f} GiB usable each, "
+                f"link {link:.1f} GB/s, root complexes {rc} GB/s, {p2p}, "
+                f"CPU Adam {self.cpu_adam_params_per_s / 1e9:.1f} G params/s")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Hardware":
+        return cls(**data)
+
+    # ------------------------------------------------------------------------------ presets
+    @classmethod
+    def uniform(cls, num_gpus: int, gpu_memory_bytes: int, link_Bps: float, groups: list[list[int]] | None = None,
+                uplink_Bps: float | None = None, p2p_Bps: float | None = None,
+                cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S, name: str = "uniform") -> "Hardware":
+        """``num_gpus`` identical GPUs; each group shares one uplink of ``uplink_Bps`` (default: one link's worth)."""
+        groups = groups or [[g] for g in range(num_gpus)]
+        up = uplink_Bps if uplink_Bps is not None else link_Bps
+        return cls(num_gpus=num_gpus, gpu_memory_bytes=gpu_memory_bytes, h2d_Bps=[link_Bps] * num_gpus,
+                   d2h_Bps=[link_Bps] * num_gpus, groups=groups, rc_h2d_Bps=[up] * len(groups),
+                   rc_d2h_Bps=[up] * len(groups), p2p_Bps=p2p_Bps, cpu_adam_params_per_s=cpu_adam_params_per_s,
+                   name=name)
+
+    @classmethod
+    def paper_3090ti(cls, groups: list[list[int]] | None = None, link_Bps: float = PAPER_LINK_Bps,
+                     uplink_Bps: float = PAPER_LINK_Bps, memory_gib: float = 24.0,
+                     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+                     cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S) -> "Hardware":
+        """The Mobius paper's box (§4): 24 GB RTX 3090 Ti GPUs behind PCIe switches, no P2P.
+
+        Default ``groups`` is Topo 2+2 (``[[0, 1], [2, 3]]``). One GPU alone reaches the paper's
+        measured 13.1 GB/s; GPUs of one group share the switch's uplink (13.1 GB/s per direction),
+        so two concurrent uploads under one root complex get half each.
+        """
+        groups = groups or [[0, 1], [2, 3]]
+        n = sum(len(g) for g in groups)
+        hw = cls.uniform(n, int(memory_gib * GiB) - reserve_bytes, link_Bps, groups, uplink_Bps, None,
+                         cpu_adam_params_per_s, name=f"paper 3090 Ti box {'+'.join(str(len(g)) for g in groups)}")
+        hw.gpu_names = ["rtx3090ti"] * n
+        return hw
+
+    @classmethod
+    def h100_host(cls, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> "Hardware":
+        """The measured H100 80GB host of DESIGN.md: PCIe Gen5 x16, 54.7/54.6 GB/s, 88 GB/s both ways."""
+        return cls(num_gpus=1, gpu_memory_bytes=80 * GiB - reserve_bytes, h2d_Bps=[54.7e9], d2h_Bps=[54.6e9],
+                   groups=[[0]], rc_h2d_Bps=[54.7e9], rc_d2h_Bps=[54.6e9], bidir_Bps=[88e9],
+                   cpu_adam_params_per_s=4.8e9, name="H100 80GB host (DESIGN.md)", gpu_names=["h100"])
+
+    @classmethod
+    def from_topology(cls, topo: Any, bandwidth: Any = None, gpu_memory_bytes: int | None = None,
+                      reserve_bytes: int = DEFAULT_RESERVE_BYTES, cpu_adam_params_per_s: float | None = None,
+                      p2p: bool | None = None, gpu: Any = None) -> "Hardware":
+        """Build from a ``topology.Topology`` and optionally the ``mobius topo --bench`` figures.
+
+        Link rates: measured (bandwidth file), else the GPU's PCIe generation and width, else the
+        catalogue entry of its name (or of ``gpu``, a catalogue name or GPUSpec, for files that do
+        not name their GPUs). A root complex's shared rate: measured, else its switch's uplink when
+        known, else one GPU link's worth (the GPUs sit behind one switch, as in the paper's box).
+        ``gpu_memory_bytes`` (usable) overrides the devices' memory minus ``reserve_bytes``.
+        ``p2p``: None follows the topology (and measured peer rates), False forces host staging.
+        """
+        gpus = list(topo.gpus)
+        pos = {g.index: i for i, g in enumerate(gpus)}
+        groups = [[pos[i] for i in grp if i in pos] for grp in topo.root_complexes]
+        groups = [g for g in groups if g] or [[i] for i in range(len(gpus))]
+        specs = [lookup_gpu(g.name) or (gpu_spec(gpu) if gpu is not None else None) for g in gpus]
+        memory = gpu_memory_bytes or _usable_memory(gpus, specs, reserve_bytes)
+        bw = _bandwidth_dict(bandwidth) if bandwidth is not None else None
+        h2d, d2h = _gpu_links(gpus, specs, bw)
+        rc_h, rc_d = _shared_links(topo, gpus, groups, h2d, d2h, bw)
+        pairs = _p2p_pairs(topo, gpus, bw, min(h2d), p2p)
+        names = [g.name if g.name != "unknown" or s is None else s.name for g, s in zip(gpus, specs)]
+        return cls(num_gpus=len(gpus), gpu_memory_bytes=memory, h2d_Bps=h2d, d2h_Bps=d2h, groups=groups,
+                   rc_h2d_Bps=rc_h, rc_d2h_Bps=rc_d, p2p_pairs_Bps=pairs,
+                   cpu_adam_params_per_s=cpu_adam_params_per_s or PAPER_ADAM_PARAMS_PER_S,
+                   name=f"{len(gpus)} x {names[0] if names else '?'} ({getattr(topo, 'source', 'topology')})",
+                   gpu_names=names)
+
+
+def _usable_memory(gpus: list, specs: list, reserve_bytes: int) -> int:
+    sizes = [int(g.memory_bytes) or (s.memory_bytes if s else 0) for g, s in zip(gpus, specs)]
+    if not sizes or min(sizes) <= 0:
+        raise ConfigError("the topology does not say how much memory the GPUs have: set partition.gpu (a catalogue "
+                          "GPU such as rtx3090) or partition.gpu_memory_gib")
+    return min(sizes) - reserve_bytes
+
+
+def _bandwidth_dict(bandwidth: Any) -> dict:
+    """The ``mobius.bandwidth/1`` figures as a dict, from a dict or a ``topology.Bandwidth``."""
+    data = bandwidth.to_json() if hasattr(bandwidth, "to_json") else bandwidth
+    if not isinstance(data, dict) or "gpus" not in data:
+        raise ConfigError("bandwidth figures have no 'gpus' list (expected schema mobius.bandwidth/1)")
+    return data
+
+
+def _gpu_links(gpus: list, specs: list, bw: dict | None) -> tuple[list[float], list[float]]:
+    """Per-GPU host link rates per direction."""
+    rates = []
+    for g, s in zip(gpus, specs):
+        if getattr(g, "pcie_gen", None) in PCIE_LANE_Bps and getattr(g, "pcie_width", None):
+            rates.append(PCIE_LANE_Bps[g.pcie_gen] * g.pcie_width)
+        else:
+            rates.append(s.pcie_Bps() if s else PCIE_LANE_Bps[3] * 16)
+    h2d, d2h = list(rates), list(rates)
+    if bw is not None:
+        by_index = {int(e["index"]): e for e in bw["gpus"]}
+        for i, g in enumerate(gpus):
+            if int(g.index) in by_index:
+                e = by_index[int(g.index)]
+                h2d[i], d2h[i] = float(e["h2d_GBps"]) * GB, float(e["d2h_GBps"]) * GB
+    return h2d, d2h
+
+
+def _shared_links(topo: Any, gpus: list, groups: list[list[int]], h2d: list[float], d2h: list[float],
+                  bw: dict | None) -> tuple[list[float], list[float]]:
+    """Per root complex: the shared host->GPU and GPU->host rates."""
+    index = [int(g.index) for g in gpus]
+    rc_h, rc_d = [max(h2d[g] for g in grp) for grp in groups], [max(d2h[g] for g in grp) for grp in groups]
+    for k, grp in enumerate(groups):
+        members = {index[g] for g in grp}
+        for sw in getattr(topo, "switches", []) or []:
+            if members <= set(sw.gpus) and sw.pcie_gen in PCIE_LANE_Bps and sw.pcie_width:
+                rc_h[k] = rc_d[k] = PCIE_LANE_Bps[sw.pcie_gen] * sw.pcie_width
+        for rc in (bw or {}).get("root_complexes", []):
+            if set(int(i) for i in rc["gpus"]) == members and rc.get("h2d_total_GBps"):
+                rc_h[k] = float(rc["h2d_total_GBps"]) * GB
+                rc_d[k] = float(rc.get("d2h_total_GBps") or rc["h2d_total_GBps"]) * GB
+    if bw is None:
+        log.info("no bandwidth file: assuming %s per-GPU links and %s shared per root complex "
+                 "(run 'mobius topo --bench' on the server for measured figures)",
+                 ", ".join(f"{r / GB:.1f}" for r in h2d), ", ".join(f"{r / GB:.1f}" for r in rc_h))
+    return rc_h, rc_d
+
+
+def _p2p_pairs(topo: Any, gpus: list, bw: dict | None, link: float, p2p: bool | None
+               ) -> list[list[float | None]] | None:
+    """Peer rates per GPU pair (None where copies go through host memory), or None for no P2P at all."""
+    n = len(gpus)
+    allowed = getattr(topo, "p2p", None) or [[False] * n for _ in range(n)]
+    if p2p is False or n < 2:
+        return None
+    index = [int(g.index) for g in gpus]
+    measured = (bw or {}).get("p2p_GBps")
+    pairs: list[list[float | None]] = [[None] * n for _ in range(n)]
+    for a in range(n):
+        for b in range(n):
+            if a == b or not (allowed[index[a]][index[b]] or p2p):
+                continue
+            rate = measured[index[a]][index[b]] if measured else None
+            pairs[a][b] = float(rate) * GB if rate else (link if not measured else None)
+    return pairs if any(r for row in pairs for r in row) else None

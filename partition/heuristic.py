@@ -1,0 +1,100 @@
+"""A fast local search on the MIP's own timing model, to seed the MIP with a strong incumbent.
+
+For every stage count a time-proportional split is scored with :class:`ModelEvaluator`; the best
+few are improved by hill climbing (move one boundary by one unit, merge two neighbouring stages,
+split a stage in two) until no move helps or the evaluation budget is spent. The MIP then only
+has to beat (or prove it cannot beat) the result, which lets it cut most stage counts off early.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from partition.evaluate import ModelEvaluator
+
+
+@dataclass
+class Incumbent:
+    """The best partition found and the heuristic's value for each stage count."""
+
+    boundaries: list[int] | None
+    step_s: float
+    per_stage_count: dict[int, float]
+
+
+def proportional_split(costs: list[float], parts: int) -> list[int]:
+    """Boundaries cutting ``costs`` into ``parts`` non-empty runs of roughly equal sums."""
+    n = len(costs)
+    prefix = list(itertools.accumulate(costs))
+    total = prefix[-1] if prefix and prefix[-1] > 0 else float(n)
+    bounds = [0]
+    for k in range(1, parts):
+        target = total * k / parts
+        i = next((i + 1 for i, p in enumerate(prefix) if p >= target), n)
+        i = max(i, bounds[-1] + 1)
+        i = min(i, n - (parts - k))
+        bounds.append(i)
+    return bounds + [n]
+
+
+def neighbours(bounds: list[int]) -> list[list[int]]:
+    """Partitions one move away: shift a boundary, merge two stages, split a stage."""
+    out = []
+    for k in range(1, len(bounds) - 1):
+        for delta in (-1, 1):
+            b = bounds[k] + delta
+            if bounds[k - 1] < b < bounds[k + 1]:
+                out.append(bounds[:k] + [b] + bounds[k + 1:])
+        out.append(bounds[:k] + bounds[k + 1:])
+    for k in range(len(bounds) - 1):
+        a, b = bounds[k], bounds[k + 1]
+        if b - a >= 2:
+            out.append(bounds[:k + 1] + [(a + b) // 2] + bounds[k + 1:])
+    return out
+
+
+def find_incumbent(ev: ModelEvaluator, stage_counts: list[int], starts: int = 3,
+                   max_evaluations: int = 3000) -> Incumbent:
+    """Best partition by local search from time-proportional splits (see module docstring)."""
+    units = ev.profile.units
+    costs = [u.fwd_s + u.bwd_s for u in units]
+    per_s: dict[int, float] = {}
+    seeds: list[tuple[float, list[int]]] = []
+    for S in stage_counts:
+        bounds = proportional_split(costs, S)
+        value = ev.step_time(bounds)
+        per_s[S] = value
+        seeds.append((value, bounds))
+    seeds.sort(key=lambda x: x[0])
+    best_val, best = math.inf, None
+    budget = ev.evaluations + max_evaluations
+    allowed = set(stage_counts)
+    for value, bounds in seeds[:starts]:
+        if not math.isfinite(value):
+            break
+        value, bounds = _climb(ev, bounds, value, budget, per_s, allowed)
+        if value < best_val:
+            best_val, best = value, bounds
+    return Incumbent(best, best_val, per_s)
+
+
+def _climb(ev: ModelEvaluator, bounds: list[int], value: float, budget: int, per_s: dict[int, float],
+           allowed: set[int]) -> tuple[float, list[int]]:
+    """First-improvement hill climbing over :func:`neighbours` with stage counts in ``allowed``."""
+    improved = True
+    while improved and ev.evaluations < budget:
+        improved = False
+        for cand in neighbours(bounds):
+            if ev.evaluations >= budget:
+                break
+            if len(cand) - 1 not in allowed:
+                continue
+            v = ev.step_time(cand)
+            S = len(cand) - 1
+            per_s[S] = min(per_s.get(S, math.inf), v)
+            if v < value * (1 - 1e-9):
+                value, bounds, improved = v, cand, True
+                break
+    return value, bounds

@@ -1,0 +1,219 @@
+"""Moving tensors between workers, and ordering uploads that share a root complex.
+
+Links between the workers of adjacent stages:
+
+* :class:`LocalLink` — both stages on this worker: the tensor is handed over in memory;
+* :class:`GlooLink` — CPU workers (tests, the demo): gloo send/recv of CPU tensors;
+* :class:`StagedLink` — CUDA workers without peer-to-peer (consumer GPUs, or two workers sharing one
+  GPU): GPU -> pinned host buffer -> gloo -> pinned host buffer -> GPU, on side streams and threads;
+* :class:`NcclLink` — CUDA workers with peer-to-peer: NCCL send/recv, GPU to GPU.
+
+:class:`UploadArbiter` is the "priority prefetch" of Mobius §3.3 made real: CUDA stream priorities
+do not order copies, so uploads of workers under one root complex are cut into chunks and a chunk
+only starts when no upload of an earlier-starting stage under the same root complex is waiting.
+The pending order of every worker lives in a small memory-mapped file in /dev/shm (same host).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+Waiter = Callable[[], torch.Tensor]
+
+
+class Counters:
+    """Bytes moved by this worker in one step (host<->device and device<->device)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.h2d = self.d2h = self.p2p = 0
+
+    def add(self, h2d: int = 0, d2h: int = 0, p2p: int = 0) -> None:
+        with self.lock:
+            self.h2d += h2d
+            self.d2h += d2h
+            self.p2p += p2p
+
+    def take(self) -> tuple[int, int, int]:
+        with self.lock:
+            out = (self.h2d, self.d2h, self.p2p)
+            self.h2d = self.d2h = self.p2p = 0
+            return out
+
+
+class LocalLink:
+    """Adjacent stages on the same worker: nothing moves."""
+
+    def __init__(self) -> None:
+        self.box: dict[int, torch.Tensor] = {}
+
+    def send(self, t: torch.Tensor, tag: int) -> None:
+        self.box[tag] = t
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
+        return lambda: self.box.pop(tag)
+
+    def flush(self) -> None:
+        self.box.clear()
+
+
+class GlooLink:
+    """CPU tensors through gloo (CPU workers standing in for GPUs)."""
+
+    def __init__(self, peer: int, counters: Counters, group: dist.ProcessGroup | None = None):
+        self.peer, self.counters, self.group = peer, counters, group
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, t: torch.Tensor, tag: int) -> None:
+        t = t.detach().contiguous()
+        self.pending.append((dist.isend(t, self.peer, group=self.group, tag=tag), t))
+        self.counters.add(d2h=t.nbytes)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
+        buf = torch.empty(shape, dtype=dtype)
+        work = dist.irecv(buf, self.peer, group=self.group, tag=tag)
+        self.counters.add(h2d=buf.nbytes)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return buf
+        return wait
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+class StagedLink:
+    """GPU tensors through pinned host memory and gloo, for GPUs without peer-to-peer access."""
+
+    def __init__(self, peer: int, device: torch.device, counters: Counters, group: dist.ProcessGroup | None = None):
+        self.peer, self.device, self.counters, self.group = peer, device, counters, group
+        self.d2h_stream = torch.cuda.Stream(device)
+        self.h2d_stream = torch.cuda.Stream(device)
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix=f"send{peer}")
+        self.receiver = ThreadPoolExecutor(1, thread_name_prefix=f"recv{peer}")
+        self.sends: list[Future] = []
+
+    def send(self, t: torch.Tensor, tag: int) -> None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        t = t.detach()
+
+        def job() -> None:
+            torch.cuda.set_device(self.device)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(ready)
+                host.copy_(t, non_blocking=True)
+            self.d2h_stream.synchronize()
+            dist.send(host, self.peer, group=self.group, tag=tag)
+        self.sends.append(self.sender.submit(job))
+        self.counters.add(d2h=t.nbytes)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
+        def job() -> tuple[torch.Tensor, torch.cuda.Event]:
+            torch.cuda.set_device(self.device)
+            host = torch.empty(shape, dtype=dtype, pin_memory=True)
+            dist.recv(host, self.peer, group=self.group, tag=tag)
+            with torch.cuda.stream(self.h2d_stream):
+                dev = host.to(self.device, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.h2d_stream)
+            dev.record_stream(torch.cuda.current_stream(self.device))
+            return dev, done
+        fut = self.receiver.submit(job)
+        self.counters.add(h2d=int(np.prod(shape)) * dtype.itemsize)
+
+        def wait() -> torch.Tensor:
+            dev, done = fut.result()
+            torch.cuda.current_stream(self.device).wait_event(done)
+            return dev
+        return wait
+
+    def flush(self) -> None:
+        for f in self.sends:
+            f.result()
+        self.sends.clear()
+
+
+class NcclLink:
+    """GPU to GPU through NCCL, where peer-to-peer access works."""
+
+    def __init__(self, peer: int, device: torch.device, counters: Counters, group: dist.ProcessGroup):
+        self.peer, self.device, self.counters, self.group = peer, device, counters, group
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, t: torch.Tensor, tag: int) -> None:
+        t = t.detach().contiguous()
+        self.pending.append((dist.isend(t, self.peer, group=self.group), t))
+        self.counters.add(p2p=t.nbytes)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buf, self.peer, group=self.group)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return buf
+        return wait
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+class UploadArbiter:
+    """Serves uploads of workers under one root complex in the order their stages start.
+
+    ``acquire(order)`` blocks until no worker of this root complex has a pending upload with a
+    smaller order; call it before each chunk, and ``release()`` when the upload is done.
+    """
+
+    IDLE = np.iinfo(np.int64).max
+
+    def __init__(self, name: str, rank: int, world: int, peers: list[int], create: bool):
+        self.rank, self.peers = rank, [p for p in peers if p != rank]
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self.path = base / name
+        if create:
+            np.full(world, self.IDLE, dtype=np.int64).tofile(self.path)
+        self.owner = create
+        self.pending = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(world,))
+        self.waited_s = 0.0
+
+    def acquire(self, order: int) -> None:
+        self.pending[self.rank] = order
+        if not self.peers:
+            return
+        start = time.perf_counter()
+        while any(self.pending[p] < order for p in self.peers):
+            time.sleep(20e-6)
+        self.waited_s += time.perf_counter() - start
+
+    def release(self) -> None:
+        self.pending[self.rank] = self.IDLE
+
+    def close(self) -> None:
+        del self.pending
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+
+def arbiter_name() -> str:
+    """A shared-memory name unique to this run (the rendezvous port and the launcher's pid)."""
+    return f"mobius-{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('MOBIUS_RUN_ID', os.getppid())}"

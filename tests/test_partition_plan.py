@@ -1,0 +1,171 @@
+"""Plans, hardware from topology files, and the ``mobius plan`` command (no GPU needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+import topology
+from fixtures.partition.profiles import toy_profile
+from mobius import cli
+from mobius.commands import plan as plan_cmd
+from mobius.errors import ConfigError, MobiusError
+from mobius.models import get_preset, unit_specs
+from partition import Hardware, Plan, plan_model
+
+FIXTURES = Path(__file__).parent / "fixtures" / "partition"
+SMI_2X2 = FIXTURES / "paper_topo2x2_nvidia_smi.txt"
+BENCH_2X2 = FIXTURES / "bench_4gpu_2x2.json"
+GiB = 1 << 30
+
+OPT13B = """\
+model:
+  preset: opt-13b
+data:
+  seq_len: 512
+train:
+  micro_batch_size: 1
+  micro_batches: 4
+  precision: fp16
+parallel:
+  mode: pipeline
+  devices: 4
+  mapping: cross
+partition:
+  solver: auto
+  time_limit_s: 30
+  profile: estimated
+  gpu: rtx3090ti
+"""
+
+
+def _run_plan(argv: list[str]) -> int:
+    """``mobius plan ARGV`` through the command's own parser (as cli.main dispatches it)."""
+    parser = argparse.ArgumentParser(prog="mobius")
+    plan_cmd.add_parser(parser.add_subparsers(dest="command"))
+    args, extra = parser.parse_known_args(["plan", *argv])
+    assert args.accepts_overrides
+    args.overrides = extra
+    return args.func(args)
+
+
+@pytest.fixture
+def opt13b_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "opt13b.yaml"
+    path.write_text(OPT13B)
+    return path
+
+
+def test_plan_json_round_trip() -> None:
+    prof = toy_profile(blocks=8)
+    hw = Hardware.uniform(2, 2 * GiB, 10e9, groups=[[0], [1]])
+    plan = plan_model(prof, hw, micro_batches=2, mapping=[0, 1])
+    data = json.loads(json.dumps(plan.to_json()))
+    again = Plan.from_json(data)
+    assert again.to_json() == plan.to_json()
+    assert again.boundaries == plan.boundaries and again.stages[0] == plan.stages[0]
+    assert set(data["baselines"]) == {"minimum-stage", "maximum-stage", "time-balanced"}
+    assert data["mapping"]["stage_gpus"] == [plan.gpu_of_stage(j) for j in range(plan.num_stages)]
+
+
+def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
+    specs = unit_specs(get_preset("gpt2-xl"))
+    hw = Hardware.paper_3090ti()
+    plan = plan_model(specs, hw, micro_batches=4, micro_batch_size=2, seq_len=512, precision="fp16",
+                      profile="estimated", gpu="rtx3090ti")
+    assert plan.profile_source == "estimated" and plan.boundaries[-1] == len(specs)
+    assert plan.predicted_step_s >= plan.model_step_s * 0.999  # contention only adds time
+    assert all(v is None or v >= plan.predicted_step_s * 0.98 for v in plan.baselines.values())
+    assert max(plan.peak_bytes) <= hw.gpu_memory_bytes
+    assert 1.5 < plan.traffic["x_param_bytes"] < 4.0
+    text = plan.summary()
+    assert "predicted step time" in text and "baselines" in text and "peak GPU memory" in text
+
+
+def test_hardware_from_a_saved_nvidia_smi_topology_and_a_bandwidth_file() -> None:
+    topo = topology.load_topology(SMI_2X2)
+    with pytest.raises(ConfigError, match="partition.gpu"):
+        Hardware.from_topology(topo)  # the text names no GPU model and no memory size
+    hw = Hardware.from_topology(topo, gpu="rtx3090ti")
+    assert hw.groups == [[0, 1], [2, 3]] and hw.p2p_pairs_Bps is None
+    assert hw.gpu_memory_bytes == 24 * GiB - int(1.5 * GiB)
+    measured = Hardware.from_topology(topo, topology.load_bandwidth(BENCH_2X2), gpu="rtx3090ti", p2p=False)
+    assert measured.h2d_Bps[0] == pytest.approx(12.61e9) and measured.rc_h2d_Bps[0] == pytest.approx(12.8e9)
+    assert measured.subset([2, 3]).groups == [[0, 1]]
+
+
+def test_hardware_from_a_synthetic_topology() -> None:
+    hw = Hardware.from_topology(topology.Topology.synthetic([2, 2]))
+    assert hw.num_gpus == 4 and hw.gpu_names[0] == "NVIDIA GeForce RTX 3090"
+    assert hw.rc_h2d_Bps == [hw.h2d_Bps[0]] * 2
+
+
+def test_mobius_plan_for_opt_13b_on_the_papers_2x2_box_from_a_saved_file(opt13b_yaml: Path, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "trace.json"
+    assert _run_plan([str(opt13b_yaml), "--topology", str(SMI_2X2), "--json", "--trace", str(trace)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("stages", "mapping", "predicted_step_s", "baselines", "solver", "solve_s"):
+        assert key in out
+    assert out["boundaries"][-1] == 42 and out["mapping"]["slots"] == [0, 2, 1, 3]
+    assert out["solve_s"] < 10 and out["profile"]["source"] == "estimated"
+    assert all(isinstance(v, float) or v is None for v in out["baselines"].values())
+    assert "traceEvents" in json.loads(trace.read_text())
+
+
+def test_mobius_plan_prints_the_report(opt13b_yaml: Path, capsys: pytest.CaptureFixture) -> None:
+    assert _run_plan([str(opt13b_yaml), "--topology", str(SMI_2X2), "--bandwidth", str(BENCH_2X2),
+                      '--parallel.p2p="off"', "--timeline"]) == 0
+    text = capsys.readouterr().out
+    for part in ("profile: estimated", "stages:", "slots [0, 2, 1, 3]", "predicted step time", "peak GPU memory",
+                 "traffic per step", "x the parameter bytes", "minimum-stage", "GPU0 compute"):
+        assert part in text
+
+
+def test_mobius_plan_reports_a_model_that_cannot_fit(opt13b_yaml: Path) -> None:
+    with pytest.raises(MobiusError, match="short by"):
+        _run_plan([str(opt13b_yaml), "--gpus", "4", "--partition.gpu_memory_gib=0.5"])
+
+
+def test_mobius_plan_needs_a_topology_without_gpus(opt13b_yaml: Path) -> None:
+    if topology_available():
+        pytest.skip("this machine has GPUs to detect")
+    with pytest.raises(MobiusError, match="--topology FILE"):
+        _run_plan([str(opt13b_yaml)])
+
+
+def topology_available() -> bool:
+    try:
+        topology.detect()
+    except MobiusError:
+        return False
+    return True
+
+
+def test_cli_dispatches_plan_with_exit_code_2_on_errors(opt13b_yaml: Path, capsys: pytest.CaptureFixture) -> None:
+    if "plan" not in cli.COMMANDS:
+        pytest.skip("mobius.cli does not register the plan command yet")
+    assert cli.main(["plan", str(opt13b_yaml), "--gpus", "4", "--partition.gpu_memory_gib=0.5"]) == 2
+    assert "short by" in capsys.readouterr().err
+
+
+def test_mobius_plan_reads_the_architecture_of_a_checkpoint_directory(gpt2_dir: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"model:\n  checkpoint: {gpt2_dir}\ndata:\n  seq_len: 32\ntrain:\n  micro_batches: 2\n"
+                   f"partition:\n  profile: estimated\n  gpu: rtx3090\n")
+    assert _run_plan([str(cfg), "--gpus", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["unit_names"] == ["embed", "block.0", "block.1", "head"]  # the checkpoint's 2 layers
+    assert out["num_gpus"] == 2 and out["model"] == str(gpt2_dir)
+
+
+def test_plan_respects_a_minimum_stage_count() -> None:
+    prof = toy_profile(blocks=3, fwd_s=1e-5, param_bytes=1e6, act_bytes=20e6)  # moving activations dominates
+    hw = Hardware.uniform(4, 8 * GiB, 10e9, groups=[[0], [1], [2], [3]])
+    free = plan_model(prof, hw, micro_batches=4, mapping=[0, 1, 2, 3], with_baselines=False)
+    forced = plan_model(prof, hw, micro_batches=4, mapping=[0, 1, 2, 3], with_baselines=False, min_stages=4)
+    assert forced.num_stages >= 4 and free.num_stages < 4

@@ -1,0 +1,102 @@
+"""Unit profiling: measured on the CPU, estimated from the GPU catalogue, cached as JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mobius.errors import ConfigError
+from mobius.models import get_preset, unit_specs
+from mobius.models.gpt2 import GPT2Config
+from partition import ModelProfile, estimate_units, get_profile, lookup_gpu, profile_units
+from partition.profile import profile_key
+
+
+def _small_gpt() -> list:
+    cfg = GPT2Config(n_embd=384, n_layer=3, n_head=6, vocab_size=6144, n_positions=256, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return unit_specs(cfg)
+
+
+@pytest.fixture(scope="module")
+def measured() -> ModelProfile:
+    return profile_units(_small_gpt(), 2, 128, "fp32", "cpu", reps=5, warmup=2)
+
+
+def _shares(prof: ModelProfile) -> list[float]:
+    times = [u.fwd_s + u.bwd_s for u in prof.units]
+    return [t / sum(times) for t in times]
+
+
+def test_identical_units_are_profiled_once(measured: ModelProfile) -> None:
+    assert measured.source == "measured" and measured.device_name == "cpu"
+    assert measured.notes["distinct_units"] == 3
+    blocks = measured.units[1:-1]
+    assert len({(u.fwd_s, u.bwd_s, u.saved_bytes) for u in blocks}) == 1
+    assert [u.name for u in measured.units] == ["embed", "block.0", "block.1", "block.2", "head"]
+    for prev, unit in zip(measured.units, measured.units[1:]):
+        assert unit.in_bytes == prev.act_bytes  # a stage boundary's bytes agree on both sides
+    assert all(u.fwd_s > 0 and u.bwd_s > u.fwd_s for u in measured.units[1:])
+
+
+def test_estimate_matches_measured_proportions_between_units(measured: ModelProfile) -> None:
+    """Compute-bound units: the datasheet estimate and a CPU measurement split the time alike."""
+    cpu_like = {"base": "rtx3090", "fp32_tflops": 0.2, "mem_GBps": 20}
+    estimated = estimate_units(_small_gpt(), 2, 128, "fp32", cpu_like)
+    assert estimated.source == "estimated"
+    assert [u.param_bytes for u in estimated.units] == [u.param_bytes for u in measured.units]
+    for est, meas in zip(_shares(estimated)[1:], _shares(measured)[1:]):
+        assert est == pytest.approx(meas, rel=0.3)
+    block_est, block_meas = estimated.units[1], measured.units[1]
+    assert block_est.saved_bytes == pytest.approx(block_meas.saved_bytes, rel=0.3)
+    assert block_est.act_bytes == block_meas.act_bytes
+
+
+def test_estimate_scales_with_the_gpu() -> None:
+    specs = unit_specs(get_preset("opt-1.3b"))
+    slow = estimate_units(specs, 1, 512, "bf16", "rtx3090")
+    fast = estimate_units(specs, 1, 512, "bf16", "h100")
+    assert fast.units[1].fwd_s < slow.units[1].fwd_s / 5
+    assert slow.units[1].bwd_s == pytest.approx(3 * slow.units[1].fwd_s, rel=0.05)  # recompute + 2x backward
+    assert slow.units[1].param_bytes == 2 * specs[1].param_count
+
+
+def test_measured_profiles_are_cached_by_shape_batch_sequence_precision_and_device(tmp_path) -> None:
+    specs = unit_specs(get_preset("gpt2-tiny"))
+    first = get_profile(specs, 1, 32, "fp32", "measured", device="cpu", cache_dir=tmp_path)
+    files = list((tmp_path / "profiles").glob("*.json"))
+    assert len(files) == 1 and files[0].stem == profile_key(specs, 1, 32, "fp32", "cpu")
+    again = get_profile(specs, 1, 32, "fp32", "measured", device="cpu", cache_dir=tmp_path)
+    assert again.to_json() == first.to_json()
+    get_profile(specs, 2, 32, "fp32", "measured", device="cpu", cache_dir=tmp_path)
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
+    assert ModelProfile.from_json(json.loads(files[0].read_text())).to_json() == first.to_json()
+
+
+def test_estimated_profile_needs_a_gpu_model() -> None:
+    specs = unit_specs(get_preset("gpt2-tiny"))
+    with pytest.raises(ConfigError, match="partition.gpu"):
+        get_profile(specs, 1, 32, "bf16", "estimated")
+    with pytest.raises(ConfigError, match="unknown GPU"):
+        get_profile(specs, 1, 32, "bf16", "estimated", gpu="voodoo2")
+    prof = get_profile(specs, 1, 32, "bf16", "auto", gpu="rtx4090")
+    assert prof.source == "estimated" and prof.device_name == "rtx4090"
+
+
+def test_catalogue_understands_device_names() -> None:
+    assert lookup_gpu("NVIDIA GeForce RTX 3090 Ti").name == "rtx3090ti"
+    assert lookup_gpu("NVIDIA GeForce RTX 3090").name == "rtx3090"
+    assert lookup_gpu("NVIDIA H100 80GB HBM3").name == "h100"
+    assert lookup_gpu("NVIDIA A100-SXM4-80GB").name == "a100-80gb"
+    assert lookup_gpu("unknown") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_13b_shaped_model_profiles_on_one_gpu_in_well_under_a_minute() -> None:
+    specs = unit_specs(get_preset("opt-13b"))
+    prof = profile_units(specs, 1, 512, "bf16", "cuda")
+    assert prof.profile_s < 60 and prof.notes["distinct_units"] == 3
+    assert all(u.work_bytes >= 0 and u.fwd_s > 0 for u in prof.units)
