@@ -183,7 +183,9 @@ class PipelineEngine:
         io = StepIO([x for x, _ in batches], [y for _, y in batches], step, scale / M, self.dropout_seed, lr)
         local = self.ex.run(self.train_sched, io, True, self._order(self.train_sched))
         self.ex.order_base += 1 << 20
-        sumsq = sum(f.result() for f in local.downloads.values()) + self._sum_tied()
+        for f in local.downloads.values():
+            f.result()
+        sumsq = sum(float(t) for t in local.sumsq) + self._sum_tied()
         h2d, d2h, p2p = self.counters.take()
         vec = torch.tensor([sumsq, local.loss_sum, local.losses, h2d, d2h, p2p, local.stall_s], dtype=torch.float64)
         dist.all_reduce(vec)

@@ -62,7 +62,8 @@ class StepLocal:
     loss_sum: float = 0.0
     losses: int = 0
     stall_s: float = 0.0
-    downloads: dict[int, Future] = field(default_factory=dict)  # stage -> sum of squares (future)
+    downloads: dict[int, Future] = field(default_factory=dict)  # stage -> its gradient arrival on the host
+    sumsq: list[torch.Tensor] = field(default_factory=list)  # per stage, on the device
 
 
 class Executor:
@@ -330,6 +331,7 @@ class Executor:
         slot, host, n = self.slot_of[j], self.hosts[j], self.layouts[j].numel
         host.updated.clear()
         src = slot.acc[:n] if slot.acc is not None else slot.grads[:n]  # fp32 either way
+        self.local.sumsq.append(self._sumsq(src, self.skip.get(j)))
         done = None
         if self.cuda:
             ready = torch.cuda.Event()
@@ -345,14 +347,20 @@ class Executor:
         self.counters.add(d2h=n * src.element_size())
         self.local.downloads[j] = self.optim.submit(self._grad_arrived, j, done)
 
-    def _grad_arrived(self, j: int, done: torch.cuda.Event | None) -> float:
-        """(Optimizer thread) the stage's sum of squares; with ``immediate`` updates, its AdamW step."""
+    @staticmethod
+    def _sumsq(g: torch.Tensor, skip: tuple[int, int] | None) -> torch.Tensor:
+        """Sum of squared gradients (on the device), leaving out a tied range counted elsewhere."""
+        if skip is None:
+            return torch.dot(g, g)
+        a, b = g[:skip[0]], g[skip[0] + skip[1]:]
+        return torch.dot(a, a) + torch.dot(b, b)
+
+    def _grad_arrived(self, j: int, done: torch.cuda.Event | None) -> None:
+        """(Optimizer thread) the stage's gradients are on the host: with ``immediate`` updates, step."""
         if done is not None:
             done.synchronize()
-        sumsq = self.hosts[j].sumsq(self.skip.get(j))
         if self.immediate and j not in self.skip:
             self.update(j, self.io.lr, 1.0)
-        return sumsq
 
     def update(self, j: int, lr: float, grad_factor: float) -> None:
         """(Optimizer thread) AdamW on stage j's master weights; unblocks its next upload."""

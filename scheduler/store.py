@@ -21,7 +21,6 @@ from mobius.errors import MobiusError
 from scheduler.stages import StageLayout
 
 log = logging.getLogger(__name__)
-CHUNK = 1 << 24  # elements per chunk of host-side passes (bounded temporaries)
 
 
 def host_bytes(layouts: list[StageLayout], train_dtype: torch.dtype) -> int:
@@ -77,17 +76,6 @@ class HostStage:
     def refresh_half(self) -> None:
         if self.half is not self.master:
             self.half.copy_(self.master)
-
-    def sumsq(self, skip: tuple[int, int] | None = None) -> float:
-        """Sum of squared gradient entries (fp32 accumulation), leaving out ``skip`` = (offset, numel)."""
-        n = self.layout.numel
-        ranges = [(0, n)] if skip is None else [(0, skip[0]), (skip[0] + skip[1], n)]
-        total = 0.0
-        for lo, hi in ranges:
-            for start in range(lo, hi, CHUNK):
-                chunk = self.grad[start:min(start + CHUNK, hi)]
-                total += float(torch.dot(chunk, chunk))
-        return total
 
     def update(self, lr: float, grad_factor: float) -> None:
         """AdamW on the master weights with grad = host grad * grad_factor; refresh the half copy."""
