@@ -73,6 +73,8 @@ class PipelineEngine:
             raise MobiusError(f"worker {self.rank} has no stage: {spec.num_stages} stages for {self.world} workers")
         check_host_memory(host_bytes([self.layouts[j] for j in mine], self.dtype), f"worker {self.rank}'s stages")
         pin = device.type == "cuda"
+        if pin and torch.get_num_threads() > 4:
+            torch.set_num_threads(torch.get_num_threads() - 2)  # cores left for the dispatch and copy threads
         self.hosts = {j: HostStage(self.layouts[j], self.dtype, cfg.train, pin) for j in mine}
         self._load_weights(_weights_source(cfg, resume_dir))
         self.counters = Counters()

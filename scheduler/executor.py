@@ -59,7 +59,7 @@ class StepIO:
 class StepLocal:
     """What one worker saw in a step (reduced across workers by the engine)."""
 
-    loss_sum: float = 0.0
+    loss_sum: torch.Tensor | float = 0.0  # on the device until the step ends (no sync per micro-batch)
     losses: int = 0
     stall_s: float = 0.0
     downloads: dict[int, Future] = field(default_factory=dict)  # stage -> its gradient arrival on the host
@@ -98,6 +98,7 @@ class Executor:
     # ---- the dispatch loop ----------------------------------------------------------------------
     def run(self, sched: Schedule, io: StepIO, train: bool, upload_order: dict[tuple[int, str], int]) -> StepLocal:
         self.io, self.sched, self.train, self.local = io, sched, train, StepLocal()
+        self.batches = self._stage_batches(sched, io)
         self.upload_order = upload_order
         self.saved: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -117,6 +118,7 @@ class Executor:
             torch.cuda.synchronize(self.device)
             self.local.stall_s += sum(a.elapsed_time(b) for a, b in self.stall_events) / 1e3
             self.stall_events.clear()
+        self.local.loss_sum = float(self.local.loss_sum)
         return self.local
 
     # ---- swaps ----------------------------------------------------------------------------------
@@ -252,7 +254,7 @@ class Executor:
 
     def _input(self, j: int, m: int) -> torch.Tensor:
         if j == 0:
-            return self.io.inputs[m].to(self.device, non_blocking=True)
+            return self.batches["inputs"][m]
         return self.waiting.pop(("a", j, m))()
 
     def _forward(self, a: Action) -> None:
@@ -262,7 +264,7 @@ class Executor:
         with torch.no_grad(), autocast(self.device, self.precision):
             y = self._run(j, x, m)
             if j == self.sched.num_stages - 1:  # evaluation: the last stage's forward ends in the loss
-                self._count_loss(lm_loss(y, self.io.targets[m].to(self.device)))
+                self._count_loss(lm_loss(y, self.batches["targets"][m]))
                 return
         if self.train:
             offload = self.offload_inputs and x.is_floating_point() and j != self.last_mine
@@ -277,7 +279,7 @@ class Executor:
         if x.is_floating_point():
             x = x.detach().requires_grad_()
         with autocast(self.device, self.precision):
-            loss = lm_loss(self._run(j, x, m), self.io.targets[m].to(self.device))
+            loss = lm_loss(self._run(j, x, m), self.batches["targets"][m])
         (loss * self.io.loss_factor).backward()
         self._count_loss(loss.detach())
         self._accumulate(slot, j)
@@ -306,8 +308,19 @@ class Executor:
             slot.grads[:n].zero_()
 
     def _count_loss(self, loss: torch.Tensor) -> None:
-        self.local.loss_sum += float(loss)
+        self.local.loss_sum = self.local.loss_sum + loss.detach().float()
         self.local.losses += 1
+
+    def _stage_batches(self, sched: Schedule, io: StepIO) -> dict[str, list[torch.Tensor]]:
+        """Token ids for stage 0 and targets for the last stage, copied to the device up front
+        (pinned, asynchronous: a pageable copy would stall the host every micro-batch)."""
+        def put(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            if not self.cuda:
+                return ts
+            return [t.pin_memory().to(self.device, non_blocking=True) for t in ts]
+        mine = set(self.hosts)
+        return {"inputs": put(io.inputs) if 0 in mine else [],
+                "targets": put(io.targets) if sched.num_stages - 1 in mine else []}
 
     # ---- transfers ------------------------------------------------------------------------------
     def _tag(self, kind: str, sender_stage: int, m: int) -> int:
