@@ -80,8 +80,8 @@ def result_row(name: str, t: float, n_params: int, tokens: int, stats: list, **e
     row = {"name": name, "step_s": round(t, 4), "tokens_per_s": round(tokens / t), "tflops": round(6 * n_params * tokens / t / 1e12, 1),
            "peak_gib": round(peak, 2), "loss": round(stats[-1].loss, 4)}
     if stats and stats[-1].extra:
-        row.update({k: stats[-1].extra[k] for k in ("h2d_bytes", "d2h_bytes", "p2p_bytes", "traffic_x_params", "stall_s")
-                    if k in stats[-1].extra})
+        keys = ("h2d_bytes", "d2h_bytes", "p2p_bytes", "traffic_x_params", "stall_s", "upload_wait_s", "cpu_adam_s")
+        row.update({k: round(sum(s.extra[k] for s in stats) / len(stats), 4) for k in keys if k in stats[-1].extra})
     row.update(extra)
     return row
 
@@ -102,7 +102,7 @@ def run_ref(args: argparse.Namespace) -> dict:
     return row
 
 
-def run_mobius(args: argparse.Namespace) -> dict:
+def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     import torch.distributed as dist
 
     from scheduler.engine import PipelineEngine
@@ -119,10 +119,12 @@ def run_mobius(args: argparse.Namespace) -> dict:
     device = worker_device(cfg, 0)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     engine = PipelineEngine(cfg, mc, spec, device)
+    engine.ex.skip_updates = variant == "no-update"
     t, stats = time_engine(engine, args, mc.vocab_size)
     tokens = args.mbs * args.micro_batches * args.seq
     predicted = getattr(spec, "predicted_step_s", None)
-    row = result_row(f"mobius pipeline, {args.cap_gib} GiB cap", t, param_count(mc), tokens, stats,
+    name = f"mobius pipeline, {args.cap_gib:g} GiB cap" + (f" [{variant}]" if variant else "")
+    row = result_row(name, t, param_count(mc), tokens, stats,
                      stages=spec.num_stages, boundaries=list(spec.boundaries), plan_s=round(plan_s, 2),
                      predicted_step_s=predicted)
     engine.close()
@@ -146,6 +148,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
+    p.add_argument("--variants", default="", help="extra pipeline runs for a profile: no-update (no CPU AdamW: "
+                   "the GPU side alone), no-prefetch, stages=N")
     args = p.parse_args()
     if args.smoke:
         args.preset, args.seq, args.mbs, args.micro_batches, args.steps, args.warmup = "gpt2-tiny", 32, 2, 2, 2, 1
@@ -154,6 +158,14 @@ def main() -> None:
     rows = []
     for what in args.what.split(","):
         rows.append({"ref": run_ref, "mobius": run_mobius}[what](args))
+        print(json.dumps(rows[-1]), flush=True)
+    for variant in filter(None, args.variants.split(",")):
+        v = argparse.Namespace(**vars(args))
+        if variant == "no-prefetch":
+            v.no_prefetch = True
+        elif variant.startswith("stages="):
+            v.stages = int(variant.split("=")[1])
+        rows.append(run_mobius(v, variant))
         print(json.dumps(rows[-1]), flush=True)
     report(rows, args)
 

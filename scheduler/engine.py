@@ -189,7 +189,9 @@ class PipelineEngine:
             f.result()
         sumsq = sum(float(t) for t in local.sumsq) + self._sum_tied()
         h2d, d2h, p2p = self.counters.take()
-        vec = torch.tensor([sumsq, local.loss_sum, local.losses, h2d, d2h, p2p, local.stall_s], dtype=torch.float64)
+        update_s, self.ex.update_s = self.ex.update_s, 0.0
+        vec = torch.tensor([sumsq, local.loss_sum, local.losses, h2d, d2h, p2p, local.stall_s, local.wait_s, update_s],
+                           dtype=torch.float64)
         dist.all_reduce(vec)
         norm = math.sqrt(vec[0]) if math.isfinite(vec[0]) else float("inf")
         norm /= scale
@@ -204,7 +206,8 @@ class PipelineEngine:
                 self.ex.optim.submit(self.ex.update, j, lr, factor)
         moved = float(vec[3] + vec[4] + vec[5])
         extra = {"h2d_bytes": int(vec[3]), "d2h_bytes": int(vec[4]), "p2p_bytes": int(vec[5]),
-                 "traffic_x_params": round(moved / self.param_bytes, 3), "stall_s": round(float(vec[6]) / self.world, 4)}
+                 "traffic_x_params": round(moved / self.param_bytes, 3), "stall_s": round(float(vec[6]) / self.world, 4),
+                 "upload_wait_s": round(float(vec[7]) / self.world, 4), "cpu_adam_s": round(float(vec[8]) / self.world, 4)}
         return StepStats(float(vec[1] / vec[2]), norm, skipped, self.scaler.scale if self.scaler.enabled else 1.0, extra)
 
     def _sum_tied(self) -> float:

@@ -61,7 +61,8 @@ class StepLocal:
 
     loss_sum: torch.Tensor | float = 0.0  # on the device until the step ends (no sync per micro-batch)
     losses: int = 0
-    stall_s: float = 0.0
+    stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
+    wait_s: float = 0.0  # host blocked waiting for uploads (which wait for the stage's CPU update)
     downloads: dict[int, Future] = field(default_factory=dict)  # stage -> its gradient arrival on the host
     sumsq: list[torch.Tensor] = field(default_factory=list)  # per stage, on the device
 
@@ -89,6 +90,8 @@ class Executor:
         self.immediate = False  # update each stage as soon as its gradients arrive (no clipping, no fp16)
         self.failure: BaseException | None = None
         self.offload_inputs = False  # boundary inputs wait for their backward in host memory
+        self.update_s = 0.0  # time the optimizer thread spent in AdamW (read and reset by the engine)
+        self.skip_updates = False  # ablation for benchmarks: no AdamW (measures the GPU side alone)
         self.last_mine = max(hosts)  # this worker's last forward stage: its backward follows at once
         self.slot_of: dict[int, DeviceSlot] = {}
         self.uploads: list[Future] = []
@@ -223,6 +226,7 @@ class Executor:
         if not slot.ready.is_set():
             t0 = time.perf_counter()
             slot.ready.wait()
+            self.local.wait_s += time.perf_counter() - t0
             if not self.cuda:
                 self.local.stall_s += time.perf_counter() - t0
         self.check()
@@ -377,11 +381,14 @@ class Executor:
 
     def update(self, j: int, lr: float, grad_factor: float) -> None:
         """(Optimizer thread) AdamW on stage j's master weights; unblocks its next upload."""
+        t0 = time.perf_counter()
         try:
-            self.hosts[j].update(lr, grad_factor)
+            if not self.skip_updates:
+                self.hosts[j].update(lr, grad_factor)
         except BaseException as e:
             self.failure = self.failure or e
         finally:
+            self.update_s += time.perf_counter() - t0
             self.hosts[j].updated.set()
 
     def close(self) -> None:
