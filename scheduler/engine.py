@@ -185,7 +185,8 @@ class PipelineEngine:
         io = StepIO([x for x, _ in batches], [y for _, y in batches], step, scale / M, self.dropout_seed, lr)
         local = self.ex.run(self.train_sched, io, True, self._order(self.train_sched))
         self.ex.order_base += 1 << 20
-        queued = {j for j, f in local.downloads.items() if f.result()}  # gradients on the host; updates queued
+        for f in local.downloads.values():
+            f.result()
         sumsq = sum(float(t) for t in local.sumsq) + self._sum_tied()
         h2d, d2h, p2p = self.counters.take()
         update_s, self.ex.update_s = self.ex.update_s, 0.0
@@ -197,8 +198,8 @@ class PipelineEngine:
         skipped = self.scaler.update(not math.isfinite(norm))
         factor = clip_coefficient(norm, self.cfg.train.grad_clip) / scale
         for j in sorted(self.hosts):
-            if j in queued:
-                continue  # its update was queued as its gradients arrived
+            if self.hosts[j].updated.is_set():
+                continue  # already updated as its gradients arrived
             if skipped:
                 self.hosts[j].updated.set()
             else:

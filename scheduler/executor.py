@@ -133,7 +133,6 @@ class Executor:
             self.d2h_stream = torch.cuda.Stream(device)
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
         self.optim = EarliestFirst()
-        self._arrivals = ThreadPoolExecutor(1, thread_name_prefix="grad-arrivals")
         self.skip: dict[int, tuple[int, int]] = {}  # stage -> tied range (offset, numel) kept out of its sumsq
         self.immediate = False  # update each stage as soon as its gradients arrive (no clipping, no fp16)
         self.failure: BaseException | None = None
@@ -410,7 +409,7 @@ class Executor:
         else:
             host.grad.copy_(src)
         self.counters.add(d2h=n * src.element_size())
-        self.local.downloads[j] = self._arrivals.submit(self._when_downloaded, j, done)
+        self.local.downloads[j] = self.optim.submit(j, self._grad_arrived, j, done)
 
     @staticmethod
     def _sumsq(g: torch.Tensor, skip: tuple[int, int] | None) -> torch.Tensor:
@@ -420,16 +419,12 @@ class Executor:
         a, b = g[:skip[0]], g[skip[0] + skip[1]:]
         return torch.dot(a, a) + torch.dot(b, b)
 
-    def _when_downloaded(self, j: int, done: torch.cuda.Event | None) -> bool:
-        """(Arrival thread, in download order) wait until stage j's gradients are on the host; with
-        ``immediate`` updates, queue its AdamW step (the queue only ever holds runnable work; the
-        step may still be running when the next training step starts). Returns whether it queued."""
+    def _grad_arrived(self, j: int, done: torch.cuda.Event | None) -> None:
+        """(Optimizer thread) the stage's gradients are on the host: with ``immediate`` updates, step."""
         if done is not None:
             done.synchronize()
         if self.immediate and j not in self.skip:
-            self.optim.submit(j, self.update, j, self.io.lr, 1.0)
-            return True
-        return False
+            self.update(j, self.io.lr, 1.0)
 
     def update(self, j: int, lr: float, grad_factor: float) -> None:
         """(Optimizer thread) AdamW on stage j's master weights; unblocks its next upload."""
@@ -445,5 +440,4 @@ class Executor:
 
     def close(self) -> None:
         self.copier.shutdown(wait=True)
-        self._arrivals.shutdown(wait=True)
         self.optim.shutdown()
