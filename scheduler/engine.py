@@ -203,7 +203,7 @@ class PipelineEngine:
             if skipped:
                 self.hosts[j].updated.set()
             else:
-                self.ex.optim.submit(j, self.ex.update, j, lr, factor)
+                self.ex.optim.submit(self.ex.update, j, lr, factor)
         moved = float(vec[3] + vec[4] + vec[5])
         extra = {"h2d_bytes": int(vec[3]), "d2h_bytes": int(vec[4]), "p2p_bytes": int(vec[5]),
                  "traffic_x_params": round(moved / self.param_bytes, 3), "stall_s": round(float(vec[6]) / self.world, 4),

@@ -10,13 +10,11 @@ unit modules (built once on the meta device) compute on whatever slot holds them
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -30,51 +28,6 @@ from scheduler.store import HostStage
 
 log = logging.getLogger(__name__)
 UPLOAD_CHUNK = 64 << 20  # bytes per arbitrated upload chunk
-
-
-class EarliestFirst:
-    """The CPU optimizer's queue: one thread that always runs the pending task of the lowest stage.
-
-    Gradients arrive in descending stage order (the backward), but the next step's forward needs
-    the updated weights in ascending order. First-come-first-served would leave stage 0 -- needed
-    first -- at the back of the queue when the backward ends; earliest-deadline-first runs it at
-    once and spreads the remaining updates over the next forward.
-    """
-
-    def __init__(self) -> None:
-        self.heap: list[tuple[int, int, Callable, tuple, Future]] = []
-        self.cond = threading.Condition()
-        self.seq = 0
-        self.closed = False
-        self.thread = threading.Thread(target=self._loop, name="cpu-adam", daemon=True)
-        self.thread.start()
-
-    def submit(self, priority: int, fn: Callable, *args) -> Future:
-        fut: Future = Future()
-        with self.cond:
-            heapq.heappush(self.heap, (priority, self.seq, fn, args, fut))
-            self.seq += 1
-            self.cond.notify()
-        return fut
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while not self.heap and not self.closed:
-                    self.cond.wait()
-                if not self.heap:
-                    return
-                _, _, fn, args, fut = heapq.heappop(self.heap)
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:
-                fut.set_exception(e)
-
-    def shutdown(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify()
-        self.thread.join()
 
 
 class DeviceSlot:
@@ -132,7 +85,7 @@ class Executor:
             self.copy_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
-        self.optim = EarliestFirst()
+        self.optim = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam")
         self.skip: dict[int, tuple[int, int]] = {}  # stage -> tied range (offset, numel) kept out of its sumsq
         self.immediate = False  # update each stage as soon as its gradients arrive (no clipping, no fp16)
         self.failure: BaseException | None = None
@@ -409,7 +362,7 @@ class Executor:
         else:
             host.grad.copy_(src)
         self.counters.add(d2h=n * src.element_size())
-        self.local.downloads[j] = self.optim.submit(j, self._grad_arrived, j, done)
+        self.local.downloads[j] = self.optim.submit(self._grad_arrived, j, done)
 
     @staticmethod
     def _sumsq(g: torch.Tensor, skip: tuple[int, int] | None) -> torch.Tensor:
@@ -440,4 +393,4 @@ class Executor:
 
     def close(self) -> None:
         self.copier.shutdown(wait=True)
-        self.optim.shutdown()
+        self.optim.shutdown(wait=True)
