@@ -111,6 +111,8 @@ class ParallelSection:
     offload_inputs: Literal["auto", "on", "off"] = _f("auto", "Keep each stage's boundary inputs in host memory "
                                                       "between its forward and backward: auto (when GPU memory "
                                                       "is short), on, off.")
+    trace_step: int = _f(0, "Write a Chrome trace (Perfetto) of this training step to output.dir (0: none); "
+                         "same tracks as the simulator's trace from 'mobius plan --trace'.")
     stages: int = _f(0, "Pipeline stages; 0 lets the partitioner choose. A number splits the units evenly "
                      "(for experiments).")
 

@@ -26,7 +26,7 @@ from mobius.models import ModelConfig, dropout_active, hidden_size, init_unit, t
 from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _replace_dir, config_to_hf, from_hf, to_hf
 from mobius.optim import LossScaler, clip_coefficient
 from scheduler.comm import Counters, GlooLink, LocalLink, NcclLink, StagedLink, UploadArbiter, arbiter_name
-from scheduler.executor import Executor, StepIO
+from scheduler.executor import Executor, StepIO, StepTrace
 from scheduler.schedule import Schedule, build_schedule, uploads_in_order
 from scheduler.stages import stage_layouts, unit_prefix, views
 from scheduler.store import HostStage, check_host_memory, host_bytes
@@ -183,6 +183,9 @@ class PipelineEngine:
         M = len(batches)
         scale = self.scaler.loss_factor()
         io = StepIO([x for x, _ in batches], [y for _, y in batches], step, scale / M, self.dropout_seed, lr)
+        tracing = self.cfg.parallel.trace_step == step + 1
+        if tracing:
+            self.ex.trace = StepTrace(self.device)
         local = self.ex.run(self.train_sched, io, True, self._order(self.train_sched))
         self.ex.order_base += 1 << 20
         for f in local.downloads.values():
@@ -204,11 +207,34 @@ class PipelineEngine:
                 self.hosts[j].updated.set()
             else:
                 self.ex.optim.submit(self.ex.update, j, lr, factor)
+        if tracing:
+            self._write_trace(step + 1)
         moved = float(vec[3] + vec[4] + vec[5])
         extra = {"h2d_bytes": int(vec[3]), "d2h_bytes": int(vec[4]), "p2p_bytes": int(vec[5]),
                  "traffic_x_params": round(moved / self.param_bytes, 3), "stall_s": round(float(vec[6]) / self.world, 4),
                  "upload_wait_s": round(float(vec[7]) / self.world, 4), "cpu_adam_s": round(float(vec[8]) / self.world, 4)}
         return StepStats(float(vec[1] / vec[2]), norm, skipped, self.scaler.scale if self.scaler.enabled else 1.0, extra)
+
+    def _write_trace(self, step: int) -> None:
+        """Finish the traced step (its CPU updates included) and write one Chrome trace for all workers."""
+        import json
+        import os
+
+        self.sync()
+        trace, self.ex.trace = self.ex.trace, None
+        events = trace.events(self.rank + 1)
+        events.insert(0, {"name": "process_name", "ph": "M", "pid": self.rank + 1, "args": {"name": f"worker {self.rank} "
+                          f"({self.device})"}})
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, events)
+        if self.is_main:
+            out = Path(self.cfg.output.dir) / f"trace-step{step}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_text(json.dumps({"traceEvents": [e for part in gathered for e in part], "displayTimeUnit": "ms",
+                                       "otherData": {"generator": "mobius runtime", "step": step}}))
+            os.replace(tmp, out)
+            log.info("wrote %s (open it in https://ui.perfetto.dev)", out)
 
     def _sum_tied(self) -> float:
         """Sum the two ends' gradients of the tied weight (both ends then take the same update);

@@ -30,6 +30,47 @@ log = logging.getLogger(__name__)
 UPLOAD_CHUNK = 64 << 20  # bytes per arbitrated upload chunk
 
 
+class StepTrace:
+    """Spans of one step's work on the simulator's tracks (compute, h2d, d2h, cpu): CUDA events on
+    the GPU (turned into times once the step has finished), ``perf_counter`` otherwise."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.spans: list[tuple[str, str, object, object]] = []
+        self.lock = threading.Lock()
+        if self.cuda:
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record(torch.cuda.current_stream(device))
+
+    def mark(self, stream: "torch.cuda.Stream | None" = None) -> object:
+        if self.cuda and stream is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            return e
+        return time.perf_counter()
+
+    def add(self, track: str, name: str, start: object, end: object) -> None:
+        with self.lock:
+            self.spans.append((track, name, start, end))
+
+    def _seconds(self, m: object) -> float:
+        if isinstance(m, float):
+            return m - self.t0
+        return self.ref.elapsed_time(m) / 1e3
+
+    def events(self, pid: int) -> list[dict]:
+        """Chrome-trace events (call after the step's work has finished)."""
+        tracks = ["compute", "h2d", "d2h", "p2p", "cpu"]
+        out = [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}
+               for t, n in enumerate(tracks)]
+        for track, name, a, b in self.spans:
+            start, end = self._seconds(a), self._seconds(b)
+            out.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6, "pid": pid,
+                        "tid": tracks.index(track)})
+        return out
+
+
 class DeviceSlot:
     """One stage's worth of device memory: parameters, gradients (and an fp32 accumulator)."""
 
@@ -91,6 +132,7 @@ class Executor:
         self.failure: BaseException | None = None
         self.offload_inputs = False  # boundary inputs wait for their backward in host memory
         self.update_s = 0.0  # time the optimizer thread spent in AdamW (read and reset by the engine)
+        self.trace: StepTrace | None = None  # set for the one step being traced
         self.skip_updates = False  # ablation for benchmarks: no AdamW (measures the GPU side alone)
         self.last_mine = max(hosts)  # this worker's last forward stage: its backward follows at once
         self.slot_of: dict[int, DeviceSlot] = {}
@@ -110,8 +152,14 @@ class Executor:
                     "backward": self._backward, "recv_act": self._recv, "recv_grad": self._recv,
                     "send_act": self._send, "send_grad": self._send, "download": self._download,
                     "update": lambda a: None}
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
         for action in sched.actions[self.rank]:
-            handlers[action.kind](action)
+            if self.trace is not None and action.kind in ("forward", "fb", "backward"):
+                start = self.trace.mark(stream)
+                handlers[action.kind](action)
+                self.trace.add("compute", str(action), start, self.trace.mark(stream))
+            else:
+                handlers[action.kind](action)
         for link in self.links.values():
             link.flush()
         for f in self.uploads:
@@ -160,10 +208,13 @@ class Executor:
         n = host.layout.numel
         src, dst = host.half[:n], slot.params[:n]
         step = max(1, UPLOAD_CHUNK // src.element_size())
+        start = self.trace.mark(self.copy_stream if self.cuda else None) if self.trace is not None else None
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 if slot.released is not None:
                     self.copy_stream.wait_event(slot.released)
+                if start is not None:
+                    start = self.trace.mark(self.copy_stream)
                 for lo in range(0, n, step):
                     self.arbiter.acquire(order)
                     dst[lo:lo + step].copy_(src[lo:lo + step], non_blocking=True)
@@ -176,6 +227,8 @@ class Executor:
             dst.copy_(src)
         self.arbiter.release()
         self.counters.add(h2d=n * src.element_size())
+        if start is not None:
+            self.trace.add("h2d", f"U{j}", start, self.trace.mark(self.copy_stream if self.cuda else None))
 
     def _offload_input(self, x: torch.Tensor) -> tuple:
         """A stage's boundary input goes to pinned host memory until its backward."""
@@ -355,12 +408,18 @@ class Executor:
             ready.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(ready)
+                start = self.trace.mark(self.d2h_stream) if self.trace is not None else None
                 host.grad.copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.d2h_stream)
+                if start is not None:
+                    self.trace.add("d2h", f"D{j}", start, self.trace.mark(self.d2h_stream))
             slot.released = done  # the slot is reused only after the copy has read it
         else:
+            start = time.perf_counter()
             host.grad.copy_(src)
+            if self.trace is not None:
+                self.trace.add("d2h", f"D{j}", start, time.perf_counter())
         self.counters.add(d2h=n * src.element_size())
         self.local.downloads[j] = self.optim.submit(self._grad_arrived, j, done)
 
@@ -382,9 +441,12 @@ class Executor:
     def update(self, j: int, lr: float, grad_factor: float) -> None:
         """(Optimizer thread) AdamW on stage j's master weights; unblocks its next upload."""
         t0 = time.perf_counter()
+        trace = self.trace
         try:
             if not self.skip_updates:
                 self.hosts[j].update(lr, grad_factor)
+            if trace is not None:
+                trace.add("cpu", f"O{j}", t0, time.perf_counter())
         except BaseException as e:
             self.failure = self.failure or e
         finally:

@@ -125,6 +125,33 @@ def test_pipeline_variants_match_reference(tmp_path: Path, deep_checkpoint: Path
     _compare(tmp_path / "ref", tmp_path / "pipe", atol=1e-5)
 
 
+def test_pipeline_fp16_with_loss_scaling(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
+    """fp16: dynamic loss scaling across workers (the overflow check is global); close to the reference."""
+    t = {"precision": "fp16"}
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", train=t))
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe", train=t,
+               parallel={"mode": "pipeline", "devices": 2, "stages": 4}))
+    rows = [json.loads(x) for x in (tmp_path / "pipe" / "metrics.jsonl").read_text().splitlines()]
+    assert all("loss_scale" in r for r in rows)
+    la = [json.loads(x)["loss"] for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(la), rtol=0, atol=3e-2)
+
+
+def test_host_memory_is_checked_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mobius.errors import MobiusError
+    from mobius.models import get_preset, tied_weights
+    from scheduler import store
+    from scheduler.stages import stage_layouts
+
+    cfg = get_preset("opt-1.3b")
+    layouts = stage_layouts(cfg, [0, 13, 26], tied_weights(cfg))
+    need = store.host_bytes(layouts, torch.bfloat16)
+    assert need == sum(lay.numel for lay in layouts) * 18  # fp32 master + AdamW + bf16 copy + fp32 grads
+    monkeypatch.setattr(store, "available_host_bytes", lambda: 8 * 2**30)
+    with pytest.raises(MobiusError, match=r"needs 2[0-9.]+ GiB of host memory .* only 8\.0 GiB is available"):
+        store.check_host_memory(need, "worker 0's stages")
+
+
 def test_pipeline_bf16_is_close_to_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
     """bf16: half-precision weights and boundary activations in the pipeline, fp32 masters and
     autocast in the reference: close, not equal (tolerance 3e-2 on the loss)."""
@@ -207,10 +234,15 @@ def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path) -> None:
     """The issue's check: the demo config, planned by partition/, on 2 CPU workers == single."""
     common = [f"--data.cache_dir={tmp_path / 'cache'}", "--train.max_steps=4", "--train.eval_every=2",
               f"--partition.cache_dir={tmp_path / 'cache'}"]
-    for name, extra in (("single", []), ("pipe", ["--parallel.mode=pipeline", "--parallel.devices=2"])):
+    pipe = ["--parallel.mode=pipeline", "--parallel.devices=2", "--parallel.trace_step=2"]
+    for name, extra in (("single", []), ("pipe", pipe)):
         r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", str(ROOT / "configs" / "demo.yaml"),
                             f"--output.dir={tmp_path / name}", *common, *extra], capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
     assert "predicted step time" in r.stderr  # the plan summary is shown before training
     _compare(tmp_path / "single", tmp_path / "pipe", atol=1e-5)
+    trace = json.loads((tmp_path / "pipe" / "trace-step2.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {1, 2}  # both workers
+    assert {e["name"][0] for e in spans} >= {"F", "B", "U", "D", "O"}  # compute, uploads, downloads, CPU AdamW
