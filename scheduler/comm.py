@@ -3,10 +3,10 @@
 Links between the workers of adjacent stages:
 
 * :class:`LocalLink` — both stages on this worker: the tensor is handed over in memory;
-* :class:`GlooLink` — CPU workers (tests, the demo): gloo send/recv of CPU tensors;
+* :class:`DirectLink` — CPU workers (tests, the demo): gloo send/recv of CPU tensors; or CUDA
+  workers with peer-to-peer: NCCL send/recv, GPU to GPU;
 * :class:`StagedLink` — CUDA workers without peer-to-peer (consumer GPUs, or two workers sharing one
   GPU): GPU -> pinned host buffer -> gloo -> pinned host buffer -> GPU, on side streams and threads;
-* :class:`NcclLink` — CUDA workers with peer-to-peer: NCCL send/recv, GPU to GPU.
 
 :class:`UploadArbiter` is the "priority prefetch" of Mobius §3.3 made real: CUDA stream priorities
 do not order copies, so uploads of workers under one root complex are cut into chunks and a chunk
@@ -69,22 +69,27 @@ class LocalLink:
         self.box.clear()
 
 
-class GlooLink:
-    """CPU tensors through gloo (CPU workers standing in for GPUs)."""
+class DirectLink:
+    """Point-to-point sends of tensors already where they must go: CPU tensors through gloo (CPU
+    workers standing in for GPUs, tagged), or GPU tensors through NCCL (peer-to-peer, in order)."""
 
-    def __init__(self, peer: int, counters: Counters, group: dist.ProcessGroup | None = None):
+    def __init__(self, peer: int, counters: Counters, device: torch.device | None = None,
+                 group: dist.ProcessGroup | None = None):
         self.peer, self.counters, self.group = peer, counters, group
+        self.device = device or torch.device("cpu")
+        self.nccl = self.device.type == "cuda"  # NCCL matches sends and receives by order, not tag
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, t: torch.Tensor, tag: int) -> None:
         t = t.detach().contiguous()
-        self.pending.append((dist.isend(t, self.peer, group=self.group, tag=tag), t))
-        self.counters.add(d2h=t.nbytes)
+        self.pending.append((dist.isend(t, self.peer, group=self.group, tag=0 if self.nccl else tag), t))
+        self.counters.add(**({"p2p": t.nbytes} if self.nccl else {"d2h": t.nbytes}))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
-        buf = torch.empty(shape, dtype=dtype)
-        work = dist.irecv(buf, self.peer, group=self.group, tag=tag)
-        self.counters.add(h2d=buf.nbytes)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buf, self.peer, group=self.group, tag=0 if self.nccl else tag)
+        if not self.nccl:
+            self.counters.add(h2d=buf.nbytes)
 
         def wait() -> torch.Tensor:
             work.wait()
@@ -148,33 +153,6 @@ class StagedLink:
         for f in self.sends:
             f.result()
         self.sends.clear()
-
-
-class NcclLink:
-    """GPU to GPU through NCCL, where peer-to-peer access works."""
-
-    def __init__(self, peer: int, device: torch.device, counters: Counters, group: dist.ProcessGroup):
-        self.peer, self.device, self.counters, self.group = peer, device, counters, group
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
-
-    def send(self, t: torch.Tensor, tag: int) -> None:
-        t = t.detach().contiguous()
-        self.pending.append((dist.isend(t, self.peer, group=self.group), t))
-        self.counters.add(p2p=t.nbytes)
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, self.peer, group=self.group)
-
-        def wait() -> torch.Tensor:
-            work.wait()
-            return buf
-        return wait
-
-    def flush(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
 
 
 class UploadArbiter:

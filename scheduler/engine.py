@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from mobius.errors import CheckpointError, MobiusError
 from mobius.models import ModelConfig, dropout_active, hidden_size, init_unit, tied_weights, unit_specs
 from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _replace_dir, config_to_hf, from_hf, to_hf
 from mobius.optim import LossScaler, clip_coefficient
-from scheduler.comm import Counters, GlooLink, LocalLink, NcclLink, StagedLink, UploadArbiter, arbiter_name
+from scheduler.comm import Counters, DirectLink, LocalLink, StagedLink, UploadArbiter, arbiter_name
 from scheduler.executor import Executor, StepIO, StepTrace
 from scheduler.schedule import Schedule, build_schedule, uploads_in_order
 from scheduler.stages import stage_layouts, unit_prefix, views
@@ -57,6 +58,13 @@ def _weights_source(cfg: Config, resume_dir: Path | None) -> str | None:
     return cfg.model.checkpoint
 
 
+def cpu_threads() -> int:
+    """Threads for this worker's CPU AdamW: its share of the cores, less two for the dispatch and
+    copy threads (on a GPU worker, where the CPU update runs beside kernel dispatch)."""
+    share = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, share - 2 if share > 4 else share)
+
+
 class PipelineEngine:
     """The swapped pipeline on this worker (rank) of ``world``."""
 
@@ -73,8 +81,8 @@ class PipelineEngine:
             raise MobiusError(f"worker {self.rank} has no stage: {spec.num_stages} stages for {self.world} workers")
         check_host_memory(host_bytes([self.layouts[j] for j in mine], self.dtype), f"worker {self.rank}'s stages")
         pin = device.type == "cuda"
-        if pin and torch.get_num_threads() > 4:
-            torch.set_num_threads(torch.get_num_threads() - 2)  # cores left for the dispatch and copy threads
+        if pin:
+            torch.set_num_threads(cpu_threads())
         self.hosts = {j: HostStage(self.layouts[j], self.dtype, cfg.train, pin) for j in mine}
         self._load_weights(_weights_source(cfg, resume_dir))
         self.counters = Counters()
@@ -146,9 +154,9 @@ class PipelineEngine:
             if p == self.rank:
                 links[p] = LocalLink()
             elif self.device.type != "cuda":
-                links[p] = GlooLink(p, self.counters)
+                links[p] = DirectLink(p, self.counters)
             elif self.spec.p2p:
-                links[p] = NcclLink(p, self.device, self.counters, nccl)
+                links[p] = DirectLink(p, self.counters, self.device, nccl)
             else:
                 links[p] = StagedLink(p, self.device, self.counters)
         return links
