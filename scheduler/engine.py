@@ -28,7 +28,7 @@ from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _replace_dir, config_to_h
 from mobius.optim import LossScaler, clip_coefficient
 from scheduler.comm import Counters, DirectLink, LocalLink, StagedLink, UploadArbiter, arbiter_name
 from scheduler.executor import Executor, StepIO, StepTrace
-from scheduler.schedule import Schedule, build_schedule, uploads_in_order
+from scheduler.schedule import Schedule, build_schedule
 from scheduler.stages import stage_layouts, unit_prefix, views
 from scheduler.store import HostStage, check_host_memory, host_bytes
 
@@ -184,9 +184,6 @@ class PipelineEngine:
         return Schedule(S, self.world, M, gpu_of, tuple(lists), self.spec.prefetch)
 
     # ---- a step ---------------------------------------------------------------------------------
-    def _order(self, sched: Schedule) -> dict[tuple[int, str], int]:
-        return {key: i for i, key in enumerate(uploads_in_order(sched))}
-
     def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats:
         M = len(batches)
         scale = self.scaler.loss_factor()
@@ -194,7 +191,7 @@ class PipelineEngine:
         tracing = self.cfg.parallel.trace_step == step + 1
         if tracing:
             self.ex.trace = StepTrace(self.device)
-        local = self.ex.run(self.train_sched, io, True, self._order(self.train_sched))
+        local = self.ex.run(self.train_sched, io, True)
         self.ex.order_base += 1 << 20
         for f in local.downloads.values():
             f.result()
@@ -273,7 +270,7 @@ class PipelineEngine:
         io = StepIO([x for x, _ in batches], [y for _, y in batches], 0, 1.0, None)
         sched = self.eval_scheds.get(len(batches)) or self.eval_scheds.setdefault(len(batches),
                                                                                  self._eval_schedule(len(batches)))
-        local = self.ex.run(sched, io, False, self._order(sched))
+        local = self.ex.run(sched, io, False)
         self.ex.order_base += 1 << 20
         self.counters.take()
         vec = torch.tensor([local.loss_sum, local.losses], dtype=torch.float64)

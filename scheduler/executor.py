@@ -141,10 +141,9 @@ class Executor:
         self.order_base = 0
 
     # ---- the dispatch loop ----------------------------------------------------------------------
-    def run(self, sched: Schedule, io: StepIO, train: bool, upload_order: dict[tuple[int, str], int]) -> StepLocal:
+    def run(self, sched: Schedule, io: StepIO, train: bool) -> StepLocal:
         self.io, self.sched, self.train, self.local = io, sched, train, StepLocal()
         self.batches = self._stage_batches(sched, io)
-        self.upload_order = upload_order
         self.saved: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
         self.waiting: dict[tuple[str, int, int], object] = {}
@@ -178,7 +177,7 @@ class Executor:
         slot.stage, slot.grads_live, slot.bound = a.stage, False, None
         slot.ready.clear()
         self.slot_of[a.stage] = slot
-        order = self.order_base + self.upload_order[(a.stage, a.phase)]
+        order = self.order_base + self.sched.upload_order[(a.stage, a.phase)]
         self.uploads.append(self.copier.submit(self._upload_job, a.stage, slot, order, a.phase))
 
     def _upload_job(self, j: int, slot: DeviceSlot, order: int, phase: str) -> None:

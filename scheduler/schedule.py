@@ -21,6 +21,7 @@ The executor dispatches on :attr:`Action.kind`; :func:`timeline` prints the list
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 Kind = Literal["upload", "free", "forward", "fb", "backward", "recv_act", "send_act", "recv_grad", "send_grad",
@@ -52,6 +53,11 @@ class Schedule:
     gpu_of: tuple[int, ...]  # stage -> worker
     actions: tuple[tuple[Action, ...], ...]  # worker -> ordered actions
     prefetch: bool
+
+    @cached_property
+    def upload_order(self) -> dict[tuple[int, str], int]:
+        """(stage, pass) -> position in :func:`uploads_in_order` (the root-complex serving order)."""
+        return {key: i for i, key in enumerate(uploads_in_order(self))}
 
     def stages_of(self, worker: int) -> list[int]:
         return [j for j in range(self.num_stages) if self.gpu_of[j] == worker]

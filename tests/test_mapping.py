@@ -11,7 +11,7 @@ import pytest
 
 from mobius.errors import MobiusError
 from topology import Mapping, Topology, contention, cross_mapping, load_topology, sequential_mapping
-from topology.mapping import EXACT_LIMIT, _Labels, as_groups, slot_weights
+from topology.mapping import EXACT_LIMIT, _Labels, _share_matrix, as_groups, slot_weights
 from topology.sysfs import topology_from_sysfs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "topology"
@@ -45,12 +45,7 @@ def _brute_force(groups: list[list[int]], num_stages: int) -> float:
     """Least contention over all N! GPU orders (vectorised over permutations)."""
     n = sum(len(g) for g in groups)
     perms = np.array(list(itertools.permutations(range(n))), dtype=np.intp)
-    share = np.zeros((n, n))
-    for g in groups:
-        for a in g:
-            for b in g:
-                if a != b:
-                    share[a, b] = len(g)
+    share = _share_matrix(groups)
     w = slot_weights(n, num_stages)
     costs = np.zeros(len(perms))
     for a in range(n):

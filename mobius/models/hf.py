@@ -246,22 +246,6 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no weights found (looked for {', '.join(WEIGHT_FILES)})")
 
 
-def _read_file(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    try:
-        if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    yield key, f.get_tensor(key)
-        else:
-            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
-    except CheckpointError:
-        raise
-    except Exception as e:  # safetensors/torch raise several types for truncated or corrupt files
-        raise CheckpointError(f"{file}: cannot be read, the file is truncated or corrupt ({type(e).__name__}: {e})") from e
-
-
 class LazyCheckpoint(Mapping[str, torch.Tensor]):
     """The tensors of a checkpoint directory by Hugging Face name, read from disk on access."""
 
@@ -308,10 +292,8 @@ def _keys_of(file: Path) -> list[str]:
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, by their Hugging Face names."""
-    state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(Path(path)):
-        state.update(_read_file(file))
-    return state
+    lazy = LazyCheckpoint(path)
+    return {key: lazy[key] for key in lazy}
 
 
 def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None,
@@ -319,7 +301,7 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None,
     """Load a Hugging Face checkpoint directory into a new mobius model on the CPU (in eval mode)."""
     cfg = cfg or read_config(path)
     model = build_model(cfg)
-    load_into(model, from_hf(read_state_dict(path), cfg), source=str(path))
+    load_into(model, from_hf(LazyCheckpoint(path), cfg), source=str(path))
     return model.to(dtype).eval()
 
 
