@@ -62,15 +62,15 @@ def time_engine(engine, args: argparse.Namespace, vocab: int) -> tuple[float, li
     stats = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            if hasattr(engine, "sync"):
-                engine.sync()
+            if hasattr(engine, "ex"):
+                engine.ex.sync()
             sync()
             t0 = time.perf_counter()
         st = engine.train_step(step, batches(args, vocab, step), 1e-5)
         if step >= args.warmup:
             stats.append(st)
-    if hasattr(engine, "sync"):
-        engine.sync()
+    if hasattr(engine, "ex"):
+        engine.ex.sync()
     sync()
     return (time.perf_counter() - t0) / args.steps, stats
 
@@ -93,7 +93,7 @@ def run_ref(args: argparse.Namespace) -> dict:
     mc = get_preset(args.preset)
     device = torch.device("cpu" if args.smoke else "cuda")
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-    engine = SingleEngine(build_model(mc, 0), cfg, device)
+    engine = SingleEngine(build_model(mc, 0), cfg, device)  # uncapped, as all-in-GPU training runs
     t, stats = time_engine(engine, args, mc.vocab_size)
     tokens = args.mbs * args.micro_batches * args.seq
     row = result_row("all-in-GPU (mobius reference engine)", t, param_count(mc), tokens, stats)
@@ -105,28 +105,29 @@ def run_ref(args: argparse.Namespace) -> dict:
 def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     import torch.distributed as dist
 
+    from mobius.app.launch import free_port, open_device
+    from mobius.app.planning import plan_pipeline
+    from mobius.app.settings import Machine, resolve
     from scheduler.engine import PipelineEngine
-    from scheduler.launch import free_port, worker_device
-    from scheduler.plan import pipeline_spec
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     cfg = make_cfg(args, "pipeline")
     mc = get_preset(args.preset)
     t_plan = time.perf_counter()
-    spec = pipeline_spec(cfg, mc)
+    machine = Machine.detect(cfg)
+    settings = resolve(cfg, machine)
+    plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
     plan_s = time.perf_counter() - t_plan
-    device = worker_device(cfg, 0)
+    device = open_device(settings, 0)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-    engine = PipelineEngine(cfg, mc, spec, device)
-    engine.ex.skip_updates = variant == "no-update"
+    engine = PipelineEngine(cfg, mc, plan, settings, device, None, skip_updates=variant == "no-update")
     t, stats = time_engine(engine, args, mc.vocab_size)
     tokens = args.mbs * args.micro_batches * args.seq
-    predicted = getattr(spec, "predicted_step_s", None)
     name = f"mobius pipeline, {args.cap_gib:g} GiB cap" + (f" [{variant}]" if variant else "")
     row = result_row(name, t, param_count(mc), tokens, stats,
-                     stages=spec.num_stages, boundaries=list(spec.boundaries), plan_s=round(plan_s, 2),
-                     predicted_step_s=predicted)
+                     stages=plan.num_stages, boundaries=list(plan.boundaries), plan_s=round(plan_s, 2),
+                     predicted_step_s=plan.predicted_step_s)
     engine.close()
     dist.destroy_process_group()
     return row

@@ -11,20 +11,18 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
+from mobius.checkpoint import Collective, RankState, ResumeState, SingleProcess
 from mobius.config import Config
-from mobius.errors import CheckpointError
-from mobius.models.hf import save_checkpoint
-from mobius.models.base import CausalLM, has_dropout, lm_loss, run_units
+from mobius.models import dropout_active
+from mobius.models.base import CausalLM, lm_loss, run_units
 from mobius.optim import LossScaler, clip_coefficient, make_adamw, set_lr
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs [B, T], targets [B, T])
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ENGINE_FILE = "engine.pt"
 
 
 @dataclass
@@ -37,13 +35,15 @@ class StepStats:
 
 
 class Engine(Protocol):
+    """What every parallel mode implements; the :class:`~mobius.trainer.Trainer` drives it."""
+
+    comm: Collective  # the ranks of the run (checkpoints are written through it)
     is_main: bool  # the process that logs and writes shared files
 
     def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats: ...
     def evaluate(self, batches: list[Batch]) -> float: ...
-    def model_state(self) -> dict[str, torch.Tensor]: ...
-    def save(self, path: Path, dtype: torch.dtype, extra: Callable[[Path], None] | None, resumable: bool) -> Path: ...
-    def restore(self, path: Path) -> None: ...
+    def rank_state(self, with_moments: bool) -> RankState: ...  # finishes pending updates first
+    def load_state(self, resume: ResumeState) -> None: ...  # optimizer moments by name, step, loss scale
     def close(self) -> None: ...
 
 
@@ -69,11 +69,13 @@ class SingleEngine:
     def __init__(self, model: CausalLM, cfg: Config, device: torch.device):
         self.model = model.to(device)
         self.cfg, self.device = cfg, device
-        named = list(dict((id(p), (n, p)) for n, p in model.named_parameters()).values())  # tied weights once
-        self.params = [p for _, p in named]
-        self.optimizer = make_adamw(named, cfg.train, fused=device.type == "cuda")
+        self.comm = SingleProcess()
+        self.named = list(dict((id(p), (n, p)) for n, p in model.named_parameters()).values())  # tied weights once
+        self.params = [p for _, p in self.named]
+        self.optimizer = make_adamw(self.named, cfg.train, fused=device.type == "cuda")
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
-        self.dropout = has_dropout(model)
+        self.dropout = dropout_active(model.config)
+        self.optimizer_step = 0
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor, seed: tuple[int, int, int] | None) -> torch.Tensor:
         with autocast(self.device, self.cfg.train.precision):
@@ -102,6 +104,7 @@ class SingleEngine:
                 torch._foreach_mul_(grads, coef)
             set_lr(self.optimizer, lr)
             self.optimizer.step()
+            self.optimizer_step += 1
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(float(total) / M, norm, skipped, self.scaler.scale if self.scaler.enabled else 1.0)
 
@@ -111,26 +114,27 @@ class SingleEngine:
         losses = [float(self._forward_loss(x, y, None)) for x, y in batches]
         return sum(losses) / max(1, len(losses))
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
+    def rank_state(self, with_moments: bool) -> RankState:
+        weights = {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
+        moments = {}
+        if with_moments:
+            for name, p in self.named:
+                st = self.optimizer.state.get(p)
+                if st:
+                    moments[name] = (st["exp_avg"].float().cpu(), st["exp_avg_sq"].float().cpu())
+        return RankState(weights, moments, self.optimizer_step, self.scaler.state_dict())
 
-    def save(self, path: Path, dtype: torch.dtype, extra: Callable[[Path], None] | None, resumable: bool) -> Path:
-        """A Hugging Face checkpoint (+ ``engine.pt`` with optimizer and loss-scale state)."""
-        def write(tmp: Path) -> None:
-            if resumable:
-                torch.save({"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()},
-                           tmp / ENGINE_FILE)
-            if extra is not None:
-                extra(tmp)
-        return save_checkpoint(self.model_state(), self.model.config, path, dtype=dtype, extra=write)
-
-    def restore(self, path: Path) -> None:
-        file = path / ENGINE_FILE
-        if not file.is_file():
-            raise CheckpointError(f"{path}: no {ENGINE_FILE} (not a single-device checkpoint)")
-        state = torch.load(file, map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
+    def load_state(self, resume: ResumeState) -> None:
+        """AdamW moments by parameter name (from any mode's checkpoint), step count and loss scale."""
+        moments = resume.moments([n for n, _ in self.named], self.model.config)
+        self.optimizer_step = resume.optimizer_step
+        self.scaler.load_state_dict(resume.scaler)
+        if not moments:
+            return
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        state = {index[id(p)]: {"step": torch.tensor(float(self.optimizer_step)), "exp_avg": moments[n][0],
+                                "exp_avg_sq": moments[n][1]} for n, p in self.named}
+        self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
 
     def close(self) -> None:
         pass

@@ -22,19 +22,24 @@ def lr_at(step: int, cfg: TrainSection) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices (and embeddings), none on biases and norms."""
-    decay = [p for _, p in named if p.dim() >= 2]
-    no_decay = [p for _, p in named if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+def takes_decay(param: torch.Tensor) -> bool:
+    """Weight decay applies to matrices (and embeddings), not to biases and norms."""
+    return param.dim() >= 2
 
 
-def make_adamw(named: list[tuple[str, nn.Parameter]], cfg: TrainSection, fused: bool = False) -> torch.optim.AdamW:
+def adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainSection,
+          fused: bool = False) -> torch.optim.AdamW:
+    """AdamW with ``train.weight_decay`` on ``decay`` and none on ``no_decay`` (empty groups dropped)."""
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if fused:
         kwargs["fused"] = True
-    return torch.optim.AdamW(param_groups(named, cfg.weight_decay), **kwargs)
+    return torch.optim.AdamW([g for g in groups if g["params"]], **kwargs)
+
+
+def make_adamw(named: list[tuple[str, nn.Parameter]], cfg: TrainSection, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW over named parameters, grouped by :func:`takes_decay`."""
+    return adamw([p for _, p in named if takes_decay(p)], [p for _, p in named if not takes_decay(p)], cfg, fused)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -3,13 +3,16 @@
 Run directory layout (``output.dir``)::
 
     metrics.jsonl                 one JSON object per logged step (step, loss, lr, tokens_per_s, ...)
-    checkpoints/step-000050/      HF checkpoint (fp32) + tokenizer + trainer_state.pt (resumable)
+    checkpoints/step-000050/      HF checkpoint (fp32) + tokenizer + optimizer moments + trainer_state.json
     final/                        HF checkpoint in output.save_dtype + tokenizer
     loss.png                      when matplotlib is installed
+
+Checkpoints go through :mod:`mobius.checkpoint` (one format for every mode).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -25,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mobius import checkpoint
+from mobius.checkpoint import STATE_FILE, STATE_FORMAT, ResumeState
 from mobius.config import Config
 from mobius.data import TextTokenizer, TrainData
 from mobius.engine import DTYPES, Engine, StepStats
@@ -33,7 +38,6 @@ from mobius.models import ModelConfig
 from mobius.optim import lr_at
 
 log = logging.getLogger(__name__)
-STATE_FILE = "trainer_state.pt"
 
 
 @dataclass
@@ -44,19 +48,33 @@ class TrainResult:
     final_dir: Path | None = None
 
 
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as JSON-ready values."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+             "torch": _b64(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
 def step_checkpoints(out_dir: Path) -> list[Path]:
@@ -65,16 +83,6 @@ def step_checkpoints(out_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / STATE_FILE).is_file())
-
-
-def read_trainer_state(path: Path) -> dict:
-    file = path / STATE_FILE
-    if not file.is_file():
-        raise CheckpointError(f"{path} is not a resumable checkpoint (no {STATE_FILE})")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"{file}: cannot be read ({type(e).__name__}: {e})") from e
 
 
 class Trainer:
@@ -91,13 +99,18 @@ class Trainer:
         self.main = engine.is_main
 
     # ---- resume -------------------------------------------------------------------------------
-    def restore(self, state: dict, path: Path) -> None:
+    def restore(self, resume: ResumeState) -> None:
         """Restore optimizer, schedule position, data position and RNG from a checkpoint."""
-        self.engine.restore(path)
-        self.data.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        self.step = state["step"]
-        self.result.losses = list(state.get("losses", []))
+        state = resume.trainer
+        try:
+            self.engine.load_state(resume)
+            self.data.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            self.step = int(state["step"])
+            self.result.losses = [float(x) for x in state.get("losses", [])]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{resume.path / STATE_FILE}: incomplete or malformed trainer state "
+                                  f"({type(e).__name__}: {e})") from None
         self._truncate_metrics()
         log.info("resumed at step %d", self.step)
 
@@ -110,21 +123,24 @@ class Trainer:
             tmp.write_text("".join(line + "\n" for line in keep))
             os.replace(tmp, file)
 
-    def _trainer_state(self) -> dict:
-        return {"step": self.step, "data": self.data.state_dict(), "rng": rng_state(), "losses": self.result.losses,
-                "config": self.cfg.to_dict()}
+    def _trainer_state(self, engine_state: checkpoint.RankState) -> dict:
+        return {"format": STATE_FORMAT, "step": self.step, "data": self.data.state_dict(), "rng": rng_state(),
+                "losses": self.result.losses, "config": self.cfg.to_dict(),
+                "engine": {"optimizer_step": engine_state.optimizer_step, "scaler": engine_state.scaler}}
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, path: Path, dtype: torch.dtype, resumable: bool) -> Path:
-        state = self._trainer_state() if resumable else None
+        """One checkpoint, written by every rank of the engine together (see :mod:`mobius.checkpoint`)."""
+        rank_state = self.engine.rank_state(with_moments=resumable)
+        state = self._trainer_state(rank_state) if resumable else None
 
         def extra(tmp: Path) -> None:
             self.tokenizer.save(tmp)
             if state is not None:
-                torch.save(state, tmp / STATE_FILE)
+                (tmp / STATE_FILE).write_text(json.dumps(state) + "\n")
             (tmp / "mobius.json").write_text(json.dumps({"step": self.step, "config": self.cfg.to_dict()}, indent=2))
 
-        return self.engine.save(path, dtype, extra, resumable)
+        return checkpoint.save(path, self.model_cfg, dtype, rank_state, self.engine.comm, resumable, extra)
 
     def _save_step(self) -> None:
         self.save(self.out / "checkpoints" / f"step-{self.step:06d}", torch.float32, resumable=True)

@@ -457,6 +457,16 @@ def solve_partition(profile: ModelProfile, hw: Hardware, slots_for: Callable[[in
     return MipResult(best, results, time.perf_counter() - t0, _lower_bound(results, counts))
 
 
+def given_partition(profile: ModelProfile, hw: Hardware, slots_for: Callable[[int], list[int]], micro_batches: int,
+                    boundaries: list[int], bandwidth: BandwidthView = "link", prefetch: bool = True) -> MipResult:
+    """A result for a partition chosen by the user (``parallel.stages``), scored by the timing model."""
+    t0 = time.perf_counter()
+    ev = ModelEvaluator(profile, hw, slots_for, micro_batches, bandwidth, prefetch)
+    res = _from_schedule(ev, list(boundaries), slots_for)
+    res.status, res.encoding = "given", "given"
+    return MipResult(res, [res], time.perf_counter() - t0, res.predicted_s)
+
+
 def _from_schedule(ev: ModelEvaluator, bounds: list[int], slots_for: Callable[[int], list[int]]) -> StageCountResult:
     """A result for a partition the local search found (its time is the MIP model's)."""
     sch = ev.schedule(bounds)

@@ -19,7 +19,8 @@ from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.lp import SolverName
 from partition.mapping import MappingKind, SlotsFor, as_slots_function
-from partition.mip import DEFAULT_REL_GAP, BandwidthView, MipResult, explain_infeasible, solve_partition
+from partition.mip import (DEFAULT_REL_GAP, BandwidthView, MipResult, explain_infeasible, given_partition,
+                           solve_partition)
 from partition.pipeline import PipelineShape
 from partition.simulate import SimResult, Sharing, simulate
 
@@ -74,6 +75,8 @@ class Plan:
     hardware: str
     gpu_memory_bytes: int
     param_count: int
+    num_slots: int = 2  # device slots per worker: 2 = the next stage uploads while the current one computes
+    offload_inputs: bool = False  # boundary inputs wait for their backward in host memory
     mip: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -151,21 +154,26 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
                time_limit_s: float = 30.0, profile: str = "auto", gpu: Any = None, cache_dir: str | None = None,
                bandwidth_view: BandwidthView = "link", sharing: Sharing = "priority",
                with_baselines: bool = True, rel_gap: float = DEFAULT_REL_GAP, prefetch: bool = True,
-               min_stages: int = 1) -> Plan:
+               min_stages: int = 1, boundaries: list[int] | None = None, offload_inputs: str = "auto") -> Plan:
     """Profile (or take) the unit costs, find the best partition, simulate it and the baselines.
 
     ``mapping``: "cross" or "sequential" (``topology``'s search for each stage count), a fixed slot
     order, or a function of the stage count. ``bandwidth_view``: how the MIP sees shared root
     complexes (see :func:`partition.mip.build_model`); the simulator always models them.
     ``min_stages``: the fewest stages allowed (a runtime that keeps every GPU busy needs ``N``).
+    ``boundaries``: a partition to evaluate instead of solving for one (``parallel.stages``).
+    ``offload_inputs``: "on", "off" or "auto" (host memory when keeping them would crowd the GPU).
     """
     prof = _profile(specs_or_profile, micro_batch_size, seq_len, precision, profile, gpu, cache_dir)
     slots_for = as_slots_function(mapping, hardware.groups)
-    counts = list(range(max(1, min_stages), prof.num_units + 1))
-    res = solve_partition(prof, hardware, slots_for, micro_batches, solver, time_limit_s, stage_counts=counts,
-                          bandwidth=bandwidth_view, rel_gap=rel_gap, prefetch=prefetch)
-    if res.best is None or res.best.boundaries is None:
-        raise explain_infeasible(prof, hardware, micro_batches)
+    if boundaries is None:
+        counts = list(range(max(1, min_stages), prof.num_units + 1))
+        res = solve_partition(prof, hardware, slots_for, micro_batches, solver, time_limit_s, stage_counts=counts,
+                              bandwidth=bandwidth_view, rel_gap=rel_gap, prefetch=prefetch)
+        if res.best is None or res.best.boundaries is None:
+            raise explain_infeasible(prof, hardware, micro_batches)
+    else:
+        res = given_partition(prof, hardware, slots_for, micro_batches, boundaries, bandwidth_view, prefetch)
     bounds = res.best.boundaries
     slots = slots_for(len(bounds) - 1)
     sim = simulate(prof, bounds, hardware, slots, micro_batches, prefetch=prefetch, sharing=sharing)
@@ -177,7 +185,33 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
             base[name] = (simulate(prof, b, hardware, slots_for(len(b) - 1), micro_batches, prefetch=prefetch,
                                    sharing=sharing, record=False).step_s if b else None)
     label = mapping if isinstance(mapping, str) else "given"
-    return _assemble(prof, hardware, bounds, slots, micro_batches, sim, res, base, base_bounds, label)
+    plan = _assemble(prof, hardware, bounds, slots, micro_batches, sim, res, base, base_bounds, label)
+    plan.num_slots, plan.offload_inputs = memory_decisions(prof, hardware, bounds, slots, micro_batches, prefetch,
+                                                           offload_inputs)
+    return plan
+
+
+CHECKPOINT_SHARE = 0.1  # auto: boundary inputs go to host memory when they would take more of the GPU
+SLOT_SHARE = 0.6  # two stage slots must fit in this share of the memory (the rest: activations, work)
+
+
+def memory_decisions(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[int], M: int,
+                     prefetch: bool, offload_inputs: str) -> tuple[int, bool]:
+    """(device slots per worker, boundary inputs in host memory): two slots only if they fit
+    beside a working reserve; inputs in host memory when keeping them would take more than a
+    tenth of the device."""
+    costs = stage_costs(prof, bounds)
+    half = prof.precision != "fp32"
+    slot = max(c.param_bytes + c.grad_bytes + (4 * c.param_count if half else 0) for c in costs)
+    mem = hw.gpu_memory_bytes
+    per_worker = max(sum(1 for j in range(len(costs)) if j % len(slots) == s) for s in range(len(slots)))
+    inputs = (per_worker - 1) * M * max(c.in_bytes for c in costs)
+    offload = {"on": True, "off": False}.get(offload_inputs, inputs > CHECKPOINT_SHARE * mem)
+    two = prefetch and 2 * slot <= SLOT_SHARE * mem
+    if prefetch and not two:
+        log.warning("two stages of %.2f GiB do not fit beside working memory in %.1f GiB: no prefetch",
+                    slot / GiB, mem / GiB)
+    return (2 if two else 1), offload
 
 
 def _profile(specs_or_profile: Any, mbs: int, seq: int, precision: str, mode: str, gpu: Any,

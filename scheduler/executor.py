@@ -1,89 +1,61 @@
-"""The dispatcher: executes one worker's action list on a compute stream, a copy thread with its
-own stream for uploads, a download stream, and a CPU optimizer thread.
+"""The dispatcher: runs one worker's action list (:mod:`partition.schedule`).
 
-Device memory holds two *slots* (the running stage and the prefetched one), each with the stage's
-half-precision parameters and their gradients; the boundary activations of the stages in flight;
-nothing else. Uploads are cut into chunks served in stage order per root complex
-(:class:`~scheduler.comm.UploadArbiter`). A stage's parameters live in its slot as views, so the
-unit modules (built once on the meta device) compute on whatever slot holds them.
+Threads and streams (see scheduler/README.md for who owns which buffer and event):
+
+* the **dispatch thread** (the caller of :meth:`Executor.run`) walks the action list, enqueues
+  compute on the compute stream, sends and receives activations, and blocks only where data must
+  be present (a residency's upload, a received activation);
+* the **upload thread** copies a stage's half-precision weights from its pinned host copy into a
+  device slot on the copy stream, in chunks served in stage order per root complex
+  (:class:`~scheduler.comm.UploadArbiter`);
+* the **download stream** brings each stage's fp32 gradient sums to its pinned host buffer;
+* the **optimizer thread** runs each stage's CPU AdamW (``UPDATE``) once its gradients are down.
+
+Device memory holds ``num_slots`` *slots* (the running stage and the prefetched one), each with
+the stage's half-precision parameters, their gradients and an fp32 gradient sum; the boundary
+activations of the stages in flight; nothing else. A stage's parameters live in its slot as views,
+so the unit modules (built once on the meta device) compute on whatever slot holds them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from mobius.engine import autocast
 from mobius.models import ModelConfig
 from mobius.models.base import lm_loss, run_units
+from mobius.optim import LossScaler, clip_coefficient
+from partition.schedule import COMPUTE, Action, Kind, Schedule
 from scheduler.comm import Counters, UploadArbiter
-from scheduler.schedule import Action, Schedule
 from scheduler.stages import StageLayout, bind, build_units
 from scheduler.store import HostStage
+from scheduler.trace import StepTrace
 
 log = logging.getLogger(__name__)
 UPLOAD_CHUNK = 64 << 20  # bytes per arbitrated upload chunk
+ORDER_STRIDE = 1 << 20  # upload orders of consecutive steps never interleave
 
 
-class StepTrace:
-    """Spans of one step's work on the simulator's tracks (compute, h2d, d2h, cpu): CUDA events on
-    the GPU (turned into times once the step has finished), ``perf_counter`` otherwise."""
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """Everything about how this worker runs that is fixed for the whole run."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.t0 = time.perf_counter()
-        self.spans: list[tuple[str, str, object, object]] = []
-        self.lock = threading.Lock()
-        if self.cuda:
-            self.ref = torch.cuda.Event(enable_timing=True)
-            self.ref.record(torch.cuda.current_stream(device))
-
-    def mark(self, stream: "torch.cuda.Stream | None" = None) -> object:
-        if self.cuda and stream is not None:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record(stream)
-            return e
-        return time.perf_counter()
-
-    def add(self, track: str, name: str, start: object, end: object) -> None:
-        with self.lock:
-            self.spans.append((track, name, start, end))
-
-    def _seconds(self, m: object) -> float:
-        if isinstance(m, float):
-            return m - self.t0
-        return self.ref.elapsed_time(m) / 1e3
-
-    def events(self, pid: int) -> list[dict]:
-        """Chrome-trace events (call after the step's work has finished)."""
-        tracks = ["compute", "h2d", "d2h", "p2p", "cpu"]
-        out = [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}
-               for t, n in enumerate(tracks)]
-        for track, name, a, b in self.spans:
-            start, end = self._seconds(a), self._seconds(b)
-            out.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6, "pid": pid,
-                        "tid": tracks.index(track)})
-        return out
-
-
-class DeviceSlot:
-    """One stage's worth of device memory: parameters, gradients (and an fp32 accumulator)."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, accumulate_fp32: bool):
-        self.params = torch.empty(numel, dtype=dtype, device=device)
-        self.grads = torch.zeros(numel, dtype=dtype, device=device)
-        self.acc = torch.zeros(numel, dtype=torch.float32, device=device) if accumulate_fp32 else None
-        self.stage: int | None = None
-        self.ready = threading.Event()
-        self.ready_event: torch.cuda.Event | None = None  # upload finished (CUDA)
-        self.released: torch.cuda.Event | None = None  # last use finished (CUDA); uploads wait on it
-        self.grads_live = False  # gradients zeroed for this residency
-        self.bound: tuple[int, bool] | None = None  # (stage, with gradients) the modules point here for
+    precision: str  # fp32 | bf16 | fp16 (autocast)
+    dtype: torch.dtype  # half-precision copy on the device (fp32 when precision is fp32)
+    activation_shape: tuple[int, int, int]  # [B, T, H] of a boundary activation
+    num_slots: int = 2
+    offload_inputs: bool = False  # boundary inputs wait for their backward in pinned host memory
+    grad_clip: float = 0.0
+    tied: tuple[tuple[int, int, int], ...] = ()  # (stage, offset, numel) of a tied weight's ends on two stages
+    skip_updates: bool = False  # benchmark ablation: no AdamW (the GPU side alone)
 
 
 @dataclass
@@ -97,79 +69,134 @@ class StepIO:
 
 
 @dataclass
-class StepLocal:
-    """What one worker saw in a step (reduced across workers by the engine)."""
+class StepOutcome:
+    """A step as every worker saw it (statistics already summed over workers, by name)."""
 
-    loss_sum: torch.Tensor | float = 0.0  # on the device until the step ends (no sync per micro-batch)
+    loss: float  # mean over the step's micro-batches
+    grad_norm: float  # global, before clipping (inf on fp16 overflow); 0 in evaluation
+    skipped: bool  # fp16 overflow: no update
+    stats: dict[str, float]
+
+
+class Collectives:
+    """What the executor needs from the other workers: a sum of named statistics and a swap of
+    one tensor with a peer (given by the engine, which owns the process group)."""
+
+    def __init__(self, reduce: Callable[[dict[str, float]], dict[str, float]],
+                 exchange: Callable[[torch.Tensor, int], torch.Tensor]):
+        self.reduce, self.exchange = reduce, exchange
+
+
+class DeviceSlot:
+    """One stage's worth of device memory: parameters, gradients (and an fp32 accumulator)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, accumulate_fp32: bool):
+        self.params = torch.empty(numel, dtype=dtype, device=device)
+        self.grads = torch.zeros(numel, dtype=dtype, device=device)
+        self.acc = torch.zeros(numel, dtype=torch.float32, device=device) if accumulate_fp32 else None
+        self.stage: int | None = None
+        self.ready = threading.Event()  # set by the upload thread once the copy is enqueued (or done, on the CPU)
+        self.ready_event: torch.cuda.Event | None = None  # upload finished (CUDA)
+        self.released: torch.cuda.Event | None = None  # last use finished (CUDA); the next upload waits on it
+        self.grads_live = False  # gradients zeroed for this residency
+        self.bound: tuple[int, bool] | None = None  # (stage, with gradients) the modules point here for
+
+
+@dataclass
+class StepState:
+    """Per-step state of the dispatch thread (a fresh one for every :meth:`Executor.run`)."""
+
+    io: StepIO
+    sched: Schedule
+    batches: dict[str, list[torch.Tensor]]
+    trace: StepTrace | None
+    order_base: int
+    saved: dict[tuple[int, int], object] = field(default_factory=dict)  # (stage, micro) -> boundary input
+    outputs: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # waiting to be sent
+    waiting: dict[tuple[str, int, int], Callable[[], torch.Tensor]] = field(default_factory=dict)  # posted receives
+    loss_sum: torch.Tensor | float = 0.0  # on the device until REDUCE (no host sync per micro-batch)
     losses: int = 0
     stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
-    wait_s: float = 0.0  # host blocked waiting for uploads (which wait for the stage's CPU update)
-    downloads: dict[int, Future] = field(default_factory=dict)  # stage -> its gradient arrival on the host
+    wait_s: float = 0.0  # dispatch thread blocked on uploads (which wait for the stage's CPU update)
+    uploads: list[Future] = field(default_factory=list)
+    stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    arrived: dict[int, torch.cuda.Event | None] = field(default_factory=dict)  # stage -> its gradients' download
     sumsq: list[torch.Tensor] = field(default_factory=list)  # per stage, on the device
+    tied_sumsq: float = 0.0
+    factor: float = 1.0  # gradient multiplier of this step's updates (clipping / loss scale)
+    skipped: bool = False
+    outcome: StepOutcome | None = None
 
 
 class Executor:
+    """Runs schedules for one worker (``rank``) over its stages' host stores (``hosts``)."""
+
     def __init__(self, rank: int, device: torch.device, model_cfg: ModelConfig, layouts: list[StageLayout],
-                 hosts: dict[int, HostStage], train_dtype: torch.dtype, precision: str, links: dict,
-                 arbiter: UploadArbiter, counters: Counters, activation_shape: tuple[int, ...], num_slots: int = 2):
-        self.rank, self.device, self.cfg = rank, device, model_cfg
-        self.layouts, self.hosts, self.dtype, self.precision = layouts, hosts, train_dtype, precision
-        self.links, self.arbiter, self.counters = links, arbiter, counters
-        self.act_shape = activation_shape  # [B, T, H]
+                 hosts: dict[int, HostStage], links: dict, arbiter: UploadArbiter, counters: Counters,
+                 collectives: Collectives, scaler: LossScaler, options: ExecutorOptions):
+        self.rank, self.device, self.layouts, self.hosts = rank, device, layouts, hosts
+        self.links, self.arbiter, self.counters, self.coll = links, arbiter, counters, collectives
+        self.scaler, self.opt = scaler, options
         self.num_units = layouts[-1].end_unit
         self.units = {j: build_units(model_cfg, layouts[j].first_unit, layouts[j].end_unit) for j in hosts}
         numel = max(layouts[j].numel for j in hosts)
-        acc = train_dtype != torch.float32
-        self.slots = [DeviceSlot(numel, train_dtype, device, acc) for _ in range(num_slots)]
+        acc = options.dtype != torch.float32
+        self.slots = [DeviceSlot(numel, options.dtype, device, acc) for _ in range(options.num_slots)]
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
         self.optim = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam")
-        self.skip: dict[int, tuple[int, int]] = {}  # stage -> tied range (offset, numel) kept out of its sumsq
-        self.immediate = False  # update each stage as soon as its gradients arrive (no clipping, no fp16)
-        self.failure: BaseException | None = None
-        self.offload_inputs = False  # boundary inputs wait for their backward in host memory
-        self.update_s = 0.0  # time the optimizer thread spent in AdamW (read and reset by the engine)
-        self.trace: StepTrace | None = None  # set for the one step being traced
-        self.skip_updates = False  # ablation for benchmarks: no AdamW (measures the GPU side alone)
+        self.tied = {j: (o, n) for j, o, n in options.tied if j in hosts}
         self.last_mine = max(hosts)  # this worker's last forward stage: its backward follows at once
         self.slot_of: dict[int, DeviceSlot] = {}
-        self.uploads: list[Future] = []
-        self.stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.order_base = 0
+        self.failure: BaseException | None = None  # from a background thread, raised by check()
+        self._update_s = 0.0  # optimizer-thread seconds in AdamW since the last REDUCE
+        self._update_lock = threading.Lock()
+        self._pending: list[Future] = []  # update jobs not yet known to be done
+        self._runs = 0
+        self.handlers: dict[Kind, Callable[[Action], None]] = {
+            Kind.UPLOAD: self._upload, Kind.FREE: self._free, Kind.FORWARD: self._forward, Kind.FB: self._fb,
+            Kind.BACKWARD: self._backward, Kind.RECV_ACT: self._recv, Kind.RECV_GRAD: self._recv,
+            Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send, Kind.DOWNLOAD: self._download,
+            Kind.UPDATE: self._update, Kind.TIE: self._tie, Kind.REDUCE: self._reduce}
 
     # ---- the dispatch loop ----------------------------------------------------------------------
-    def run(self, sched: Schedule, io: StepIO, train: bool) -> StepLocal:
-        self.io, self.sched, self.train, self.local = io, sched, train, StepLocal()
-        self.batches = self._stage_batches(sched, io)
-        self.saved: dict[tuple[int, int], torch.Tensor] = {}
-        self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.waiting: dict[tuple[str, int, int], object] = {}
-        handlers = {"upload": self._upload, "free": self._free, "forward": self._forward, "fb": self._fb,
-                    "backward": self._backward, "recv_act": self._recv, "recv_grad": self._recv,
-                    "send_act": self._send, "send_grad": self._send, "download": self._download,
-                    "update": lambda a: None}
+    def run(self, sched: Schedule, io: StepIO, trace: StepTrace | None = None) -> StepOutcome:
+        """Dispatch this worker's actions of ``sched``; returns after its REDUCE (updates that
+        follow a barrier keep running on the optimizer thread)."""
+        self._runs += 1
+        self.st = StepState(io, sched, self._stage_batches(sched, io), trace, self._runs * ORDER_STRIDE)
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         for action in sched.actions[self.rank]:
-            if self.trace is not None and action.kind in ("forward", "fb", "backward"):
-                start = self.trace.mark(stream)
-                handlers[action.kind](action)
-                self.trace.add("compute", str(action), start, self.trace.mark(stream))
+            if trace is not None and action.kind in COMPUTE:
+                start = trace.mark(stream)
+                self.handlers[action.kind](action)
+                trace.add("compute", str(action), start, trace.mark(stream))
             else:
-                handlers[action.kind](action)
-        for link in self.links.values():
-            link.flush()
-        for f in self.uploads:
+                self.handlers[action.kind](action)
+        assert self.st.outcome is not None
+        return self.st.outcome
+
+    def sync(self) -> None:
+        """Wait for every queued CPU update (and surface a failure of one)."""
+        for f in self._pending:
             f.result()
-        self.uploads.clear()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self.local.stall_s += sum(a.elapsed_time(b) for a, b in self.stall_events) / 1e3
-            self.stall_events.clear()
-        self.local.loss_sum = float(self.local.loss_sum)
-        return self.local
+        self._pending.clear()
+        for host in self.hosts.values():
+            host.updated.wait()
+        self.check()
+
+    def check(self) -> None:
+        """Raise on the dispatch thread what failed on a background thread (uploads, CPU updates)."""
+        if self.failure is not None:
+            raise RuntimeError(f"a background task failed: {type(self.failure).__name__}: {self.failure}") \
+                from self.failure
+
+    def close(self) -> None:
+        self.copier.shutdown(wait=True)
+        self.optim.shutdown(wait=True)
 
     # ---- swaps ----------------------------------------------------------------------------------
     def _upload(self, a: Action) -> None:
@@ -177,29 +204,23 @@ class Executor:
         slot.stage, slot.grads_live, slot.bound = a.stage, False, None
         slot.ready.clear()
         self.slot_of[a.stage] = slot
-        order = self.order_base + self.sched.upload_order[(a.stage, a.phase)]
-        self.uploads.append(self.copier.submit(self._upload_job, a.stage, slot, order, a.phase))
+        order = self.st.order_base + self.st.sched.upload_order[(a.stage, a.phase)]
+        self.st.uploads.append(self.copier.submit(self._upload_job, self.st, a.stage, slot, order, a.phase))
 
-    def _upload_job(self, j: int, slot: DeviceSlot, order: int, phase: str) -> None:
+    def _upload_job(self, st: StepState, j: int, slot: DeviceSlot, order: int, phase: str) -> None:
         if self.cuda:
             torch.cuda.set_device(self.device)  # this thread's current device
         try:
-            self._upload_copy(j, slot, order)
-            if phase == "b":
-                self._reload_inputs(j, slot)
-        except BaseException as e:  # surfaced by check() on the compute thread
+            self._upload_copy(st, j, slot, order)
+            if phase == "b" and st.sched.offload_inputs:
+                self._reload_inputs(st, j, slot)
+        except BaseException as e:  # surfaced by check() on the dispatch thread
             self.failure = self.failure or e
             self.arbiter.release()
         finally:
             slot.ready.set()
 
-    def check(self) -> None:
-        """Raise on the compute thread what failed on a background thread (uploads, CPU updates)."""
-        if self.failure is not None:
-            raise RuntimeError(f"a background task failed: {type(self.failure).__name__}: {self.failure}") \
-                from self.failure
-
-    def _upload_copy(self, j: int, slot: DeviceSlot, order: int) -> None:
+    def _upload_copy(self, st: StepState, j: int, slot: DeviceSlot, order: int) -> None:
         host = self.hosts[j]
         host.updated.wait()  # the CPU update of the previous step has written this stage's copy
         if self.failure is not None:
@@ -207,13 +228,12 @@ class Executor:
         n = host.layout.numel
         src, dst = host.half[:n], slot.params[:n]
         step = max(1, UPLOAD_CHUNK // src.element_size())
-        start = self.trace.mark(self.copy_stream if self.cuda else None) if self.trace is not None else None
+        trace = st.trace
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 if slot.released is not None:
                     self.copy_stream.wait_event(slot.released)
-                if start is not None:
-                    start = self.trace.mark(self.copy_stream)
+                start = trace.mark(self.copy_stream) if trace is not None else None
                 for lo in range(0, n, step):
                     self.arbiter.acquire(order)
                     dst[lo:lo + step].copy_(src[lo:lo + step], non_blocking=True)
@@ -222,12 +242,13 @@ class Executor:
                 slot.ready_event = torch.cuda.Event()
                 slot.ready_event.record(self.copy_stream)
         else:
+            start = trace.mark() if trace is not None else None
             self.arbiter.acquire(order)
             dst.copy_(src)
         self.arbiter.release()
         self.counters.add(h2d=n * src.element_size())
-        if start is not None:
-            self.trace.add("h2d", f"U{j}", start, self.trace.mark(self.copy_stream if self.cuda else None))
+        if trace is not None:
+            trace.add("h2d", f"U{j}", start, trace.mark(self.copy_stream if self.cuda else None))
 
     def _offload_input(self, x: torch.Tensor) -> tuple:
         """A stage's boundary input goes to pinned host memory until its backward."""
@@ -245,10 +266,10 @@ class Executor:
         x.record_stream(self.d2h_stream)  # its memory is reused only after the copy has read it
         return ("host", host, done)
 
-    def _reload_inputs(self, j: int, slot: DeviceSlot) -> None:
-        """(Copy thread) bring stage j's offloaded inputs back with its backward upload."""
-        for m in range(self.sched.micro_batches):
-            entry = self.saved.get((j, m))
+    def _reload_inputs(self, st: StepState, j: int, slot: DeviceSlot) -> None:
+        """(Upload thread) bring stage j's offloaded inputs back with its backward upload."""
+        for m in range(st.sched.micro_batches):
+            entry = st.saved.get((j, m))
             if not isinstance(entry, tuple):
                 continue
             _, host, done = entry
@@ -260,7 +281,7 @@ class Executor:
                     dev.record_stream(torch.cuda.current_stream(self.device))
             else:
                 dev = host.clone()
-            self.saved[(j, m)] = dev
+            st.saved[(j, m)] = dev
         if self.cuda:  # the compute stream waits for the inputs too
             slot.ready_event = torch.cuda.Event()
             slot.ready_event.record(self.copy_stream)
@@ -278,9 +299,9 @@ class Executor:
         if not slot.ready.is_set():
             t0 = time.perf_counter()
             slot.ready.wait()
-            self.local.wait_s += time.perf_counter() - t0
+            self.st.wait_s += time.perf_counter() - t0
             if not self.cuda:
-                self.local.stall_s += time.perf_counter() - t0
+                self.st.stall_s += time.perf_counter() - t0
         self.check()
         if self.cuda and slot.ready_event is not None:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -288,7 +309,7 @@ class Executor:
             before.record(stream)
             stream.wait_event(slot.ready_event)
             after.record(stream)
-            self.stall_events.append((before, after))
+            self.st.stall_events.append((before, after))
             slot.ready_event = None
             slot.released = None
         n = self.layouts[j].numel
@@ -304,58 +325,58 @@ class Executor:
 
     # ---- compute --------------------------------------------------------------------------------
     def _run(self, j: int, x: torch.Tensor, m: int) -> torch.Tensor:
-        lay = self.layouts[j]
-        seed = (self.io.dropout_seed, self.io.step, m) if self.io.dropout_seed is not None else None
-        return run_units(list(self.units[j]), x, lay.first_unit, dropout_seed=seed)
+        io = self.st.io
+        seed = (io.dropout_seed, io.step, m) if io.dropout_seed is not None else None
+        return run_units(list(self.units[j]), x, self.layouts[j].first_unit, dropout_seed=seed)
 
     def _input(self, j: int, m: int) -> torch.Tensor:
         if j == 0:
-            return self.batches["inputs"][m]
-        return self.waiting.pop(("a", j, m))()
+            return self.st.batches["inputs"][m]
+        return self.st.waiting.pop(("a", j, m))()
 
     def _forward(self, a: Action) -> None:
-        j, m = a.stage, a.micro
+        j, m, st = a.stage, a.micro, self.st
         self._resident(j, grads=False)
         x = self._input(j, m)
-        with torch.no_grad(), autocast(self.device, self.precision):
+        with torch.no_grad(), autocast(self.device, self.opt.precision):
             y = self._run(j, x, m)
-            if j == self.sched.num_stages - 1:  # evaluation: the last stage's forward ends in the loss
-                self._count_loss(lm_loss(y, self.batches["targets"][m]))
+            if j == st.sched.num_stages - 1:  # evaluation: the last stage's forward ends in the loss
+                self._count_loss(lm_loss(y, st.batches["targets"][m]))
                 return
-        if self.train:
-            offload = self.offload_inputs and x.is_floating_point() and j != self.last_mine
-            self.saved[(j, m)] = self._offload_input(x) if offload else x
-        self.outputs[("a", j, m)] = y.to(self.dtype)
+        if st.sched.train:
+            offload = st.sched.offload_inputs and x.is_floating_point() and j != self.last_mine
+            st.saved[(j, m)] = self._offload_input(x) if offload else x
+        st.outputs[("a", j, m)] = y.to(self.opt.dtype)
 
     def _fb(self, a: Action) -> None:
         """Last stage: forward, loss and backward of one micro-batch (no recompute)."""
-        j, m = a.stage, a.micro
+        j, m, st = a.stage, a.micro, self.st
         slot = self._resident(j, grads=True)
         x = self._input(j, m)
         if x.is_floating_point():
             x = x.detach().requires_grad_()
-        with autocast(self.device, self.precision):
-            loss = lm_loss(self._run(j, x, m), self.batches["targets"][m])
-        (loss * self.io.loss_factor).backward()
+        with autocast(self.device, self.opt.precision):
+            loss = lm_loss(self._run(j, x, m), st.batches["targets"][m])
+        (loss * st.io.loss_factor).backward()
         self._count_loss(loss.detach())
         self._accumulate(slot, j)
         if j > 0:
-            self.outputs[("g", j, m)] = x.grad
+            st.outputs[("g", j, m)] = x.grad
 
     def _backward(self, a: Action) -> None:
         """Recompute the stage's forward from its saved input, then backpropagate."""
-        j, m = a.stage, a.micro
+        j, m, st = a.stage, a.micro, self.st
         slot = self._resident(j, grads=True)
-        x = self.saved.pop((j, m))
-        g = self.waiting.pop(("g", j, m))()
+        x = st.saved.pop((j, m))
+        g = st.waiting.pop(("g", j, m))()
         if x.is_floating_point():
             x = x.detach().requires_grad_()
-        with autocast(self.device, self.precision):
+        with autocast(self.device, self.opt.precision):
             y = self._run(j, x, m)
         torch.autograd.backward(y, g.to(y.dtype))
         self._accumulate(slot, j)
         if j > 0:
-            self.outputs[("g", j, m)] = x.grad
+            st.outputs[("g", j, m)] = x.grad
 
     def _accumulate(self, slot: DeviceSlot, j: int) -> None:
         if slot.acc is not None:
@@ -364,8 +385,8 @@ class Executor:
             slot.grads[:n].zero_()
 
     def _count_loss(self, loss: torch.Tensor) -> None:
-        self.local.loss_sum = self.local.loss_sum + loss.detach().float()
-        self.local.losses += 1
+        self.st.loss_sum = self.st.loss_sum + loss.detach().float()
+        self.st.losses += 1
 
     def _stage_batches(self, sched: Schedule, io: StepIO) -> dict[str, list[torch.Tensor]]:
         """Token ids for stage 0 and targets for the last stage, copied to the device up front
@@ -380,78 +401,131 @@ class Executor:
 
     # ---- transfers ------------------------------------------------------------------------------
     def _tag(self, kind: str, sender_stage: int, m: int) -> int:
-        S, M = self.sched.num_stages, self.sched.micro_batches
+        S, M = self.st.sched.num_stages, self.st.sched.micro_batches
         return ((0 if kind == "a" else 1) * S + sender_stage) * M + m
 
     def _recv(self, a: Action) -> None:
-        kind = "a" if a.kind == "recv_act" else "g"
+        kind = "a" if a.kind == Kind.RECV_ACT else "g"
         sender = a.stage - 1 if kind == "a" else a.stage + 1
-        self.waiting[(kind, a.stage, a.micro)] = self.links[a.peer].recv(
-            self.act_shape, self.dtype, self._tag(kind, sender, a.micro))
+        self.st.waiting[(kind, a.stage, a.micro)] = self.links[a.peer].recv(
+            self.opt.activation_shape, self.opt.dtype, self._tag(kind, sender, a.micro))
 
     def _send(self, a: Action) -> None:
-        kind = "a" if a.kind == "send_act" else "g"
-        t = self.outputs.pop((kind, a.stage, a.micro))
-        self.links[a.peer].send(t.to(self.dtype), self._tag(kind, a.stage, a.micro))
+        kind = "a" if a.kind == Kind.SEND_ACT else "g"
+        t = self.st.outputs.pop((kind, a.stage, a.micro))
+        self.links[a.peer].send(t.to(self.opt.dtype), self._tag(kind, a.stage, a.micro))
 
     def _download(self, a: Action) -> None:
-        """Gradients of a finished stage to its host buffer; the CPU side takes it from there."""
-        j = a.stage
+        """Gradients of a finished stage to its host buffer; the CPU update takes it from there."""
+        j, st = a.stage, self.st
         slot, host, n = self.slot_of[j], self.hosts[j], self.layouts[j].numel
         host.updated.clear()
         src = slot.acc[:n] if slot.acc is not None else slot.grads[:n]  # fp32 either way
-        self.local.sumsq.append(self._sumsq(src, self.skip.get(j)))
+        st.sumsq.append(self._sumsq(src, self.tied.get(j)))
         done = None
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(ready)
-                start = self.trace.mark(self.d2h_stream) if self.trace is not None else None
+                start = st.trace.mark(self.d2h_stream) if st.trace is not None else None
                 host.grad.copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.d2h_stream)
-                if start is not None:
-                    self.trace.add("d2h", f"D{j}", start, self.trace.mark(self.d2h_stream))
+                if st.trace is not None:
+                    st.trace.add("d2h", f"D{j}", start, st.trace.mark(self.d2h_stream))
             slot.released = done  # the slot is reused only after the copy has read it
         else:
             start = time.perf_counter()
             host.grad.copy_(src)
-            if self.trace is not None:
-                self.trace.add("d2h", f"D{j}", start, time.perf_counter())
+            if st.trace is not None:
+                st.trace.add("d2h", f"D{j}", start, time.perf_counter())
         self.counters.add(d2h=n * src.element_size())
-        self.local.downloads[j] = self.optim.submit(self._grad_arrived, j, done)
+        st.arrived[j] = done
 
     @staticmethod
     def _sumsq(g: torch.Tensor, skip: tuple[int, int] | None) -> torch.Tensor:
-        """Sum of squared gradients (on the device), leaving out a tied range counted elsewhere."""
+        """Sum of squared gradients (on the device), leaving out a tied range counted at TIE."""
         if skip is None:
             return torch.dot(g, g)
         a, b = g[:skip[0]], g[skip[0] + skip[1]:]
         return torch.dot(a, a) + torch.dot(b, b)
 
-    def _grad_arrived(self, j: int, done: torch.cuda.Event | None) -> None:
-        """(Optimizer thread) the stage's gradients are on the host: with ``immediate`` updates, step."""
-        if done is not None:
-            done.synchronize()
-        if self.immediate and j not in self.skip:
-            self.update(j, self.io.lr, 1.0)
+    # ---- the CPU side ---------------------------------------------------------------------------
+    def _update(self, a: Action) -> None:
+        """Queue stage j's AdamW on the optimizer thread (it waits for the gradients' download)."""
+        st = self.st
+        job = self.optim.submit(self._update_job, a.stage, st.arrived.get(a.stage), st.io.lr, st.factor,
+                                st.skipped, st.trace)
+        self._pending = [f for f in self._pending if not f.done()] + [job]
 
-    def update(self, j: int, lr: float, grad_factor: float) -> None:
-        """(Optimizer thread) AdamW on stage j's master weights; unblocks its next upload."""
+    def _update_job(self, j: int, arrived: torch.cuda.Event | None, lr: float, factor: float, skipped: bool,
+                    trace: StepTrace | None) -> None:
         t0 = time.perf_counter()
-        trace = self.trace
+        host = self.hosts[j]
         try:
-            if not self.skip_updates:
-                self.hosts[j].update(lr, grad_factor)
+            if arrived is not None:
+                arrived.synchronize()
+            if not (skipped or self.opt.skip_updates):
+                host.update(lr, factor)
             if trace is not None:
                 trace.add("cpu", f"O{j}", t0, time.perf_counter())
         except BaseException as e:
             self.failure = self.failure or e
         finally:
-            self.update_s += time.perf_counter() - t0
-            self.hosts[j].updated.set()
+            with self._update_lock:
+                self._update_s += time.perf_counter() - t0
+            host.updated.set()
 
-    def close(self) -> None:
-        self.copier.shutdown(wait=True)
-        self.optim.shutdown(wait=True)
+    def _tie(self, a: Action) -> None:
+        """Sum the two ends' gradients of the tied weight (both ends then take the same update);
+        its sum of squares is counted once, on the embedding's worker."""
+        st = self.st
+        for arrived in (st.arrived.get(j) for j in self.tied):
+            if arrived is not None:
+                arrived.synchronize()
+        ends = {j: self.hosts[j].grad[o:o + n] for j, (o, n) in self.tied.items()}
+        if len(ends) == 2:
+            total = sum(ends.values())
+        else:
+            (j, mine), = ends.items()
+            other_stage = st.sched.num_stages - 1 if j == 0 else 0
+            total = mine + self.coll.exchange(mine, st.sched.gpu_of[other_stage])
+        for g in ends.values():
+            g.copy_(total)
+        st.tied_sumsq = float(torch.dot(total, total)) if 0 in ends else 0.0
+
+    def _reduce(self, a: Action) -> None:
+        """End of the dispatch: finish this worker's transfers, then sum the step's statistics over
+        workers; in training also the global norm, the fp16 overflow check and the update factor."""
+        st = self.st
+        for link in self.links.values():
+            link.flush()
+        for f in st.uploads:
+            f.result()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            st.stall_s += sum(x.elapsed_time(y) for x, y in st.stall_events) / 1e3
+        if st.sched.train and not st.sched.barrier:
+            self.sync()  # without a barrier a step ends when its updates have
+        self.check()
+        stats = self._local_stats(st)
+        total = self.coll.reduce(stats)
+        loss = total["loss_sum"] / max(total["losses"], 1)
+        if not st.sched.train:
+            st.outcome = StepOutcome(loss, 0.0, False, total)
+            return
+        scale = self.scaler.loss_factor()
+        norm = math.sqrt(total["sumsq"]) / scale if math.isfinite(total["sumsq"]) else math.inf
+        st.skipped = self.scaler.update(not math.isfinite(norm))
+        st.factor = clip_coefficient(norm, self.opt.grad_clip) / scale
+        st.outcome = StepOutcome(loss, norm, st.skipped, total)
+
+    def _local_stats(self, st: StepState) -> dict[str, float]:
+        h2d, d2h, p2p = self.counters.take()
+        with self._update_lock:
+            update_s, self._update_s = self._update_s, 0.0
+        sumsq = sum(float(t) for t in st.sumsq) + st.tied_sumsq
+        return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "h2d_bytes": float(h2d),
+                "d2h_bytes": float(d2h), "p2p_bytes": float(p2p), "stall_s": st.stall_s, "upload_wait_s": st.wait_s,
+                "cpu_adam_s": update_s}

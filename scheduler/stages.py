@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mobius.models import ModelConfig, unit_specs
+from mobius.optim import takes_decay
 
 ALIGN = 64  # elements; every parameter starts at a multiple of this (aligned vector loads and copies)
 
@@ -75,11 +76,12 @@ def stage_layout(cfg: ModelConfig, index: int, first: int, end: int, tied: list[
     alias = {b: a for a, b in tied if a in names and b in names}  # both ends of a tie in this stage
     groups: dict[str, list[str]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    decays: dict[str, bool] = {}
     for n, p in named:
         groups.setdefault(alias.get(n, n), []).append(n)
-        shapes[n] = tuple(p.shape)
-    decay = [n for n in groups if len(shapes[n]) >= 2]
-    no_decay = [n for n in groups if len(shapes[n]) < 2]
+        shapes[n], decays[n] = tuple(p.shape), takes_decay(p)
+    decay = [n for n in groups if decays[n]]
+    no_decay = [n for n in groups if not decays[n]]
     params, offset = [], 0
     for n in decay:
         params.append(ParamSlot(tuple(groups[n]), shapes[n], offset, _numel(shapes[n])))

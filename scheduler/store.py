@@ -18,6 +18,7 @@ from torch import nn
 
 from mobius.config import TrainSection
 from mobius.errors import MobiusError
+from mobius.optim import adamw, set_lr
 from scheduler.stages import StageLayout
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,8 @@ class HostStage:
         self.grad = torch.zeros(n, dtype=torch.float32, pin_memory=pin)  # fp32 gradients arrive here
         d = layout.decay_numel
         self._flat = [nn.Parameter(self.master[:d]), nn.Parameter(self.master[d:])]
-        groups = [{"params": [self._flat[0]], "weight_decay": cfg.weight_decay},
-                  {"params": [self._flat[1]], "weight_decay": 0.0}]
-        groups = [g for g, p in zip(groups, self._flat) if p.numel() > 0]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           fused=True)
+        self.optimizer = adamw([f for f in self._flat[:1] if f.numel()], [f for f in self._flat[1:] if f.numel()],
+                               cfg, fused=True)
         self.updated = threading.Event()  # set when master/half hold this step's weights
         self.updated.set()
 
@@ -84,42 +82,36 @@ class HostStage:
             g.mul_(grad_factor)
         d = self.layout.decay_numel
         self._flat[0].grad, self._flat[1].grad = g[:d], g[d:]
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.optimizer.step()
         self._flat[0].grad = self._flat[1].grad = None
         self.refresh_half()
 
-    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """AdamW state by parameter name (so a run can resume under another partition)."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
+    def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """AdamW (exp_avg, exp_avg_sq) by parameter name (so a run can resume under any partition or
+        mode); empty before the first update."""
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         d = self.layout.decay_numel
         for p in self.layout.params:
             flat, off = (self._flat[0], p.offset) if p.offset < d else (self._flat[1], p.offset - d)
             st = self.optimizer.state.get(flat)
-            if not st:
-                continue
-            out[p.names[0]] = {"exp_avg": st["exp_avg"][off:off + p.numel].clone(),
-                               "exp_avg_sq": st["exp_avg_sq"][off:off + p.numel].clone(),
-                               "step": st["step"].clone()}
+            if st:
+                out[p.names[0]] = (st["exp_avg"][off:off + p.numel].view(p.shape),
+                                   st["exp_avg_sq"][off:off + p.numel].view(p.shape))
         return out
 
-    def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    def load_moments(self, moments: dict[str, tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
+        """Set the AdamW state from moments by parameter name (every parameter of the stage)."""
+        if not moments:
+            return
         d = self.layout.decay_numel
         for k, flat in enumerate(self._flat):
             if flat.numel() == 0:
                 continue
             lo, hi = (0, d) if k == 0 else (d, self.layout.numel)
             m, v = torch.zeros(flat.numel()), torch.zeros(flat.numel())
-            step = None
             for p in self.layout.params:
-                if not lo <= p.offset < hi:
-                    continue
-                st = state.get(p.names[0])
-                if st is None:
-                    raise MobiusError(f"resume: the checkpoint has no optimizer state for {p.names[0]}")
-                m[p.offset - lo:p.offset - lo + p.numel] = st["exp_avg"]
-                v[p.offset - lo:p.offset - lo + p.numel] = st["exp_avg_sq"]
-                step = st["step"]
-            if step is not None:
-                self.optimizer.state[flat] = {"step": step.clone(), "exp_avg": m, "exp_avg_sq": v}
+                if lo <= p.offset < hi:
+                    m[p.offset - lo:p.offset - lo + p.numel] = moments[p.names[0]][0].reshape(-1)
+                    v[p.offset - lo:p.offset - lo + p.numel] = moments[p.names[0]][1].reshape(-1)
+            self.optimizer.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}

@@ -26,7 +26,7 @@ def test_there_are_configs() -> None:
 def test_every_config_loads(path: Path) -> None:
     cfg = load_config(path)
     assert isinstance(cfg, Config)
-    from mobius.run import architecture
+    from mobius.assemble import architecture
 
     assert architecture(cfg).family in ("gpt2", "opt")
 

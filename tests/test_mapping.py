@@ -11,7 +11,7 @@ import pytest
 
 from mobius.errors import MobiusError
 from topology import Mapping, Topology, contention, cross_mapping, load_topology, sequential_mapping
-from topology.mapping import EXACT_LIMIT, _Labels, _share_matrix, as_groups, slot_weights
+from topology.mapping import EXACT_LIMIT, _cost, _Labels, _sequences, _share_matrix, as_groups, slot_weights
 from topology.sysfs import topology_from_sysfs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "topology"
@@ -41,23 +41,35 @@ def _direct(slots: tuple[int, ...], groups: list[list[int]], num_stages: int) ->
                if gpu[i] != gpu[j] and rc[gpu[i]] == rc[gpu[j]])
 
 
+def _oracle_costs(perms: np.ndarray, groups: list[list[int]], num_stages: int) -> np.ndarray:
+    """Eq. 12-13 for every GPU order in ``perms`` (one per row), from the definition alone.
+
+    Stage s runs on GPU ``perm[s % N]``; every stage pair i < j on two different GPUs of one root
+    complex adds the size of that root complex divided by j - i. Nothing of topology.mapping is used
+    (no share matrix, no slot weights): pairs at distance d are summed directly, for all orders at once.
+    """
+    rc = np.empty(perms.shape[1], dtype=np.intp)
+    size = np.empty(perms.shape[1])
+    for k, grp in enumerate(groups):
+        rc[grp], size[grp] = k, len(grp)
+    gpu = perms[:, np.arange(num_stages) % perms.shape[1]]  # orders x stages: the GPU of each stage
+    costs = np.zeros(len(perms))
+    for d in range(1, num_stages):
+        a, b = gpu[:, :-d], gpu[:, d:]  # all pairs (i, i + d)
+        contends = (rc[a] == rc[b]) & (a != b)
+        costs += (size[a] * contends).sum(axis=1) / d
+    return costs
+
+
 def _brute_force(groups: list[list[int]], num_stages: int) -> float:
-    """Least contention over all N! GPU orders (vectorised over permutations)."""
+    """Least contention over all N! GPU orders."""
     n = sum(len(g) for g in groups)
     perms = np.array(list(itertools.permutations(range(n))), dtype=np.intp)
-    share = _share_matrix(groups)
-    w = slot_weights(n, num_stages)
-    costs = np.zeros(len(perms))
-    for a in range(n):
-        for b in range(a + 1, n):
-            costs += w[a, b] * share[perms[:, a], perms[:, b]]
-    return float(costs.min())
+    return float(_oracle_costs(perms, groups, num_stages).min())
 
 
 # ------------------------------------------------------------------------------------ definition
 def test_slot_weights_match_direct_sum() -> None:
-    from topology.mapping import _cost, _share_matrix
-
     rng = np.random.default_rng(1)
     for groups in ([[0, 1], [2, 3]], [[0, 2, 5], [1], [3, 4]], [[0, 1, 2, 3], [4, 5, 6, 7]]):
         n = sum(len(g) for g in groups)
@@ -66,6 +78,20 @@ def test_slot_weights_match_direct_sum() -> None:
             expected = _direct(slots, groups, stages)
             assert contention(slots, groups, stages) == pytest.approx(expected, abs=1e-12)
             assert _cost(slot_weights(n, stages), _share_matrix(groups), slots) == pytest.approx(expected, abs=1e-9)
+
+
+def test_oracle_agrees_with_the_written_out_sum() -> None:
+    """The vectorised brute-force oracle and the scalar transcription of eq. 12-13 agree order by order."""
+    rng = np.random.default_rng(2)
+    for groups in ([[0, 1], [2, 3]], [[0, 2, 5], [1], [3, 4]], [[0, 1, 2, 3], [4, 5, 6, 7]], [[0]]):
+        n = sum(len(g) for g in groups)
+        perms = np.array([rng.permutation(n) for _ in range(20)], dtype=np.intp)
+        for stages in (1, 2, 5, 13, 48):
+            expected = [_direct(tuple(int(x) for x in p), groups, stages) for p in perms]
+            assert _oracle_costs(perms, groups, stages) == pytest.approx(expected, abs=1e-9)
+    # by hand: 2+2, stages 0..3 on GPUs 0,1,2,3: pairs (0,1) and (2,3) share a root complex of 2, distance 1
+    assert _oracle_costs(np.array([[0, 1, 2, 3]]), [[0, 1], [2, 3]], 4)[0] == pytest.approx(4.0)
+    assert _oracle_costs(np.array([[0, 2, 1, 3]]), [[0, 1], [2, 3]], 4)[0] == pytest.approx(2 / 2 + 2 / 2)
 
 
 def test_same_gpu_pairs_are_left_out() -> None:
@@ -104,17 +130,19 @@ def test_symmetry_pruning_counts() -> None:
     assert _Labels.of(as_groups([1] * 8)).sequence_count() == 1
     for sizes in _partitions(8):
         labels = _Labels.of(as_groups(sizes))
-        from topology.mapping import _sequences
-
         assert sum(1 for _ in _sequences(labels)) == labels.sequence_count() <= 1000
 
 
-def test_exact_is_fast_for_8_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+def test_exact_search_on_every_8_gpu_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every 8-GPU layout is solved exactly at 48 stages; the time taken is printed, not judged."""
     worst, worst_sizes = 0.0, None
     for sizes in _partitions(8):
         t0 = time.perf_counter()
-        cross_mapping(sizes, 48)
+        m = cross_mapping(sizes, 48)
         dt = time.perf_counter() - t0
+        assert m.method == "exact" and sorted(m.slots) == list(range(8)), sizes
+        assert m.contention == pytest.approx(_direct(m.slots, as_groups(sizes), 48), abs=1e-9)
+        assert m.contention <= m.sequential_contention + 1e-9
         if dt > worst:
             worst, worst_sizes = dt, sizes
     t0 = time.perf_counter()
@@ -122,7 +150,6 @@ def test_exact_is_fast_for_8_gpus(capsys: pytest.CaptureFixture[str]) -> None:
     paper = time.perf_counter() - t0
     with capsys.disabled():
         print(f"\nexact cross mapping, 8 GPUs, 48 stages: 4+4 {paper * 1e3:.2f} ms; slowest layout {worst_sizes} {worst * 1e3:.2f} ms")
-    assert worst < 1.0
 
 
 # ------------------------------------------------------------------------------------ the paper's cases
@@ -162,12 +189,13 @@ def test_heuristic_close_to_exact(n: int) -> None:
             assert heur.contention <= exact.contention * 1.03 + 1e-9, (sizes, stages, heur, exact)
 
 
-def test_large_boxes_use_heuristic() -> None:
+def test_large_boxes_use_heuristic(capsys: pytest.CaptureFixture[str]) -> None:
     sizes = [4, 4, 4, 4]
     assert _Labels.of(as_groups(sizes)).sequence_count() > EXACT_LIMIT
     t0 = time.perf_counter()
     m = cross_mapping(sizes, 32)
-    assert time.perf_counter() - t0 < 2.0
+    with capsys.disabled():
+        print(f"\nheuristic cross mapping, 4+4+4+4 GPUs, 32 stages: {(time.perf_counter() - t0) * 1e3:.1f} ms")
     assert m.method == "heuristic" and m.contention < m.sequential_contention
     rc = [m.gpu_of_stage(j) // 4 for j in range(32)]
     assert all(rc[j] != rc[j + 1] for j in range(31))

@@ -11,7 +11,8 @@ import torch
 from conftest import make_hf_model
 from mobius.errors import CheckpointError
 from mobius.models import build_model, get_preset, param_count, unit_specs
-from mobius.models.hf import from_hf, load_checkpoint, read_config, save_checkpoint, to_hf
+from mobius.checkpoint import save_model
+from mobius.models.hf import from_hf, load_checkpoint, read_config, to_hf
 
 VARIANTS = {
     "gpt2": ("gpt2", {}),
@@ -65,7 +66,7 @@ def test_saved_checkpoint_loads_in_transformers(variant: str, tmp_path: Path) ->
     hf = make_hf_model(kind, **kw)
     hf.save_pretrained(tmp_path / "in")
     ours = load_checkpoint(tmp_path / "in").eval()
-    save_checkpoint(ours, ours.config, tmp_path / "out")
+    save_model(ours, tmp_path / "out")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.randint(0, 300, (1, 24))
     torch.testing.assert_close(_logits(again, ids), _logits(ours, ids), atol=1e-5, rtol=0)
@@ -76,7 +77,7 @@ def test_sharded_safetensors_and_bin(tmp_path: Path) -> None:
     hf = make_hf_model("opt")
     hf.save_pretrained(tmp_path / "ref")
     ours = load_checkpoint(tmp_path / "ref").eval()
-    save_checkpoint(ours, ours.config, tmp_path / "sharded", max_shard_bytes=20_000)
+    save_model(ours, tmp_path / "sharded", max_shard_bytes=20_000)
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     ids = torch.randint(0, 300, (1, 16))

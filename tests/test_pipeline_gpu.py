@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_pipeline import _cfg
-from mobius.run import train
+from mobius.app.run import train
 
 pytestmark = pytest.mark.gpu
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import importlib.util
 import json
+import logging
 import os
 import stat
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -27,7 +30,11 @@ from topology import (
     detect,
     load_bandwidth,
     load_topology,
+    topology_from_json,
+    topology_graph,
 )
+from topology.render import format_bandwidth
+from topology.smi_text import parse_topo_matrix
 from topology.sysfs import PciTree, link_gen, normalize_bus_id, topology_from_sysfs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "topology"
@@ -45,6 +52,9 @@ TEXT_FIXTURES = {
     "dgx_a100_nv12.txt": ([[0, 1], [2, 3], [4, 5], [6, 7]], [3, 3, 1, 1, 7, 7, 5, 5], True),
     "single_gpu.txt": ([[0]], [0], False),
     "rtx4090x4_phb_p2p.txt": ([[0, 1, 2, 3]], [0, 0, 0, 0], False),
+    "trimmed_nvbridge_nic_spaces.txt": ([[0, 1], [2], [3]], [0, 0, 1, 1], False),
+    "trimmed_header_extra_values.txt": ([[0, 1, 2], [3, 4, 5]], [0, 0, 0, 1, 1, 1], False),
+    "nic_rows_unknown_column.txt": ([[0, 1], [2, 3], [4, 5], [6, 7]], [0] * 4 + [1] * 4, False),
 }
 SYSFS_FIXTURES = {
     "sysfs_paper_2x2": [[0, 1], [2, 3]],
@@ -80,19 +90,110 @@ def test_topo_m_details() -> None:
     assert load_topology(FIXTURES / "topo4_one_rc.txt").source == "nvidia-smi topo -m (topo4_one_rc.txt)"
 
 
-def test_topo_m_errors(tmp_path: Path) -> None:
-    bad = tmp_path / "asym.txt"
-    bad.write_text("\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tPIX\t0-7\nGPU1\tSYS\t X \t0-7\n")
-    with pytest.raises(TopologyFileError, match=r"asym\.txt: line 1: GPU1/GPU0 is SYS but GPU0/GPU1 is PIX"):
-        load_topology(bad)
-    short = tmp_path / "short.txt"
-    short.write_text("\tGPU0\tGPU1\nGPU0\t X \tPIX\n")
-    with pytest.raises(TopologyFileError, match=r"short\.txt: .*no row for GPU1"):
-        load_topology(short)
-    other = tmp_path / "notes.txt"
-    other.write_text("hello\n")
-    with pytest.raises(TopologyFileError, match=r"notes\.txt: neither topology JSON"):
-        load_topology(other)
+def _smi_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "topology.smi_text" and r.levelno == logging.WARNING]
+
+
+def test_topo_m_trimmed_and_unknown_columns(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="topology.smi_text")
+    trimmed = load_topology(FIXTURES / "trimmed_nvbridge_nic_spaces.txt")  # "CPU Affinity NUMA", single spaces
+    assert _smi_warnings(caplog) == []
+    assert [g.cpu_affinity for g in trimmed.gpus] == ["0-15,32-47"] * 2 + ["16-31,48-63"] * 2
+    assert trimmed.nvlink[0][1] == 4 and trimmed.pcie_paths[0][1] == "" and trimmed.pcie_paths[0][2] == "SYS"
+    assert [h.numa_node for h in trimmed.host_bridges] == [0, 1, 1]  # GPU0/1 joined through NIC0 (PHB)
+
+    path = FIXTURES / "trimmed_header_extra_values.txt"  # header "CPU  NUMA"; rows still carry GPU NUMA ID
+    extra = load_topology(path)
+    (warning,) = _smi_warnings(caplog)
+    assert warning.startswith(f"{path}: line 1: row GPU0 (line 2) has 3 value(s)") and "reading CPU, NUMA from the left" in warning
+    assert extra.gpus[5].cpu_affinity == "14-27,42-55" and [s.gpus for s in extra.switches] == [[3, 4, 5]]
+
+    caplog.clear()
+    path = FIXTURES / "nic_rows_unknown_column.txt"  # NIC0/NIC1 rows and an added "PCIe Link" column
+    nic = load_topology(path)
+    (warning,) = _smi_warnings(caplog)
+    assert warning.startswith(f"{path}: line 2: skipping column(s) 'PCIe Link'")
+    assert [g.cpu_affinity for g in nic.gpus] == ["0-31,64-95"] * 4 + ["32-63,96-127"] * 4
+    assert [s.gpus for s in nic.switches] == [[0, 1], [2, 3], [4, 5], [6, 7]] and nic.pcie_paths[1][2] == "NODE"
+
+
+def _two_gpus(tail: str, values: tuple[str, str], sep: str = "\t") -> str:
+    """A 2-GPU matrix (one switch) with ``tail`` after the device columns of the header."""
+    return (f"{sep}GPU0{sep}GPU1{sep}{tail}\nGPU0{sep} X {sep}PIX{sep}{values[0]}\n"
+            f"GPU1{sep}PIX{sep} X {sep}{values[1]}\n\nLegend:\n\n  X    = Self\n")
+
+
+# header after the device columns, values of GPU0 / GPU1 -> CPU lists, NUMA nodes, words the warning must hold
+COLUMN_CASES = {
+    "full": ("CPU Affinity\tNUMA Affinity\tGPU NUMA ID", ("0-7\t0\t\tN/A", "8-15\t1\t\tN/A"), ["0-7", "8-15"], [0, 1], []),
+    "short names": ("CPU\tNUMA", ("0-7\t0", "8-15\t1"), ["0-7", "8-15"], [0, 1], []),
+    "cut words": ("CPU Aff\tNUMA Affin\tGPU NUMA", ("0-7\t0\t2", "8-15\t1\t3"), ["0-7", "8-15"], [0, 1], []),
+    "no GPU NUMA ID": ("CPU Affinity\tNUMA Affinity", ("0-7\t0", "8-15\t1"), ["0-7", "8-15"], [0, 1], []),
+    "nothing after": ("", ("", ""), [None, None], [None, None], []),
+    "unknown between": ("CPU Affinity\tRack Slot\tNUMA Affinity", ("0-7\tA3\t0", "8-15\tB1\t1"), ["0-7", "8-15"], [0, 1],
+                        ["'Rack Slot'"]),
+    "unknown, too many values": ("Slot\tCPU Affinity", ("A3\t0-7\t0", "B1\t8-15\t1"), [None, None], [None, None],
+                                 ["'Slot'", "has 3 value(s)", "reading none"]),
+    "too few values": ("CPU Affinity\tNUMA Affinity\tGPU NUMA ID", ("0-7", "8-15"), ["0-7", "8-15"], [None, None],
+                       ["has 1 value(s)", "reading CPU Affinity from the left"]),
+    "misshapen value": ("CPU Affinity\tNUMA Affinity", ("0-7\tzero", "8-15\t1"), ["0-7", "8-15"], [None, 1],
+                        ["under 'NUMA Affinity'", "'zero' in row GPU0 (line 2)"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COLUMN_CASES))
+@pytest.mark.parametrize("sep", ["\t", "    ", " "], ids=["tabs", "spaces", "single-spaced"])
+def test_topo_m_columns_after_devices(case: str, sep: str, caplog: pytest.LogCaptureFixture) -> None:
+    """nvidia-smi's tabs, a terminal paste (runs of spaces) and a web page's single spaces read alike."""
+    tail, values, cpus, numas, warned = COLUMN_CASES[case]
+    caplog.set_level(logging.WARNING, logger="topology.smi_text")
+    text = _two_gpus(tail.replace("\t", sep), (values[0].replace("\t", sep), values[1].replace("\t", sep)), sep)
+    topo = parse_topo_matrix(text, origin="box.txt")
+    assert topo.root_complexes == [[0, 1]] and topo.pcie_paths[0][1] == "PIX"
+    assert [g.cpu_affinity for g in topo.gpus] == cpus and [g.numa_node for g in topo.gpus] == numas
+    messages = " | ".join(_smi_warnings(caplog))
+    assert all(w in messages for w in warned), messages
+    assert bool(messages) == bool(warned) and (not messages or messages.startswith("box.txt: line 1: "))
+
+
+def test_topo_m_cpu_as_device_column(caplog: pytest.LogCaptureFixture) -> None:
+    """A matrix with a CPU row and column (as some write-ups show it): CPU is a device, not an affinity."""
+    caplog.set_level(logging.WARNING, logger="topology.smi_text")
+    topo = parse_topo_matrix("        GPU0    GPU1    CPU\nGPU0     X      NV1     PHB\nGPU1    NV1      X      PHB\n"
+                             "CPU     PHB    PHB       X\n")
+    assert topo.root_complexes == [[0, 1]] and topo.nvlink[0][1] == 1 and topo.gpus[0].cpu_affinity is None
+    assert _smi_warnings(caplog) == []
+
+
+MALFORMED = {  # file text -> the start of the error after the file name
+    "asym": ("\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tPIX\t0-7\nGPU1\tSYS\t X \t0-7\n",
+             "line 3: GPU1/GPU0 is SYS but GPU0/GPU1 is PIX (line 2)"),
+    "short": ("\tGPU0\tGPU1\nGPU0\t X \tPIX\n", "line 1: no row for GPU1"),
+    "nic entry missing": ("\tGPU0\tGPU1\tNIC0\tCPU Affinity\nGPU0\t X \tPIX\tPHB\t0-7\nGPU1\tPIX\t X \t0-7\n"
+                          "NIC0\tPHB\tPHB\t X \n", "line 3: row GPU1 has '0-7' under NIC0, where the other GPU rows have 3 link entries"),
+    "bad link": ("\tGPU0\tGPU1\tNIC0\nGPU0\t X \tPIX\tPHB\nGPU1\tPIX\t X \tPHX\n", "line 3: row GPU1 has 'PHX' under NIC0"),
+    "row cut short": ("GPU0 GPU1 GPU2\nGPU0 X PIX PIX\nGPU1 PIX X PIX\nGPU2 PIX X\n", "line 4: row GPU2 has no entry under GPU2"),
+    "header names more GPUs": ("\tGPU0\tGPU1\tGPU2\tCPU Affinity\nGPU0\t X \tPIX\t0-7\nGPU1\tPIX\t X \t0-7\n",
+                               "line 1: the header names GPU2 but the GPU rows have only 2 link entries"),
+    "header too short": ("\tGPU0\tGPU1\nGPU0\t X \tPIX\tPHB\nGPU1\tPIX\t X \tPHB\n",
+                         "line 1: the header names 2 column(s) but the GPU rows have 3 link entries"),
+    "no links": ("\tGPU0\tCPU Affinity\nGPU0\t0-7\n", "line 2: row GPU0 starts with ['0-7'], not a link type"),
+    "X off the diagonal": ("\tGPU0\tGPU1\nGPU0\t X \t X \nGPU1\t X \t X \n", "line 3: GPU1/GPU0 is X"),
+    "not a matrix": ("hello\n", "neither topology JSON"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_topo_m_errors(name: str, tmp_path: Path) -> None:
+    text, message = MALFORMED[name]
+    path = tmp_path / f"{name.replace(' ', '_')}.txt"
+    path.write_text(text)
+    with pytest.raises(TopologyFileError) as info:
+        load_topology(path)
+    assert str(info.value).startswith(f"{path}: {message}"), str(info.value)
+
+
+def test_missing_topology_file(tmp_path: Path) -> None:
     with pytest.raises(TopologyFileError, match=r"missing\.txt: no such file"):
         load_topology(tmp_path / "missing.txt")
 
@@ -312,7 +413,7 @@ def test_json_round_trip(name: str, tmp_path: Path) -> None:
 
 
 def test_from_json_minimal_and_errors(tmp_path: Path) -> None:
-    topo = Topology.from_json({"gpus": [{"index": 0}, {"index": 1}, {"index": 2}], "root_complexes": [[0, 2], [1]]})
+    topo = topology_from_json({"gpus": [{"index": 0}, {"index": 1}, {"index": 2}], "root_complexes": [[0, 2], [1]]})
     assert topo.root_complexes == [[0, 2], [1]] and topo.gpus[1].root_complex == 1 and topo.gpus[0].name == "unknown"
     cases = {
         '{"gpus": [{"index": 0, "memory_bytes": "24G"}], "root_complexes": [[0]]}': "gpus[0].memory_bytes' must be an integer",
@@ -347,13 +448,44 @@ def test_synthetic_and_subset() -> None:
 def test_graph_view() -> None:
     import networkx as nx
 
-    dgx = load_topology(FIXTURES / "dgx_a100_nv12.txt").graph()
+    dgx = topology_graph(load_topology(FIXTURES / "dgx_a100_nv12.txt"))
     assert sum(1 for *_, k in dgx.edges(data="kind") if k == "nvlink") == 28
     assert dgx.nodes["GPU3"]["kind"] == "gpu" and dgx.nodes["GPU3"]["numa_node"] == 1
-    box = topology_from_sysfs(FIXTURES / "sysfs_paper_2x2").graph()
+    box = topology_graph(topology_from_sysfs(FIXTURES / "sysfs_paper_2x2"))
     path = nx.shortest_path(box, "GPU0", "GPU2")
     assert "system" in path and "switch:0000:01:00.0" in path
     assert nx.shortest_path(box, "GPU0", "GPU1") == ["GPU0", "switch:0000:01:00.0", "GPU1"]
+
+
+def _topology_imports() -> dict[str, set[str]]:
+    """Module -> the topology modules it imports anywhere: top level, function bodies, TYPE_CHECKING blocks."""
+    pkg = Path(topology.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for f in sorted(pkg.glob("*.py")):
+        name = "topology" if f.stem == "__init__" else f"topology.{f.stem}"
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                module = "topology" + (f".{node.module}" if node.module else "") if node.level else node.module or ""
+                if module == "topology":  # `from topology import x`: the package, or its submodule x
+                    deps |= {f"topology.{a.name}" if (pkg / f"{a.name}.py").exists() else "topology" for a in node.names}
+                elif module.startswith("topology."):
+                    deps.add(module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name == "topology" or a.name.startswith("topology.")}
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_topology_imports_form_a_dag() -> None:
+    import networkx as nx
+
+    imports = _topology_imports()
+    g = nx.DiGraph([(a, b) for a, deps in imports.items() for b in deps])
+    assert "topology.model" in imports and "topology.smi_text" in imports
+    assert nx.is_directed_acyclic_graph(g), f"import circle: {nx.find_cycle(g)}"
+    assert imports["topology.model"] == {"topology.errors"}  # the plain values import nothing above them
+    assert {"topology.model"} <= imports["topology._json"] and {"topology.model"} <= imports["topology._graph"]
 
 
 # ------------------------------------------------------------------------------------ bandwidth files
@@ -379,16 +511,143 @@ def test_bench_file_errors(tmp_path: Path) -> None:
         "neg": (lambda d: d["root_complexes"][0].update(h2d_total_GBps=0), "h2d_total_GBps' must be > 0"),
         "type": (lambda d: d["gpus"][0].update(h2d_GBps="fast"), "gpus[0].h2d_GBps' must be a"),
     }
+    _assert_bandwidth_errors(good, edits, tmp_path)
+    with pytest.raises(TopologyFileError, match="no such file"):
+        load_bandwidth(tmp_path / "none.json")
+
+
+def _assert_bandwidth_errors(good: dict, edits: dict, tmp_path: Path) -> None:
+    """Each edit of a good bandwidth file is refused with its message, naming the file."""
     for name, (edit, message) in edits.items():
         doc = json.loads(json.dumps(good))
         edit(doc)
-        path = tmp_path / f"{name}.json"
+        path = tmp_path / f"{name.replace(' ', '_')}.json"
         path.write_text(json.dumps(doc))
         with pytest.raises(TopologyFileError) as info:
             load_bandwidth(path)
         assert str(info.value).startswith(f"{path}: ") and message in str(info.value), name
-    with pytest.raises(TopologyFileError, match="no such file"):
-        load_bandwidth(tmp_path / "none.json")
+
+
+def test_bench_streams_fixture() -> None:
+    bw = load_bandwidth(FIXTURES / "bench_3gpu_streams.json")
+    pair, single = bw.root_complexes
+    assert pair.h2d_total_GBps_by_streams == [12.6, 12.9] and single.d2h_total_GBps_by_streams == [26.05, 26.2]
+    assert [pair.aggregate_GBps("h2d", k) for k in (1, 2, 3, 8)] == [12.6, 12.9, 12.9, 12.9]  # beyond: last measured
+    assert [single.aggregate_GBps("d2h", k) for k in (1, 2, 3)] == [26.05, 26.2, 26.2]
+    assert bw.upload_GBps(2, concurrent=2) == pytest.approx(25.3 / 2)  # two streams on the one GPU of its root complex
+    assert bw.download_GBps(0, concurrent=2) == pytest.approx(13.2 / 2) and bw.upload_GBps(1) == pytest.approx(12.58)
+    assert Bandwidth.from_json(json.loads(json.dumps(bw.to_json()))) == bw
+    assert bw.to_json()["root_complexes"][1]["h2d_total_GBps_by_streams"] == [24.85, 25.3]
+    with pytest.raises(ValueError, match="direction"):
+        pair.aggregate_GBps("up", 1)
+    with pytest.raises(ValueError, match=">= 1"):
+        pair.aggregate_GBps("h2d", 0)
+
+
+def test_bench_old_file_without_streams() -> None:
+    """Files from before the stream sweep load, fall back to the all-GPU totals and are written back unchanged."""
+    raw = json.loads((FIXTURES / "bench_4gpu_2x2.json").read_text())
+    bw = Bandwidth.from_json(raw)
+    rc = bw.root_complex_of(2)
+    assert rc.h2d_total_GBps_by_streams == [] and rc.d2h_total_GBps_by_streams == []
+    assert [rc.aggregate_GBps("h2d", k) for k in (1, 2, 5)] == [12.85] * 3 and rc.aggregate_GBps("d2h", 1) == 13.24
+    assert bw.to_json() == raw
+
+
+def test_bench_streams_file_errors(tmp_path: Path) -> None:
+    good = json.loads((FIXTURES / "bench_3gpu_streams.json").read_text())
+    edits = {
+        "zero": (lambda d: d["root_complexes"][0]["h2d_total_GBps_by_streams"].append(0),
+                 "key 'root_complexes[0].h2d_total_GBps_by_streams[2]' must be a number > 0, got 0"),
+        "text": (lambda d: d["root_complexes"][1].update(d2h_total_GBps_by_streams=["fast"]),
+                 "key 'root_complexes[1].d2h_total_GBps_by_streams[0]' must be a number > 0"),
+        "not a list": (lambda d: d["root_complexes"][1].update(d2h_total_GBps_by_streams=26.0),
+                       "key 'root_complexes[1].d2h_total_GBps_by_streams' must be a list"),
+    }
+    _assert_bandwidth_errors(good, edits, tmp_path)
+    doc = json.loads(json.dumps(good))
+    doc["root_complexes"][0]["h2d_total_GBps_by_streams"] = None  # null reads as not measured
+    assert Bandwidth.from_json(doc).root_complexes[0].aggregate_GBps("h2d", 1) == 12.9
+
+
+def test_stream_plan_and_aggregate() -> None:
+    from topology.bench import aggregate_GBps, max_streams, stream_plan
+
+    assert [max_streams(g) for g in ([3], [0, 1], [0, 1, 2, 3])] == [2, 2, 4]
+    assert stream_plan([5], 2) == [(5, 0), (5, 1)]  # one GPU: the second stream is a second lane on it
+    assert stream_plan([0, 1, 2], 2) == [(0, 0), (1, 0)]
+    assert stream_plan([2, 3], 5) == [(2, 0), (3, 0), (2, 1), (3, 1), (2, 2)]
+    assert aggregate_GBps(2e9, [1.0]) == pytest.approx(2.0)
+    assert aggregate_GBps(2e9, [0.5, 1.0, 0.8]) == pytest.approx(6.0)  # all bytes over the slowest stream's time
+    for bad in (lambda: stream_plan([], 1), lambda: stream_plan([0], 0), lambda: aggregate_GBps(1e9, []),
+                lambda: aggregate_GBps(1e9, [1.0, 0.0])):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def _shared_link(per_stream: float, link: float, plans: list[list[tuple[int, int]]]) -> Callable[[list[tuple[int, int]]], list[float]]:
+    """A stand-in for the CUDA timing: k streams split one link of ``link`` GB/s, each at most ``per_stream``."""
+    def time_plan(plan: list[tuple[int, int]]) -> list[float]:
+        assert len(set(plan)) == len(plan)  # every stream has its own buffers
+        plans.append(plan)
+        rate = min(per_stream, link / len(plan))
+        return [(1 + 0.01 * s) / rate for s in range(len(plan))]  # 1 GB each; later streams finish a little later
+    return time_plan
+
+
+def test_stream_sweep_without_gpu() -> None:
+    from topology.bench import root_complex_figures, stream_sweep
+
+    plans: list[list[tuple[int, int]]] = []
+    h2d = stream_sweep([4, 5, 6], 1e9, _shared_link(12.0, 20.0, plans))
+    assert [len(p) for p in plans] == [1, 2, 3] and plans[2] == [(4, 0), (5, 0), (6, 0)]
+    assert h2d == pytest.approx([12.0, 20.0 / 1.01, 20.0 / 1.02])
+    rc = root_complex_figures([4, 5, 6], (12.0, 13.0), h2d, [x + 1 for x in h2d])
+    assert rc.h2d_total_GBps == round(h2d[2], 2) and rc.h2d_concurrent_GBps_per_gpu == round(h2d[2] / 3, 2)
+    assert rc.d2h_total_GBps_by_streams == [round(x + 1, 2) for x in h2d]
+
+    plans.clear()
+    one = stream_sweep([7], 1e9, _shared_link(30.0, 32.0, plans))  # one GPU whose two copy engines share its link
+    assert plans == [[(7, 0)], [(7, 0), (7, 1)]] and one == pytest.approx([30.0, 16.0 * 2 / 1.01])
+    single = root_complex_figures([7], (29.5, 31.0), one, one)
+    assert (single.h2d_total_GBps, single.d2h_concurrent_GBps_per_gpu) == (29.5, 31.0)  # totals: the GPU alone
+    assert single.h2d_total_GBps_by_streams == [30.0, round(32.0 / 1.01, 2)]
+
+
+def test_measure_without_gpu_on_a_modelled_box(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure() end to end with the CUDA calls replaced by a model: root complex [0, 1] shares a 20 GB/s
+    link (12 GB/s per stream at most), GPU 2 alone has 32 GB/s (30 per stream)."""
+    from topology import bench
+
+    link, per_stream, rc_of = {0: 20.0, 1: 32.0}, {0: 12.0, 1: 30.0}, {0: 0, 1: 0, 2: 1}
+    allocated: list[int] = []
+
+    def time_jobs(torch: object, jobs: list, repeats: int) -> list[float]:
+        busy = [sum(1 for other in jobs if rc_of[other.device] == rc_of[j.device]) for j in jobs]
+        return [repeats / min(per_stream[rc_of[j.device]], link[rc_of[j.device]] / k) for j, k in zip(jobs, busy)]
+
+    cuda = SimpleNamespace(can_device_access_peer=lambda i, j: False, get_device_name=lambda d: "modelled GPU")
+    monkeypatch.setattr(bench, "require_cuda", lambda: 3)
+    monkeypatch.setattr(bench, "_torch", lambda: SimpleNamespace(cuda=cuda, __version__="model"))
+    def buffers(torch: object, device: int, size: int) -> SimpleNamespace:
+        allocated.append(device)
+        return SimpleNamespace(device=device, up=None, down=None)
+
+    monkeypatch.setattr(bench, "_buffers", buffers)
+    monkeypatch.setattr(bench, "_time_jobs", time_jobs)
+    bw = bench.measure(Topology.synthetic([[0, 1], [2]]), size_bytes=10**9, repeats=2, progress=False)
+    pair, single = bw.root_complexes
+    assert sorted(allocated) == [0, 1, 2, 2]  # one lane per GPU, a second on the lone GPU 2
+    assert pair.h2d_total_GBps_by_streams == [12.0, 20.0] and pair.d2h_total_GBps_by_streams == [12.0, 20.0]
+    assert (pair.h2d_total_GBps, pair.h2d_concurrent_GBps_per_gpu) == (20.0, 10.0)
+    assert single.h2d_total_GBps_by_streams == [30.0, 32.0] and single.h2d_total_GBps == bw.gpus[2].h2d_GBps == 30.0
+    assert bw.upload_GBps(2, concurrent=2) == 16.0 and bw.p2p_GBps == [[None] * 3 for _ in range(3)]
+
+
+def test_render_stream_table() -> None:
+    text = format_bandwidth(load_bandwidth(FIXTURES / "bench_3gpu_streams.json"))
+    assert "GPUs       k=1   k=2" in text and "0,1   H2D  12.6  12.9" in text and "2     D2H  26.1  26.2" in text
+    assert "k copy streams" not in format_bandwidth(load_bandwidth(FIXTURES / "bench_4gpu_2x2.json"))
 
 
 def test_heatmap_png(tmp_path: Path) -> None:
@@ -498,23 +757,33 @@ def test_gpu_detect_and_bench(tmp_path: Path) -> None:
     topology.save_bandwidth(bw, saved)
     again = load_bandwidth(saved)
     assert again.num_gpus == topo.num_gpus and all(g.h2d_GBps > 0.5 and g.bidir_GBps > 0.5 for g in again.gpus)
+    for rc in again.root_complexes:
+        k = bench.max_streams(rc.gpus)
+        assert len(rc.h2d_total_GBps_by_streams) == len(rc.d2h_total_GBps_by_streams) == k
+        if len(rc.gpus) > 1:
+            assert rc.h2d_total_GBps == rc.h2d_total_GBps_by_streams[len(rc.gpus) - 1]
     print(json.dumps(again.to_json(), indent=1))
+    print(format_bandwidth(again))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU")
 def test_gpu_concurrency_machinery() -> None:
-    """Two buffer sets on one GPU stand in for two GPUs of one root complex: they share one link."""
+    """GPU 0 as a one-GPU root complex: the sweep runs one stream, then two streams sharing its link."""
     import torch
 
     from topology import bench
 
     size, repeats = 64 << 20, 3
-    bufs = [bench._buffers(torch, 0, size), bench._buffers(torch, 0, size)]
+    pool = bench._BufferPool(torch, size)
     gb = size * repeats / 1e9
-    alone = gb / bench._time_jobs(torch, [bench._upload(bufs[0])], repeats)[0]
-    rc = bench._root_complex(torch, bufs, [0, 1], [(alone, alone, alone)] * 2, gb, repeats, SimpleNamespace(update=lambda k: None))
-    assert rc.h2d_total_GBps == pytest.approx(alone, rel=0.35)
-    assert rc.h2d_concurrent_GBps_per_gpu == pytest.approx(alone / 2, rel=0.35)
-    assert bench._peer(torch, bufs[0], bufs[1], size, repeats) > 1.0
-    print(f"\nalone {alone:.1f} GB/s; two streams sharing the link: {rc.h2d_concurrent_GBps_per_gpu:.1f} each, {rc.h2d_total_GBps:.1f} total")
+    alone = gb / bench._time_jobs(torch, [bench._upload(pool.get(0))], repeats)[0]
+    down = gb / bench._time_jobs(torch, [bench._download(pool.get(0))], repeats)[0]
+    steps: list[int] = []
+    rc = bench._root_complex(torch, pool, [0], [(alone, down, alone)], repeats, SimpleNamespace(update=steps.append))
+    assert len(steps) == 4 and set(pool.bufs) == {(0, 0)}  # 2 stream counts x 2 directions; the second lane let go
+    one, two = rc.h2d_total_GBps_by_streams
+    assert one == pytest.approx(alone, rel=0.35) and two == pytest.approx(alone, rel=0.35)  # one link, shared
+    assert rc.h2d_total_GBps == round(alone, 2) and len(rc.d2h_total_GBps_by_streams) == 2
+    assert bench._peer(torch, pool.get(0), pool.get(0, 1), size, repeats) > 1.0
+    print(f"\nalone {alone:.1f} GB/s; H2D by streams {rc.h2d_total_GBps_by_streams}, D2H by streams {rc.d2h_total_GBps_by_streams}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mobius.config import Config, config_from_dict
-from mobius.run import train
+from mobius.app.run import train
 
 
 def _cfg(tmp_path: Path, data: Path, out: str = "run", **sections) -> Config:

@@ -1,28 +1,35 @@
-"""The networkx view of a :class:`topology.model.Topology` (see :meth:`Topology.graph`)."""
+"""The networkx view of a :class:`topology.model.Topology` (:func:`topology_graph`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import networkx as nx
 
-if TYPE_CHECKING:
-    from topology.model import PCIeSwitch, Topology
+from topology.model import PCIeSwitch, Topology
 
 
 def _switch_node(k: int, bus_id: str) -> str:
     return f"switch:{bus_id}" if bus_id else f"switch:{k}"
 
 
-def _smallest_switch(topo: "Topology", accept: Callable[["PCIeSwitch"], bool]) -> int | None:
+def _smallest_switch(topo: Topology, accept: Callable[[PCIeSwitch], bool]) -> int | None:
     """Index of the switch with the fewest GPUs among those ``accept`` takes (the nearest one)."""
     found = [(len(sw.gpus), k) for k, sw in enumerate(topo.switches) if accept(sw)]
     return min(found)[1] if found else None
 
 
-def build_graph(topo: "Topology") -> nx.Graph:
-    """GPU -> [switch] -> host bridge -> NUMA node -> system, plus GPU-GPU NVLink edges."""
+def topology_graph(topo: Topology) -> nx.Graph:
+    """GPUs, switches, host bridges, NUMA nodes and the system as a networkx graph, with links.
+
+    GPU -> [switch] -> host bridge -> NUMA node -> system, plus GPU-GPU NVLink edges. Nodes are
+    ``"GPU<i>"`` (kind "gpu", with the GPU's fields), ``"switch:<id>"`` (kind "switch"), host
+    bridge names (kind "host_bridge"), ``"NUMA<k>"`` (kind "numa") and ``"system"`` (kind
+    "system"). Edges have ``kind`` "pcie" (GPU-switch-host bridge), "node" (host bridge-NUMA node),
+    "sys" (NUMA node-system) or "nvlink" (GPU-GPU, ``count`` links). ``G.graph["p2p"]`` holds the
+    peer-access matrix.
+    """
     g = nx.Graph(source=topo.source, p2p=[list(r) for r in topo.p2p])
     g.add_node("system", kind="system")
     for k, hb in enumerate(topo.host_bridges):

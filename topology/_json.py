@@ -1,4 +1,4 @@
-"""Checked reading of JSON dicts into topology values; errors name the key that is wrong."""
+"""Checked reading of JSON dicts into topology values (:func:`topology_from_json`); errors name the bad key."""
 
 from __future__ import annotations
 
@@ -100,8 +100,13 @@ def _switches(d: dict[str, Any]) -> list[PCIeSwitch]:
     return out
 
 
-def topology_from_dict(d: Any) -> Topology:
-    """A :class:`Topology` from a ``mobius.topology/1`` dict (see :meth:`Topology.from_json`)."""
+def topology_from_json(d: Any) -> Topology:
+    """Read :meth:`Topology.to_json` output (a ``mobius.topology/1`` dict) back into a :class:`Topology`.
+
+    Only ``gpus`` and ``root_complexes`` are required: a hand-written planning file may give GPUs as
+    ``{"index": 0}`` only (names read "unknown", memory 0). Raises :class:`TopologyFileError` naming
+    the bad key.
+    """
     if not isinstance(d, dict):
         raise TopologyFileError("a topology must be a JSON object")
     schema = d.get("schema", SCHEMA)

@@ -19,24 +19,34 @@ Schema ``"mobius.bandwidth/1"`` (one JSON object; GB/s are 10^9 bytes per second
          "h2d_concurrent_GBps_per_gpu": 6.1,   # rate of the slowest GPU while all GPUs of the group
          "d2h_concurrent_GBps_per_gpu": 6.4,   # upload (download) at once = total / len(gpus)
          "h2d_total_GBps": 12.2,               # the group's aggregate upload rate
-         "d2h_total_GBps": 12.8}
+         "d2h_total_GBps": 12.8,
+         "h2d_total_GBps_by_streams": [12.1, 12.2],  # optional: aggregate rate of k = 1, 2, ...
+         "d2h_total_GBps_by_streams": [13.0, 12.8]}  # concurrent copy streams (index k - 1)
       ],
       "p2p_GBps": [[null, 9.8], [9.7, null]]        # N x N, GPU i -> GPU j; null where peer copies
     }                                               # are not allowed, not measured, or i == j
 
 A root complex of one GPU gets its single-GPU figures as concurrent figures (nothing to share).
+
+``*_total_GBps_by_streams[k - 1]`` is the aggregate rate of k copy streams running at once, dealt
+round-robin over the group's GPUs (stream s on ``gpus[s % len(gpus)]``), for k = 1 ..
+``max(len(gpus), 2)``: a one-GPU group also gets k = 2 (two streams on that GPU: do its copy
+engines share the link?). For groups of two or more GPUs, ``*_total_GBps`` equals the entry at
+k = ``len(gpus)``. Files written before these keys existed lack them and stay valid.
 Readers must ignore keys they do not know; new keys may be added without changing the schema name.
 
 How partition/ uses it: a stage upload on GPU g while k GPUs of its root complex upload runs at
-about ``min(h2d_GBps[g], h2d_total_GBps / k)``; :meth:`Bandwidth.upload_GBps` gives that estimate
-(and :meth:`Bandwidth.download_GBps` the same for downloads). Activations between GPUs go peer to
-peer at ``p2p_GBps[i][j]`` when not null, else through host memory (a download then an upload).
+about ``min(h2d_GBps[g], total(k) / k)``, where ``total(k)`` is the measured aggregate of k streams
+(:meth:`RootComplexBandwidth.aggregate_GBps`; ``h2d_total_GBps`` in older files);
+:meth:`Bandwidth.upload_GBps` gives that estimate (and :meth:`Bandwidth.download_GBps` the same for
+downloads). Activations between GPUs go peer to peer at ``p2p_GBps[i][j]`` when not null, else
+through host memory (a download then an upload).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +54,9 @@ from topology._json import field_of, square_matrix
 from topology.errors import TopologyFileError
 
 SCHEMA = "mobius.bandwidth/1"
+DIRECTIONS = ("h2d", "d2h")  # host -> GPU, GPU -> host
 _NUM = (int, float)
+_BY_STREAMS = tuple(f"{d}_total_GBps_by_streams" for d in DIRECTIONS)
 
 
 @dataclass
@@ -60,13 +72,34 @@ class GPUBandwidth:
 
 @dataclass
 class RootComplexBandwidth:
-    """Rates while all GPUs of one root complex copy at once (GB/s)."""
+    """Rates while GPUs of one root complex copy at once (GB/s).
+
+    ``h2d_total_GBps_by_streams[k - 1]`` (``d2h_...`` likewise) is the aggregate rate of k
+    concurrent copy streams dealt round-robin over ``gpus``; empty when the file predates them.
+    """
 
     gpus: list[int]
     h2d_concurrent_GBps_per_gpu: float
     d2h_concurrent_GBps_per_gpu: float
     h2d_total_GBps: float
     d2h_total_GBps: float
+    h2d_total_GBps_by_streams: list[float] = field(default_factory=list)
+    d2h_total_GBps_by_streams: list[float] = field(default_factory=list)
+
+    def aggregate_GBps(self, direction: str, streams: int) -> float:
+        """Aggregate rate of ``streams`` concurrent copies in ``direction`` ("h2d" or "d2h") on this root complex.
+
+        The measured figure for that many streams; beyond the measured range, the one for the most
+        streams measured; without per-stream figures (older files), the all-GPUs total.
+        """
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if streams < 1:
+            raise ValueError(f"the number of streams must be >= 1, got {streams}")
+        measured = getattr(self, f"{direction}_total_GBps_by_streams")
+        if measured:
+            return measured[min(streams, len(measured)) - 1]
+        return getattr(self, f"{direction}_total_GBps")
 
 
 @dataclass
@@ -97,20 +130,24 @@ class Bandwidth:
     def upload_GBps(self, gpu: int, concurrent: int = 1) -> float:
         """Estimated host->GPU rate of ``gpu`` while ``concurrent`` GPUs of its root complex upload."""
         alone = self.gpus[gpu].h2d_GBps
-        return alone if concurrent <= 1 else min(alone, self.root_complex_of(gpu).h2d_total_GBps / concurrent)
+        return alone if concurrent <= 1 else min(alone, self.root_complex_of(gpu).aggregate_GBps("h2d", concurrent) / concurrent)
 
     def download_GBps(self, gpu: int, concurrent: int = 1) -> float:
         """Estimated GPU->host rate of ``gpu`` while ``concurrent`` GPUs of its root complex download."""
         alone = self.gpus[gpu].d2h_GBps
-        return alone if concurrent <= 1 else min(alone, self.root_complex_of(gpu).d2h_total_GBps / concurrent)
+        return alone if concurrent <= 1 else min(alone, self.root_complex_of(gpu).aggregate_GBps("d2h", concurrent) / concurrent)
 
     def p2p(self, src: int, dst: int) -> float | None:
         """Peer copy rate src -> dst, or None where peer copies are not allowed or not measured."""
         return self.p2p_GBps[src][dst]
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON-ready dict, keys in schema order."""
+        """The JSON-ready dict, keys in schema order (per-stream lists left out when not measured)."""
         d = asdict(self)
+        for rc in d["root_complexes"]:
+            for key in _BY_STREAMS:
+                if not rc[key]:
+                    del rc[key]
         return {"schema": d.pop("schema"), **d}
 
     @classmethod
@@ -154,7 +191,17 @@ def _rc(d: Any, k: int, n: int) -> RootComplexBandwidth:
     if not gpus or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n for i in gpus):
         raise TopologyFileError(f"key '{where}.gpus' must be a non-empty list of GPU indices 0..{n - 1}")
     keys = ("h2d_concurrent_GBps_per_gpu", "d2h_concurrent_GBps_per_gpu", "h2d_total_GBps", "d2h_total_GBps")
-    return RootComplexBandwidth(list(gpus), *(float(_positive(d, key, where)) for key in keys))
+    return RootComplexBandwidth(list(gpus), *(float(_positive(d, key, where)) for key in keys),
+                                *(_rates(d, key, where) for key in _BY_STREAMS))
+
+
+def _rates(d: Any, key: str, where: str) -> list[float]:
+    """An optional list of positive rates; missing or null reads as empty."""
+    values = field_of(d, key, list, where, None)
+    for k, x in enumerate(values or []):
+        if not isinstance(x, _NUM) or isinstance(x, bool) or x <= 0:
+            raise TopologyFileError(f"key '{where}.{key}[{k}]' must be a number > 0, got {x!r:.40}")
+    return [float(x) for x in values or []]
 
 
 def load_bandwidth(path: str | Path) -> Bandwidth:

@@ -1,18 +1,22 @@
 """Measure host<->GPU and GPU<->GPU copy bandwidth (``mobius topo --bench``).
 
 For every GPU, alone: pinned host->GPU, GPU->host, and both directions at once (two streams). For
-every root complex of two or more GPUs: all its GPUs upload at once, then all download at once --
-the contention the Mobius paper is about. For every pair that CUDA allows peer access: a GPU->GPU
-copy. Results form a :class:`topology.bandwidth.Bandwidth` (schema ``mobius.bandwidth/1``).
+every root complex: k concurrent upload streams, then k download streams, for k = 1 ..
+``max_streams(group)`` = max(its GPUs, 2), the streams dealt round-robin over its GPUs
+(:func:`stream_plan`) -- the contention the Mobius paper is about, as a function of the number of
+DMA streams; with k = number of GPUs every GPU copies at once (the group's totals), and a one-GPU
+root complex also runs two streams on its GPU (do its copy engines share the link?). For every pair
+that CUDA allows peer access: a GPU->GPU copy. Results form a
+:class:`topology.bandwidth.Bandwidth` (schema ``mobius.bandwidth/1``).
 
 Method: each copy moves one large buffer (``size_bytes``, default 256 MiB) between pinned host
 memory and the GPU on a dedicated ``torch.cuda`` stream of its device; after one warm-up copy,
 ``repeats`` copies are timed with CUDA events recorded on that stream. Concurrent copies are issued
-from this one process on every device's stream, repeat by repeat, and each device is timed by its
-own events. The group's total is all bytes over the longest device time, and the per-GPU figure is
-the rate of the slowest GPU (bytes over the longest time, i.e. the total divided by the number of
-GPUs): copy engines need not share a link fairly, so a mean of per-device rates would credit the
-GPU that happened to finish first. Peer copies are timed by
+from this one process on every stream (each with its own buffers), repeat by repeat, and each
+stream is timed by its own events. The aggregate is all bytes over the longest stream time
+(:func:`aggregate_GBps`), and the per-GPU figure is the rate of the slowest GPU (the total divided
+by the number of GPUs): copy engines need not share a link fairly, so a mean of per-stream rates
+would credit the stream that happened to finish first. Peer copies are timed by
 wall clock around synchronised copies (CUDA issues them on the source device's current stream with
 barriers to the destination's). Host buffers are allocated per GPU; their NUMA placement is left
 to the operating system.
@@ -24,9 +28,9 @@ import datetime as _dt
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from topology.bandwidth import Bandwidth, GPUBandwidth, RootComplexBandwidth
 from topology.errors import TopologyUnavailable
@@ -84,6 +88,26 @@ class _Job:
     copy: Callable[[], None]
 
 
+@dataclass
+class _BufferPool:
+    """Buffers per (device, lane), allocated on first use; lane k serves a device's k-th concurrent stream."""
+
+    torch: Any
+    size: int
+    bufs: dict[tuple[int, int], _Buffers] = field(default_factory=dict)
+
+    def get(self, device: int, lane: int = 0) -> _Buffers:
+        """The buffers and streams of ``device``'s lane ``lane``."""
+        if (device, lane) not in self.bufs:
+            self.bufs[(device, lane)] = _buffers(self.torch, device, self.size)
+        return self.bufs[(device, lane)]
+
+    def drop_extra_lanes(self) -> None:
+        """Let go of every lane but the first (torch's pinned-memory cache hands them to the next user)."""
+        for key in [k for k in self.bufs if k[1] > 0]:
+            del self.bufs[key]
+
+
 def _upload(b: _Buffers) -> _Job:
     return _Job(b.device, b.up, lambda: b.dev_dst.copy_(b.host_src, non_blocking=True))
 
@@ -137,6 +161,51 @@ def _groups(topo: Topology | None, n: int) -> list[list[int]]:
     return [[i] for i in range(n)]
 
 
+def max_streams(group: Sequence[int]) -> int:
+    """Most concurrent copy streams measured on a root complex: one per GPU, and at least two."""
+    return max(len(group), 2)
+
+
+def stream_plan(group: Sequence[int], streams: int) -> list[tuple[int, int]]:
+    """(device, lane) of each of ``streams`` concurrent copy streams dealt round-robin over ``group``.
+
+    Stream s runs on ``group[s % len(group)]``; its lane ``s // len(group)`` numbers the streams that
+    one device carries (each lane has its own buffers and CUDA stream).
+    """
+    if not group or streams < 1:
+        raise ValueError(f"need a non-empty group and at least one stream, got {list(group)} and {streams}")
+    return [(group[s % len(group)], s // len(group)) for s in range(streams)]
+
+
+def aggregate_GBps(bytes_per_stream: float, seconds: Sequence[float]) -> float:
+    """Aggregate GB/s of concurrent streams that each moved ``bytes_per_stream``: all bytes over the longest time."""
+    if not seconds or min(seconds) <= 0:
+        raise ValueError(f"need one positive time per stream, got {list(seconds)}")
+    return len(seconds) * bytes_per_stream / max(seconds) / 1e9
+
+
+def stream_sweep(group: Sequence[int], bytes_per_stream: float,
+                 time_plan: Callable[[list[tuple[int, int]]], list[float]]) -> list[float]:
+    """Aggregate GB/s with k = 1 .. :func:`max_streams` concurrent streams on ``group`` (index k - 1).
+
+    ``time_plan`` runs the streams of one :func:`stream_plan` at once and returns each one's seconds.
+    """
+    return [aggregate_GBps(bytes_per_stream, time_plan(stream_plan(group, k))) for k in range(1, max_streams(group) + 1)]
+
+
+def root_complex_figures(group: Sequence[int], alone: tuple[float, float], h2d: Sequence[float],
+                         d2h: Sequence[float]) -> RootComplexBandwidth:
+    """The bandwidth entry of one root complex from its stream sweeps (GB/s, index k - 1).
+
+    The all-GPUs totals are the sweep's entry at k = number of GPUs; a one-GPU group takes its
+    GPU's ``alone`` (upload, download) rates instead, as before the sweep existed.
+    """
+    k = len(group)
+    up, down = alone if k == 1 else (h2d[k - 1], d2h[k - 1])
+    return RootComplexBandwidth(list(group), round(up / k, 2), round(down / k, 2), round(up, 2), round(down, 2),
+                                [round(x, 2) for x in h2d], [round(x, 2) for x in d2h])
+
+
 def _progress(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
@@ -153,20 +222,20 @@ def measure(topo: Topology | None = None, size_bytes: int = 256 * MiB, repeats: 
     torch = _torch()
     groups = _groups(topo, n)
     pairs = [(i, j) for i in range(n) for j in range(n) if i != j and torch.cuda.can_device_access_peer(i, j)]
-    shared = [g for g in groups if len(g) > 1]
-    bufs = [_buffers(torch, d, size_bytes) for d in range(n)]
+    pool = _BufferPool(torch, size_bytes)
     gb = size_bytes * repeats / 1e9
     per_gpu: list[tuple[float, float, float]] = []
-    with _progress(3 * n + 2 * len(shared) + len(pairs), progress) as bar:
-        for b in bufs:
+    with _progress(3 * n + sum(2 * max_streams(g) for g in groups) + len(pairs), progress) as bar:
+        for d in range(n):
+            b = pool.get(d)
             up, down = _time_jobs(torch, [_upload(b)], repeats)[0], _time_jobs(torch, [_download(b)], repeats)[0]
             both = max(_time_jobs(torch, [_upload(b), _download(b)], repeats))
             per_gpu.append((gb / up, gb / down, 2 * gb / both))
             bar.update(3)
-        rcs = [_root_complex(torch, bufs, g, per_gpu, gb, repeats, bar) for g in groups]
+        rcs = [_root_complex(torch, pool, g, per_gpu, repeats, bar) for g in groups]
         p2p: list[list[float | None]] = [[None] * n for _ in range(n)]
         for i, j in pairs:
-            p2p[i][j] = round(_peer(torch, bufs[i], bufs[j], size_bytes, repeats), 2)
+            p2p[i][j] = round(_peer(torch, pool.get(i), pool.get(j), size_bytes, repeats), 2)
             bar.update(1)
     names = [torch.cuda.get_device_name(d) for d in range(n)]
     return Bandwidth(
@@ -177,20 +246,22 @@ def measure(topo: Topology | None = None, size_bytes: int = 256 * MiB, repeats: 
     )
 
 
-def _root_complex(torch: Any, bufs: list[_Buffers], group: list[int], per_gpu: list[tuple[float, float, float]],
-                  gb: float, repeats: int, bar: Any) -> RootComplexBandwidth:
-    """Concurrent upload and download figures of one root complex (copied from alone for one GPU)."""
-    if len(group) == 1:
-        h2d, d2h, _ = per_gpu[group[0]]
-        return RootComplexBandwidth(list(group), round(h2d, 2), round(d2h, 2), round(h2d, 2), round(d2h, 2))
-    up = _time_jobs(torch, [_upload(bufs[i]) for i in group], repeats)
-    bar.update(1)
-    down = _time_jobs(torch, [_download(bufs[i]) for i in group], repeats)
-    bar.update(1)
-    k = len(group)
-    return RootComplexBandwidth(
-        list(group), round(gb / max(up), 2), round(gb / max(down), 2), round(k * gb / max(up), 2), round(k * gb / max(down), 2),
-    )
+def _root_complex(torch: Any, pool: _BufferPool, group: list[int], per_gpu: list[tuple[float, float, float]],
+                  repeats: int, bar: Any) -> RootComplexBandwidth:
+    """Stream sweeps of one root complex, uploads then downloads, turned into its bandwidth entry."""
+
+    def timer(job: Callable[[_Buffers], _Job]) -> Callable[[list[tuple[int, int]]], list[float]]:
+        def time_plan(plan: list[tuple[int, int]]) -> list[float]:
+            seconds = _time_jobs(torch, [job(pool.get(device, lane)) for device, lane in plan], repeats)
+            bar.update(1)
+            return seconds
+        return time_plan
+
+    moved = pool.size * repeats
+    h2d, d2h = stream_sweep(group, moved, timer(_upload)), stream_sweep(group, moved, timer(_download))
+    pool.drop_extra_lanes()
+    up, down, _ = per_gpu[group[0]]
+    return root_complex_figures(group, (up, down), h2d, d2h)
 
 
 def heatmap_png(bandwidth: Bandwidth, path: str | Path) -> Path | None:

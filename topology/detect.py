@@ -28,6 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Mapping as TMapping, Sequence
 
+from topology._json import topology_from_json
 from topology.errors import TopologyFileError, TopologyUnavailable
 from topology.model import GPU, Topology, groups_from_pairs
 from topology.smi_text import looks_like_topo_matrix, parse_topo_matrix
@@ -316,9 +317,9 @@ def load_topology(path: str | Path) -> Topology:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
                 raise TopologyFileError(f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-            return Topology.from_json(data)
+            return topology_from_json(data)
         if looks_like_topo_matrix(text):
-            return parse_topo_matrix(text, source=f"nvidia-smi topo -m ({p.name})")
+            return parse_topo_matrix(text, source=f"nvidia-smi topo -m ({p.name})", origin=str(p))
         raise TopologyFileError("neither topology JSON (from `mobius topo --json`) nor `nvidia-smi topo -m` text "
                                 "(no header row starting with GPU0)")
     except TopologyFileError as e:

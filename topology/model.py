@@ -24,15 +24,11 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
-import networkx as nx
-
 from topology.errors import TopologyFileError
 
 SCHEMA = "mobius.topology/1"
 GiB = 1 << 30
 
-# PCIe path kinds from nearest to farthest, as nvidia-smi and NCCL name them.
-PCIE_PATHS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 # Paths whose two ends sit under one host bridge, i.e. share a CPU root complex.
 SHARED_ROOT_PATHS = frozenset({"PIX", "PXB", "PHB"})
 
@@ -127,8 +123,9 @@ def _matrix(n: int, value: Any, diagonal: Any) -> list[list[Any]]:
 class Topology:
     """GPUs, their root complexes, NVLink and peer-access matrices, and the PCIe tree.
 
-    Build one with :meth:`assemble` (canonical order), :meth:`synthetic`, :meth:`from_json`,
-    :func:`topology.detect` or :func:`topology.load_topology`.
+    Build one with :meth:`assemble` (canonical order), :meth:`synthetic`,
+    :func:`topology.topology_from_json`, :func:`topology.detect` or :func:`topology.load_topology`;
+    :func:`topology.topology_graph` gives a networkx view.
     """
 
     gpus: list[GPU]
@@ -237,10 +234,6 @@ class Topology:
             return f"NV{self.nvlink[i][j]}"
         return self.pcie_paths[i][j] or "?"
 
-    def shares_root_complex(self, i: int, j: int) -> bool:
-        """Whether GPUs i and j share a CPU root complex."""
-        return self.gpus[i].root_complex == self.gpus[j].root_complex
-
     def subset(self, indices: Sequence[int], source: str | None = None) -> "Topology":
         """The topology of the GPUs ``indices`` (in that order), re-indexed 0..k-1.
 
@@ -288,7 +281,7 @@ class Topology:
 
     # ----------------------------------------------------------------- serialisation
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (``mobius.topology/1``); :meth:`from_json` reads it back."""
+        """A JSON-ready dict (``mobius.topology/1``); :func:`topology.topology_from_json` reads it back."""
         return {
             "schema": SCHEMA,
             "source": self.source,
@@ -300,30 +293,6 @@ class Topology:
             "p2p": [list(r) for r in self.p2p],
             "pcie_paths": [list(r) for r in self.pcie_paths],
         }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Topology":
-        """Read :meth:`to_json` output. Only ``gpus`` and ``root_complexes`` are required.
-
-        A hand-written planning file may give GPUs as ``{"index": 0}`` only; missing names read
-        "unknown" and missing memory 0. Raises :class:`TopologyFileError` naming the bad key.
-        """
-        from topology._json import topology_from_dict
-
-        return topology_from_dict(d)
-
-    def graph(self) -> nx.Graph:
-        """A networkx view: GPUs, switches, host bridges, NUMA nodes and the system, with links.
-
-        Nodes are ``"GPU<i>"`` (kind "gpu", with the GPU's fields), ``"switch:<id>"`` (kind
-        "switch"), host bridge names (kind "host_bridge"), ``"NUMA<k>"`` (kind "numa") and
-        ``"system"`` (kind "system"). Edges have ``kind`` "pcie" (GPU-switch-host bridge), "node"
-        (host bridge-NUMA node), "sys" (NUMA node-system) or "nvlink" (GPU-GPU, ``count`` links).
-        ``G.graph["p2p"]`` holds the peer-access matrix.
-        """
-        from topology._graph import build_graph
-
-        return build_graph(self)
 
 
 def _groups_from_spec(groups: Sequence[Sequence[int]] | Sequence[int]) -> list[list[int]]:

@@ -87,18 +87,33 @@ def format_mapping(m: Mapping) -> str:
     return "\n".join(lines)
 
 
+def format_streams(bw: Bandwidth) -> str | None:
+    """Aggregate rate of k concurrent copy streams per root complex and direction; None when not measured."""
+    rows = [[",".join(map(str, r.gpus)), label, *(f"{x:.1f}" for x in rates)]
+            for r in bw.root_complexes
+            for label, rates in (("H2D", r.h2d_total_GBps_by_streams), ("D2H", r.d2h_total_GBps_by_streams)) if rates]
+    if not rows:
+        return None
+    k_max = max(len(r) for r in rows) - 2
+    padded = [r + [""] * (k_max + 2 - len(r)) for r in rows]
+    return ("k copy streams at once, dealt round-robin over the root complex's GPUs: aggregate GB/s\n"
+            + table(["GPUs", "", *(f"k={k}" for k in range(1, k_max + 1))], padded))
+
+
 def format_bandwidth(bw: Bandwidth) -> str:
-    """Per-GPU, per-root-complex and peer-copy tables of a benchmark."""
+    """Per-GPU, per-root-complex (all GPUs, then k streams) and peer-copy tables of a benchmark."""
     gpu_rows = [[g.index, g.name, f"{g.h2d_GBps:.1f}", f"{g.d2h_GBps:.1f}", f"{g.bidir_GBps:.1f}"] for g in bw.gpus]
     rc_rows = [[",".join(map(str, r.gpus)), f"{r.h2d_concurrent_GBps_per_gpu:.1f}", f"{r.d2h_concurrent_GBps_per_gpu:.1f}",
                 f"{r.h2d_total_GBps:.1f}", f"{r.d2h_total_GBps:.1f}"] for r in bw.root_complexes]
     n = bw.num_gpus
     peer = [[f"GPU{i}"] + ["X" if i == j else ("-" if x is None else f"{x:.1f}") for j, x in enumerate(row)]
             for i, row in enumerate(bw.p2p_GBps)]
-    return "\n\n".join([
+    parts = [
         f"Pinned copies of {bw.buffer_bytes / (1 << 20):.0f} MiB on {bw.host} (torch {bw.torch}), GB/s:",
         table(["GPU", "Name", "H2D", "D2H", "both at once"], gpu_rows),
         "All GPUs of a root complex at once, GB/s:\n"
         + table(["GPUs", "H2D per GPU", "D2H per GPU", "H2D total", "D2H total"], rc_rows),
+        format_streams(bw),
         "Peer copies row -> column, GB/s ('-' not allowed):\n" + table([""] + [f"GPU{j}" for j in range(n)], peer),
-    ])
+    ]
+    return "\n\n".join(p for p in parts if p is not None)

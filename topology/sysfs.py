@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from topology.errors import TopologyUnavailable
 from topology.model import GPU, HostBridge, PCIeSwitch, Topology
 
 log = logging.getLogger(__name__)
@@ -244,8 +245,6 @@ def topology_from_sysfs(root: str | Path = "/sys") -> Topology:
     NVLink and no peer access (all False). Raises :class:`topology.TopologyUnavailable` when no
     NVIDIA GPU is found.
     """
-    from topology.errors import TopologyUnavailable
-
     tree = PciTree(root)
     devs = tree.gpus()
     if not devs:

@@ -20,7 +20,13 @@ import logging
 import os
 from typing import Any
 
+from mobius.app.planning import plan_pipeline
+from mobius.app.settings import Machine, resolve
+from mobius.assemble import architecture
 from mobius.config import Config, load_config
+from mobius.errors import ConfigError, MobiusError
+from partition import simulate
+from partition.gpus import GB, gpu_spec
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +50,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, accepts_overrides=True)
 
 
+def _machine(cfg: Config, args: argparse.Namespace) -> Machine:
+    """The machine planned for: a saved topology, a synthetic box of ``--gpus``, or this one."""
+    import topology
+
+    path = args.topology or cfg.topology.file
+    if path:
+        return Machine.saved(topology.load_topology(path))
+    if args.gpus:
+        spec = gpu_spec(cfg.partition.gpu) if cfg.partition.gpu else None
+        sizes = [args.gpus - args.gpus // 2, args.gpus // 2] if args.gpus > 1 else [1]
+        return Machine.saved(topology.Topology.synthetic(sizes, memory_bytes=spec.memory_bytes if spec else 24 * 2**30,
+                                                         name=spec.name if spec else "NVIDIA GeForce RTX 3090"))
+    machine = Machine.detect(cfg)
+    if machine.gpu_count == 0 and cfg.parallel.device != "cpu":
+        raise MobiusError("this machine has no CUDA GPU to plan for; plan for a server with --topology FILE "
+                          "(mobius topo --json, or saved nvidia-smi topo -m) or --gpus N, or set "
+                          "parallel.device=cpu to plan CPU worker processes")
+    return machine
+
+
 def run(args: argparse.Namespace) -> int:
     """Carry out ``mobius plan``; user-facing problems raise :class:`MobiusError`."""
-    from mobius.planning import hardware_for, plan_for, profile_for
-    from mobius.run import architecture
-    from partition import simulate
-
     cfg = load_config(args.config, args.overrides)
-    hw = hardware_for(cfg, args.topology, args.bandwidth, args.gpus)
-    prof = profile_for(cfg, architecture(cfg), hw)
-    plan = plan_for(cfg, prof, hw)
+    if args.gpus is not None:
+        if args.gpus < 1:
+            raise ConfigError(f"--gpus must be at least 1, got {args.gpus}")
+        cfg.parallel.devices = args.gpus
+    cfg.parallel.mode = "pipeline"  # the plan of the pipeline, whatever mode the run file picks
+    machine = _machine(cfg, args)
+    if cfg.parallel.devices > max(1, machine.gpu_count) and machine.gpu_count:
+        raise ConfigError(f"parallel.devices is {cfg.parallel.devices} but the topology has {machine.gpu_count} GPU(s)")
+    settings = resolve(cfg, machine)
+    plan, prof, hw = plan_pipeline(cfg, architecture(cfg), settings, machine, args.bandwidth)
     sim = None
     if args.trace or args.timeline:
-        sim = simulate(prof, plan.boundaries, hw, plan.slots, plan.micro_batches, prefetch=cfg.parallel.prefetch)
+        sim = simulate(prof, plan.boundaries, hw, plan.slots, plan.micro_batches, prefetch=plan.num_slots > 1)
     if args.trace:
         sim.write_chrome_trace(args.trace)
     if args.json:
@@ -98,8 +127,6 @@ def _profile_json(prof: Any) -> dict:
 
 
 def _report(cfg: Config, prof: Any, hw: Any, plan: Any) -> str:
-    from partition.gpus import GB
-
     how = (f"estimated for {prof.device_name} ({100 * prof.notes.get('compute_efficiency', 0):.0f}% of "
            f"{prof.notes.get('tflops', 0):.1f} TFLOP/s)" if prof.source == "estimated"
            else f"measured on {prof.device_name} in {prof.profile_s:.1f} s")

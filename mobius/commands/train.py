@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mobius.run import train
+    from mobius.app.run import train  # the heavy imports only when training
 
     cfg = load_config(args.config, args.overrides)
     result = train(cfg, resume=args.resume)

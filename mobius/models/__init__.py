@@ -58,16 +58,12 @@ def init_unit(cfg: ModelConfig, unit: nn.Module, index: int, seed: int) -> None:
 
 def tied_weights(cfg: ModelConfig) -> list[tuple[str, str]]:
     """Tied parameter pairs (embedding name, head name) of a config, without building the model."""
-    if not cfg.tie_word_embeddings:
-        return []
-    embed = "embed.wte.weight" if cfg.family == "gpt2" else "embed.embed_tokens.weight"
-    return [(embed, "head.lm_head.weight")]
+    return cfg.tied_weights()
 
 
 def dropout_active(cfg: ModelConfig) -> bool:
-    """True when any dropout probability of the config is non-zero."""
-    names = ("resid_pdrop", "embd_pdrop", "attn_pdrop") if cfg.family == "gpt2" else ("dropout", "attention_dropout")
-    return any(getattr(cfg, n) > 0 for n in names)
+    """True when any dropout probability of the config is non-zero (the one place that says so)."""
+    return cfg.dropout_active()
 
 
 def hidden_size(cfg: ModelConfig) -> int:

@@ -74,7 +74,13 @@ class CausalLM(nn.Module):
 
     def tied_weights(self) -> list[tuple[str, str]]:
         """Pairs of parameter names (``unit_name.param_name``) that share one tensor."""
-        return []
+        return self.config.tied_weights()
+
+    def tie_weights(self) -> None:
+        """Make the second name of every tied pair the first one's Parameter."""
+        for a, b in self.tied_weights():
+            owner, leaf = b.rsplit(".", 1)
+            setattr(self.get_submodule(owner), leaf, self.get_parameter(a))
 
     def init_weights(self, seed: int) -> None:
         """Initialise every unit from its own seeded generator (see :func:`init_unit_`), so that a
@@ -85,9 +91,15 @@ class CausalLM(nn.Module):
         for a, b in self.tied_weights():
             assert self.get_parameter(a) is self.get_parameter(b)
 
-    @staticmethod
-    def init_unit(cfg: object, unit: nn.Module, index: int, seed: int) -> None:
-        raise TypeError("model families define init_unit")
+    INIT_STD = 0.02
+    RESIDUAL_SUFFIXES: tuple[str, ...] = ()  # output projections scaled by 1/sqrt(2 * layers)
+
+    @classmethod
+    def init_unit(cls, cfg: object, unit: nn.Module, index: int, seed: int) -> None:
+        """Initialise unit ``index`` (built alone or inside the model) as the whole model would."""
+        is_head = index == cfg.num_layers + 1
+        skip = {head.split(".", 1)[1] for _, head in cfg.tied_weights()} if is_head else set()
+        init_unit_(unit, index, seed, cls.INIT_STD, cfg.num_layers, skip, cls.RESIDUAL_SUFFIXES)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V]."""
@@ -97,14 +109,17 @@ class CausalLM(nn.Module):
         return x
 
 
-def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int,
+def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int, skip: set[str],
                residual_suffixes: tuple[str, ...] = ()) -> None:
     """GPT-style initialisation of one unit from a generator seeded by (seed, unit index):
     weights N(0, std), residual output projections N(0, std / sqrt(2 n_layer)), zero biases,
-    unit LayerNorm gains. The tied head weight is left alone (it is the embedding's)."""
+    unit LayerNorm gains. Parameters in ``skip`` (a tied head weight: the embedding's, initialised
+    with it) are left alone."""
     gen = torch.Generator().manual_seed(unit_seed(seed, -1, -1, index))
     with torch.no_grad():
         for name, p in unit.named_parameters():
+            if name in skip:
+                continue
             if p.dim() == 1:
                 p.fill_(1.0) if ("ln" in name or "layer_norm" in name) and name.endswith("weight") else p.zero_()
                 continue
@@ -135,13 +150,3 @@ def run_units(units: list[nn.Module], x: torch.Tensor, first_index: int = 0,
         else:
             x = unit(x)
     return x
-
-
-def has_dropout(model: nn.Module) -> bool:
-    """True when any dropout in the model (modules or SDPA probabilities) is non-zero."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout) and m.p > 0:
-            return True
-        if getattr(m, "attn_pdrop", 0) > 0:
-            return True
-    return False

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import CausalLM, UnitSpec, init_unit_
+from mobius.models.base import CausalLM, UnitSpec
 
 ACTIVATIONS = {
     "gelu_new": partial(F.gelu, approximate="tanh"),
@@ -66,9 +66,20 @@ class GPT2Config:
     def ffn_dim(self) -> int:
         return self.n_inner or 4 * self.n_embd
 
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer
+
     def set_dropout(self, p: float) -> None:
         """Use one dropout probability everywhere (fine-tuning runs often set 0)."""
         self.resid_pdrop = self.embd_pdrop = self.attn_pdrop = p
+
+    def dropout_active(self) -> bool:
+        return max(self.resid_pdrop, self.embd_pdrop, self.attn_pdrop) > 0
+
+    def tied_weights(self) -> list[tuple[str, str]]:
+        """(embedding name, head name) when the head's projection is the token embedding."""
+        return [("embed.wte.weight", "head.lm_head.weight")] if self.tie_word_embeddings else []
 
 
 class GPT2Embedding(nn.Module):
@@ -156,25 +167,10 @@ class GPT2(CausalLM):
         self.embed = GPT2Embedding(cfg)
         self.blocks = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
         self.head = GPT2Head(cfg)
-        if cfg.tie_word_embeddings:
-            self.head.lm_head.weight = self.embed.wte.weight
+        self.tie_weights()
         self.init_weights(seed)
 
-    def tied_weights(self) -> list[tuple[str, str]]:
-        from mobius.models import tied_weights
-
-        return tied_weights(self.config)
-
-    @staticmethod
-    def init_unit(cfg: GPT2Config, unit: nn.Module, index: int, seed: int) -> None:
-        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
-        if isinstance(unit, GPT2Head) and cfg.tie_word_embeddings:
-            tied = unit.lm_head.weight
-            unit.lm_head.weight = nn.Parameter(torch.empty(0))  # the embedding's, initialised with it
-            init_unit_(unit, index, seed, 0.02, cfg.n_layer)
-            unit.lm_head.weight = tied
-            return
-        init_unit_(unit, index, seed, 0.02, cfg.n_layer, residual_suffixes=("attn.proj.weight", "mlp.proj.weight"))
+    RESIDUAL_SUFFIXES = ("attn.proj.weight", "mlp.proj.weight")  # GPT-2's N(0, 0.02 / sqrt(2 * n_layer))
 
 
 def unit_specs(cfg: GPT2Config) -> list[UnitSpec]:

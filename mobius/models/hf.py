@@ -2,8 +2,8 @@
 
 A checkpoint directory holds ``config.json`` and weights as ``model.safetensors``,
 ``pytorch_model.bin`` or either sharded with a ``*.index.json``. :func:`load_checkpoint` reads one
-into a mobius model; :func:`save_checkpoint` writes a directory that
-``transformers.AutoModelForCausalLM.from_pretrained`` loads. Missing, unexpected or misshapen keys
+into a mobius model; :func:`mobius.checkpoint.save_model` (the one checkpoint writer) writes a
+directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Missing, unexpected or misshapen keys
 and unreadable files are :class:`~mobius.errors.CheckpointError` naming the key or file.
 """
 
@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -320,68 +318,3 @@ def load_into(model: CausalLM, state: dict[str, torch.Tensor], source: str = "ch
     with torch.no_grad():
         for key, target in own.items():
             target.copy_(state[key])
-
-
-def save_checkpoint(model_or_state: CausalLM | dict[str, torch.Tensor], cfg: ModelConfig, path: str | os.PathLike,
-                    dtype: torch.dtype = torch.float32, extra: Callable[[Path], None] | None = None,
-                    max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write a Hugging Face checkpoint directory atomically (temporary name, then rename).
-
-    ``extra(tmp_dir)`` may write more files (tokenizer, trainer state) before the rename.
-    """
-    state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
-    hf_state = to_hf(state, cfg)
-    km = KEY_MAPS[cfg.family](cfg)
-    if km.tied is not None:
-        hf_state.pop(km.tied[0])  # transformers re-ties the head on load; a shared tensor is saved once
-    hf_state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in hf_state.items()}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
-        _write_weights(hf_state, tmp, max_shard_bytes)
-        if extra is not None:
-            extra(tmp)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
-def _write_weights(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / "model.safetensors"), metadata=meta)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / name), metadata=meta)
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _replace_dir(tmp: Path, path: Path) -> None:
-    """Move a finished directory into place; an existing one is swapped out, then removed."""
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import CausalLM, UnitSpec, init_unit_
+from mobius.models.base import CausalLM, UnitSpec
 from mobius.models.gpt2 import ACTIVATIONS, transformer_block_flops
 
 POSITION_OFFSET = 2  # OPT's learned positions start at index 2 (a fairseq legacy)
@@ -74,8 +74,19 @@ class OPTConfig:
     def has_final_layer_norm(self) -> bool:
         return self.do_layer_norm_before
 
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
     def set_dropout(self, p: float) -> None:
         self.dropout = self.attention_dropout = p
+
+    def dropout_active(self) -> bool:
+        return max(self.dropout, self.attention_dropout) > 0
+
+    def tied_weights(self) -> list[tuple[str, str]]:
+        """(embedding name, head name) when the head's projection is the token embedding."""
+        return [("embed.embed_tokens.weight", "head.lm_head.weight")] if self.tie_word_embeddings else []
 
 
 class OPTEmbedding(nn.Module):
@@ -171,25 +182,8 @@ class OPT(CausalLM):
         self.embed = OPTEmbedding(cfg)
         self.blocks = nn.ModuleList(OPTBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.head = OPTHead(cfg)
-        if cfg.tie_word_embeddings:
-            self.head.lm_head.weight = self.embed.embed_tokens.weight
-        self.init_weights(seed)
-
-    def tied_weights(self) -> list[tuple[str, str]]:
-        from mobius.models import tied_weights
-
-        return tied_weights(self.config)
-
-    @staticmethod
-    def init_unit(cfg: OPTConfig, unit: nn.Module, index: int, seed: int) -> None:
-        """OPT initialisation: N(0, 0.02) weights (metaseq's init_std), zero biases, unit norms."""
-        if isinstance(unit, OPTHead) and cfg.tie_word_embeddings:
-            tied = unit.lm_head.weight
-            unit.lm_head.weight = nn.Parameter(torch.empty(0))
-            init_unit_(unit, index, seed, 0.02, cfg.num_hidden_layers)
-            unit.lm_head.weight = tied
-            return
-        init_unit_(unit, index, seed, 0.02, cfg.num_hidden_layers)
+        self.tie_weights()
+        self.init_weights(seed)  # N(0, 0.02) weights (metaseq's init_std), zero biases, unit norms
 
 
 def unit_specs(cfg: OPTConfig) -> list[UnitSpec]:

@@ -1,11 +1,9 @@
-"""Starting the workers of a pipeline run, and stopping all of them when one fails.
+"""Worker processes of a multi-process run, and the device each process opens.
 
-``mobius train`` with ``parallel.mode: pipeline`` calls :func:`train_pipeline`: the parent process
-tokenizes the data (workers then only map the cache), plans the stages, and starts one worker per
-GPU (or per stand-in CPU process) with a torchrun-compatible environment (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). Under ``torchrun`` the same
-:func:`worker` runs directly. If a worker fails, the others are stopped (SIGTERM, SIGKILL after
-30 s) and the error names the rank and the reason.
+``mobius train`` in pipeline mode calls :func:`spawn`: one process per worker with a
+torchrun-compatible environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``). Under ``torchrun`` the same :func:`worker` runs directly. If a worker fails, the
+others are stopped and the error names the rank and the reason.
 """
 
 from __future__ import annotations
@@ -22,10 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mobius.assemble import prepare_data, run_model_config, weights_source
+from mobius.checkpoint import ResumeState
 from mobius.config import Config, config_from_dict
 from mobius.errors import MobiusError
-from mobius.trainer import TrainResult
-from scheduler.engine import PipelineSpec
+from mobius.parallel import ParallelSettings
+from mobius.trainer import Trainer, TrainResult, save_dtype_for
+from partition.plan import Plan
+from scheduler.engine import PipelineEngine
 
 log = logging.getLogger(__name__)
 TIMEOUT = timedelta(minutes=30)  # a collective that waits this long has lost its peer
@@ -37,40 +39,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_device(cfg: Config, local_rank: int) -> torch.device:
-    """cuda:<local rank mod GPUs> (several workers may share one GPU), or the CPU."""
-    if cfg.parallel.device == "cpu" or not torch.cuda.is_available():
+def open_device(settings: ParallelSettings, local_rank: int) -> torch.device:
+    """This process's device: ``cuda:<local rank mod GPUs>`` (capped when the settings say so), or the CPU."""
+    torch.set_num_threads(settings.cpu_threads)
+    if settings.device == "cpu":
         return torch.device("cpu")
-    dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+    dev = torch.device("cuda", local_rank % settings.gpus)
     torch.cuda.set_device(dev)
-    cap = cfg.partition.gpu_memory_gib
-    if cap is not None:
+    if settings.memory_capped:
         total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), dev)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.memory_bytes / total), dev)
     return dev
 
 
-def worker(cfg_dict: dict, spec: PipelineSpec, resume: str | None, results: "mp.SimpleQueue | None") -> TrainResult:
+def worker(cfg_dict: dict, settings: ParallelSettings, plan: Plan, resume: str | None,
+           results: "mp.SimpleQueue | None") -> TrainResult:
     """One worker: join the group, build the pipeline engine, run the shared training loop."""
-    from mobius.run import prepare_data, run_model_config
-    from mobius.trainer import Trainer, read_trainer_state, save_dtype_for
-    from scheduler.engine import PipelineEngine
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = config_from_dict(cfg_dict["config"], cfg_dict["source"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     try:
-        device = worker_device(cfg, int(os.environ.get("LOCAL_RANK", rank)))
-        resume_dir = Path(resume) if resume else None
-        tokenizer, data = prepare_data(cfg, resume_dir)
-        model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_dir)
-        engine = PipelineEngine(cfg, model_cfg, spec, device, resume_dir)
+        device = open_device(settings, int(os.environ.get("LOCAL_RANK", rank)))
+        resume_from = Path(resume) if resume else None
+        tokenizer, data = prepare_data(cfg, resume_from)
+        model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_from)
+        engine = PipelineEngine(cfg, model_cfg, plan, settings, device, weights_source(cfg, resume_from))
         trainer = Trainer(cfg, engine, data, tokenizer, model_cfg, save_dtype_for(cfg, ck_dtype))
-        if resume_dir is not None:
-            trainer.restore(read_trainer_state(resume_dir), resume_dir)
+        if resume_from is not None:
+            trainer.restore(ResumeState(resume_from))
         try:
             trainer.run()
             result = trainer.finish()
@@ -83,29 +81,28 @@ def worker(cfg_dict: dict, spec: PipelineSpec, resume: str | None, results: "mp.
         dist.destroy_process_group()
 
 
-def _entry(local_rank: int, world: int, port: int, run_id: str, cfg_dict: dict, spec: PipelineSpec,
-           resume: str | None, results: "mp.SimpleQueue") -> None:
+def _entry(local_rank: int, world: int, port: int, run_id: str, cfg_dict: dict, settings: ParallelSettings,
+           plan: Plan, resume: str | None, results: "mp.SimpleQueue") -> None:
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       MOBIUS_RUN_ID=run_id)
     logging.basicConfig(level=logging.INFO, format=f"[rank {local_rank}] %(message)s")
     try:
-        worker(cfg_dict, spec, resume, results)
+        worker(cfg_dict, settings, plan, resume, results)
     except MobiusError as e:
         results.put(("error", local_rank, str(e)))
         sys.exit(2)
 
 
-def spawn(cfg: Config, spec: PipelineSpec, resume: str | None) -> TrainResult:
-    """Start ``len(workers)`` processes and wait; a failure anywhere stops them all."""
-    world = max(spec.gpu_of) + 1
+def spawn(cfg: Config, settings: ParallelSettings, plan: Plan, resume: str | None) -> TrainResult:
+    """Start one process per worker and wait; a failure anywhere stops them all."""
+    cfg_dict = {"config": cfg.to_dict(), "source": cfg.source}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already started by torchrun
-        return worker({"config": cfg.to_dict(), "source": cfg.source}, spec, resume, None)
+        return worker(cfg_dict, settings, plan, resume, None)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    args = (world, free_port(), str(os.getpid()), {"config": cfg.to_dict(), "source": cfg.source}, spec, resume,
-            results)
-    procs = mp.start_processes(_entry, args=args, nprocs=world, join=False, start_method="spawn")
+    args = (settings.workers, free_port(), str(os.getpid()), cfg_dict, settings, plan, resume, results)
+    procs = mp.start_processes(_entry, args=args, nprocs=settings.workers, join=False, start_method="spawn")
     try:
         while not procs.join(timeout=1.0):
             pass
@@ -140,6 +137,3 @@ def _result(results: "mp.SimpleQueue") -> TrainResult:
             return TrainResult(r["steps"], r["losses"], [tuple(x) for x in r["eval_losses"]],
                                Path(r["final_dir"]) if r["final_dir"] else None)
     raise MobiusError("the workers finished without reporting a result")
-
-
-__all__ = ["spawn", "worker", "worker_device", "free_port"]

@@ -1,0 +1,7 @@
+"""The application layer: the only part of ``mobius`` that uses topology/, partition/ and scheduler/.
+
+* :mod:`mobius.app.settings` -- the machine and the parallel settings, resolved once;
+* :mod:`mobius.app.planning` -- the one planning function (``mobius plan`` and ``mobius train``);
+* :mod:`mobius.app.run` -- a whole training run in any mode;
+* :mod:`mobius.app.launch` -- worker processes of multi-process modes.
+"""

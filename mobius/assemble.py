@@ -1,0 +1,120 @@
+"""The parts of a training run from a :class:`~mobius.config.Config`: the run directory to resume
+from, the tokenizer and data, the architecture, and the initial weights. Used by every mode (the
+single-process run and each worker process)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from mobius.config import PLACEHOLDER, Config
+from mobius.data import TextTokenizer, TrainData, build_data, load_tokenizer, tokenize_to_cache
+from mobius.errors import ConfigError
+from mobius.models import CausalLM, ModelConfig, build_model, get_preset
+from mobius.models.hf import load_checkpoint, read_config
+from mobius.trainer import step_checkpoints
+
+log = logging.getLogger(__name__)
+
+
+def resume_dir(cfg: Config, resume: str | None) -> Path | None:
+    """The checkpoint ``--resume`` names (``auto``: the latest step checkpoint in ``output.dir``)."""
+    out = Path(cfg.output.dir)
+    if resume is None:
+        if step_checkpoints(out):
+            raise ConfigError(f"output.dir {out} already holds step checkpoints of an earlier run; pass --resume to "
+                              f"continue it or choose another output.dir")
+        return None
+    if resume == "auto":
+        found = step_checkpoints(out)
+        if not found:
+            raise ConfigError(f"--resume: no step checkpoint under {out / 'checkpoints'}")
+        return found[-1]
+    path = Path(resume)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--resume {path}: not a checkpoint directory")
+    return path
+
+
+def prepare_data(cfg: Config, resume_from: Path | None) -> tuple[TextTokenizer, TrainData]:
+    """The run's tokenizer and its packed, split, cached data."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer, str(resume_from or cfg.model.checkpoint or "") or None)
+    tokens = tokenize_to_cache(cfg.data.path, cfg.data.text_field, tokenizer, cfg.data.cache_dir)
+    data = build_data(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed)
+    log.debug("data: %s tokens, %d training blocks of %d, %d held out", f"{len(tokens):,}", len(data.train),
+              cfg.data.seq_len, len(data.val))
+    return tokenizer, data
+
+
+def architecture(cfg: Config) -> ModelConfig:
+    """The model architecture a config names: the checkpoint's config.json when the checkpoint is at
+    hand (checked against ``model.preset`` when both are given), else the preset."""
+    ck = cfg.model.checkpoint
+    if ck and not ck.startswith(PLACEHOLDER) and Path(ck).exists():
+        mc = read_config(ck)
+        if cfg.model.preset:
+            _check_matches_preset(mc, cfg.model.preset, ck)
+        return mc
+    if cfg.model.preset:
+        return get_preset(cfg.model.preset)
+    raise ConfigError(f"{cfg.source}: model.checkpoint {ck} is not at hand and no model.preset names the architecture")
+
+
+def _check_matches_preset(mc: ModelConfig, preset: str, where: str) -> None:
+    expected = get_preset(preset)
+    keys = ("family", "n_embd", "n_layer", "n_head", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    for key in keys:
+        a, b = getattr(mc, key, None), getattr(expected, key, None)
+        if a != b:
+            raise ConfigError(f"{where}: the checkpoint's {key} is {a}, but model.preset {preset} has {b}")
+
+
+def _fresh_model_config(cfg: Config, tokenizer: TextTokenizer) -> ModelConfig:
+    if cfg.model.checkpoint:
+        mc = architecture(cfg)
+        if tokenizer.vocab_size > mc.vocab_size:
+            raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the checkpoint's "
+                              f"vocab_size {mc.vocab_size}")
+    else:
+        mc = get_preset(cfg.model.preset)
+        if tokenizer.vocab_size != mc.vocab_size:
+            vocab = -(-tokenizer.vocab_size // 64) * 64  # rounded up to a multiple of 64
+            log.info("from scratch: vocab_size %d -> %d to match the tokenizer", mc.vocab_size, vocab)
+            mc.vocab_size = vocab
+            mc.bos_token_id = mc.eos_token_id = tokenizer.eos_id
+    if cfg.model.dropout is not None:
+        mc.set_dropout(cfg.model.dropout)
+    return mc
+
+
+def run_model_config(cfg: Config, tokenizer: TextTokenizer,
+                     resume_from: Path | None) -> tuple[ModelConfig, torch.dtype | None]:
+    """The architecture being trained, and the dtype of the checkpoint fine-tuned (if any)."""
+    if resume_from is not None:
+        mc = read_config(resume_from)
+        if cfg.model.dropout is not None:
+            mc.set_dropout(cfg.model.dropout)
+    else:
+        mc = _fresh_model_config(cfg, tokenizer)
+    ck_dtype = _checkpoint_dtype(Path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
+    return mc, ck_dtype
+
+
+def _checkpoint_dtype(path: Path) -> torch.dtype | None:
+    hf = json.loads((path / "config.json").read_text())
+    name = hf.get("torch_dtype") or hf.get("dtype")
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
+
+
+def weights_source(cfg: Config, resume_from: Path | None) -> str | None:
+    """Where the initial weights come from: the checkpoint resumed, the one fine-tuned, or nowhere."""
+    return str(resume_from) if resume_from is not None else cfg.model.checkpoint
+
+
+def initial_model(cfg: Config, model_cfg: ModelConfig, resume_from: Path | None) -> CausalLM:
+    """The whole model on the CPU: resumed, fine-tuned, or freshly initialised from the seed."""
+    source = weights_source(cfg, resume_from)
+    return load_checkpoint(source, model_cfg) if source else build_model(model_cfg, cfg.train.seed)

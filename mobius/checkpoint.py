@@ -1,0 +1,292 @@
+"""Checkpoints: one writer and one reader for every engine, in one format.
+
+A checkpoint directory::
+
+    config.json                           Hugging Face config (architecture, dtype)
+    model.safetensors                     weights; or model-0000k-of-0000n.safetensors + model.safetensors.index.json
+    tokenizer.json, tokenizer_config.json
+    mobius.json                           step and run config
+    optimizer-0000r-of-0000w.safetensors  AdamW moments by parameter name, one file per rank (resumable only)
+    trainer_state.json                    step, data position, losses, RNG, loss scale, optimizer step (resumable only)
+
+Every rank of a run contributes a :class:`RankState` (complete fp32 tensors by mobius parameter
+name, each name on exactly one rank) and writes its own shards into one temporary directory; rank 0
+writes the rest and renames the finished directory into place, so a reader never sees half a
+checkpoint. Optimizer moments are stored by parameter name, so a run resumes under any mode,
+partition or number of ranks. Nothing is pickled: a checkpoint from elsewhere cannot run code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from mobius.errors import CheckpointError
+from mobius.models import ModelConfig, tied_weights
+from mobius.models.hf import KEY_MAPS, config_to_hf, to_hf
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+STATE_FORMAT = "mobius.trainer_state/1"
+MAX_SHARD_BYTES = 5 * 2**30
+TMP_MARK = ".tmp-"  # temporary directories are named ".<name>.tmp-<suffix>" next to their target
+
+
+class Collective(Protocol):
+    """The ranks that write one checkpoint together."""
+
+    rank: int
+    world: int
+
+    def barrier(self) -> None: ...
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+class SingleProcess:
+    """One rank: every collective is trivial."""
+
+    rank, world = 0, 1
+
+    def barrier(self) -> None:
+        pass
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class ProcessGroup:
+    """The ranks of a ``torch.distributed`` process group (the default group unless given)."""
+
+    def __init__(self, group: Any = None):
+        import torch.distributed as dist
+
+        self._dist, self.group = dist, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def barrier(self) -> None:
+        self._dist.barrier(self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+@dataclass
+class RankState:
+    """What one rank holds of the model: fp32 weights and AdamW moments by mobius parameter name."""
+
+    weights: dict[str, torch.Tensor]
+    moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> (exp_avg, exp_avg_sq)
+    optimizer_step: int = 0  # AdamW steps taken (equal on every rank)
+    scaler: dict = field(default_factory=dict)  # LossScaler.state_dict() (equal on every rank)
+
+
+def canonical_name(name: str, model_cfg: ModelConfig) -> str:
+    """The name a tied weight's state is stored under (the embedding's)."""
+    for embed, head in tied_weights(model_cfg):
+        if name == head:
+            return embed
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+def save(path: str | os.PathLike, model_cfg: ModelConfig, dtype: torch.dtype, state: RankState,
+         comm: Collective | None = None, resumable: bool = False,
+         extra: Callable[[Path], None] | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write a Hugging Face checkpoint (and, if ``resumable``, the optimizer moments) atomically.
+
+    Called by every rank of ``comm`` with its own ``state``; ``extra(tmp_dir)`` runs on rank 0
+    before the rename (tokenizer, trainer state).
+    """
+    comm = comm or SingleProcess()
+    path = Path(path)
+    tmp = _shared_tmp_dir(path, comm)
+    try:
+        index = _write_weights(tmp, model_cfg, dtype, state.weights, comm, max_shard_bytes)
+        if resumable:
+            _write_moments(tmp, model_cfg, state, comm)
+        comm.barrier()
+        if comm.rank == 0:
+            (tmp / "config.json").write_text(json.dumps(config_to_hf(model_cfg, dtype), indent=2) + "\n")
+            if index is not None:
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            if extra is not None:
+                extra(tmp)
+            replace_dir(tmp, path)
+        comm.barrier()
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def save_model(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write one process's whole model as a Hugging Face checkpoint (weights and config only)."""
+    weights = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    return save(path, model.config, dtype, RankState(weights), max_shard_bytes=max_shard_bytes)
+
+
+def _shared_tmp_dir(path: Path, comm: Collective) -> Path:
+    """A fresh temporary directory beside ``path``, made by rank 0 and known to every rank."""
+    name = None
+    if comm.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        name = tempfile.mkdtemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+    return Path(comm.all_gather_object(name)[0])
+
+
+def _hf_tensors(model_cfg: ModelConfig, dtype: torch.dtype, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's weights under Hugging Face names, in ``dtype``; a tied head is left out
+    (transformers ties it again on load)."""
+    hf = to_hf(weights, model_cfg, partial=True)
+    km = KEY_MAPS[model_cfg.family](model_cfg)
+    if km.tied is not None:
+        hf.pop(km.tied[0], None)
+    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in hf.items()}
+
+
+def _split(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = []
+    size = max_bytes
+    for key, t in tensors.items():
+        if size + t.nbytes > max_bytes and (not shards or shards[-1]):
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += t.nbytes
+    return [s for s in shards if s]
+
+
+def _write_weights(tmp: Path, model_cfg: ModelConfig, dtype: torch.dtype, weights: dict[str, torch.Tensor],
+                   comm: Collective, max_bytes: int) -> dict | None:
+    """Each rank writes its shards; returns the index (rank 0, several shards) or None."""
+    from safetensors.torch import save_file
+
+    shards = _split(_hf_tensors(model_cfg, dtype, weights), max_bytes)
+    counts = comm.all_gather_object(len(shards))
+    first, total = sum(counts[:comm.rank]), sum(counts)
+    written = []
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if total == 1 else f"model-{first + i + 1:05d}-of-{total:05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        written.append((name, sorted(shard), sum(t.nbytes for t in shard.values())))
+    everything = [w for part in comm.all_gather_object(written) for w in part]
+    if total == 0:
+        raise CheckpointError("no weights to write: no rank holds any parameter")
+    if total == 1 or comm.rank != 0:
+        return None
+    weight_map = {key: name for name, keys, _ in everything for key in keys}
+    return {"metadata": {"total_size": sum(size for _, _, size in everything)}, "weight_map": weight_map}
+
+
+def _write_moments(tmp: Path, model_cfg: ModelConfig, state: RankState, comm: Collective) -> None:
+    from safetensors.torch import save_file
+
+    out: dict[str, torch.Tensor] = {}
+    for name, (m, v) in state.moments.items():
+        if canonical_name(name, model_cfg) != name and canonical_name(name, model_cfg) in state.moments:
+            continue  # the tied head's moments equal the embedding's
+        key = canonical_name(name, model_cfg)
+        out[f"{key}.exp_avg"] = m.detach().to("cpu", torch.float32).contiguous()
+        out[f"{key}.exp_avg_sq"] = v.detach().to("cpu", torch.float32).contiguous()
+    file = tmp / f"optimizer-{comm.rank + 1:05d}-of-{comm.world:05d}.safetensors"
+    save_file(out, str(file), metadata={"optimizer_step": str(state.optimizer_step)})
+
+
+def replace_dir(tmp: Path, path: Path) -> None:
+    """Move a finished directory into place; an existing one is swapped out, then removed."""
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
+def stale_temporaries(directory: Path) -> list[Path]:
+    """Temporary checkpoint directories mobius left behind (an interrupted write), and only those."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and p.name.startswith(".")
+                  and (TMP_MARK in p.name or ".old-" in p.name))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+class ResumeState:
+    """The resumable part of a checkpoint: trainer state (JSON) and optimizer moments by name."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        file = self.path / STATE_FILE
+        if not file.is_file():
+            old = " (it holds trainer_state.pt: checkpoints of mobius 0.1 stored pickles, which are never loaded)" \
+                if (self.path / "trainer_state.pt").exists() else ""
+            raise CheckpointError(f"{self.path} is not a resumable checkpoint: no {STATE_FILE}{old}")
+        try:
+            self.trainer = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{file}: cannot be read as JSON ({e})") from None
+        if not isinstance(self.trainer, dict) or self.trainer.get("format") != STATE_FORMAT:
+            raise CheckpointError(f"{file}: not a mobius trainer state (format {STATE_FORMAT} expected)")
+        self._files = sorted(self.path.glob("optimizer-*.safetensors"))
+        if not self._files:
+            raise CheckpointError(f"{self.path} is not a resumable checkpoint: no optimizer-*.safetensors files")
+        self._where = self._index_moments()
+
+    def _index_moments(self) -> dict[str, Path]:
+        from safetensors import safe_open
+
+        where: dict[str, Path] = {}
+        for f in self._files:
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    keys = list(h.keys())
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{f}: cannot be read, the file is truncated or corrupt ({e})") from None
+            for k in keys:
+                where[k] = f
+        return where
+
+    @property
+    def optimizer_step(self) -> int:
+        return int(self.trainer["engine"]["optimizer_step"])
+
+    @property
+    def scaler(self) -> dict:
+        return dict(self.trainer["engine"]["scaler"])
+
+    def moments(self, names: list[str], model_cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """AdamW (exp_avg, exp_avg_sq) for ``names`` (a tied head gets the embedding's); empty
+        before the first optimizer step."""
+        from safetensors import safe_open
+
+        if self.optimizer_step == 0:
+            return {}
+        out = {}
+        for name in names:
+            key = canonical_name(name, model_cfg)
+            if f"{key}.exp_avg" not in self._where:
+                raise CheckpointError(f"{self.path}: no optimizer state for {key}")
+            pair = []
+            for part in ("exp_avg", "exp_avg_sq"):
+                with safe_open(str(self._where[f"{key}.{part}"]), framework="pt") as h:
+                    pair.append(h.get_tensor(f"{key}.{part}"))
+            out[name] = (pair[0], pair[1])
+        return out

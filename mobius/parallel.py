@@ -1,0 +1,61 @@
+"""How a run is spread over devices: one validated value, resolved once (in ``mobius.app.settings``)
+from the config and the machine, and passed to every path that needs any part of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["single", "pipeline", "zero"]
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """The resolved parallel layout of a run.
+
+    ``workers`` processes (one in single mode) run on ``device``; on CUDA, worker ``w`` uses GPU
+    ``w % gpus``, so several workers may share one GPU (``shared_gpu``: each capped at
+    ``memory_bytes``, transfers staged through host memory). ``groups`` lists the workers whose
+    host transfers share a link (a root complex, or one GPU's link); uploads within a group are
+    served in stage order.
+    """
+
+    mode: Mode
+    device: Literal["cpu", "cuda"]
+    workers: int
+    gpus: int  # CUDA devices in use (0 on the CPU)
+    p2p: bool  # activations GPU to GPU (NCCL); else through pinned host memory (or gloo on the CPU)
+    memory_bytes: int  # usable device memory per worker (what the planner budgets; the cap on a shared GPU)
+    memory_capped: bool  # enforce memory_bytes with set_per_process_memory_fraction
+    cpu_threads: int  # torch threads per worker
+    groups: tuple[tuple[int, ...], ...]
+    reason: str = ""  # why this mode (and device) were chosen
+
+    def __post_init__(self) -> None:
+        assert self.workers >= 1 and self.cpu_threads >= 1 and self.memory_bytes > 0, self
+        assert (self.device == "cpu") == (self.gpus == 0), self
+        assert self.mode != "single" or self.workers == 1, self
+        assert sorted(w for g in self.groups for w in g) == list(range(self.workers)), self
+        assert not self.p2p or (self.device == "cuda" and not self.shared_gpu), self
+
+    @property
+    def shared_gpu(self) -> bool:
+        """Several workers on one GPU."""
+        return self.device == "cuda" and self.workers > self.gpus
+
+    def gpu_of(self, worker: int) -> int | None:
+        """The CUDA device index of a worker (None on the CPU)."""
+        return worker % self.gpus if self.device == "cuda" else None
+
+    def activation_path(self) -> str:
+        if self.workers == 1:
+            return "on one device"
+        if self.device == "cpu":
+            return "gloo between CPU workers"
+        return "GPU to GPU (NCCL)" if self.p2p else "through pinned host memory"
+
+    def describe(self) -> str:
+        where = "CPU worker process(es)" if self.device == "cpu" else f"GPU(s) ({self.gpus} in use)"
+        return (f"mode {self.mode}: {self.workers} {where}, {self.memory_bytes / 2**30:.1f} GiB each, "
+                f"{self.cpu_threads} CPU thread(s) per worker, activations {self.activation_path()}"
+                + (f" ({self.reason})" if self.reason else ""))

@@ -1,0 +1,267 @@
+"""The Mobius pipeline step as data: one ordered list of actions per worker (GPU).
+
+Stage ``j`` runs on worker ``gpu_of[j]``. Each worker runs its stages' forwards in ascending order,
+every micro-batch of a stage before the next stage, then the backwards in descending order (GPipe
+with more stages than GPUs, Mobius §3.1, Fig. 4). The last stage runs forward, loss and backward
+per micro-batch in one action (``FB``), so it needs no recompute, and the last forward stage of
+every worker stays resident for its first backward.
+
+The runtime's executor dispatches on these lists and the planner's simulator interprets the same
+lists, so what is planned is what runs. They are built by small passes:
+
+1. :func:`compute_order` -- forward / FB / backward actions per worker;
+2. :func:`add_swaps` -- ``UPLOAD`` / ``FREE`` around each residency of a stage on its worker; with
+   two device slots the upload of a residency is issued when the one before it starts computing;
+3. :func:`add_transfers` -- receives before and sends after each compute action, for activations
+   and their gradients between the workers of adjacent stages;
+4. :func:`add_updates` -- the gradient ``DOWNLOAD`` after a stage's last backward, its CPU
+   ``UPDATE``, the exchange of a tied weight's two ends (``TIE``) and the step's ``REDUCE`` (loss,
+   global gradient norm, fp16 overflow). Without clipping and fp16 a stage updates as soon as its
+   gradients are down; with either, every update waits for the global norm (``REDUCE``) and the
+   stages update in ascending order, so the next step's first stages are ready first.
+
+:func:`timeline` prints the lists as a grid.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+
+class Kind(enum.Enum):
+    UPLOAD = "U"
+    FREE = "X"
+    FORWARD = "F"
+    FB = "FB"
+    BACKWARD = "B"
+    RECV_ACT = "ra"
+    SEND_ACT = "sa"
+    RECV_GRAD = "rg"
+    SEND_GRAD = "sg"
+    DOWNLOAD = "D"
+    UPDATE = "O"
+    TIE = "T"
+    REDUCE = "R"
+
+
+COMPUTE = frozenset({Kind.FORWARD, Kind.FB, Kind.BACKWARD})
+Phase = Literal["f", "b"]
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    stage: int = -1  # -1 for step-wide actions (TIE, REDUCE)
+    micro: int = -1  # -1 for per-stage actions (UPLOAD, FREE, DOWNLOAD, UPDATE)
+    phase: Phase = "f"  # which pass an UPLOAD / FREE belongs to
+    peer: int = -1  # the other worker of a send / receive
+
+    def __str__(self) -> str:
+        m = f",{self.micro}" if self.micro >= 0 else ""
+        p = self.phase if self.kind in (Kind.UPLOAD, Kind.FREE) else ""
+        s = str(self.stage) if self.stage >= 0 else ""
+        return f"{self.kind.value}{p}{s}{m}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-worker action lists of one training (or evaluation) step, and the facts they assume."""
+
+    num_stages: int
+    num_workers: int
+    micro_batches: int
+    gpu_of: tuple[int, ...]  # stage -> worker
+    actions: tuple[tuple[Action, ...], ...]  # worker -> ordered actions
+    num_slots: int  # device slots per worker (2: the next residency uploads while the current one computes)
+    train: bool
+    barrier: bool = False  # updates wait for the global gradient norm (clipping, fp16)
+    tied: bool = False  # stage 0 and the last stage hold the two ends of one tied weight
+    offload_inputs: bool = False  # boundary inputs come back with the backward upload
+
+    @cached_property
+    def upload_order(self) -> dict[tuple[int, str], int]:
+        """(stage, pass) -> position in :func:`uploads_in_order` (the root-complex serving order)."""
+        return {key: i for i, key in enumerate(uploads_in_order(self))}
+
+    def stages_of(self, worker: int) -> list[int]:
+        return [j for j in range(self.num_stages) if self.gpu_of[j] == worker]
+
+
+def compute_order(num_stages: int, gpu_of: tuple[int, ...], micro_batches: int, worker: int,
+                  train: bool = True) -> list[Action]:
+    """Forward of each stage on all micro-batches (ascending stages), then backward (descending)."""
+    mine = [j for j in range(num_stages) if gpu_of[j] == worker]
+    last = num_stages - 1
+    out: list[Action] = []
+    for j in mine:
+        kind = Kind.FB if j == last and train else Kind.FORWARD
+        out += [Action(kind, j, m) for m in range(micro_batches)]
+    if train:
+        for j in reversed(mine):
+            if j != last:
+                out += [Action(Kind.BACKWARD, j, m) for m in range(micro_batches)]
+    return out
+
+
+def _residencies(compute: list[Action]) -> list[tuple[int, Phase, int, int]]:
+    """(stage, phase, first index, last index) of each uninterrupted run of one stage's compute."""
+    runs: list[tuple[int, Phase, int, int]] = []
+    for i, a in enumerate(compute):
+        phase: Phase = "b" if a.kind == Kind.BACKWARD else "f"
+        if runs and runs[-1][0] == a.stage:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2], i)
+        else:
+            runs.append((a.stage, phase, i, i))
+    return runs
+
+
+def add_swaps(compute: list[Action], num_slots: int) -> list[Action]:
+    """Insert uploads and frees. A stage stays resident across its forward/backward turn.
+
+    With two slots the next residency's upload is issued just before the current residency
+    computes (it lands in the slot the residency before the current one freed); with one slot,
+    only after the current residency is freed.
+    """
+    runs = _residencies(compute)
+    before: dict[int, list[Action]] = {}
+    after: dict[int, list[Action]] = {}
+    for r, (stage, phase, first, last) in enumerate(runs):
+        continues = r + 1 < len(runs) and runs[r + 1][0] == stage  # forward -> backward of the same stage
+        resumed = r > 0 and runs[r - 1][0] == stage
+        if not continues:
+            after.setdefault(last, []).append(Action(Kind.FREE, stage, phase=phase))
+        if resumed:
+            continue
+        upload = Action(Kind.UPLOAD, stage, phase=phase)
+        if r == 0 or num_slots < 2:
+            before.setdefault(first, []).insert(0, upload)
+        else:  # issued when the previous residency starts computing (its predecessor is freed by then)
+            before.setdefault(runs[r - 1][2], []).append(upload)
+    out: list[Action] = []
+    for i, a in enumerate(compute):
+        out += before.get(i, [])
+        out.append(a)
+        out += after.get(i, [])
+    return out
+
+
+def add_transfers(actions: list[Action], num_stages: int, gpu_of: tuple[int, ...]) -> list[Action]:
+    """Receive each compute action's input before it and send its output after it."""
+    last = num_stages - 1
+    out: list[Action] = []
+    for a in actions:
+        j, m = a.stage, a.micro
+        if a.kind in (Kind.FORWARD, Kind.FB) and j > 0:
+            out.append(Action(Kind.RECV_ACT, j, m, peer=gpu_of[j - 1]))
+        if a.kind == Kind.BACKWARD:
+            out.append(Action(Kind.RECV_GRAD, j, m, peer=gpu_of[j + 1]))
+        out.append(a)
+        if a.kind == Kind.FORWARD and j < last:
+            out.append(Action(Kind.SEND_ACT, j, m, peer=gpu_of[j + 1]))
+        if a.kind in (Kind.BACKWARD, Kind.FB) and j > 0:
+            out.append(Action(Kind.SEND_GRAD, j, m, peer=gpu_of[j - 1]))
+    return out
+
+
+def add_updates(actions: list[Action], num_stages: int, barrier: bool, tied: bool) -> list[Action]:
+    """Download a stage's gradients after its last backward; update it there (or after the
+    step's REDUCE when ``barrier``); tied ends exchange their gradients (TIE) at the end."""
+    ends = {0, num_stages - 1} if tied and num_stages > 1 else set()
+    last_compute = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.BACKWARD, Kind.FB)}
+    out: list[Action] = []
+    for i, a in enumerate(actions):
+        out.append(a)
+        if last_compute.get(a.stage) == i:
+            out.append(Action(Kind.DOWNLOAD, a.stage))
+            if not barrier and a.stage not in ends:
+                out.append(Action(Kind.UPDATE, a.stage))
+    mine = sorted(last_compute)
+    if ends & set(mine):
+        out.append(Action(Kind.TIE))
+        if not barrier:
+            out += [Action(Kind.UPDATE, j) for j in mine if j in ends]
+    out.append(Action(Kind.REDUCE))
+    if barrier:
+        out += [Action(Kind.UPDATE, j) for j in mine]
+    return out
+
+
+def build_schedule(num_stages: int, num_workers: int, micro_batches: int, gpu_of: list[int] | None = None,
+                   num_slots: int = 2, barrier: bool = False, tied: bool = False,
+                   offload_inputs: bool = False) -> Schedule:
+    """The per-worker action lists of one training step."""
+    g = _gpu_of(num_stages, num_workers, gpu_of)
+    lists = []
+    for w in range(num_workers):
+        acts = compute_order(num_stages, g, micro_batches, w)
+        acts = add_swaps(acts, num_slots)
+        acts = add_transfers(acts, num_stages, g)
+        lists.append(tuple(add_updates(acts, num_stages, barrier, tied)))
+    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), num_slots, True, barrier, tied,
+                     offload_inputs)
+    check(sched)
+    return sched
+
+
+def build_eval_schedule(num_stages: int, num_workers: int, micro_batches: int, gpu_of: list[int] | None = None,
+                        num_slots: int = 2) -> Schedule:
+    """Forward only: the last stage's forward ends in the loss; the step ends in REDUCE (the loss)."""
+    g = _gpu_of(num_stages, num_workers, gpu_of)
+    lists = []
+    for w in range(num_workers):
+        acts = add_transfers(add_swaps(compute_order(num_stages, g, micro_batches, w, train=False), num_slots),
+                             num_stages, g)
+        lists.append(tuple(acts + [Action(Kind.REDUCE)]))
+    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), num_slots, False)
+    check(sched)
+    return sched
+
+
+def _gpu_of(num_stages: int, num_workers: int, gpu_of: list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    g = tuple(gpu_of) if gpu_of is not None else tuple(j % num_workers for j in range(num_stages))
+    assert len(g) == num_stages and set(g) == set(range(num_workers)), (g, num_workers)
+    return g
+
+
+def check(s: Schedule) -> None:
+    """Internal invariants: every compute happens while its stage is resident, at most
+    ``num_slots`` stages are resident at once, each stage is downloaded and updated exactly once
+    (training), and every list ends in (or, with a barrier, continues after) one REDUCE."""
+    for w, acts in enumerate(s.actions):
+        resident: set[int] = set()
+        for a in acts:
+            if a.kind == Kind.UPLOAD:
+                assert a.stage not in resident, (w, str(a))
+                resident.add(a.stage)
+                assert len(resident) <= s.num_slots, (w, str(a), resident)
+            elif a.kind == Kind.FREE:
+                resident.remove(a.stage)
+            elif a.kind in COMPUTE:
+                assert a.stage in resident, (w, str(a))
+        assert not resident, (w, resident)
+        assert sum(a.kind == Kind.REDUCE for a in acts) == 1, w
+        for j in s.stages_of(w):
+            assert sum(a.kind == Kind.DOWNLOAD and a.stage == j for a in acts) == int(s.train)
+            assert sum(a.kind == Kind.UPDATE and a.stage == j for a in acts) == int(s.train)
+
+
+def timeline(s: Schedule, width: int = 6) -> str:
+    """The schedule as a grid: one row per worker, one column per issued action (issue order)."""
+    rows = []
+    for w, acts in enumerate(s.actions):
+        rows.append(f"gpu{w} | " + "".join(str(a).ljust(width) for a in acts))
+    legend = ("U=upload X=free F=forward FB=forward+loss+backward B=backward(recompute) ra/sa=recv/send activation "
+              "rg/sg=recv/send gradient D=download grads O=CPU update T=tied-weight exchange R=step reduce; "
+              "suffix f/b: pass, then stage[,micro-batch]")
+    return "\n".join(rows + [legend])
+
+
+def uploads_in_order(s: Schedule) -> list[tuple[int, str]]:
+    """All uploads of a step in the order their stages start computing (forward ascending, then
+    backward descending) -- the order in which copies sharing a root complex are served."""
+    fwd = [(j, "f") for j in range(s.num_stages)]
+    bwd = [(a.stage, "b") for acts in s.actions for a in acts if a.kind == Kind.UPLOAD and a.phase == "b"]
+    return fwd + sorted(bwd, key=lambda x: -x[0])

@@ -1,0 +1,49 @@
+"""Spans of one pipeline step on the simulator's tracks, written as a Chrome trace (Perfetto)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+
+class StepTrace:
+    """Spans of one step's work on the simulator's tracks (compute, h2d, d2h, cpu): CUDA events on
+    the GPU (turned into times once the step has finished), ``perf_counter`` otherwise."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.spans: list[tuple[str, str, object, object]] = []
+        self.lock = threading.Lock()
+        if self.cuda:
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record(torch.cuda.current_stream(device))
+
+    def mark(self, stream: "torch.cuda.Stream | None" = None) -> object:
+        if self.cuda and stream is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            return e
+        return time.perf_counter()
+
+    def add(self, track: str, name: str, start: object, end: object) -> None:
+        with self.lock:
+            self.spans.append((track, name, start, end))
+
+    def _seconds(self, m: object) -> float:
+        if isinstance(m, float):
+            return m - self.t0
+        return self.ref.elapsed_time(m) / 1e3
+
+    def events(self, pid: int) -> list[dict]:
+        """Chrome-trace events (call after the step's work has finished)."""
+        tracks = ["compute", "h2d", "d2h", "p2p", "cpu"]
+        out = [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}
+               for t, n in enumerate(tracks)]
+        for track, name, a, b in self.spans:
+            start, end = self._seconds(a), self._seconds(b)
+            out.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6, "pid": pid,
+                        "tid": tracks.index(track)})
+        return out
