@@ -1,5 +1,5 @@
 """GPU benchmark of the swapped pipeline against all-in-GPU training (and, through the shared peer
-scripts, FSDP2 and DeepSpeed offload), on the DESIGN.md workload: a GPT-style 1.42B model (hidden
+scripts, FSDP2 and DeepSpeed offload), on the benchmark workload: a GPT-style 1.42B model (hidden
 2048, 24 layers, 16 heads, sequence 1024), 4 micro-batches of 4, bf16.
 
     python bench/pipeline_bench.py --what ref,mobius --cap-gib 24 --steps 5 --out bench_out

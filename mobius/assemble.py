@@ -6,27 +6,64 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import torch
 
+from mobius.checkpoint import stale_temporaries
 from mobius.config import PLACEHOLDER, Config
-from mobius.data import TextTokenizer, TrainData, build_data, load_tokenizer, tokenize_to_cache
-from mobius.errors import ConfigError
+from mobius.data import (BUILTIN_STDLIB, TextTokenizer, TrainData, build_data, load_tokenizer, source_files,
+                         tokenize_to_cache)
+from mobius.errors import CheckpointError, ConfigError
 from mobius.models import CausalLM, ModelConfig, build_model, get_preset
-from mobius.models.hf import load_checkpoint, read_config
+from mobius.models.hf import LazyCheckpoint, load_checkpoint, read_config
 from mobius.trainer import step_checkpoints
 
 log = logging.getLogger(__name__)
+
+
+RUN_FILES = ("metrics.jsonl", "plan.json", "final", "checkpoints", "loss.png")  # what a run writes in output.dir
+
+
+def check_inputs(cfg: Config) -> None:
+    """Every file the config names exists and is what it should be, before any work starts."""
+    ck = cfg.model.checkpoint
+    if ck:
+        path = Path(ck)
+        if not path.is_dir():
+            raise CheckpointError(f"model.checkpoint {ck}: no such directory")
+        read_config(path)  # config.json of a supported family
+        LazyCheckpoint(path)  # weights present and readable (headers only)
+    if cfg.data.path != BUILTIN_STDLIB:
+        source_files(cfg.data.path)
+    tok = cfg.data.tokenizer
+    if tok and not Path(tok).exists():
+        raise ConfigError(f"data.tokenizer {tok}: no such file or directory")
+
+
+def claim_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> None:
+    """Refuse an ``output.dir`` that holds a run unless resuming it or told to overwrite it; remove
+    what an interrupted checkpoint write left behind (only mobius's own temporary names)."""
+    out = Path(cfg.output.dir)
+    held = [name for name in RUN_FILES if (out / name).exists()] + [p.name for p in out.glob("trace-step*.json")]
+    if resume is None and held:
+        if not overwrite:
+            raise ConfigError(f"output.dir {out} already holds a run ({', '.join(held)}); pass --resume to continue "
+                              f"it, --overwrite to replace it, or choose another output.dir")
+        for name in held:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        log.info("--overwrite: removed %s from %s", ", ".join(held), out)
+    for stale in stale_temporaries(out) + stale_temporaries(out / "checkpoints"):
+        shutil.rmtree(stale, ignore_errors=True)
+        log.info("removed %s, left by an interrupted checkpoint write", stale)
 
 
 def resume_dir(cfg: Config, resume: str | None) -> Path | None:
     """The checkpoint ``--resume`` names (``auto``: the latest step checkpoint in ``output.dir``)."""
     out = Path(cfg.output.dir)
     if resume is None:
-        if step_checkpoints(out):
-            raise ConfigError(f"output.dir {out} already holds step checkpoints of an earlier run; pass --resume to "
-                              f"continue it or choose another output.dir")
         return None
     if resume == "auto":
         found = step_checkpoints(out)
@@ -61,6 +98,16 @@ def architecture(cfg: Config) -> ModelConfig:
     if cfg.model.preset:
         return get_preset(cfg.model.preset)
     raise ConfigError(f"{cfg.source}: model.checkpoint {ck} is not at hand and no model.preset names the architecture")
+
+
+def planned_architecture(cfg: Config) -> ModelConfig:
+    """The architecture ``mobius plan`` plans for: exactly what ``mobius train`` would build (the
+    tokenizer decides a from-scratch vocabulary), or the preset when the checkpoint is not at hand."""
+    ck, tok = cfg.model.checkpoint, cfg.data.tokenizer
+    if ck and (ck.startswith(PLACEHOLDER) or not Path(ck).exists()) or (tok and tok.startswith(PLACEHOLDER)):
+        return architecture(cfg)
+    tokenizer = load_tokenizer(tok, ck or None)
+    return run_model_config(cfg, tokenizer, None)[0]
 
 
 def _check_matches_preset(mc: ModelConfig, preset: str, where: str) -> None:

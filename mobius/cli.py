@@ -12,6 +12,7 @@ import logging
 import sys
 
 from mobius import __version__
+from mobius.app.supervise import Interrupted
 from mobius.errors import MobiusError
 
 # sub-command name -> module in mobius.commands exposing add_parser(subparsers) and run(args) -> int
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = extra
         return int(args.func(args) or 0)
+    except Interrupted as e:
+        print(f"mobius: {e}", file=sys.stderr)
+        return e.exit_code
     except MobiusError as e:
         print(f"mobius: error: {e}", file=sys.stderr)
         return 2

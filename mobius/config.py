@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -24,142 +25,159 @@ from mobius.errors import ConfigError
 PLACEHOLDER = "<FILL IN"
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
+def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+       lt: float | None = None, **kw: Any) -> Any:
+    """A config field: its default, its documentation and, for numbers, its domain (every float
+    must also be finite); :class:`_Section` checks the domain wherever the section is built."""
+    domain = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    return field(default=default, metadata={"help": help, "domain": domain, **kw})
+
+
+_BOUNDS = {"ge": (">=", lambda x, b: x >= b), "gt": (">", lambda x, b: x > b), "le": ("<=", lambda x, b: x <= b),
+           "lt": ("<", lambda x, b: x < b)}
+
+
+def domain_text(f: dataclasses.Field) -> str:
+    """The field's domain in words, e.g. ``> 0`` or ``>= 0 and < 1`` (empty when unbounded)."""
+    return " and ".join(f"{_BOUNDS[k][0]} {v:g}" for k, v in f.metadata.get("domain", {}).items())
+
+
+class _Section:
+    """Checks every number of a section against the domain its field declares."""
+
+    _name = "section"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            where = f"{self._name}.{f.name}"
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{where} must be a finite number, got {value}")
+            for k, bound in f.metadata.get("domain", {}).items():
+                if not _BOUNDS[k][1](value, bound):
+                    raise ConfigError(f"{where} must be {domain_text(f)}, got {value:g}")
 
 
 @dataclass
-class ModelSection:
+class ModelSection(_Section):
+    _name = "model"
     checkpoint: str | None = _f(None, "Hugging Face checkpoint directory to fine-tune (config.json + weights).")
     preset: str | None = _f(None, "Architecture preset, e.g. gpt2-tiny, gpt2-xl, opt-1.3b: trained from scratch when "
                             "no checkpoint is given; with a checkpoint, the architecture it must have (and what "
                             "'mobius plan' uses before the checkpoint is at hand).")
-    dropout: float | None = _f(None, "Set every dropout probability to this; null keeps the checkpoint's or preset's.")
-    activation_checkpointing: bool = _f(False, "Recompute each block's activations in backward (single mode).")
+    dropout: float | None = _f(None, "Set every dropout probability to this; null keeps the checkpoint's or preset's.",
+                               ge=0, lt=1)
+    activation_checkpointing: bool = _f(False, "Recompute each unit's activations in backward (single and zero "
+                                        "modes; the pipeline always recomputes inside its stages).")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.checkpoint is None and self.preset is None:
             raise ConfigError("set model.checkpoint (a Hugging Face directory) or model.preset (an architecture)")
-        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclass
-class DataSection:
+class DataSection(_Section):
+    _name = "data"
     path: str = _f("builtin:stdlib-docs", "A .txt or .jsonl file, or a directory of them. 'builtin:stdlib-docs' "
                    "gathers the docstrings of Python's standard library (the CPU demo).")
     text_field: str = _f("text", "Field holding the text in .jsonl records.")
-    seq_len: int = _f(512, "Tokens per training sequence (documents are packed into blocks of this length).")
+    seq_len: int = _f(512, "Tokens per training sequence (documents are packed into blocks of this length).", ge=2)
     tokenizer: str | None = _f(None, "A tokenizer.json file or a directory holding one; null uses the checkpoint's "
                                "own, or byte-level tokens when training from scratch.")
-    val_fraction: float = _f(0.02, "Fraction of the blocks held out for evaluation.")
+    val_fraction: float = _f(0.02, "Fraction of the blocks held out for evaluation.", ge=0, lt=0.5)
     cache_dir: str = _f(".mobius_cache", "Where tokenized data is cached as memory-mapped arrays.")
 
-    def __post_init__(self) -> None:
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len must be at least 2, got {self.seq_len}")
-        if not 0.0 <= self.val_fraction < 0.5:
-            raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {self.val_fraction}")
-
 
 @dataclass
-class TrainSection:
-    max_steps: int = _f(100, "Optimizer steps to run.")
-    micro_batch_size: int = _f(4, "Sequences per micro-batch.")
-    micro_batches: int = _f(4, "Micro-batches per optimizer step (gradient accumulation / pipeline depth).")
-    lr: float = _f(3e-4, "Peak learning rate (AdamW).")
-    min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
-    warmup_steps: int = _f(10, "Linear warm-up steps.")
-    weight_decay: float = _f(0.0, "AdamW decoupled weight decay (applied to matrices, not biases or norms).")
-    beta1: float = _f(0.9, "AdamW beta1.")
-    beta2: float = _f(0.95, "AdamW beta2.")
-    eps: float = _f(1e-8, "AdamW epsilon.")
-    grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
-    seed: int = _f(1234, "Seed for initialisation, data order and dropout.")
+class TrainSection(_Section):
+    _name = "train"
+    max_steps: int = _f(100, "Optimizer steps to run.", ge=1)
+    micro_batch_size: int = _f(4, "Sequences per micro-batch.", ge=1)
+    micro_batches: int = _f(4, "Micro-batches per optimizer step (gradient accumulation / pipeline depth).", ge=1)
+    lr: float = _f(3e-4, "Peak learning rate (AdamW).", gt=0)
+    min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.", ge=0, le=1)
+    warmup_steps: int = _f(10, "Linear warm-up steps.", ge=0)
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay (applied to matrices, not biases or norms).", ge=0)
+    beta1: float = _f(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = _f(0.95, "AdamW beta2.", ge=0, lt=1)
+    eps: float = _f(1e-8, "AdamW epsilon.", gt=0)
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.", ge=0)
+    seed: int = _f(1234, "Seed for initialisation, data order and dropout.", ge=0)
     precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32, bf16 (autocast) or fp16 (autocast with dynamic "
                                                      "loss scaling).")
-    eval_every: int = _f(50, "Evaluate on the held-out blocks every N steps (0: only at the end).")
-    eval_batches: int = _f(8, "Micro-batches per evaluation.")
-    log_every: int = _f(1, "Write a metrics line every N steps.")
-
-    def __post_init__(self) -> None:
-        for name in ("max_steps", "micro_batch_size", "micro_batches", "eval_batches", "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr must be positive, got {self.lr}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"train.grad_clip must be >= 0, got {self.grad_clip}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ConfigError(f"train.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+    eval_every: int = _f(50, "Evaluate on the held-out blocks every N steps (0: only at the end).", ge=0)
+    eval_batches: int = _f(8, "Micro-batches per evaluation.", ge=1)
+    log_every: int = _f(1, "Write a metrics line every N steps.", ge=1)
 
 
 @dataclass
-class ParallelSection:
+class ParallelSection(_Section):
+    _name = "parallel"
     mode: Literal["auto", "single", "pipeline", "zero"] = _f("auto", "single: one device; pipeline: the swapped "
                                                               "Mobius pipeline; zero: chunked ZeRO (NVLink boxes); "
-                                                              "auto: pick from the machine.")
-    devices: int = _f(1, "GPUs to use (CPU worker processes stand in when there is no GPU).")
+                                                              "auto: single on one device, pipeline on several.")
+    devices: int = _f(1, "GPUs to use (CPU worker processes stand in when there is no GPU).", ge=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Run on CUDA when available (auto), or force cpu/cuda.")
     mapping: Literal["cross", "sequential"] = _f("cross", "Stage-to-GPU mapping: cross (topology-aware) or sequential.")
-    prefetch: bool = _f(True, "Upload the next stage while the current one computes.")
+    prefetch: bool = _f(True, "Upload the next stage (pipeline) or gather the next unit's chunks (zero) while the "
+                        "current one computes.")
     p2p: Literal["auto", "on", "off"] = _f("auto", "GPU peer-to-peer for activations: auto-detect, force on, force off "
                                           "(through pinned host memory).")
     offload_inputs: Literal["auto", "on", "off"] = _f("auto", "Keep each stage's boundary inputs in host memory "
                                                       "between its forward and backward: auto (when GPU memory "
                                                       "is short), on, off.")
     trace_step: int = _f(0, "Write a Chrome trace (Perfetto) of this training step to output.dir (0: none); "
-                         "same tracks as the simulator's trace from 'mobius plan --trace'.")
+                         "same tracks as the simulator's trace from 'mobius plan --trace'.", ge=0)
     stages: int = _f(0, "Pipeline stages; 0 lets the partitioner choose. A number splits the units evenly "
-                     "(for experiments).")
-
-    def __post_init__(self) -> None:
-        if self.devices < 1:
-            raise ConfigError(f"parallel.devices must be at least 1, got {self.devices}")
-        if self.stages < 0:
-            raise ConfigError(f"parallel.stages must be >= 0, got {self.stages}")
+                     "(for experiments).", ge=0)
 
 
 @dataclass
-class PartitionSection:
+class PartitionSection(_Section):
+    _name = "partition"
     solver: Literal["auto", "gurobi", "highs"] = _f("auto", "MIP solver: gurobi, highs, or auto (gurobi, then HiGHS "
                                                     "when the free licence cannot take the model).")
-    time_limit_s: float = _f(30.0, "Solver time limit in seconds.")
+    time_limit_s: float = _f(30.0, "Solver time limit in seconds.", gt=0)
     profile: Literal["auto", "measured", "estimated"] = _f("auto", "Unit costs measured on this machine's GPU, "
                                                            "estimated from datasheets, or auto.")
     gpu: str | None = _f(None, "GPU model for estimated profiles, e.g. rtx3090, rtx4090, a100-40gb, h100.")
-    gpu_memory_gib: float | None = _f(None, "Usable GPU memory per device; null: the device's own.")
+    gpu_memory_gib: float | None = _f(None, "Usable GPU memory per device; null: the device's own.", gt=0)
     cache_dir: str = _f(".mobius_cache", "Where measured profiles are cached.")
-
-    def __post_init__(self) -> None:
-        if self.time_limit_s <= 0:
-            raise ConfigError(f"partition.time_limit_s must be positive, got {self.time_limit_s}")
-        if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
-            raise ConfigError(f"partition.gpu_memory_gib must be positive, got {self.gpu_memory_gib}")
 
 
 @dataclass
-class TopologySection:
+class ZeroSection(_Section):
+    _name = "zero"
+    chunk_size: int = _f(0, "Zero mode: parameters per chunk (the unit of gathering, sharding and offloading); 0: "
+                         "the search picks the size that replaces the fewest bytes in rCache per step.", ge=0)
+    cache_blocks: int = _f(0, "Zero mode: rCache blocks, gathered chunks each GPU keeps (1 chunk each); 0: the search "
+                           "decides. From the most chunks one unit uses (rCache-min, like ZeRO-3) to the chunk count "
+                           "(rCache-max, like ZeRO-2).", ge=0)
+    gpu_chunks: int = _f(-1, "Zero mode: chunks whose fp32 master, AdamW states and gradient shards stay on the GPU, "
+                         "counted from the first in forward order; the others live in host memory with a CPU AdamW. "
+                         "-1: the search decides; 0: offload every chunk; at least the chunk count: offload none.",
+                         ge=-1)
+
+
+@dataclass
+class TopologySection(_Section):
+    _name = "topology"
     file: str | None = _f(None, "Saved topology (mobius topo --json, or nvidia-smi topo -m text) instead of detecting.")
     bandwidth_file: str | None = _f(None, "Bandwidth JSON from 'mobius topo --bench' for the cost model.")
 
 
 @dataclass
-class OutputSection:
+class OutputSection(_Section):
+    _name = "output"
     dir: str = _f("runs/default", "Run directory: metrics.jsonl, checkpoints, plots.")
-    save_every: int = _f(0, "Write a checkpoint every N steps (0: only the final one).")
-    keep_last: int = _f(2, "Keep this many step checkpoints (the final one is always kept).")
+    save_every: int = _f(0, "Write a checkpoint every N steps (0: only the final one).", ge=0)
+    keep_last: int = _f(2, "Keep this many step checkpoints (the final one is always kept).", ge=1)
     save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Checkpoint dtype; auto: the dtype of the "
                                                              "checkpoint fine-tuned, fp32 from scratch.")
     plot: bool = _f(True, "Draw loss.png at the end when matplotlib is installed.")
-
-    def __post_init__(self) -> None:
-        if self.save_every < 0 or self.keep_last < 1:
-            raise ConfigError(f"output.save_every must be >= 0 and output.keep_last >= 1, got {self.save_every}, "
-                              f"{self.keep_last}")
 
 
 @dataclass
@@ -169,6 +187,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     partition: PartitionSection = field(default_factory=PartitionSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)
     topology: TopologySection = field(default_factory=TopologySection)
     output: OutputSection = field(default_factory=OutputSection)
     source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
@@ -251,7 +270,10 @@ def parse_overrides(overrides: list[str]) -> dict:
         else:
             raise ConfigError(f"override {arg} has no value")
         section, _, name = key.partition(".")
-        out.setdefault(section, {})[name] = yaml.safe_load(raw) if raw != "" else None
+        try:
+            out.setdefault(section, {})[name] = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override --{key}: {raw!r} is not a valid YAML value ({str(e).splitlines()[0]})") from None
         i += 1
     return out
 
@@ -292,8 +314,14 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    data = path.read_bytes()
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start} cannot be read); "
+                          f"save the file as UTF-8") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
@@ -308,5 +336,6 @@ def describe_fields() -> str:
         lines.append(f"{sec.name}:")
         for f in dataclasses.fields(typing.get_type_hints(Config)[sec.name]):
             default = f.default if f.default is not dataclasses.MISSING else None
-            lines.append(f"  {sec.name}.{f.name} (default {default!r}): {f.metadata['help']}")
+            domain = f", {domain_text(f)}" if f.metadata.get("domain") else ""
+            lines.append(f"  {sec.name}.{f.name} (default {default!r}{domain}): {f.metadata['help']}")
     return "\n".join(lines)

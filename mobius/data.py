@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 import torch
 
-from mobius.errors import ConfigError, MobiusError
+from mobius.errors import ConfigError, DataError, MobiusError
 
 if TYPE_CHECKING:
     import tokenizers
@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 BUILTIN_STDLIB = "builtin:stdlib-docs"
 EOT = "<|endoftext|>"
+MAX_INVALID_UTF8 = 0.001  # share of a data file's bytes that may be invalid UTF-8 (each read as U+FFFD)
+REPLACEMENT = "\ufffd"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,25 +171,45 @@ def source_files(path: str) -> list[Path]:
 
 
 def documents(path: str, text_field: str) -> Iterator[str]:
-    """Every document of a data source, in order."""
+    """Every document of a data source, in order (each file checked to be text first)."""
     if path == BUILTIN_STDLIB:
         yield from stdlib_docstrings()
         return
     for f in source_files(path):
+        text = read_text(f)
         if f.suffix == ".txt":
-            yield f.read_text(encoding="utf-8", errors="replace")
+            yield text
             continue
-        with f.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise MobiusError(f"{f}:{n}: not valid JSON ({e.msg})") from None
-                if not isinstance(record, dict) or text_field not in record:
-                    raise MobiusError(f"{f}:{n}: record has no {text_field!r} field (set data.text_field)")
-                yield str(record[text_field])
+        for n, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{f}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                raise DataError(f"{f}:{n}: record has no {text_field!r} field (set data.text_field)")
+            yield str(record[text_field])
+
+
+def read_text(path: Path) -> str:
+    """A data file as text: refused when it holds a NUL byte (a binary file) or more than
+    :data:`MAX_INVALID_UTF8` of its bytes are not UTF-8; a few invalid bytes read as U+FFFD."""
+    data = path.read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise DataError(f"{path}: not a text file (a NUL byte at byte offset {nul}); data must be UTF-8 text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        first = e.start
+    text = data.decode("utf-8", errors="replace")
+    invalid = text.count(REPLACEMENT) - data.count(REPLACEMENT.encode())
+    if invalid > MAX_INVALID_UTF8 * len(data):
+        raise DataError(f"{path}: not UTF-8 text ({invalid} invalid byte(s) in {len(data)}, the first at byte offset "
+                        f"{first}; at most {100 * MAX_INVALID_UTF8:g}% are tolerated)")
+    log.warning("%s: %d byte(s) are not UTF-8 (the first at byte offset %d); read as U+FFFD", path, invalid, first)
+    return text
 
 
 def _source_key(path: str, text_field: str) -> str:

@@ -15,5 +15,9 @@ class CheckpointError(MobiusError):
     """A checkpoint directory that is missing, incomplete or does not match the model."""
 
 
+class DataError(MobiusError):
+    """Training data that cannot be read as text."""
+
+
 class NotAvailableError(MobiusError):
     """A feature that this build or this machine cannot provide."""

@@ -5,9 +5,11 @@ Numbers in, plans out. The pieces, in the order a plan is made:
 * :mod:`partition.profile` -- unit costs, measured one distinct unit at a time (``profile_units``)
   or estimated from a GPU catalogue (``estimate_units``); ``get_profile`` picks and caches.
 * :mod:`partition.hardware` -- :class:`Hardware`: GPUs, usable memory, links, shared root complexes.
-* :mod:`partition.mip` -- the partition MIP (gurobipy, or HiGHS when the free licence refuses),
-  seeded by :mod:`partition.heuristic` and checked by :mod:`partition.evaluate`.
-* :mod:`partition.simulate` -- discrete-event simulation of the swapped pipeline with contention.
+* :mod:`partition.schedule` -- the pipeline step as data: the action lists the runtime executes.
+* :mod:`partition.timing` -- the step's timing and memory model, written once: evaluated with numbers
+  (:mod:`partition.evaluate`) and emitted as the MIP's rows (:mod:`partition.mip`, gurobipy, or HiGHS
+  when the free licence refuses), seeded by :mod:`partition.heuristic`.
+* :mod:`partition.simulate` -- discrete-event simulation of the schedule's action lists with contention.
 * :mod:`partition.baselines` -- minimum-stage, maximum-stage, time-balanced; exhaustive search.
 * :mod:`partition.plan` -- :func:`plan_model`, the one entry point, and :class:`Plan`.
 
@@ -16,7 +18,7 @@ Only ``partition.profile``'s measuring functions import torch.
 
 from partition.baselines import BASELINES, exhaustive_search, maximum_stage, minimum_stage, time_balanced
 from partition.costs import ModelProfile, StageCost, UnitCost, stage_cost, stage_costs
-from partition.evaluate import ModelEvaluator, model_schedule, model_step_time
+from partition.evaluate import ModelEvaluator, PipelineOptions, model_step_time
 from partition.gpus import GPU_CATALOGUE, GPUSpec, gpu_spec, lookup_gpu
 from partition.hardware import Hardware
 from partition.mip import MipResult, build_model, solve_partition, solve_stage_count
@@ -27,7 +29,7 @@ from partition.simulate import SimResult, simulate
 __all__ = [
     "BASELINES", "GPU_CATALOGUE", "GPUSpec", "Hardware", "MipResult", "ModelEvaluator", "ModelProfile", "Plan",
     "SimResult", "StageCost", "StagePlan", "UnitCost", "build_model", "estimate_units", "exhaustive_search",
-    "get_profile", "gpu_spec", "lookup_gpu", "maximum_stage", "minimum_stage", "model_schedule", "model_step_time",
+    "get_profile", "gpu_spec", "lookup_gpu", "maximum_stage", "minimum_stage", "model_step_time", "PipelineOptions",
     "plan_model", "profile_units", "simulate", "solve_partition", "solve_stage_count", "stage_cost", "stage_costs",
     "time_balanced",
 ]

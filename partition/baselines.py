@@ -6,7 +6,7 @@
 * **time-balanced** (torchgpipe's ``balance_by_time``): ``S`` stages of near-equal forward+backward
   time (minimising the slowest), with ``S = N`` or the smallest ``S >= N`` that fits memory.
 
-Every partition returned satisfies :func:`partition.pipeline.memory_violations`.
+Every partition returned satisfies the memory rules of :mod:`partition.timing`.
 """
 
 from __future__ import annotations
@@ -15,37 +15,43 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
-from partition.costs import ModelProfile, stage_cost, stage_costs
+from partition.costs import ModelProfile, stage_cost
+from partition.evaluate import GB, ModelEvaluator, PipelineOptions, stage_exprs
 from partition.hardware import Hardware
-from partition.pipeline import PipelineShape, memory_violations
+from partition.timing import phase_needs
+
+Baseline = Callable[[ModelProfile, Hardware, int, int, PipelineOptions], "list[int] | None"]
 
 
-def is_valid(profile: ModelProfile, boundaries: list[int], hw: Hardware, num_slots: int, micro_batches: int) -> bool:
+def is_valid(profile: ModelProfile, boundaries: list[int], hw: Hardware, num_gpus: int, micro_batches: int,
+             options: PipelineOptions = PipelineOptions()) -> bool:
     """True when the partition fits the GPU memory budget under the pipeline's memory rules."""
-    stages = stage_costs(profile, boundaries)
-    return not memory_violations(stages, PipelineShape(len(stages), num_slots, micro_batches), hw.gpu_memory_bytes)
+    ev = ModelEvaluator(profile, hw, lambda S: list(range(num_gpus)), micro_batches, options=options)
+    return not ev.evaluate(boundaries).violations
 
 
-def minimum_stage(profile: ModelProfile, hw: Hardware, num_slots: int, micro_batches: int) -> list[int] | None:
+def minimum_stage(profile: ModelProfile, hw: Hardware, num_gpus: int, micro_batches: int,
+                  options: PipelineOptions = PipelineOptions()) -> list[int] | None:
     """One block per stage (the embedding and head ride with the first and last block)."""
     U = profile.num_units
     bounds = [0] + list(range(2, U - 1)) + [U] if U >= 3 else [0, U]
-    return bounds if is_valid(profile, bounds, hw, num_slots, micro_batches) else None
+    return bounds if is_valid(profile, bounds, hw, num_gpus, micro_batches, options) else None
 
 
-def maximum_stage(profile: ModelProfile, hw: Hardware, num_slots: int, micro_batches: int) -> list[int] | None:
+def maximum_stage(profile: ModelProfile, hw: Hardware, num_gpus: int, micro_batches: int,
+                  options: PipelineOptions = PipelineOptions()) -> list[int] | None:
     """Greedy front-to-back packing of the largest stages that fit.
 
-    A stage grows while its own forward and backward fit; if the whole partition then breaks the
-    rule that a backward stage fits beside the previous stage's gradients, the per-stage parameter
-    cap is lowered one unit at a time until it holds.
+    A stage grows while it fits alone on its GPU; if the whole partition then breaks a memory rule
+    (a worker also keeps its earlier stages' inputs and slots sized for its largest stage), the
+    per-stage parameter cap is lowered one unit at a time until it holds.
     """
     cap = float("inf")
     while True:
-        bounds = _greedy(profile, hw, num_slots, micro_batches, cap)
+        bounds = _greedy(profile, hw, micro_batches, options, cap)
         if bounds is None:
             return None
-        if is_valid(profile, bounds, hw, num_slots, micro_batches):
+        if is_valid(profile, bounds, hw, num_gpus, micro_batches, options):
             return bounds
         sizes = [sum(u.param_bytes for u in profile.units[a:b]) for a, b in zip(bounds, bounds[1:])]
         smallest = min(u.param_bytes for u in profile.units) or 1
@@ -54,31 +60,35 @@ def maximum_stage(profile: ModelProfile, hw: Hardware, num_slots: int, micro_bat
             return None
 
 
-def _greedy(profile: ModelProfile, hw: Hardware, num_slots: int, micro_batches: int, cap: float) -> list[int] | None:
+def _greedy(profile: ModelProfile, hw: Hardware, micro_batches: int, options: PipelineOptions,
+            cap: float) -> list[int] | None:
     U, bounds = profile.num_units, [0]
-    shape = PipelineShape(3, max(num_slots, 2), micro_batches)  # a middle stage: no end-of-pipeline extras
     while bounds[-1] < U:
         a, b = bounds[-1], bounds[-1] + 1
-        while b < U and _fits(profile, a, b + 1, hw, shape, cap):
+        while b < U and _fits(profile, a, b + 1, hw, micro_batches, options, cap):
             b += 1
-        if not _fits(profile, a, b, hw, shape, float("inf")):
+        if not _fits(profile, a, b, hw, micro_batches, options, float("inf")):
             return None
         bounds.append(b)
     return bounds
 
 
-def _fits(profile: ModelProfile, a: int, b: int, hw: Hardware, shape: PipelineShape, cap: float) -> bool:
+def _fits(profile: ModelProfile, a: int, b: int, hw: Hardware, micro_batches: int, options: PipelineOptions,
+          cap: float) -> bool:
+    """Units [a, b) as a stage alone on its GPU, and within the parameter cap."""
     sc = stage_cost(profile, a, b)
-    budget = hw.gpu_memory_bytes
-    return sc.param_bytes <= cap and shape.fwd_peak(sc, 1) <= budget and shape.bwd_peak(sc, 1) <= budget
+    s = stage_exprs(sc, profile.precision != "fp32")
+    fwd, bwd = phase_needs(s, s.slot * options.num_slots, 0.0, micro_batches)
+    return sc.param_bytes <= cap and max(fwd, bwd) * GB <= hw.gpu_memory_bytes
 
 
-def time_balanced(profile: ModelProfile, hw: Hardware, num_slots: int, micro_batches: int) -> list[int] | None:
+def time_balanced(profile: ModelProfile, hw: Hardware, num_gpus: int, micro_batches: int,
+                  options: PipelineOptions = PipelineOptions()) -> list[int] | None:
     """torchgpipe-style balance by time: S = N stages if they fit, else the smallest S that does."""
     times = [u.fwd_s + u.bwd_s for u in profile.units]
-    for S in range(min(num_slots, profile.num_units), profile.num_units + 1):
+    for S in range(min(num_gpus, profile.num_units), profile.num_units + 1):
         bounds = balanced_split(times, S)
-        if is_valid(profile, bounds, hw, num_slots, micro_batches):
+        if is_valid(profile, bounds, hw, num_gpus, micro_batches, options):
             return bounds
     return None
 
@@ -105,7 +115,7 @@ def balanced_split(costs: list[float], parts: int) -> list[int]:
     return bounds[::-1]
 
 
-BASELINES: dict[str, Callable[[ModelProfile, Hardware, int, int], list[int] | None]] = {
+BASELINES: dict[str, Baseline] = {
     "minimum-stage": minimum_stage,
     "maximum-stage": maximum_stage,
     "time-balanced": time_balanced,
@@ -131,12 +141,13 @@ def all_partitions(num_units: int) -> list[list[int]]:
     return out
 
 
-def exhaustive_search(profile: ModelProfile, hw: Hardware, num_slots: int, micro_batches: int,
-                      score: Callable[[list[int]], float]) -> SearchResult | None:
+def exhaustive_search(profile: ModelProfile, hw: Hardware, num_gpus: int, micro_batches: int,
+                      score: Callable[[list[int]], float],
+                      options: PipelineOptions = PipelineOptions()) -> SearchResult | None:
     """The valid contiguous partition with the lowest ``score`` (e.g. simulated step time)."""
     best, count = None, 0
     for bounds in all_partitions(profile.num_units):
-        if not is_valid(profile, bounds, hw, num_slots, micro_batches):
+        if not is_valid(profile, bounds, hw, num_gpus, micro_batches, options):
             continue
         count += 1
         s = score(bounds)

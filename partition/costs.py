@@ -2,22 +2,12 @@
 
 A model is an ordered list of units (embedding, blocks, head). :class:`UnitCost` holds what one
 unit costs for one micro-batch; :class:`ModelProfile` holds all of them plus the setting they were
-measured or estimated for. :func:`stage_cost` sums a contiguous range of units into a stage and
-:class:`StageCost` gives the stage's memory peaks under the pipeline's memory model:
-
-* forward of stage j (activation checkpointing at stage boundaries, no autograd graph kept):
-  ``params + M * input checkpoints + max unit working set``;
-* backward of stage j (recompute, then backward, one micro-batch at a time):
-  ``params + grads + M * input checkpoints + sum of units' saved activations + max working set``.
-
-When two consecutive stages share a GPU (a single-GPU pipeline), the activations (forward) and
-their gradients (backward) stay on the GPU for the next stage, so the producing stage also holds
-``M`` of them.
+measured or estimated for. :func:`stage_cost` sums a contiguous range of units into a
+:class:`StageCost`; how stages become a step (times and memory) is :mod:`partition.timing`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -42,6 +32,7 @@ class UnitCost:
     act_bytes: int  # output per micro-batch (what crosses a stage boundary after this unit)
     saved_bytes: int  # activations autograd keeps for one micro-batch during the recompute
     work_bytes: int  # transient working memory of one micro-batch beyond params, grads and saved
+    acc_s: float = 0.0  # adding one micro-batch's gradients into the fp32 sums (half precision only)
 
 
 @dataclass
@@ -56,6 +47,7 @@ class ModelProfile:
     source: ProfileSource
     profile_s: float = 0.0  # wall time spent measuring (0 for estimates and cache hits)
     notes: dict = field(default_factory=dict)
+    tied_params: int = 0  # parameters of a weight shared by the first and last unit (counted in both)
 
     @property
     def num_units(self) -> int:
@@ -75,11 +67,6 @@ class ModelProfile:
         if len(sigs) < 3:
             return False
         return len(set(sigs[1:-1])) == 1
-
-    def shape_key(self) -> str:
-        """A short hash of the units' signatures, for cache keys."""
-        text = "|".join(u.signature for u in self.units)
-        return hashlib.sha1(text.encode()).hexdigest()[:16]
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -109,21 +96,7 @@ class StageCost:
     out_bytes: int
     saved_bytes: int
     work_bytes: int
-
-    def fwd_peak(self, micro_batches: int, keep_out: bool = False) -> int:
-        """Peak GPU bytes while running the forward of all micro-batches."""
-        extra = micro_batches * self.out_bytes if keep_out else 0
-        return self.param_bytes + micro_batches * self.in_bytes + self.work_bytes + extra
-
-    def bwd_peak(self, micro_batches: int, keep_in_grad: bool = False) -> int:
-        """Peak GPU bytes while running the backward (with recompute) of all micro-batches."""
-        extra = micro_batches * self.in_bytes if keep_in_grad else 0
-        return (self.param_bytes + self.grad_bytes + micro_batches * self.in_bytes + self.saved_bytes
-                + self.work_bytes + extra)
-
-    def bwd_upload(self, micro_batches: int) -> int:
-        """Bytes uploaded before the backward when the stage is not resident: params + checkpoints."""
-        return self.param_bytes + micro_batches * self.in_bytes
+    acc_s: float = 0.0
 
 
 def stage_cost(profile: ModelProfile, first: int, end: int) -> StageCost:
@@ -137,6 +110,7 @@ def stage_cost(profile: ModelProfile, first: int, end: int) -> StageCost:
         param_bytes=sum(u.param_bytes for u in units), grad_bytes=sum(u.grad_bytes for u in units),
         in_bytes=units[0].in_bytes, out_bytes=units[-1].act_bytes,
         saved_bytes=sum(u.saved_bytes for u in units), work_bytes=max(u.work_bytes for u in units),
+        acc_s=sum(u.acc_s for u in units),
     )
 
 

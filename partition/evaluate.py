@@ -1,60 +1,94 @@
-"""The MIP's timing model evaluated for one fixed partition, in one pass (no solver).
+"""One partition through the timing model (:mod:`partition.timing`) with numbers, no solver.
 
-:func:`model_schedule` computes the earliest time of every event the MIP has a variable for, by
-the same lower bounds the MIP states as constraints (see :mod:`partition.mip`): for a fixed
-partition the MIP's optimum *is* this schedule's step time. It serves to seed the MIP with a
-strong incumbent (so that stage counts which cannot win are cut off early) and to check the MIP.
+:class:`ModelEvaluator` computes the earliest time of every event of a step for a fixed partition
+by the same statements the MIP emits as constraints, so for a fixed partition the MIP's optimum
+*is* :meth:`ModelEvaluator.step_time`. It seeds the MIP with a strong incumbent (stage counts that
+cannot win are then cut off early), scores the baselines and checks memory rules. The rates it
+uses (:func:`rates_for`) are the MIP's too.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 from partition.costs import ModelProfile, StageCost, stage_cost
 from partition.hardware import Hardware
-from partition.pipeline import PipelineShape, activation_latency
+from partition.timing import Numbers, Rates, Shape, StageExprs, StepTimes, step_model
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The runtime's settings a plan is evaluated under (see :class:`partition.timing.Shape`)."""
+
+    num_slots: int = 2
+    offload_inputs: bool = False
+    barrier: bool = False  # clipping or fp16: updates wait for the global norm
 
 
 @dataclass
-class ModelSchedule:
-    """Earliest times per stage (lists indexed by stage) and the step time ``T``."""
+class Evaluation:
+    """A partition's step time (``inf`` when a memory rule breaks), event times and broken rules."""
 
-    sf0: list[float]
-    sfl: list[float]
-    sb0: list[float]
-    sbl: list[float]
-    uf: list[float]
-    ub: list[float]
-    pf: list[float]  # bytes prefetched before the forward
-    pb: list[float]  # bytes prefetched before the backward
-    d: list[float]
-    o: list[float]
     T: float
+    times: StepTimes
+    violations: list[tuple[str, float, float]]
 
 
-def model_step_time(profile: ModelProfile, hw: Hardware, slots: list[int], micro_batches: int,
-                    boundaries: list[int], bandwidth: str = "link", prefetch: bool = True) -> float:
-    """The MIP's step time for one partition (``inf`` if it breaks a memory rule)."""
-    return model_schedule(profile, hw, slots, micro_batches, boundaries, bandwidth, prefetch).T
+def slot_gb(param_bytes: float, grad_bytes: float, param_count: float, half: bool) -> float:
+    """GB of a device slot: half-precision parameters and gradients, and fp32 sums when half."""
+    return (param_bytes + grad_bytes + (4 * param_count if half else 0)) / GB
 
 
-def model_schedule(profile: ModelProfile, hw: Hardware, slots: list[int], micro_batches: int,
-                   boundaries: list[int], bandwidth: str = "link", prefetch: bool = True) -> ModelSchedule:
-    """Every MIP time variable at its earliest value for the partition ``boundaries``."""
-    return ModelEvaluator(profile, hw, lambda S: slots, micro_batches, bandwidth, prefetch).schedule(boundaries)
+def stage_exprs(sc: StageCost, half: bool) -> StageExprs:
+    """A stage's quantities in the model's units (seconds, GB, G parameters)."""
+    return StageExprs(fwd=sc.fwd_s, bwd=sc.bwd_s + sc.acc_s, params=sc.param_count / GB, pbytes=sc.param_bytes / GB,
+                      slot=slot_gb(sc.param_bytes, sc.grad_bytes, sc.param_count, half),
+                      in_b=sc.in_bytes / GB, out_b=sc.out_bytes / GB, saved=sc.saved_bytes / GB,
+                      work=sc.work_bytes / GB)
+
+
+def activation_seconds_per_byte(hw: Hardware, src: int, dst: int) -> float:
+    """Uncontended seconds per byte from one GPU to another: peer to peer, or two host hops."""
+    if src == dst:
+        return 0.0
+    peer = hw.p2p_rate(src, dst)
+    if peer:
+        return 1.0 / min(peer, hw.uncontended_d2h(src), hw.uncontended_h2d(dst))
+    return 1.0 / hw.uncontended_d2h(src) + 1.0 / hw.uncontended_h2d(dst)
+
+
+def rates_for(profile: ModelProfile, hw: Hardware, slots: list[int], num_stages: int,
+              bandwidth: str = "link") -> Rates:
+    """Per-stage rates of an S-stage pipeline whose stage j runs on GPU ``slots[j % N]``."""
+    N = len(slots)
+    gpu = [slots[j % N] for j in range(num_stages)]
+    up = hw.uncontended_h2d if bandwidth == "link" else hw.shared_h2d
+    down = hw.uncontended_d2h if bandwidth == "link" else hw.shared_d2h
+    lat_in = [activation_seconds_per_byte(hw, gpu[j - 1], gpu[j]) * GB if j else 0.0 for j in range(num_stages)]
+    lat_back = [activation_seconds_per_byte(hw, gpu[j + 1], gpu[j]) * GB if j < num_stages - 1 else 0.0
+                for j in range(num_stages)]
+    split = num_stages > 1 and gpu[0] != gpu[-1]
+    tie_s = 4 * profile.tied_params / hw.host_copy_Bps if split else 0.0
+    return Rates([up(g) / GB for g in gpu], [down(g) / GB for g in gpu], lat_in, lat_back,
+                 hw.cpu_adam_params_per_s / GB, tie_s)
 
 
 class ModelEvaluator:
     """Evaluates many partitions of one model on one machine, caching stage costs and rates."""
 
     def __init__(self, profile: ModelProfile, hw: Hardware, slots_for: Callable[[int], list[int]],
-                 micro_batches: int, bandwidth: str = "link", prefetch: bool = True):
+                 micro_batches: int, bandwidth: str = "link", options: PipelineOptions = PipelineOptions()):
         self.profile, self.hw, self.slots_for, self.M = profile, hw, slots_for, micro_batches
-        self.bandwidth, self.prefetch = bandwidth, prefetch
+        self.bandwidth, self.options = bandwidth, options
+        self.half = profile.precision != "fp32"
         self._stage: dict[tuple[int, int], StageCost] = {}
+        self._exprs: dict[tuple[int, int], StageExprs] = {}
         self._slots: dict[int, list[int]] = {}
-        self._rates_cache: dict[int, _Rates] = {}
+        self._rates: dict[int, Rates] = {}
         self.evaluations = 0
 
     def stage(self, a: int, b: int) -> StageCost:
@@ -68,114 +102,32 @@ class ModelEvaluator:
             self._slots[S] = list(self.slots_for(S))
         return self._slots[S]
 
-    def step_time(self, boundaries: list[int]) -> float:
-        return self.schedule(boundaries).T
+    def rates(self, S: int) -> Rates:
+        if S not in self._rates:
+            self._rates[S] = rates_for(self.profile, self.hw, self.slots(S), S, self.bandwidth)
+        return self._rates[S]
 
-    def _rates(self, S: int) -> "_Rates":
-        rates = self._rates_cache.get(S)
-        if rates is None:
-            slots, hw = self.slots(S), self.hw
-            shape = PipelineShape(S, len(slots), self.M)
-            gpu = [slots[shape.slot_of(j)] for j in range(S)]
-            up = hw.uncontended_h2d if self.bandwidth == "link" else hw.shared_h2d
-            down = hw.uncontended_d2h if self.bandwidth == "link" else hw.shared_d2h
-            latf = [activation_latency(hw, slots, shape, j - 1, j, 1.0) if j else 0.0 for j in range(S)]
-            latb = [activation_latency(hw, slots, shape, j + 1, j, 1.0) if j < S - 1 else 0.0 for j in range(S)]
-            rates = self._rates_cache[S] = _Rates(shape, [up(g) for g in gpu], [down(g) for g in gpu], latf, latb)
-        return rates
+    def shape(self, S: int) -> Shape:
+        o = self.options
+        return Shape(S, len(self.slots(S)), self.M, o.num_slots, o.offload_inputs, o.barrier,
+                     tied=self.profile.tied_params > 0)
 
-    def schedule(self, boundaries: list[int]) -> ModelSchedule:
-        """Every MIP time variable at its earliest value for the partition ``boundaries``."""
+    def evaluate(self, boundaries: list[int]) -> Evaluation:
+        """Every event's earliest time for the partition ``boundaries``."""
         self.evaluations += 1
-        st = [self.stage(a, b) for a, b in zip(boundaries, boundaries[1:])]
-        r = self._rates(len(st))
-        sch = _empty(len(st))
-        if not _fits(st, r.shape, self.hw.gpu_memory_bytes):
-            sch.T = float("inf")
-            return sch
-        room = self.hw.gpu_memory_bytes if self.prefetch else None
-        _forward(st, r, self.hw.gpu_memory_bytes, room, sch)
-        _backward(st, r, self.hw.gpu_memory_bytes, room, sch)
-        _finish(st, self.hw, sch)
-        return sch
+        S = len(boundaries) - 1
+        st = [self._exprs.get((a, b)) or self._exprs.setdefault((a, b), stage_exprs(self.stage(a, b), self.half))
+              for a, b in zip(boundaries, boundaries[1:])]
+        alg = Numbers()
+        times = step_model(alg, st, self.rates(S), self.shape(S), self.hw.gpu_memory_bytes / GB)
+        return Evaluation(math.inf if alg.violations else float(times.step), times, alg.violations)
+
+    def step_time(self, boundaries: list[int]) -> float:
+        return self.evaluate(boundaries).T
 
 
-@dataclass
-class _Rates:
-    """Per stage of an S-stage pipeline: its slot shape, link rates and seconds per activation byte."""
-
-    shape: PipelineShape
-    bh: list[float]
-    bd: list[float]
-    latf: list[float]  # from stage j-1 to j
-    latb: list[float]  # from stage j+1 to j
-
-
-def _empty(S: int) -> ModelSchedule:
-    z = [0.0] * S
-    return ModelSchedule(*(list(z) for _ in range(10)), T=0.0)
-
-
-def _fits(st: list[StageCost], shape: PipelineShape, budget: int) -> bool:
-    n = shape.num_slots
-    for j, sc in enumerate(st):
-        bwd = shape.bwd_peak(sc, j)
-        if shape.fwd_peak(sc, j) > budget or bwd > budget:
-            return False
-        if not shape.is_resident(j) and bwd + st[j + n].grad_bytes > budget:
-            return False
-    return True
-
-
-def _forward(st: list[StageCost], r: _Rates, G: int, room: int | None, s: ModelSchedule) -> None:
-    """Forward times; ``room`` is None without prefetch (nothing uploads early)."""
-    shape, bh = r.shape, r.bh
-    N, M = shape.num_slots, shape.micro_batches
-    for j, sc in enumerate(st):
-        if j < N:
-            s.uf[j] = sc.param_bytes / bh[j]
-        else:
-            ef = s.sfl[j - N] + st[j - N].fwd_s
-            window = (ef - s.uf[j - N]) * bh[j] if room is not None else 0.0
-            s.pf[j] = max(0.0, min(sc.param_bytes, G - shape.fwd_peak(st[j - N], j - N), window))
-            s.uf[j] = ef + (sc.param_bytes - s.pf[j]) / bh[j]
-        s.sf0[j] = s.uf[j]
-        if j > 0:
-            lat = r.latf[j] * st[j - 1].out_bytes
-            s.sf0[j] = max(s.sf0[j], s.sf0[j - 1] + st[j - 1].fwd_s + lat)
-            s.sfl[j] = s.sfl[j - 1] + st[j - 1].fwd_s + lat
-        s.sfl[j] = max(s.sfl[j], s.sf0[j] + sc.fwd_s * (M - 1))
-
-
-def _backward(st: list[StageCost], r: _Rates, G: int, room: int | None, s: ModelSchedule) -> None:
-    """Backward times and gradient downloads (stages in reverse)."""
-    shape, bh, bd = r.shape, r.bh, r.bd
-    S, N, M = shape.num_stages, shape.num_slots, shape.micro_batches
-    rb: dict[int, float] = {}
-    for j in reversed(range(S)):
-        sc = st[j]
-        if shape.is_resident(j):
-            s.sb0[j] = rb[j] = s.sfl[j] + sc.fwd_s
-        else:
-            upload = sc.bwd_upload(M)
-            eb_prev = s.sbl[j + N] + st[j + N].bwd_s
-            window = (eb_prev - rb[j + N]) * bh[j] if room is not None else 0.0
-            s.pb[j] = max(0.0, min(upload, G - shape.bwd_peak(st[j + N], j + N), window))
-            s.ub[j] = s.sb0[j] = eb_prev + (upload - s.pb[j]) / bh[j]
-            if j - N >= 0:
-                rb[j] = max(s.ub[j], s.d[j + N])
-        s.sbl[j] = s.sb0[j] + sc.bwd_s * (M - 1)
-        if j < S - 1:
-            lat = r.latb[j] * st[j + 1].in_bytes
-            s.sb0[j] = max(s.sb0[j], s.sb0[j + 1] + st[j + 1].bwd_s + lat)
-            s.sbl[j] = max(s.sb0[j] + sc.bwd_s * (M - 1), s.sbl[j + 1] + st[j + 1].bwd_s + lat)
-        down = sc.grad_bytes / bd[j]
-        s.d[j] = max(s.sbl[j] + sc.bwd_s + down, (s.d[j + N] if j + N < S else 0.0) + down)
-
-
-def _finish(st: list[StageCost], hw: Hardware, s: ModelSchedule) -> None:
-    """The CPU optimizer updates stages in backward order as their gradients arrive."""
-    rate = hw.cpu_adam_params_per_s
-    for j in reversed(range(len(st))):
-        s.o[j] = max(s.d[j], s.o[j + 1] if j + 1 < len(st) else 0.0) + st[j].param_count / rate
-    s.T = s.o[0]
+def model_step_time(profile: ModelProfile, hw: Hardware, slots: list[int], micro_batches: int,
+                    boundaries: list[int], bandwidth: str = "link",
+                    options: PipelineOptions = PipelineOptions()) -> float:
+    """The MIP's step time for one partition (``inf`` if it breaks a memory rule)."""
+    return ModelEvaluator(profile, hw, lambda S: slots, micro_batches, bandwidth, options).step_time(boundaries)

@@ -4,8 +4,8 @@ Throughputs are dense (no sparsity) tensor-core figures for half precision with 
 which is what PyTorch's fp16/bf16 matrix multiplies use; GeForce cards run FP32 accumulation at
 half their FP16-accumulate rate. ``fp32_tflops`` is the non-tensor FP32 rate. PCIe rates are
 per direction and *effective* (what a pinned ``cudaMemcpy`` reaches), not the line rate:
-Gen3 x16 13.1 GB/s (the Mobius paper's measured maximum), Gen5 x16 54.7 GB/s (measured on the H100
-host of DESIGN.md), Gen4 in between.
+Gen3 x16 13.1 GB/s (the Mobius paper's measured maximum), Gen5 x16 54.7 GB/s (measured with
+`mobius topo --bench` on an H100 80GB PCIe host), Gen4 in between.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RESERVE_BYTES = int(1.5 * GiB)  # CUDA context, cuBLAS workspace, allocator slack
 PAPER_LINK_Bps = 13.1e9  # the Mobius paper's maximum measured host<->GPU bandwidth (§4.2)
 PAPER_ADAM_PARAMS_PER_S = 4.0e9  # assumption: DeepSpeed-style CPU Adam on 2 x Xeon Gold 6130 (32 cores)
+HOST_COPY_Bps = 5e9  # a gloo send between two processes on one host (memory copies through a socket)
 
 
 @dataclass
@@ -42,7 +43,10 @@ class Hardware:
     p2p_Bps: float | None = None
     bidir_Bps: list[float] | None = None
     p2p_pairs_Bps: list[list[float | None]] | None = None  # per pair (overrides p2p_Bps where given)
-    cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S
+    rc_h2d_by_streams: list[list[float]] | None = None  # per group: aggregate rate of k = 1, 2, ... streams
+    rc_d2h_by_streams: list[list[float]] | None = None
+    cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S  # one worker's CPU AdamW (+ half-precision refresh)
+    host_copy_Bps: float = HOST_COPY_Bps  # tensors between worker processes through host memory (gloo)
     name: str = "custom"
     gpu_names: list[str] = field(default_factory=list)
 
@@ -72,38 +76,52 @@ class Hardware:
             return self.p2p_pairs_Bps[src][dst]
         return self.p2p_Bps
 
+    def rc_rate(self, group: int, direction: str, streams: int) -> float:
+        """A root complex's aggregate rate in one direction ("h2d" or "d2h") while ``streams``
+        copies share it: measured per stream count when known (the last figure beyond), else its
+        shared rate."""
+        by = self.rc_h2d_by_streams if direction == "h2d" else self.rc_d2h_by_streams
+        if by and by[group]:
+            return by[group][min(max(streams, 1), len(by[group])) - 1]
+        return (self.rc_h2d_Bps if direction == "h2d" else self.rc_d2h_Bps)[group]
+
     def uncontended_h2d(self, gpu: int) -> float:
         """Host->GPU rate when ``gpu`` transfers alone."""
-        rate = min(self.h2d_Bps[gpu], self.rc_h2d_Bps[self.group_of(gpu)])
+        rate = min(self.h2d_Bps[gpu], self.rc_rate(self.group_of(gpu), "h2d", 1))
         return min(rate, self.bidir_Bps[gpu]) if self.bidir_Bps else rate
 
     def uncontended_d2h(self, gpu: int) -> float:
         """GPU->host rate when ``gpu`` transfers alone."""
-        rate = min(self.d2h_Bps[gpu], self.rc_d2h_Bps[self.group_of(gpu)])
+        rate = min(self.d2h_Bps[gpu], self.rc_rate(self.group_of(gpu), "d2h", 1))
         return min(rate, self.bidir_Bps[gpu]) if self.bidir_Bps else rate
 
     def shared_h2d(self, gpu: int) -> float:
         """Host->GPU rate when every GPU of the group uploads at once (the pessimistic view)."""
         grp = self.group_of(gpu)
-        return min(self.uncontended_h2d(gpu), self.rc_h2d_Bps[grp] / len(self.groups[grp]))
+        n = len(self.groups[grp])
+        return min(self.uncontended_h2d(gpu), self.rc_rate(grp, "h2d", n) / n)
 
     def shared_d2h(self, gpu: int) -> float:
         grp = self.group_of(gpu)
-        return min(self.uncontended_d2h(gpu), self.rc_d2h_Bps[grp] / len(self.groups[grp]))
+        n = len(self.groups[grp])
+        return min(self.uncontended_d2h(gpu), self.rc_rate(grp, "d2h", n) / n)
 
     def subset(self, gpus: list[int]) -> "Hardware":
         """The same machine restricted to ``gpus`` (renumbered 0..len-1 in that order)."""
         pos = {g: i for i, g in enumerate(gpus)}
-        groups, rc_h, rc_d = [], [], []
-        for grp, h, d in zip(self.groups, self.rc_h2d_Bps, self.rc_d2h_Bps):
+        groups, rc_h, rc_d, keep = [], [], [], []
+        for k, (grp, h, d) in enumerate(zip(self.groups, self.rc_h2d_Bps, self.rc_d2h_Bps)):
             kept = [pos[g] for g in grp if g in pos]
             if kept:
                 groups.append(kept)
                 rc_h.append(h)
                 rc_d.append(d)
+                keep.append(k)
+        by_h = [self.rc_h2d_by_streams[k] for k in keep] if self.rc_h2d_by_streams else None
+        by_d = [self.rc_d2h_by_streams[k] for k in keep] if self.rc_d2h_by_streams else None
         return dataclasses.replace(
             self, num_gpus=len(gpus), h2d_Bps=[self.h2d_Bps[g] for g in gpus], d2h_Bps=[self.d2h_Bps[g] for g in gpus],
-            groups=groups, rc_h2d_Bps=rc_h, rc_d2h_Bps=rc_d,
+            groups=groups, rc_h2d_Bps=rc_h, rc_d2h_Bps=rc_d, rc_h2d_by_streams=by_h, rc_d2h_by_streams=by_d,
             bidir_Bps=[self.bidir_Bps[g] for g in gpus] if self.bidir_Bps else None,
             p2p_pairs_Bps=[[self.p2p_pairs_Bps[a][b] for b in gpus] for a in gpus] if self.p2p_pairs_Bps else None,
             gpu_names=[self.gpu_names[g] for g in gpus] if self.gpu_names else [])
@@ -158,13 +176,6 @@ class Hardware:
         return hw
 
     @classmethod
-    def h100_host(cls, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> "Hardware":
-        """The measured H100 80GB host of DESIGN.md: PCIe Gen5 x16, 54.7/54.6 GB/s, 88 GB/s both ways."""
-        return cls(num_gpus=1, gpu_memory_bytes=80 * GiB - reserve_bytes, h2d_Bps=[54.7e9], d2h_Bps=[54.6e9],
-                   groups=[[0]], rc_h2d_Bps=[54.7e9], rc_d2h_Bps=[54.6e9], bidir_Bps=[88e9],
-                   cpu_adam_params_per_s=4.8e9, name="H100 80GB host (DESIGN.md)", gpu_names=["h100"])
-
-    @classmethod
     def from_topology(cls, topo: Any, bandwidth: Any = None, gpu_memory_bytes: int | None = None,
                       reserve_bytes: int = DEFAULT_RESERVE_BYTES, cpu_adam_params_per_s: float | None = None,
                       p2p: bool | None = None, gpu: Any = None) -> "Hardware":
@@ -186,10 +197,12 @@ class Hardware:
         bw = _bandwidth_dict(bandwidth) if bandwidth is not None else None
         h2d, d2h = _gpu_links(gpus, specs, bw)
         rc_h, rc_d = _shared_links(topo, gpus, groups, h2d, d2h, bw)
+        by_h, by_d = _by_streams(gpus, groups, bw)
         pairs = _p2p_pairs(topo, gpus, bw, min(h2d), p2p)
         names = [g.name if g.name != "unknown" or s is None else s.name for g, s in zip(gpus, specs)]
         return cls(num_gpus=len(gpus), gpu_memory_bytes=memory, h2d_Bps=h2d, d2h_Bps=d2h, groups=groups,
-                   rc_h2d_Bps=rc_h, rc_d2h_Bps=rc_d, p2p_pairs_Bps=pairs,
+                   rc_h2d_Bps=rc_h, rc_d2h_Bps=rc_d, p2p_pairs_Bps=pairs, rc_h2d_by_streams=by_h,
+                   rc_d2h_by_streams=by_d,
                    cpu_adam_params_per_s=cpu_adam_params_per_s or PAPER_ADAM_PARAMS_PER_S,
                    name=f"{len(gpus)} x {names[0] if names else '?'} ({getattr(topo, 'source', 'topology')})",
                    gpu_names=names)
@@ -248,6 +261,22 @@ def _shared_links(topo: Any, gpus: list, groups: list[list[int]], h2d: list[floa
                  "(run 'mobius topo --bench' on the server for measured figures)",
                  ", ".join(f"{r / GB:.1f}" for r in h2d), ", ".join(f"{r / GB:.1f}" for r in rc_h))
     return rc_h, rc_d
+
+
+def _by_streams(gpus: list, groups: list[list[int]], bw: dict | None
+                ) -> tuple[list[list[float]] | None, list[list[float]] | None]:
+    """Per root complex, the measured aggregate rate of k = 1, 2, ... concurrent copy streams."""
+    if not bw:
+        return None, None
+    index = [int(g.index) for g in gpus]
+    out: dict[str, list[list[float]]] = {"h2d": [[] for _ in groups], "d2h": [[] for _ in groups]}
+    for k, grp in enumerate(groups):
+        members = {index[g] for g in grp}
+        for rc in bw.get("root_complexes", []):
+            if set(int(i) for i in rc["gpus"]) == members:
+                for d in out:
+                    out[d][k] = [float(x) * GB for x in rc.get(f"{d}_total_GBps_by_streams") or []]
+    return tuple(v if any(v) else None for v in (out["h2d"], out["d2h"]))  # type: ignore[return-value]
 
 
 def _p2p_pairs(topo: Any, gpus: list, bw: dict | None, link: float, p2p: bool | None

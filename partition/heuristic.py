@@ -56,7 +56,7 @@ def neighbours(bounds: list[int]) -> list[list[int]]:
 
 
 def find_incumbent(ev: ModelEvaluator, stage_counts: list[int], starts: int = 3,
-                   max_evaluations: int = 3000) -> Incumbent:
+                   max_evaluations: int = 1000) -> Incumbent:
     """Best partition by local search from time-proportional splits (see module docstring)."""
     units = ev.profile.units
     costs = [u.fwd_s + u.bwd_s for u in units]

@@ -1,28 +1,32 @@
-"""The plan the trainer runs: stages, their GPUs, predicted time and memory, and how it was found.
+"""The plan the trainer runs: stages, their GPUs, the runtime's memory settings, predicted time and
+memory, and how it was found.
 
-:func:`plan_model` is the one entry point: profile (or estimate) the units, solve the MIP over
-every stage count, simulate the chosen partition on the real topology (root-complex contention
-included) and the baselines beside it. The runtime consumes ``boundaries``, ``slots`` and the
-per-stage memory and prefetch figures of :class:`StagePlan`.
+:func:`plan_model` is the one entry point: profile (or estimate) the units, solve the MIP over every
+stage count under each memory setting the run allows (two device slots or one; boundary inputs kept
+on the GPU or in host memory), simulate the best plan's schedule on the real topology (root-complex
+contention included) and the baselines beside it. The runtime takes ``boundaries``, ``slots``,
+``num_slots`` and ``offload_inputs`` from the plan and builds the same schedule the simulator ran.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from partition.baselines import BASELINES
 from partition.costs import ModelProfile, stage_costs
+from partition.evaluate import PipelineOptions, stage_exprs
 from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.lp import SolverName
 from partition.mapping import MappingKind, SlotsFor, as_slots_function
 from partition.mip import (DEFAULT_REL_GAP, BandwidthView, MipResult, explain_infeasible, given_partition,
                            solve_partition)
-from partition.pipeline import PipelineShape
 from partition.simulate import SimResult, Sharing, simulate
+from partition.timing import Numbers, Shape, worker_needs
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +42,16 @@ class StagePlan:
     gpu: int
     param_bytes: int
     fwd_s: float  # per micro-batch
-    bwd_s: float  # per micro-batch, recompute included
-    fwd_peak_bytes: int
-    bwd_peak_bytes: int
-    prefetch_limit_bytes: int  # memory the previous stage on the GPU leaves free for this one's forward upload
-    prefetch_bytes: int  # forward upload bytes prefetched (simulated)
-    bwd_prefetch_bytes: int  # backward upload bytes prefetched (simulated)
+    bwd_s: float  # per micro-batch: recompute + backward (+ fp32 sums); the last stage's FB
+    fwd_peak_bytes: int  # its worker's device memory during the stage's forward
+    bwd_peak_bytes: int  # ... and during its backward
     resident_backward: bool  # the backward follows the forward on the GPU without re-uploading
+    upload_wait_s: float  # simulated time its compute waited for its uploads (prefetch not hiding them)
 
 
 @dataclass
 class Plan:
-    """A partition of the model into stages mapped to GPUs, with its predicted cost."""
+    """A partition of the model into stages mapped to GPUs, the runtime's settings and the predicted cost."""
 
     boundaries: list[int]
     slots: list[int]
@@ -58,11 +60,15 @@ class Plan:
     micro_batch_size: int
     seq_len: int
     precision: str
-    predicted_step_s: float  # simulated on the topology (contention included)
+    num_slots: int  # device slots per worker: 2 = the next stage uploads while the current one computes
+    offload_inputs: bool  # boundary inputs wait for their backward in host memory
+    barrier: bool  # updates wait for the global gradient norm (clipping, fp16)
+    predicted_step_s: float  # the runtime's schedule simulated on the topology (contention included)
     model_step_s: float  # the MIP's own figure (no root-complex contention)
     solver: str
     solve_s: float
     gap: float
+    status: str  # "optimal" only when proven; else how close
     baselines: dict[str, float | None]  # name -> simulated step time (None: does not fit)
     baseline_boundaries: dict[str, list[int] | None]
     profile_source: str
@@ -75,8 +81,7 @@ class Plan:
     hardware: str
     gpu_memory_bytes: int
     param_count: int
-    num_slots: int = 2  # device slots per worker: 2 = the next stage uploads while the current one computes
-    offload_inputs: bool = False  # boundary inputs wait for their backward in host memory
+    cpu_adam_params_per_s: float
     mip: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -85,6 +90,10 @@ class Plan:
 
     def gpu_of_stage(self, j: int) -> int:
         return self.slots[j % len(self.slots)]
+
+    @property
+    def options(self) -> PipelineOptions:
+        return PipelineOptions(self.num_slots, self.offload_inputs, self.barrier)
 
     def to_json(self) -> dict:
         """A JSON-ready dict (also what ``mobius plan --json`` prints)."""
@@ -101,8 +110,13 @@ class Plan:
         kw["stages"] = [StagePlan(**s) for s in data["stages"]]
         return cls(**kw)
 
+    def runtime_settings(self) -> dict:
+        """What the runtime takes from the plan (the test that the plan shown is the plan run compares these)."""
+        return {"boundaries": list(self.boundaries), "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)],
+                "num_slots": self.num_slots, "offload_inputs": self.offload_inputs, "barrier": self.barrier}
+
     def summary(self) -> str:
-        """A human-readable report: stages table, predicted time, memory, traffic, baselines."""
+        """A human-readable report: stages table, settings, predicted time, memory, traffic, baselines."""
         return "\n".join(_summary_lines(self))
 
 
@@ -125,15 +139,19 @@ def _summary_lines(p: Plan) -> list[str]:
     lines = [f"stages: {p.num_stages} on {p.num_gpus} GPU(s), {p.mapping_kind} mapping, slots {p.slots} "
              f"(stage j runs on GPU slots[j % {len(p.slots)}])",
              f"  {'stage':>5}  {'units':<22} {'gpu':>3}  {'params':>9}  {'fwd/mb':>8}  {'bwd/mb':>8}  "
-             f"{'prefetch':>9}  {'peak fwd':>9}  {'peak bwd':>9}"]
+             f"{'upload wait':>11}  {'peak fwd':>9}  {'peak bwd':>9}"]
     for s in p.stages:
-        pre = f"{100 * s.prefetch_bytes / s.param_bytes:.0f}%" if s.param_bytes and s.index >= len(p.slots) else "-"
         lines.append(f"  {s.index:>5}  {s.units:<22} {s.gpu:>3}  {_gb(s.param_bytes):>9}  {s.fwd_s * 1e3:>6.1f}ms  "
-                     f"{s.bwd_s * 1e3:>6.1f}ms  {pre:>9}  {s.fwd_peak_bytes / GiB:>6.2f}GiB  "
+                     f"{s.bwd_s * 1e3:>6.1f}ms  {s.upload_wait_s * 1e3:>9.1f}ms  {s.fwd_peak_bytes / GiB:>6.2f}GiB  "
                      f"{s.bwd_peak_bytes / GiB:>6.2f}GiB")
-    gap = f"{100 * p.gap:.2f}%" if math.isfinite(p.gap) else "unknown"
-    lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (simulated with root-complex contention; the MIP's "
-                 f"contention-free model says {p.model_step_s:.3f} s; solver {p.solver}, {p.solve_s:.2f} s, gap {gap})")
+    slots = "2 per GPU (the next stage uploads while one computes)" if p.num_slots == 2 else "1 per GPU (no prefetch)"
+    lines.append(f"runtime: device slots {slots}; boundary inputs {'in host memory' if p.offload_inputs else 'kept on the GPU'}"
+                 f"; CPU AdamW at {p.cpu_adam_params_per_s / 1e9:.2f} G params/s per worker, "
+                 + ("after the global norm (clipping or fp16), overlapping the next forward" if p.barrier
+                    else "as each stage's gradients arrive"))
+    lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
+                 f"contention; the MIP's contention-free model says {p.model_step_s:.3f} s; solver {p.solver}, "
+                 f"{p.solve_s:.2f} s, {p.status})")
     mem = ", ".join(f"GPU{g} {b / GiB:.1f}" for g, b in enumerate(p.peak_bytes))
     lines.append(f"peak GPU memory (GiB, budget {p.gpu_memory_bytes / GiB:.1f}): {mem}")
     t = p.traffic
@@ -154,64 +172,67 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
                time_limit_s: float = 30.0, profile: str = "auto", gpu: Any = None, cache_dir: str | None = None,
                bandwidth_view: BandwidthView = "link", sharing: Sharing = "priority",
                with_baselines: bool = True, rel_gap: float = DEFAULT_REL_GAP, prefetch: bool = True,
-               min_stages: int = 1, boundaries: list[int] | None = None, offload_inputs: str = "auto") -> Plan:
-    """Profile (or take) the unit costs, find the best partition, simulate it and the baselines.
+               min_stages: int = 1, boundaries: list[int] | None = None, offload_inputs: str = "auto",
+               barrier: bool = False) -> Plan:
+    """Profile (or take) the unit costs, find the best partition and runtime settings, simulate it
+    and the baselines.
 
     ``mapping``: "cross" or "sequential" (``topology``'s search for each stage count), a fixed slot
     order, or a function of the stage count. ``bandwidth_view``: how the MIP sees shared root
     complexes (see :func:`partition.mip.build_model`); the simulator always models them.
     ``min_stages``: the fewest stages allowed (a runtime that keeps every GPU busy needs ``N``).
     ``boundaries``: a partition to evaluate instead of solving for one (``parallel.stages``).
-    ``offload_inputs``: "on", "off" or "auto" (host memory when keeping them would crowd the GPU).
+    ``prefetch``: two device slots allowed; ``offload_inputs``: "on", "off" or "auto" (both tried);
+    ``barrier``: the run clips gradients or scales fp16 losses (updates wait for the global norm).
     """
     prof = _profile(specs_or_profile, micro_batch_size, seq_len, precision, profile, gpu, cache_dir)
     slots_for = as_slots_function(mapping, hardware.groups)
-    if boundaries is None:
-        counts = list(range(max(1, min_stages), prof.num_units + 1))
-        res = solve_partition(prof, hardware, slots_for, micro_batches, solver, time_limit_s, stage_counts=counts,
-                              bandwidth=bandwidth_view, rel_gap=rel_gap, prefetch=prefetch)
-        if res.best is None or res.best.boundaries is None:
-            raise explain_infeasible(prof, hardware, micro_batches)
-    else:
-        res = given_partition(prof, hardware, slots_for, micro_batches, boundaries, bandwidth_view, prefetch)
+    t0 = time.perf_counter()
+    res, options = _search(prof, hardware, slots_for, micro_batches, solver, time_limit_s, bandwidth_view, rel_gap,
+                           prefetch, min_stages, boundaries, offload_inputs, barrier)
     bounds = res.best.boundaries
     slots = slots_for(len(bounds) - 1)
-    sim = simulate(prof, bounds, hardware, slots, micro_batches, prefetch=prefetch, sharing=sharing)
+    sim = simulate(prof, bounds, hardware, slots, micro_batches, options, sharing)
     base, base_bounds = {}, {}
     if with_baselines:
         for name, fn in BASELINES.items():
-            b = fn(prof, hardware, len(slots), micro_batches)
+            b = fn(prof, hardware, len(slots), micro_batches, options)
             base_bounds[name] = b
-            base[name] = (simulate(prof, b, hardware, slots_for(len(b) - 1), micro_batches, prefetch=prefetch,
-                                   sharing=sharing, record=False).step_s if b else None)
+            base[name] = (simulate(prof, b, hardware, slots_for(len(b) - 1), micro_batches, options, sharing,
+                                   record=False).step_s if b else None)
+    res.solve_s = time.perf_counter() - t0
     label = mapping if isinstance(mapping, str) else "given"
-    plan = _assemble(prof, hardware, bounds, slots, micro_batches, sim, res, base, base_bounds, label)
-    plan.num_slots, plan.offload_inputs = memory_decisions(prof, hardware, bounds, slots, micro_batches, prefetch,
-                                                           offload_inputs)
-    return plan
+    return _assemble(prof, hardware, bounds, slots, micro_batches, options, sim, res, base, base_bounds, label)
 
 
-CHECKPOINT_SHARE = 0.1  # auto: boundary inputs go to host memory when they would take more of the GPU
-SLOT_SHARE = 0.6  # two stage slots must fit in this share of the memory (the rest: activations, work)
+def _option_sets(prefetch: bool, offload_inputs: str, barrier: bool) -> list[list[PipelineOptions]]:
+    """The runtime settings to try, in tiers: one slot is tried only when no two-slot plan fits."""
+    offloads = {"on": [True], "off": [False]}.get(offload_inputs, [False, True])
+    tiers = [[PipelineOptions(k, o, barrier) for o in offloads] for k in ((2, 1) if prefetch else (1,))]
+    return tiers
 
 
-def memory_decisions(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[int], M: int,
-                     prefetch: bool, offload_inputs: str) -> tuple[int, bool]:
-    """(device slots per worker, boundary inputs in host memory): two slots only if they fit
-    beside a working reserve; inputs in host memory when keeping them would take more than a
-    tenth of the device."""
-    costs = stage_costs(prof, bounds)
-    half = prof.precision != "fp32"
-    slot = max(c.param_bytes + c.grad_bytes + (4 * c.param_count if half else 0) for c in costs)
-    mem = hw.gpu_memory_bytes
-    per_worker = max(sum(1 for j in range(len(costs)) if j % len(slots) == s) for s in range(len(slots)))
-    inputs = (per_worker - 1) * M * max(c.in_bytes for c in costs)
-    offload = {"on": True, "off": False}.get(offload_inputs, inputs > CHECKPOINT_SHARE * mem)
-    two = prefetch and 2 * slot <= SLOT_SHARE * mem
-    if prefetch and not two:
-        log.warning("two stages of %.2f GiB do not fit beside working memory in %.1f GiB: no prefetch",
-                    slot / GiB, mem / GiB)
-    return (2 if two else 1), offload
+def _search(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, solver: SolverName, time_limit_s: float,
+            view: BandwidthView, rel_gap: float, prefetch: bool, min_stages: int, boundaries: list[int] | None,
+            offload_inputs: str, barrier: bool) -> tuple[MipResult, PipelineOptions]:
+    """The best partition under the best runtime settings (the MIP's model decides)."""
+    t0 = time.perf_counter()
+    counts = list(range(max(1, min_stages), prof.num_units + 1))
+    best: tuple[MipResult, PipelineOptions] | None = None
+    for tier in _option_sets(prefetch, offload_inputs, barrier):
+        for options in tier:
+            if boundaries is not None:
+                res = given_partition(prof, hw, slots_for, M, boundaries, view, options)
+            else:
+                left = max(1.0, time_limit_s - (time.perf_counter() - t0))
+                res = solve_partition(prof, hw, slots_for, M, solver, left, stage_counts=counts, bandwidth=view,
+                                      rel_gap=rel_gap, options=options)
+            if res.best is not None and res.best.boundaries is not None and math.isfinite(res.best.predicted_s):
+                if best is None or res.best.predicted_s < best[0].best.predicted_s:
+                    best = (res, options)
+        if best is not None:
+            return best
+    raise explain_infeasible(prof, hw, M, _option_sets(prefetch, offload_inputs, barrier)[-1][-1])
 
 
 def _profile(specs_or_profile: Any, mbs: int, seq: int, precision: str, mode: str, gpu: Any,
@@ -223,41 +244,47 @@ def _profile(specs_or_profile: Any, mbs: int, seq: int, precision: str, mode: st
     return get_profile(list(specs_or_profile), mbs, seq, precision, mode, gpu, cache_dir=cache_dir)
 
 
-def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[int], M: int, sim: SimResult,
-              res: MipResult, base: dict, base_bounds: dict, mapping: str) -> Plan:
-    stages = _stage_plans(prof, hw, bounds, slots, M, sim)
+def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[int], M: int,
+              options: PipelineOptions, sim: SimResult, res: MipResult, base: dict, base_bounds: dict,
+              mapping: str) -> Plan:
+    stages = _stage_plans(prof, bounds, slots, M, options, sim)
     total = sim.total_bytes()
     traffic = {"total_bytes": total, "h2d_bytes": sum(sim.h2d_bytes), "d2h_bytes": sum(sim.d2h_bytes),
                "p2p_bytes": sum(sim.p2p_bytes), "x_param_bytes": total / max(prof.param_bytes(), 1),
                "x_fp32_param_bytes": total / max(4 * prof.param_count(), 1),
                **{f"{k}_bytes": v for k, v in sim.bytes_by_kind.items()}}
     best = res.best
+    per_count = [{"num_stages": r.num_stages, "status": r.status, "predicted_s": r.predicted_s, "bound": r.bound}
+                 for r in res.per_stage_count]
     mip_info = {"num_stages": best.num_stages, "status": best.status, "encoding": best.encoding,
-                "stage_counts_tried": len(res.per_stage_count), "max_variables": res.max_size[0],
-                "max_constraints": res.max_size[1], "lower_bound_s": res.lower_bound}
+                "stage_counts_tried": len(res.per_stage_count), "stage_counts_skipped": res.stage_counts_skipped,
+                "max_variables": res.max_size[0], "max_constraints": res.max_size[1],
+                "lower_bound_s": res.lower_bound, "per_stage_count": per_count}
     return Plan(boundaries=bounds, slots=slots, num_gpus=hw.num_gpus, micro_batches=M,
                 micro_batch_size=prof.micro_batch_size, seq_len=prof.seq_len, precision=prof.precision,
+                num_slots=options.num_slots, offload_inputs=options.offload_inputs, barrier=options.barrier,
                 predicted_step_s=sim.step_s, model_step_s=best.predicted_s, solver=res.solver, solve_s=res.solve_s,
-                gap=res.gap, baselines=base, baseline_boundaries=base_bounds, profile_source=prof.source,
-                device_name=prof.device_name, stages=stages, peak_bytes=list(sim.peak_bytes),
-                traffic=traffic, unit_names=[u.name for u in prof.units], mapping_kind=mapping, hardware=hw.describe(),
-                gpu_memory_bytes=hw.gpu_memory_bytes, param_count=prof.param_count(), mip=mip_info)
+                gap=res.gap, status=res.status_text(), baselines=base, baseline_boundaries=base_bounds,
+                profile_source=prof.source, device_name=prof.device_name, stages=stages,
+                peak_bytes=list(sim.peak_bytes), traffic=traffic, unit_names=[u.name for u in prof.units],
+                mapping_kind=mapping, hardware=hw.describe(), gpu_memory_bytes=hw.gpu_memory_bytes,
+                param_count=prof.param_count(), cpu_adam_params_per_s=hw.cpu_adam_params_per_s, mip=mip_info)
 
 
-def _stage_plans(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[int], M: int,
+def _stage_plans(prof: ModelProfile, bounds: list[int], slots: list[int], M: int, options: PipelineOptions,
                  sim: SimResult) -> list[StagePlan]:
     costs = stage_costs(prof, bounds)
-    shape = PipelineShape(len(costs), len(slots), M)
+    half = prof.precision != "fp32"
+    shape = Shape(len(costs), len(slots), M, options.num_slots, options.offload_inputs, options.barrier)
+    needs = {what: float(n) for per in worker_needs(Numbers(), [stage_exprs(c, half) for c in costs], shape).values()
+             for what, n in per}
     names = [u.name for u in prof.units]
     out = []
     for j, sc in enumerate(costs):
-        prev = j - len(slots)
-        limit = hw.gpu_memory_bytes - shape.fwd_peak(costs[prev], prev) if prev >= 0 else hw.gpu_memory_bytes
         units = names[sc.first] if sc.end - sc.first == 1 else f"{names[sc.first]}..{names[sc.end - 1]}"
-        timing = sim.stages[j]
         out.append(StagePlan(index=j, first_unit=sc.first, end_unit=sc.end, units=units, gpu=slots[j % len(slots)],
-                             param_bytes=sc.param_bytes, fwd_s=sc.fwd_s, bwd_s=sc.bwd_s,
-                             fwd_peak_bytes=shape.fwd_peak(sc, j), bwd_peak_bytes=shape.bwd_peak(sc, j),
-                             prefetch_limit_bytes=max(0, limit), prefetch_bytes=int(timing.fwd_prefetched),
-                             bwd_prefetch_bytes=int(timing.bwd_prefetched), resident_backward=shape.is_resident(j)))
+                             param_bytes=sc.param_bytes, fwd_s=sc.fwd_s, bwd_s=sc.bwd_s + sc.acc_s,
+                             fwd_peak_bytes=int(needs[f"stage {j} forward"] * GB),
+                             bwd_peak_bytes=int(needs[f"stage {j} backward"] * GB),
+                             resident_backward=shape.resident(j), upload_wait_s=sim.stages[j].upload_wait_s))
     return out

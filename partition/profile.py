@@ -39,6 +39,7 @@ COMPUTE_EFFICIENCY = 0.55  # achievable share of datasheet tensor throughput for
 MEMORY_EFFICIENCY = 0.8  # achievable share of datasheet memory bandwidth
 LAUNCH_S = 8e-6  # per kernel launch
 KERNELS = {"embed": 3, "block": 14, "head": 5}  # forward kernels per unit (backward: twice as many)
+ACC_BYTES_PER_PARAM = 12  # fp32 sums += half gradients, then the gradients zeroed: read 4 + 2, write 4 + 2
 
 
 def precision_bytes(precision: str) -> int:
@@ -93,19 +94,26 @@ def _estimate_unit(s: Any, mbs: int, seq: int, precision: str, gpu: GPUSpec, ce:
     launches = KERNELS.get(s.kind, 10) * LAUNCH_S
     fwd = matmul_s + elementwise / bandwidth + launches
     bwd = fwd + 2 * matmul_s + elementwise / bandwidth + 2 * launches  # recompute, then backward
+    acc = s.param_count * ACC_BYTES_PER_PARAM / bandwidth + 2 * LAUNCH_S if elem < 4 else 0.0
     return UnitCost(name=s.name, kind=s.kind, signature=s.signature, param_count=s.param_count, fwd_s=fwd,
                     bwd_s=bwd, param_bytes=param_bytes, grad_bytes=param_bytes, in_bytes=in_bytes,
-                    act_bytes=act_bytes, saved_bytes=saved, work_bytes=work)
+                    act_bytes=act_bytes, saved_bytes=saved, work_bytes=work, acc_s=acc)
 
 
 # ---------------------------------------------------------------------------------- measure
+def _dtype(precision: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
 def profile_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str,
                   device: str = "auto", reps: int = 5, warmup: int = 2) -> ModelProfile:
     """Measure every distinct unit once (one at a time) and expand to all units."""
     import torch
 
     dev = _resolve_device(device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = _dtype(precision)
     t0 = time.perf_counter()
     by_sig: dict[str, UnitCost] = {}
     distinct = list({s.signature: s for s in specs}.values())
@@ -154,9 +162,81 @@ def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: in
     # at least the output and its gradient; on the CPU also the largest saved tensor (its gradient)
     work = max(work or 0, 2 * out_bytes + (largest if dev.type != "cuda" else 0))
     del module
+    acc = _accumulate_s(spec.param_count, dtype, dev, reps, warmup) if elem < 4 else 0.0
     return UnitCost(name=spec.name, kind=spec.kind, signature=spec.signature, param_count=spec.param_count,
                     fwd_s=fwd, bwd_s=bwd, param_bytes=spec.param_count * elem, grad_bytes=spec.param_count * elem,
-                    in_bytes=x.numel() * x.element_size(), act_bytes=out_bytes, saved_bytes=saved, work_bytes=work)
+                    in_bytes=x.numel() * x.element_size(), act_bytes=out_bytes, saved_bytes=saved, work_bytes=work,
+                    acc_s=acc)
+
+
+def _accumulate_s(numel: int, dtype, dev, reps: int, warmup: int) -> float:
+    """Seconds to add one micro-batch's half-precision gradients into fp32 sums and zero them (what
+    the pipeline does after every backward in bf16/fp16)."""
+    import torch
+
+    grads = torch.zeros(numel, dtype=dtype, device=dev)
+    acc = torch.zeros(numel, dtype=torch.float32, device=dev)
+    return _time(lambda: (acc.add_(grads), grads.zero_()), dev, reps, warmup)
+
+
+# ---------------------------------------------------------------------------------- the CPU update
+CPU_UPDATE_NUMEL = 1 << 24  # parameters in the timed AdamW step (large enough to leave the caches)
+
+
+def measure_cpu_update(threads: int, precision: str, numel: int = CPU_UPDATE_NUMEL, reps: int = 3) -> float:
+    """Parameters per second of the pipeline's CPU update on this machine with ``threads`` threads:
+    torch's fused AdamW on a flat fp32 master copy, then (bf16/fp16) the refresh of the
+    half-precision copy that is uploaded -- what each pipeline worker's optimizer thread runs."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        master = torch.nn.Parameter(torch.zeros(numel))
+        master.grad = torch.full((numel,), 1e-3)
+        half = torch.empty(numel, dtype=_dtype(precision)) if precision != "fp32" else None
+        opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
+
+        def step() -> None:
+            opt.step()
+            if half is not None:
+                half.copy_(master.detach())
+        return numel / _time(step, torch.device("cpu"), reps, 1)
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_update_rate(threads: int, precision: str, cache_dir: str | Path | None = None) -> float:
+    """:func:`measure_cpu_update`, cached per CPU model, thread count and precision."""
+    import platform
+
+    key = hashlib.sha1(json.dumps([_cpu_name(), platform.machine(), threads, precision]).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / "cpu_update" / f"{key}.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            return float(json.loads(path.read_text())["params_per_s"])
+        except (OSError, ValueError, KeyError):
+            pass
+    rate = measure_cpu_update(threads, precision)
+    log.info("CPU AdamW%s: %.2f G params/s with %d thread(s)", "" if precision == "fp32" else " + half copy",
+             rate / 1e9, threads)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"params_per_s": rate, "threads": threads, "precision": precision,
+                                    "cpu": _cpu_name()}))
+    return rate
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
 
 
 def _unit_step(kind: str, module, x, targets):
@@ -255,9 +335,10 @@ def load_cached(path: Path) -> ModelProfile | None:
 
 def get_profile(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str, mode: str = "auto",
                 gpu: str | dict | GPUSpec | None = None, device: str = "auto",
-                cache_dir: str | Path | None = None) -> ModelProfile:
+                cache_dir: str | Path | None = None, threads: int | None = None) -> ModelProfile:
     """A measured profile (``mode="measured"``, or ``auto`` with a CUDA device and no ``gpu`` named)
-    or an estimated one (``mode="estimated"``, or ``auto`` otherwise; needs ``gpu``)."""
+    or an estimated one (``mode="estimated"``, or ``auto`` otherwise; needs ``gpu``). ``threads``:
+    measure on the CPU with this many threads (what each CPU worker of a run will have)."""
     precision_bytes(precision)
     if mode not in ("auto", "measured", "estimated"):
         raise ConfigError(f"partition.profile must be auto, measured or estimated, got {mode!r}")
@@ -268,7 +349,7 @@ def get_profile(specs: Sequence[Any], micro_batch_size: int, seq_len: int, preci
             raise ConfigError("an estimated profile needs the GPU model: set partition.gpu (e.g. rtx3090, rtx4090, "
                               "a100-40gb, h100) or give a topology whose GPU names are in the catalogue")
         return estimate_units(specs, micro_batch_size, seq_len, precision, gpu)
-    return _measured_cached(specs, micro_batch_size, seq_len, precision, device, cache_dir)
+    return _measured_cached(specs, micro_batch_size, seq_len, precision, device, cache_dir, threads)
 
 
 def _local_gpu_matches(gpu: str | dict | GPUSpec | None) -> bool:
@@ -288,11 +369,13 @@ def _local_gpu_matches(gpu: str | dict | GPUSpec | None) -> bool:
 
 
 def _measured_cached(specs: Sequence[Any], mbs: int, seq: int, precision: str, device: str,
-                     cache_dir: str | Path | None) -> ModelProfile:
+                     cache_dir: str | Path | None, threads: int | None) -> ModelProfile:
     import torch
 
     dev = _resolve_device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    if dev.type == "cpu" and threads:
+        name = f"cpu ({threads} thread{'s' if threads > 1 else ''})"
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / "profiles" / f"{profile_key(specs, mbs, seq, precision, name)}.json"
@@ -300,7 +383,14 @@ def _measured_cached(specs: Sequence[Any], mbs: int, seq: int, precision: str, d
         if cached is not None:
             log.info("using cached profile %s", path)
             return cached
-    prof = profile_units(specs, mbs, seq, precision, str(dev))
+    before = torch.get_num_threads()
+    if dev.type == "cpu" and threads:
+        torch.set_num_threads(threads)
+    try:
+        prof = profile_units(specs, mbs, seq, precision, str(dev))
+    finally:
+        torch.set_num_threads(before)
+    prof.device_name = name
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(prof.dumps())

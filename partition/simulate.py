@@ -1,21 +1,23 @@
-"""Discrete-event simulation of one Mobius pipeline step (see :mod:`partition.pipeline`).
+"""Discrete-event simulation of the pipeline runtime: it interprets the very action lists the
+executor dispatches (:mod:`partition.schedule`), over several consecutive steps.
 
-Resources: one compute engine per GPU; per GPU a host->GPU and a GPU->host link; per root
-complex a shared host->GPU and GPU->host capacity (the switch uplink); optionally a per-GPU cap
-on both directions together; one CPU optimizer. Transfers are fluid flows. Their rates are set by
-priority classes, highest first, each class sharing what capacity is left max-min fairly:
+Each worker has the engines the runtime has: a compute stream (compute actions in list order), a
+copy thread (uploads in order, each waiting for the slot it takes to be released and for the
+stage's previous update), a download stream (gradient downloads and offloaded boundary inputs in
+order) and an optimizer thread (CPU updates in order). Activations and their gradients travel as
+soon as they are produced: through host memory (two hops) unless the pair has peer access, or in
+place when both stages are on one worker. A tied weight's two ends exchange gradients once both
+are down (``TIE``); the step ends at ``REDUCE``, when every worker has finished its transfers (and,
+without a barrier, its updates); the next step starts then. With a barrier (clipping, fp16) the
+updates follow REDUCE in ascending stage order and overlap the next step, whose uploads wait for
+them. The reported step time is the steady-state period (the last of ``steps`` steps).
 
-* ``sharing="priority"`` (the runtime's per-root-complex transfer queue): activations and their
-  gradients first, then stage uploads in the order the stages are needed, then gradient downloads,
-  then checkpoint offloads;
-* ``sharing="fair"``: every transfer shares equally (processor sharing, no ordering).
-
-What moves per step: each non-resident phase uploads its stage (parameters; for a backward also
-the ``M`` input checkpoints, which live in host memory); activations and gradients cross between
-GPUs, through host memory (two hops: GPU->host then host->GPU) unless P2P is available; where an
-input did not pass through host memory (P2P, or the same GPU) the stage offloads it as its
-checkpoint after use; each stage's gradients are downloaded after its backward; the CPU optimizer
-then updates the stage. The token ids and the loss targets are not simulated (bytes per sequence).
+Transfers are fluid flows over per-GPU links (host->GPU, GPU->host, optionally both together) and
+per-root-complex capacities, which may depend on the number of concurrent streams (measured by
+``mobius topo --bench``). Rates are set by priority classes, highest first, each class sharing
+what is left max-min fairly: ``sharing="priority"`` (the runtime's per-root-complex upload
+arbiter): activations first, then uploads in the order the stages start, then gradient downloads,
+then input offloads; ``sharing="fair"``: everything shares equally.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from partition.costs import ModelProfile, StageCost, stage_costs
+from partition.evaluate import GB, PipelineOptions, stage_exprs
 from partition.hardware import Hardware
-from partition.pipeline import Phase, PipelineShape
+from partition.schedule import COMPUTE, Kind, Schedule, build_schedule
+from partition.timing import Shape, StageExprs, memory_peaks
 
 Sharing = Literal["priority", "fair"]
 _EPS_BYTES = 1e-3
@@ -48,23 +52,22 @@ class SimEvent:
 
 @dataclass
 class StageTiming:
-    """When a stage ran and how much of its uploads were prefetched."""
+    """When a stage ran in the reported step, and how long its compute waited for its uploads."""
 
     fwd_start: float = math.nan
     fwd_end: float = math.nan
     bwd_start: float = math.nan
     bwd_end: float = math.nan
-    fwd_prefetched: float = 0.0
-    bwd_prefetched: float = 0.0
+    upload_wait_s: float = 0.0
 
 
 @dataclass
 class SimResult:
-    """Outcome of simulating one step."""
+    """Outcome of simulating a run of steps (figures of the last, steady-state step)."""
 
     step_s: float
     compute_end_s: float
-    peak_bytes: list[int]  # per physical GPU
+    peak_bytes: list[int]  # per physical GPU (the memory model's peak of its worker)
     h2d_bytes: list[float]  # per GPU, host->GPU (stage uploads, checkpoints, activation second hops)
     d2h_bytes: list[float]  # per GPU, GPU->host (gradients, activation first hops, checkpoint offloads)
     p2p_bytes: list[float]  # per GPU, sent peer-to-peer
@@ -74,6 +77,7 @@ class SimResult:
     stages: list[StageTiming]
     events: list[SimEvent] = field(repr=False, default_factory=list)
     gpu_names: list[str] = field(default_factory=list)
+    step_ends: list[float] = field(default_factory=list)  # REDUCE time of every simulated step
 
     def total_bytes(self) -> float:
         """All bytes moved over host links (P2P counted once)."""
@@ -92,10 +96,31 @@ class SimResult:
             json.dump(self.to_chrome_trace(), f)
 
 
+def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, slots: list[int] | None = None,
+             micro_batches: int = 4, options: PipelineOptions = PipelineOptions(), sharing: Sharing = "priority",
+             record: bool = True, steps: int = 3) -> SimResult:
+    """Simulate ``steps`` training steps of the partition ``boundaries``; report the last one.
+
+    ``slots[s]`` is the physical GPU of worker ``s``; stage ``j`` runs on worker ``j % len(slots)``
+    (default: GPUs 0..N-1 in order).
+    """
+    costs = stage_costs(profile, boundaries)
+    slots = list(range(hardware.num_gpus)) if slots is None else list(slots)
+    slots = slots[:len(costs)]  # fewer stages than GPUs leave the last ones idle
+    N, S = len(slots), len(costs)
+    sched = build_schedule(S, N, micro_batches, [j % N for j in range(S)], options.num_slots, options.barrier,
+                           profile.tied_params > 0 and S > 1, options.offload_inputs)
+    sim = _Sim(profile, costs, hardware, slots, sched, sharing, record)
+    return sim.run(steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulation state
+# ---------------------------------------------------------------------------------------------
 @dataclass
 class _Flow:
     label: str
-    kind: str
+    kind: str  # upload | act | grad | ckpt
     total: float
     resources: tuple
     cap: float
@@ -104,377 +129,449 @@ class _Flow:
     gpu: int
     track: str
     start: float
-    limit: float = math.inf
     done: float = 0.0
     rate: float = 0.0
-    dst_gpu: int | None = None
 
-    def active(self) -> bool:
-        return self.done < min(self.limit, self.total) - _EPS_BYTES
+    def remaining(self) -> float:
+        return self.total - self.done
 
 
 @dataclass
-class _Slot:
-    gpu: int
-    phases: list[Phase]
-    cur: int = 0  # first phase not yet ended
-    mb: int = 0  # next micro-batch of the current phase
-    busy_until: float | None = None
-    next_upload: int = 0  # next phase whose upload has not started
-    upload_flow: dict = field(default_factory=dict)  # phase index -> flow
-    upload_done: dict = field(default_factory=dict)  # phase index -> time
-    phase_end: dict = field(default_factory=dict)  # phase index -> time
+class _Task:
+    """One action of a worker's list, with what it waits for."""
+
+    kind: Kind
+    stage: int
+    micro: int = -1
+    phase: str = "f"
+    occ: int = -1  # the occupancy (upload) it belongs to
+    trigger: int = -1  # a d2h task: the compute task whose end produces its data
 
 
-def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, slots: list[int] | None = None,
-             micro_batches: int = 4, prefetch: bool = True, sharing: Sharing = "priority",
-             record: bool = True) -> SimResult:
-    """Simulate one training step of the partition ``boundaries`` and return its timeline and totals.
+class _Worker:
+    """One worker's engines and the queues of the current step."""
 
-    ``slots[s]`` is the physical GPU of slot ``s``; stage ``j`` runs on ``slots[j % len(slots)]``
-    (default: GPUs 0..N-1 in order). ``prefetch=False`` uploads a stage only after the previous one ends.
-    """
-    stages = stage_costs(profile, boundaries)
-    slots = list(range(hardware.num_gpus)) if slots is None else list(slots)
-    engine = _Engine(stages, hardware, slots, micro_batches, prefetch, sharing, record)
-    return engine.run()
+    def __init__(self, w: int, gpu: int, sched: Schedule):
+        self.w, self.gpu, self.sched = w, gpu, sched
+        self.compute: list[_Task] = []
+        self.uploads: list[_Task] = []
+        self.d2h: list[_Task] = []  # gradient downloads and input offloads, in issue order
+        self.updates: list[int] = []  # stages, in the list's order
+        self._split(sched.actions[w])
+        self.reset()
+
+    def _split(self, actions: tuple) -> None:
+        last_mine = max(self.sched.stages_of(self.w))
+        occ_of = {(a.stage, a.phase): k for k, a in enumerate(x for x in actions if x.kind == Kind.UPLOAD)}
+        for a in actions:
+            if a.kind == Kind.UPLOAD:
+                self.uploads.append(_Task(a.kind, a.stage, phase=a.phase, occ=occ_of[(a.stage, a.phase)]))
+            elif a.kind in COMPUTE:
+                phase = "b" if a.kind == Kind.BACKWARD and (a.stage, "b") in occ_of else "f"
+                self.compute.append(_Task(a.kind, a.stage, a.micro, occ=occ_of[(a.stage, phase)]))
+                if self.sched.offload_inputs and a.kind == Kind.FORWARD and 0 < a.stage != last_mine:
+                    self.d2h.append(_Task(Kind.FORWARD, a.stage, a.micro, trigger=len(self.compute) - 1))
+            elif a.kind == Kind.DOWNLOAD:
+                self.d2h.append(_Task(a.kind, a.stage, occ=self.compute[-1].occ, trigger=len(self.compute) - 1))
+            elif a.kind == Kind.UPDATE:
+                self.updates.append(a.stage)
+        downloaded = {t.occ for t in self.d2h if t.kind == Kind.DOWNLOAD}
+        last = {t.occ: i for i, t in enumerate(self.compute)}
+        self.release_at = {i: occ for occ, i in last.items() if occ not in downloaded}  # compute -> occupancy freed
+        self.triggers: dict[int, list[int]] = {}
+        for k, t in enumerate(self.d2h):
+            self.triggers.setdefault(t.trigger, []).append(k)
+
+    def reset(self) -> None:
+        self.ci = self.ui = self.di = 0
+        self.busy_until: float | None = None
+        self.last_end = 0.0
+        self.uploading = self.downloading = False
+        self.upload_done: dict[int, float] = {}
+        self.released: dict[int, float] = {}
+        self.d2h_ready: dict[int, float] = {}  # d2h task -> time its data is produced
+        self.pending_sends = 0
 
 
-class _Engine:
+class _Sim:
     """The event loop: start what is ready, share bandwidth, jump to the next completion."""
 
-    def __init__(self, stages: list[StageCost], hw: Hardware, slots: list[int], micro_batches: int,
-                 prefetch: bool, sharing: Sharing, record: bool):
-        self.stages, self.hw, self.M = stages, hw, micro_batches
-        self.prefetch, self.sharing, self.record = prefetch, sharing, record
-        self.shape = PipelineShape(len(stages), len(slots), micro_batches)
-        self.slot_gpu = slots
-        self.slots = [_Slot(g, self.shape.phases(s)) for s, g in enumerate(slots)]
+    def __init__(self, profile: ModelProfile, costs: list[StageCost], hw: Hardware, slots: list[int],
+                 sched: Schedule, sharing: Sharing, record: bool):
+        self.profile, self.costs, self.hw, self.sched = profile, costs, hw, sched
+        self.sharing, self.record = sharing, record
+        self.S, self.M, self.N = sched.num_stages, sched.micro_batches, len(slots)
+        self.workers = [_Worker(w, slots[w], sched) for w in range(self.N)]
+        self.half = profile.precision != "fp32"
         self.t = 0.0
         self.flows: list[_Flow] = []
-        self.act_ready: dict[tuple[bool, int, int], float] = {}
-        self.grad_done: dict[int, float] = {}
-        self.adam_next = len(stages) - 1
-        self.adam_until: float | None = None
-        self.events: list[SimEvent] = []
-        self.timing = [StageTiming() for _ in stages]
-        n = hw.num_gpus
-        self.h2d, self.d2h, self.p2p = [0.0] * n, [0.0] * n, [0.0] * n
-        self.rc_h2d, self.rc_d2h = [0.0] * len(hw.groups), [0.0] * len(hw.groups)
+        self.step = 0
+        self.step_start = 0.0
+        self.step_ends: list[float] = []
+        self.updated: dict[int, float | None] = {j: 0.0 for j in range(self.S)}  # None: an update is pending
+        self.opt_queue: list[list[tuple[int, int]]] = [[] for _ in range(self.N)]  # (step, stage) in order
+        self.opt_busy: list[float | None] = [None] * self.N
+        self.opt_running: list[tuple[int, int] | None] = [None] * self.N
+        self.tie_at: float | None = None
+        self.tie_s = _tie_seconds(profile, hw, slots, self.S)
+        self._new_step_state()
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _new_step_state(self) -> None:
+        self.arrived: dict[tuple[str, int, int], float] = {}
+        self.downloaded: dict[int, float] = {}
+        self.tie_at = None
+        self.reduced = False
+        self.timing = [StageTiming() for _ in range(self.S)]
+        self.bytes = {"h2d": [0.0] * self.hw.num_gpus, "d2h": [0.0] * self.hw.num_gpus,
+                      "p2p": [0.0] * self.hw.num_gpus, "rc_h2d": [0.0] * len(self.hw.groups),
+                      "rc_d2h": [0.0] * len(self.hw.groups)}
         self.by_kind: dict[str, float] = {}
-        self.pending_grads = [0.0] * n
-        self.peak = [0] * n
-        self.compute_end = 0.0
-        self.capacity = self._capacities()
-        for m in range(micro_batches):
-            self.act_ready[(False, 0, m)] = 0.0
-            self.act_ready[(True, len(stages) - 1, m)] = 0.0
+        self.events: list[SimEvent] = []
+        self.compute_end_s = 0.0
+        for w in self.workers:
+            w.reset()
+            w.last_end = self.step_start
 
-    def _capacities(self) -> dict:
-        hw, cap = self.hw, {}
-        for g in range(hw.num_gpus):
-            cap[("h2d", g)], cap[("d2h", g)] = hw.h2d_Bps[g], hw.d2h_Bps[g]
-            if hw.bidir_Bps:
-                cap[("bidir", g)] = hw.bidir_Bps[g]
-        for k in range(len(hw.groups)):
-            cap[("rc_h2d", k)], cap[("rc_d2h", k)] = hw.rc_h2d_Bps[k], hw.rc_d2h_Bps[k]
-        return cap
-
-    # ------------------------------------------------------------------------------ main loop
-    def run(self) -> SimResult:
-        while True:
-            while self._start_ready():
-                pass
-            self._allocate()
-            t_next = self._next_time()
-            if t_next == math.inf:
-                break
-            self._advance(t_next)
-            self._sample_memory()
-            self._complete_due()
-            self._sample_memory()
-        self._check_finished()
+    def run(self, steps: int) -> SimResult:
+        while self.step < steps:
+            self._loop()
+            self._check_reduced()
+            self.step_ends.append(self.t)
+            self.step += 1
+            if self.step < steps:
+                self.step_start = self.t
+                self._new_step_state()
         return self._result()
 
+    def _loop(self) -> None:
+        while not self.reduced:
+            while self._start_ready():
+                pass
+            if self._try_reduce():
+                return
+            self._allocate()
+            t_next = self._next_time()
+            assert t_next < math.inf, f"simulation stalled at {self.t:.6f} s in step {self.step}"
+            self._advance(t_next)
+            self._complete_due()
+
+    def _check_reduced(self) -> None:
+        for w in self.workers:
+            assert w.ci == len(w.compute) and w.ui == len(w.uploads) and w.di == len(w.d2h), w.w
+
+    # ---- starting work -------------------------------------------------------------------------
     def _start_ready(self) -> bool:
         started = False
-        for s, slot in enumerate(self.slots):
-            started |= self._try_upload(s, slot)
-            started |= self._try_compute(s, slot)
-        return self._try_adam() or started
+        for w in self.workers:
+            started |= self._start_upload(w)
+            started |= self._start_compute(w)
+            started |= self._start_d2h(w)
+        started |= self._start_updates()
+        started |= self._start_tie()
+        return started
 
+    def _start_upload(self, w: _Worker) -> bool:
+        if w.uploading or w.ui >= len(w.uploads):
+            return False
+        task = w.uploads[w.ui]
+        K = self.sched.num_slots
+        if task.occ >= K and task.occ - K not in w.released or self.updated[task.stage] is None:
+            return False  # the slot it takes is still in use, or the stage's CPU update is pending
+        nbytes = self.costs[task.stage].param_bytes
+        if task.phase == "b" and self.sched.offload_inputs and task.stage > 0:
+            nbytes += self.M * self.costs[task.stage].in_bytes
+        order = self.step * 10**6 + self.sched.upload_order[(task.stage, task.phase)]
+        w.uploading = True
+        w.ui += 1
+        self._h2d_flow(w.gpu, f"U{task.phase}{task.stage}", "upload", nbytes, (1, order),
+                       lambda t, w=w, occ=task.occ: self._upload_done(w, occ, t))
+        return True
+
+    def _upload_done(self, w: _Worker, occ: int, t: float) -> None:
+        w.uploading = False
+        w.upload_done[occ] = t
+
+    def _start_compute(self, w: _Worker) -> bool:
+        if w.busy_until is not None or w.ci >= len(w.compute):
+            return False
+        task = w.compute[w.ci]
+        if task.occ not in w.upload_done:
+            return False
+        inputs = self._input_ready(task)
+        if inputs is None or inputs > self.t + _EPS_T:
+            return False
+        start = max(self.t, w.upload_done[task.occ])
+        wait = max(0.0, w.upload_done[task.occ] - max(w.last_end, inputs))
+        dur = self._duration(task)
+        w.busy_until = start + dur
+        tm = self.timing[task.stage]
+        if task.micro == 0:
+            if task.kind == Kind.BACKWARD:
+                tm.bwd_start = start - self.step_start
+            else:
+                tm.fwd_start = start - self.step_start
+            tm.upload_wait_s += wait
+        cat = "bwd" if task.kind != Kind.FORWARD else "fwd"
+        self._event(w.gpu, "compute", f"{task.kind.value}{task.stage}.{task.micro}", start, start + dur, cat)
+        return True
+
+    def _input_ready(self, task: _Task) -> float | None:
+        if task.kind == Kind.BACKWARD:
+            return self.arrived.get(("g", task.stage, task.micro))
+        if task.stage == 0:
+            return self.step_start
+        return self.arrived.get(("a", task.stage, task.micro))
+
+    def _duration(self, task: _Task) -> float:
+        sc = self.costs[task.stage]
+        if task.kind == Kind.FORWARD:
+            return sc.fwd_s
+        return sc.bwd_s + sc.acc_s  # recompute + backward, or FB (no recompute); fp32 sums
+
+    def _start_d2h(self, w: _Worker) -> bool:
+        if w.downloading or w.di >= len(w.d2h) or w.di not in w.d2h_ready:
+            return False
+        if w.d2h_ready[w.di] > self.t + _EPS_T:
+            return False
+        task = w.d2h[w.di]
+        w.downloading = True
+        w.di += 1
+        if task.kind == Kind.DOWNLOAD:
+            self.updated[task.stage] = None
+            nbytes = 4 * self.costs[task.stage].param_count  # fp32 gradient sums
+            self._d2h_flow(w.gpu, f"G{task.stage}", "grad", nbytes, (2, self.S - task.stage),
+                           lambda t, w=w, task=task: self._downloaded(w, task, t))
+        else:
+            self._d2h_flow(w.gpu, f"ckpt{task.stage}.{task.micro}", "ckpt", self.costs[task.stage].in_bytes,
+                           (3, task.stage), lambda t, w=w: setattr(w, "downloading", False))
+        return True
+
+    def _downloaded(self, w: _Worker, task: _Task, t: float) -> None:
+        w.downloading = False
+        self.downloaded[task.stage] = t
+        w.released[task.occ] = t  # the slot is reused only after the copy has read it
+        if not self.sched.barrier and not self._tied_end(task.stage):
+            self.opt_queue[w.w].append((self.step, task.stage))
+
+    def _tied_end(self, j: int) -> bool:
+        return self.sched.tied and j in (0, self.S - 1)
+
+    def _start_tie(self) -> bool:
+        if not self.sched.tied or self.tie_at is not None:
+            return False
+        if 0 not in self.downloaded or self.S - 1 not in self.downloaded:
+            return False
+        self.tie_at = max(self.downloaded[0], self.downloaded[self.S - 1]) + self.tie_s
+        if not self.sched.barrier:
+            for w in self.workers:
+                self.opt_queue[w.w] += [(self.step, j) for j in w.updates if self._tied_end(j)]
+        return True
+
+    def _start_updates(self) -> bool:
+        started = False
+        for w in range(self.N):
+            if self.opt_busy[w] is not None or not self.opt_queue[w]:
+                continue
+            step, j = self.opt_queue[w][0]
+            if self._tied_end(j) and step == self.step and not self.sched.barrier and \
+                    (self.tie_at is None or self.tie_at > self.t + _EPS_T):
+                continue
+            self.opt_queue[w].pop(0)
+            dur = self.costs[j].param_count / self.hw.cpu_adam_params_per_s
+            self.opt_busy[w], self.opt_running[w] = self.t + dur, (step, j)
+            self._event(-1, "cpu", f"adam{j}", self.t, self.t + dur, "adam")
+            started = True
+        return started
+
+    # ---- the end of a step ---------------------------------------------------------------------
+    def _try_reduce(self) -> bool:
+        """REDUCE: every worker has finished its step's work (and, without a barrier, its updates)."""
+        for w in self.workers:
+            if w.ci < len(w.compute) or w.busy_until is not None or w.ui < len(w.uploads) or w.uploading:
+                return False
+            if w.di < len(w.d2h) or w.downloading or w.pending_sends:
+                return False
+            if not self.sched.barrier and (self.opt_queue[w.w] or self.opt_busy[w.w] is not None):
+                return False
+        if self.sched.tied and (self.tie_at is None or self.tie_at > self.t + _EPS_T):
+            return False
+        if any(f.kind == "act" for f in self.flows):
+            return False
+        self.reduced = True
+        if self.sched.barrier:
+            for w in self.workers:
+                self.opt_queue[w.w] += [(self.step, j) for j in w.updates]
+        return True
+
+    # ---- time ----------------------------------------------------------------------------------
     def _next_time(self) -> float:
-        times = [sl.busy_until for sl in self.slots if sl.busy_until is not None]
-        if self.adam_until is not None:
-            times.append(self.adam_until)
-        for f in self.flows:
-            if f.rate > 0:
-                times.append(self.t + (min(f.limit, f.total) - f.done) / f.rate)
+        times = [w.busy_until for w in self.workers if w.busy_until is not None]
+        times += [b for b in self.opt_busy if b is not None]
+        if self.tie_at is not None and self.tie_at > self.t + _EPS_T:
+            times.append(self.tie_at)
+        times += [self.t + f.remaining() / f.rate for f in self.flows if f.rate > 0]
         return max(min(times), self.t) if times else math.inf
 
     def _advance(self, t_next: float) -> None:
         dt = t_next - self.t
         for f in self.flows:
-            cap = min(f.limit, f.total)
-            f.done = min(f.done + f.rate * dt, cap)
-            if cap - f.done < _EPS_BYTES:
-                f.done = cap
+            f.done = min(f.total, f.done + f.rate * dt)
+            if f.remaining() < _EPS_BYTES:
+                f.done = f.total
         self.t = t_next
 
     def _complete_due(self) -> None:
-        for f in [f for f in self.flows if f.total - f.done < _EPS_BYTES]:
+        for f in [f for f in self.flows if f.remaining() < _EPS_BYTES]:
             self.flows.remove(f)
             self._finish_flow(f)
-        for s, slot in enumerate(self.slots):
-            if slot.busy_until is not None and slot.busy_until <= self.t + _EPS_T:
-                slot.busy_until = None
-                self._finish_compute(s, slot)
-        if self.adam_until is not None and self.adam_until <= self.t + _EPS_T:
-            self.adam_until = None
-            self.adam_next -= 1
+        for w in self.workers:
+            if w.busy_until is not None and w.busy_until <= self.t + _EPS_T:
+                w.busy_until = None
+                self._compute_done(w)
+        self._complete_updates()
 
-    def _check_finished(self) -> None:
-        for slot in self.slots:
-            assert slot.cur == len(slot.phases), f"simulation stalled on GPU {slot.gpu} at phase {slot.cur}"
-        assert self.adam_next < 0 and not self.flows, "simulation stalled in the optimizer or a transfer"
+    def _complete_updates(self) -> None:
+        for w in range(self.N):
+            if self.opt_busy[w] is not None and self.opt_busy[w] <= self.t + _EPS_T:
+                _, j = self.opt_running[w]
+                self.updated[j] = self.t
+                self.opt_busy[w], self.opt_running[w] = None, None
 
-    # ------------------------------------------------------------------------------ uploads
-    def _window_open(self, slot: _Slot, i: int) -> bool:
-        """May the upload of phase ``i`` start (is phase ``i-1`` running, or the slot idle before it)?"""
-        if i == 0:
-            return True
-        prev = i - 1
-        if not self.prefetch:
-            return prev in slot.phase_end
-        if not slot.phases[prev].resident and prev not in slot.upload_done:
-            return False
-        if prev >= 1 and prev - 1 not in slot.phase_end:
-            return False
-        before = slot.phases[prev - 1] if prev >= 1 else None
-        if slot.phases[prev].backward and before is not None and before.backward:
-            return before.stage in self.grad_done
-        return True
-
-    def _try_upload(self, s: int, slot: _Slot) -> bool:
-        while slot.next_upload < len(slot.phases) and slot.phases[slot.next_upload].resident:
-            slot.next_upload += 1
-        i = slot.next_upload
-        if i >= len(slot.phases) or not self._window_open(slot, i):
-            return False
-        if any(f.kind == "upload" and f.gpu == slot.gpu for f in self.flows):
-            return False
-        phase = slot.phases[i]
-        sc = self.stages[phase.stage]
-        nbytes = self.shape.upload_bytes(sc, phase)
-        limit = math.inf
-        if i >= 1 and i - 1 not in slot.phase_end:
-            limit = max(0.0, self.hw.gpu_memory_bytes - self.shape.phase_peak(self.stages[slot.phases[i - 1].stage],
-                                                                               slot.phases[i - 1]))
-        order = phase.stage if not phase.backward else 2 * self.shape.num_stages - phase.stage
-        flow = self._h2d_flow(slot.gpu, f"C{phase.label}", "upload", nbytes, (1, order),
-                              lambda t, sl=slot, k=i: self._upload_finished(sl, k, t))
-        flow.limit = limit
-        slot.upload_flow[i] = flow
-        slot.next_upload += 1
-        return True
-
-    def _upload_finished(self, slot: _Slot, i: int, t: float) -> None:
-        slot.upload_done[i] = t
-
-    # ------------------------------------------------------------------------------ compute
-    def _ready(self, slot: _Slot) -> bool:
-        i = slot.cur
-        phase = slot.phases[i]
-        if not phase.resident and i not in slot.upload_done:
-            return False
-        if self.act_ready.get((phase.backward, phase.stage, slot.mb), math.inf) > self.t + _EPS_T:
-            return False
-        if phase.backward and not phase.resident and slot.mb == 0:
-            prev = slot.phases[i - 1].stage
-            need = self.shape.bwd_peak(self.stages[phase.stage], phase.stage) + self.stages[prev].grad_bytes
-            if need > self.hw.gpu_memory_bytes and prev not in self.grad_done:
-                return False
-        return True
-
-    def _try_compute(self, s: int, slot: _Slot) -> bool:
-        if slot.busy_until is not None or slot.cur >= len(slot.phases) or not self._ready(slot):
-            return False
-        phase = slot.phases[slot.cur]
-        sc = self.stages[phase.stage]
-        dur = sc.bwd_s if phase.backward else sc.fwd_s
-        slot.busy_until = self.t + dur
-        tm = self.timing[phase.stage]
-        if slot.mb == 0:
-            if phase.backward:
-                tm.bwd_start = self.t
-            else:
-                tm.fwd_start = self.t
-        self._event(slot.gpu, "compute", f"{phase.label}.{slot.mb}", self.t, self.t + dur,
-                    "bwd" if phase.backward else "fwd")
-        return True
-
-    def _finish_compute(self, s: int, slot: _Slot) -> None:
-        phase = slot.phases[slot.cur]
-        j, m = phase.stage, slot.mb
-        self.compute_end = max(self.compute_end, self.t)
-        if not phase.backward:
-            self._send(j, j + 1, m, backward=False)
+    def _compute_done(self, w: _Worker) -> None:
+        task = w.compute[w.ci]
+        j, m = task.stage, task.micro
+        w.last_end = self.t
+        self.compute_end_s = max(self.compute_end_s, self.t - self.step_start)
+        tm = self.timing[j]
+        if task.kind == Kind.FORWARD:
+            tm.fwd_end = self.t - self.step_start
+            self._send(w, j, j + 1, m, backward=False)
         else:
-            self._send(j, j - 1, m, backward=True)
-        self._maybe_offload_checkpoint(slot, phase, m)
-        slot.mb += 1
-        if slot.mb == self.M:
-            self._end_phase(slot)
+            tm.bwd_end = self.t - self.step_start
+            if task.kind == Kind.FB:
+                tm.fwd_end = tm.bwd_end
+            self._send(w, j, j - 1, m, backward=True)
+        for k in w.triggers.get(w.ci, []):
+            w.d2h_ready[k] = self.t
+        if w.ci in w.release_at:
+            w.released[w.release_at[w.ci]] = self.t  # a forward occupancy frees its slot when it ends
+        w.ci += 1
 
-    def _end_phase(self, slot: _Slot) -> None:
-        i, phase = slot.cur, slot.phases[slot.cur]
-        slot.phase_end[i] = self.t
-        tm = self.timing[phase.stage]
-        nxt = slot.upload_flow.get(i + 1)
-        if nxt is not None:
-            prefetched = nxt.done
-            if slot.phases[i + 1].backward:
-                self.timing[slot.phases[i + 1].stage].bwd_prefetched = prefetched
-            else:
-                self.timing[slot.phases[i + 1].stage].fwd_prefetched = prefetched
-            nxt.limit = math.inf
-        if phase.backward:
-            tm.bwd_end = self.t
-            self._download_grads(slot, phase.stage)
-        else:
-            tm.fwd_end = self.t
-        slot.cur += 1
-        slot.mb = 0
-
-    # ------------------------------------------------------------------------------ transfers
-    def _send(self, src: int, dst: int, m: int, backward: bool) -> None:
-        if dst < 0 or dst >= len(self.stages):
+    # ---- transfers -----------------------------------------------------------------------------
+    def _send(self, w: _Worker, src: int, dst: int, m: int, backward: bool) -> None:
+        if not 0 <= dst < self.S:
             return
-        nbytes = self.stages[src].in_bytes if backward else self.stages[src].out_bytes
-        g_src = self.slot_gpu[self.shape.slot_of(src)]
-        g_dst = self.slot_gpu[self.shape.slot_of(dst)]
-        key = (backward, dst, m)
-        name = f"{'g' if backward else 'a'}{src}>{dst}.{m}"
+        key = ("g" if backward else "a", dst, m)
+        sc = self.costs[src]
+        nbytes = sc.in_bytes if backward else sc.out_bytes
+        dst_w = self.workers[dst % self.N]
+        if dst_w is w or nbytes == 0:
+            self.arrived[key] = self.t
+            return
+        name = f"{key[0]}{src}>{dst}.{m}"
+        w.pending_sends += 1
 
         def arrived(t: float) -> None:
-            self.act_ready[key] = t
+            self.arrived[key] = t
+            w.pending_sends -= 1
 
-        if g_src == g_dst or nbytes == 0:
-            arrived(self.t)
-        elif self.hw.p2p_rate(g_src, g_dst):
-            self._p2p_flow(g_src, g_dst, name, nbytes, arrived)
+        if self.hw.p2p_rate(w.gpu, dst_w.gpu):
+            self._p2p_flow(w.gpu, dst_w.gpu, name, nbytes, arrived)
         else:
-            self._d2h_flow(g_src, name, "act", nbytes, (0,),
-                           lambda t: self._h2d_flow(g_dst, name, "act", nbytes, (0,), arrived))
-
-    def _maybe_offload_checkpoint(self, slot: _Slot, phase: Phase, m: int) -> None:
-        """Inputs that did not pass through host memory are offloaded as checkpoints after use."""
-        j = phase.stage
-        if phase.backward or j == 0 or self.shape.is_resident(j):
-            return
-        src_gpu = self.slot_gpu[self.shape.slot_of(j - 1)]
-        if src_gpu != slot.gpu and not self.hw.p2p_rate(src_gpu, slot.gpu):
-            return
-        nbytes = self.stages[j].in_bytes
-        self._d2h_flow(slot.gpu, f"ckpt{j}.{m}", "ckpt", nbytes, (3, j), lambda t: None)
-
-    def _download_grads(self, slot: _Slot, stage: int) -> None:
-        nbytes = self.stages[stage].grad_bytes
-        self.pending_grads[slot.gpu] += nbytes
-
-        def done(t: float, g: int = slot.gpu) -> None:
-            self.pending_grads[g] -= nbytes
-            self.grad_done[stage] = t
-
-        self._d2h_flow(slot.gpu, f"G{stage}", "grad", nbytes, (2, self.shape.num_stages - stage), done)
+            self._d2h_flow(w.gpu, name, "act", nbytes, (0,),
+                           lambda t: self._h2d_flow(dst_w.gpu, name, "act", nbytes, (0,), arrived))
 
     def _h2d_flow(self, gpu: int, label: str, kind: str, nbytes: float, prio: tuple,
-                  on_done: Callable[[float], None]) -> _Flow:
+                  on_done: Callable[[float], None]) -> None:
         res = [("h2d", gpu), ("rc_h2d", self.hw.group_of(gpu))]
-        return self._add_flow(label, kind, nbytes, res, math.inf, prio, on_done, gpu, "h2d")
+        self._add_flow(label, kind, nbytes, res, math.inf, prio, on_done, gpu, "h2d")
 
     def _d2h_flow(self, gpu: int, label: str, kind: str, nbytes: float, prio: tuple,
-                  on_done: Callable[[float], None]) -> _Flow:
+                  on_done: Callable[[float], None]) -> None:
         res = [("d2h", gpu), ("rc_d2h", self.hw.group_of(gpu))]
-        return self._add_flow(label, kind, nbytes, res, math.inf, prio, on_done, gpu, "d2h")
+        self._add_flow(label, kind, nbytes, res, math.inf, prio, on_done, gpu, "d2h")
 
-    def _p2p_flow(self, src: int, dst: int, label: str, nbytes: float, on_done: Callable[[float], None]) -> _Flow:
+    def _p2p_flow(self, src: int, dst: int, label: str, nbytes: float, on_done: Callable[[float], None]) -> None:
         res = [("d2h", src), ("h2d", dst)]
         gs, gd = self.hw.group_of(src), self.hw.group_of(dst)
         if gs != gd:
             res += [("rc_d2h", gs), ("rc_h2d", gd)]
-        return self._add_flow(label, "act", nbytes, res, self.hw.p2p_rate(src, dst), (0,), on_done, src, "p2p",
-                              dst_gpu=dst)
+        self._add_flow(label, "act", nbytes, res, self.hw.p2p_rate(src, dst), (0,), on_done, src, "p2p")
 
     def _add_flow(self, label: str, kind: str, nbytes: float, res: list, cap: float, prio: tuple,
-                  on_done: Callable[[float], None], gpu: int, track: str, dst_gpu: int | None = None) -> _Flow:
+                  on_done: Callable[[float], None], gpu: int, track: str) -> None:
         if self.hw.bidir_Bps:
-            res = res + [("bidir", gpu)] + ([("bidir", dst_gpu)] if dst_gpu is not None else [])
-        flow = _Flow(label, kind, float(nbytes), tuple(res), cap, prio if self.sharing == "priority" else (0,),
-                     on_done, gpu, track, self.t, dst_gpu=dst_gpu)
+            res = res + [("bidir", gpu)]
         if nbytes <= 0:
             on_done(self.t)
-            return flow
-        self.flows.append(flow)
-        return flow
+            return
+        self.flows.append(_Flow(label, kind, float(nbytes), tuple(res), cap,
+                                prio if self.sharing == "priority" else (0,), on_done, gpu, track, self.t))
 
     def _finish_flow(self, f: _Flow) -> None:
         hw = self.hw
         self.by_kind[f.kind] = self.by_kind.get(f.kind, 0.0) + f.total
-        if f.track == "h2d":
-            self.h2d[f.gpu] += f.total
-            self.rc_h2d[hw.group_of(f.gpu)] += f.total
-        elif f.track == "d2h":
-            self.d2h[f.gpu] += f.total
-            self.rc_d2h[hw.group_of(f.gpu)] += f.total
-        else:
-            self.p2p[f.gpu] += f.total
-        cat = {"upload": "upload", "act": "act", "grad": "grad", "ckpt": "ckpt"}[f.kind]
-        self._event(f.gpu, f.track, f.label, f.start, self.t, cat)
+        self.bytes[f.track][f.gpu] += f.total
+        if f.track in ("h2d", "d2h"):
+            self.bytes[f"rc_{f.track}"][hw.group_of(f.gpu)] += f.total
+        self._event(f.gpu, f.track, f.label, f.start, self.t, {"upload": "upload", "act": "act", "grad": "grad",
+                                                                "ckpt": "ckpt"}[f.kind])
         f.on_done(self.t)
 
-    # ------------------------------------------------------------------------------ sharing
+    # ---- sharing -------------------------------------------------------------------------------
+    def _capacities(self) -> dict:
+        """Each link's capacity now; a root complex's may depend on how many streams share it."""
+        hw, cap = self.hw, {}
+        users: dict = {}
+        for f in self.flows:
+            for r in f.resources:
+                users[r] = users.get(r, 0) + 1
+        for g in range(hw.num_gpus):
+            cap[("h2d", g)], cap[("d2h", g)] = hw.h2d_Bps[g], hw.d2h_Bps[g]
+            if hw.bidir_Bps:
+                cap[("bidir", g)] = hw.bidir_Bps[g]
+        for k in range(len(hw.groups)):
+            cap[("rc_h2d", k)] = hw.rc_rate(k, "h2d", users.get(("rc_h2d", k), 1))
+            cap[("rc_d2h", k)] = hw.rc_rate(k, "d2h", users.get(("rc_d2h", k), 1))
+        return cap
+
     def _allocate(self) -> None:
         """Strict priority between classes, max-min fair inside a class (progressive filling)."""
-        remaining = dict(self.capacity)
+        capacity = self._capacities()
+        remaining = dict(capacity)
         for f in self.flows:
             f.rate = 0.0
-        active = [f for f in self.flows if f.active()]
-        for prio in sorted({f.prio for f in active}):
-            _fill([f for f in active if f.prio == prio], remaining, self.capacity)
+        for prio in sorted({f.prio for f in self.flows}):
+            _fill([f for f in self.flows if f.prio == prio], remaining, capacity)
 
-    # ------------------------------------------------------------------------------ optimizer
-    def _try_adam(self) -> bool:
-        j = self.adam_next
-        if self.adam_until is not None or j < 0 or j not in self.grad_done:
-            return False
-        dur = self.stages[j].param_count / self.hw.cpu_adam_params_per_s
-        self.adam_until = self.t + dur
-        self._event(-1, "cpu", f"adam{j}", self.t, self.t + dur, "adam")
-        return True
-
-    # ------------------------------------------------------------------------------ bookkeeping
-    def _sample_memory(self) -> None:
-        for slot in self.slots:
-            used = self.pending_grads[slot.gpu]
-            if slot.cur < len(slot.phases):
-                phase = slot.phases[slot.cur]
-                used += self.shape.phase_peak(self.stages[phase.stage], phase)
-                nxt = slot.upload_flow.get(slot.cur + 1)
-                if nxt is not None:
-                    used += nxt.done
-            self.peak[slot.gpu] = max(self.peak[slot.gpu], int(used))
-
+    # ---- results -------------------------------------------------------------------------------
     def _event(self, gpu: int, track: str, name: str, start: float, end: float, cat: str) -> None:
         if self.record:
-            self.events.append(SimEvent(gpu, track, name, start, end, cat))
+            self.events.append(SimEvent(gpu, track, name, start - self.step_start, end - self.step_start, cat))
 
     def _result(self) -> SimResult:
-        step = max(self.compute_end, self.t)
-        return SimResult(step_s=step, compute_end_s=self.compute_end, peak_bytes=self.peak, h2d_bytes=self.h2d,
-                         d2h_bytes=self.d2h, p2p_bytes=self.p2p, rc_h2d_bytes=self.rc_h2d, rc_d2h_bytes=self.rc_d2h,
+        ends = self.step_ends
+        step = ends[-1] - ends[-2] if len(ends) > 1 else ends[-1]
+        return SimResult(step_s=step, compute_end_s=self.compute_end_s, peak_bytes=self._peaks(),
+                         h2d_bytes=self.bytes["h2d"], d2h_bytes=self.bytes["d2h"], p2p_bytes=self.bytes["p2p"],
+                         rc_h2d_bytes=self.bytes["rc_h2d"], rc_d2h_bytes=self.bytes["rc_d2h"],
                          bytes_by_kind=self.by_kind, stages=self.timing, events=self.events,
-                         gpu_names=list(self.hw.gpu_names))
+                         gpu_names=list(self.hw.gpu_names), step_ends=list(ends))
+
+    def _peaks(self) -> list[int]:
+        st: list[StageExprs] = [stage_exprs(c, self.half) for c in self.costs]
+        shape = Shape(self.S, self.N, self.M, self.sched.num_slots, self.sched.offload_inputs)
+        per_worker = memory_peaks(st, shape)
+        out = [0] * self.hw.num_gpus
+        for w in self.workers:
+            out[w.gpu] = max(out[w.gpu], int(per_worker[w.w] * GB))
+        return out
+
+
+def _tie_seconds(profile: ModelProfile, hw: Hardware, slots: list[int], S: int) -> float:
+    split = S > 1 and slots[0] != slots[(S - 1) % len(slots)]
+    return 4 * profile.tied_params / hw.host_copy_Bps if profile.tied_params and split else 0.0
 
 
 def _fill(flows: list[_Flow], remaining: dict, capacity: dict) -> None:
@@ -536,7 +633,7 @@ def _row(evs: list[SimEvent], cell: float, width: int) -> str:
 
 def _glyph(e: SimEvent) -> str:
     if e.cat in ("fwd", "bwd"):
-        stage = int(e.name[1:].split(".")[0])
+        stage = int(e.name.lstrip("FBX").split(".")[0])
         ch = chr(ord("a") + stage % 26)
         return ch.upper() if e.cat == "bwd" else ch
     if e.cat == "adam":

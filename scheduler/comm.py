@@ -35,6 +35,21 @@ log = logging.getLogger(__name__)
 Waiter = Callable[[], torch.Tensor]
 
 
+def all_gather_flat(out: torch.Tensor, mine: torch.Tensor, group: "dist.ProcessGroup | None" = None,
+                    async_op: bool = False) -> "dist.Work | None":
+    """All-gather every rank's equal slice into one flat tensor (``all_gather_single`` where torch
+    has it, ``all_gather_into_tensor`` before)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, mine, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: "dist.ProcessGroup | None" = None) -> None:
+    """Sum a flat tensor over ranks and keep this rank's equal slice (``reduce_scatter_single`` where
+    torch has it, ``reduce_scatter_tensor`` before)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, full, group=group)
+
+
 class Counters:
     """Bytes moved by this worker in one step (host<->device and device<->device)."""
 
@@ -247,5 +262,6 @@ class UploadArbiter:
 
 
 def arbiter_name() -> str:
-    """A shared-memory name unique to this run (the rendezvous port and the launcher's pid)."""
-    return f"mobius-{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('MOBIUS_RUN_ID', os.getppid())}"
+    """A shared-memory name unique to this run (the rendezvous port and the run's id)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getppid())
+    return f"mobius-{os.environ.get('MASTER_PORT', '0')}-{run}"

@@ -62,6 +62,9 @@ class PipelineEngine:
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
         self.optimizer_step = 0
         barrier = cfg.train.grad_clip > 0 or cfg.train.precision == "fp16"
+        if barrier != plan.barrier:
+            raise MobiusError("the plan was made for a run " + ("without" if barrier else "with") + " clipping or "
+                              "fp16 loss scaling; plan again for this configuration")
         self.train_sched = build_schedule(plan.num_stages, self.world, cfg.train.micro_batches, list(self.gpu_of),
                                           plan.num_slots, barrier, bool(tied), plan.offload_inputs)
         self.eval_scheds: dict[int, Schedule] = {}

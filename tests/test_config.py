@@ -60,7 +60,7 @@ def test_types_and_values_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"train\.precision must be one of fp32\|bf16\|fp16"):
         load_config(f)
     f = _write(tmp_path, "model:\n  preset: gpt2-tiny\ntrain:\n  micro_batches: 0\n")
-    with pytest.raises(ConfigError, match=r"train\.micro_batches must be at least 1, got 0"):
+    with pytest.raises(ConfigError, match=r"train\.micro_batches must be >= 1, got 0"):
         load_config(f)
     f = _write(tmp_path, "data:\n  seq_len: 64\n")
     with pytest.raises(ConfigError, match="model.checkpoint"):

@@ -67,7 +67,7 @@ def test_resume_auto_finds_latest_step_checkpoint(tmp_path: Path, text_file: Pat
     assert names == ["step-000002", "step-000004"]
     from mobius.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="already holds step checkpoints"):
+    with pytest.raises(ConfigError, match="already holds a run"):
         train(cfg)
     result = train(_cfg(tmp_path, text_file, train={"max_steps": 6}), resume="auto")
     assert len(result.losses) == 6

@@ -101,6 +101,9 @@ def resolve(cfg: Config, machine: Machine) -> ParallelSettings:
     device = _device(p.device, machine)
     workers = p.devices
     gpus = min(workers, machine.gpu_count) if device == "cuda" else 0
+    if mode == "zero" and device == "cuda" and 1 < workers and gpus < workers:
+        raise ConfigError(f"parallel.mode=zero needs one GPU per rank (NCCL), but parallel.devices={workers} and "
+                          f"this machine has {gpus} GPU(s)")
     memory, capped = _memory(cfg, machine, device, workers, gpus)
     settings = ParallelSettings(mode=mode, device=device, workers=workers, gpus=gpus,
                                 p2p=_p2p(p.p2p, machine, device, workers, gpus), memory_bytes=memory,
@@ -111,8 +114,10 @@ def resolve(cfg: Config, machine: Machine) -> ParallelSettings:
 
 def _mode(cfg: Config) -> tuple[Mode, str]:
     mode, devices = cfg.parallel.mode, cfg.parallel.devices
-    if mode == "zero":
-        raise NotAvailableError("parallel.mode=zero is not available yet in this version; use single or pipeline")
+    if mode == "zero" and cfg.train.micro_batches % devices:
+        raise ConfigError(f"parallel.mode=zero splits each step's train.micro_batches={cfg.train.micro_batches} "
+                          f"evenly among parallel.devices={devices} ranks: make train.micro_batches a multiple of "
+                          f"{devices}")
     if mode == "single" and devices != 1:
         raise ConfigError(f"parallel.mode=single runs on one device, but parallel.devices={devices}")
     if mode == "auto":

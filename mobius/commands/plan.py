@@ -6,10 +6,16 @@ Examples::
     mobius plan configs/finetune-opt-13b.yaml --topology box.json --bandwidth topology_bandwidth.json
     mobius plan configs/finetune-opt-13b.yaml --gpus 4 --json           # a synthetic 2+2 box of partition.gpu
     mobius plan run.yaml --trace plan.json                              # timeline for https://ui.perfetto.dev
+    mobius plan run.yaml --parallel.mode=zero --gpus 2                  # zero mode: chunks, rCache, GPU/CPU split
+
+With ``parallel.mode: zero`` it shows the zero plan instead (chunk size, rCache blocks, chunks on the
+GPU and offloaded, predicted step time and memory, and the rCache-min / rCache-max / all-offload
+alternatives); otherwise the pipeline's, whatever mode the run file picks.
 
 Config keys used: model.checkpoint / model.preset, data.seq_len, train.micro_batch_size,
 train.micro_batches, train.precision, parallel.devices / mapping / prefetch / p2p, partition.* and
-topology.file / topology.bandwidth_file.
+topology.file / topology.bandwidth_file; in zero mode also model.activation_checkpointing,
+train.grad_clip and zero.*.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ import logging
 import os
 from typing import Any
 
-from mobius.app.planning import plan_pipeline
+from mobius.app.planning import plan_pipeline, plan_zero
 from mobius.app.settings import Machine, resolve
-from mobius.assemble import architecture
+from mobius.assemble import planned_architecture
 from mobius.config import Config, load_config
 from mobius.errors import ConfigError, MobiusError
 from partition import simulate
@@ -77,15 +83,20 @@ def run(args: argparse.Namespace) -> int:
         if args.gpus < 1:
             raise ConfigError(f"--gpus must be at least 1, got {args.gpus}")
         cfg.parallel.devices = args.gpus
-    cfg.parallel.mode = "pipeline"  # the plan of the pipeline, whatever mode the run file picks
+    zero = cfg.parallel.mode == "zero"
+    if not zero:
+        cfg.parallel.mode = "pipeline"  # the plan of the pipeline, whatever other mode the run file picks
+    elif args.trace or args.timeline:
+        raise ConfigError("--trace and --timeline draw the pipeline's simulated step; parallel.mode=zero has none")
     machine = _machine(cfg, args)
     if cfg.parallel.devices > max(1, machine.gpu_count) and machine.gpu_count:
         raise ConfigError(f"parallel.devices is {cfg.parallel.devices} but the topology has {machine.gpu_count} GPU(s)")
     settings = resolve(cfg, machine)
-    plan, prof, hw = plan_pipeline(cfg, architecture(cfg), settings, machine, args.bandwidth)
+    planner = plan_zero if zero else plan_pipeline
+    plan, prof, hw = planner(cfg, planned_architecture(cfg), settings, machine, args.bandwidth)
     sim = None
     if args.trace or args.timeline:
-        sim = simulate(prof, plan.boundaries, hw, plan.slots, plan.micro_batches, prefetch=plan.num_slots > 1)
+        sim = simulate(prof, plan.boundaries, hw, plan.slots, plan.micro_batches, plan.options)
     if args.trace:
         sim.write_chrome_trace(args.trace)
     if args.json:

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from mobius.config import describe_fields, load_config
+from mobius.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="YAML run file (see configs/)")
     p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="DIR",
                    help="continue from the latest step checkpoint in output.dir, or from DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run output.dir already holds (its metrics, plan, checkpoints and final model)")
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -26,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
     from mobius.app.run import train  # the heavy imports only when training
 
     cfg = load_config(args.config, args.overrides)
-    result = train(cfg, resume=args.resume)
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume continues the run in output.dir and --overwrite replaces it: pass one of them")
+    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     first, last = result.losses[0] if result.losses else float("nan"), result.losses[-1] if result.losses else float("nan")
     ev = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
     print(f"done: {result.steps} steps, loss {first:.4f} -> {last:.4f}{ev}; checkpoint: {result.final_dir}")

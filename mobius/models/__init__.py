@@ -76,14 +76,18 @@ def unit_specs(cfg: ModelConfig) -> list[UnitSpec]:
     return family_of(cfg).unit_specs(cfg)
 
 
+def tied_param_count(cfg: ModelConfig) -> int:
+    """Parameters of the weight the embedding and the head share (0 when untied)."""
+    if not cfg.tie_word_embeddings:
+        return 0
+    return cfg.vocab_size * (cfg.word_embed_proj_dim if cfg.family == "opt" else cfg.n_embd)
+
+
 def param_count(cfg: ModelConfig) -> int:
     """Parameters of the model, counting a tied embedding once."""
-    specs = unit_specs(cfg)
-    total = sum(s.param_count for s in specs)
-    if cfg.tie_word_embeddings:
-        total -= cfg.vocab_size * (cfg.word_embed_proj_dim if cfg.family == "opt" else cfg.n_embd)
-    return total
+    return sum(s.param_count for s in unit_specs(cfg)) - tied_param_count(cfg)
 
 
 __all__ = ["CausalLM", "UnitSpec", "lm_loss", "ModelConfig", "FAMILIES", "family_of", "get_preset",
-           "preset_names", "build_model", "init_unit", "tied_weights", "hidden_size", "dropout_active", "unit_specs", "param_count"]
+           "preset_names", "build_model", "init_unit", "tied_weights", "hidden_size", "dropout_active", "unit_specs", "param_count",
+           "tied_param_count"]

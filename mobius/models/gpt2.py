@@ -204,8 +204,11 @@ PRESETS: dict[str, GPT2Config] = {
     "gpt2-medium": GPT2Config(n_embd=1024, n_layer=24, n_head=16),
     "gpt2-large": GPT2Config(n_embd=1280, n_layer=36, n_head=20),
     "gpt2-xl": GPT2Config(n_embd=1600, n_layer=48, n_head=25),
-    # the GPU benchmark's model (DESIGN.md): hidden 2048, 24 layers, 16 heads, untied head -> 1.42B
+    # the GPU benchmark's model (bench/pipeline_bench.py): hidden 2048, 24 layers, 16 heads, untied head -> 1.42B
     "gpt-1.4b": GPT2Config(vocab_size=50304, n_embd=2048, n_layer=24, n_head=16, activation_function="gelu",
+                           tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    # the zero benchmark's larger model (Elixir's GPT2-4b): hidden 3072, 32 layers, 24 heads, untied head -> 3.94B
+    "gpt-3.9b": GPT2Config(vocab_size=50304, n_embd=3072, n_layer=32, n_head=24, activation_function="gelu",
                            tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     # a tiny model for the CPU demo and tests
     "gpt2-tiny": GPT2Config(n_positions=256, n_embd=128, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -264,7 +265,7 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
                 with safe_open(str(file), framework="pt") as f:
                     return f.get_tensor(key)
             if file not in self._bins:
-                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                self._bins[file] = _load_bin(file)
             return self._bins[file][key]
         except Exception as e:
             raise CheckpointError(f"{file}: cannot read {key} ({type(e).__name__}: {e})") from e
@@ -276,6 +277,17 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
         return len(self._where)
 
 
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    """A ``.bin`` state dict through torch's weights-only unpickler (tensors only, never code),
+    memory-mapped when the file is in the zip format (legacy files are read whole)."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
 def _keys_of(file: Path) -> list[str]:
     try:
         if file.suffix == ".safetensors":
@@ -283,7 +295,10 @@ def _keys_of(file: Path) -> list[str]:
 
             with safe_open(str(file), framework="pt") as f:
                 return list(f.keys())
-        return list(torch.load(file, map_location="cpu", weights_only=True, mmap=True).keys())
+        return list(_load_bin(file).keys())
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"{file}: cannot be read: it holds objects other than tensors, and pickled code is "
+                              f"never loaded") from None
     except Exception as e:
         raise CheckpointError(f"{file}: cannot be read, the file is truncated or corrupt ({type(e).__name__}: {e})") from e
 

@@ -1,0 +1,109 @@
+"""The planner's predicted step time beside the measured one, for the pipeline on CPU worker
+processes (no GPU needed): the check of the simulator's fidelity on machines without a GPU.
+
+    python bench/cpu_pipeline_bench.py --out bench_out          # ~3 minutes on 2 cores
+
+A GPT-2 style model (hidden 256, 8 blocks, sequence 128, 4 micro-batches of 4) is trained from
+scratch on the standard library's docstrings with ``mobius train`` as a user runs it, on 2 CPU
+worker processes (gloo), in several variants: as planned; with clipping; with one device slot
+(no prefetch); with 8 even stages; with boundary inputs in host memory. For each: the plan's
+predicted step time (``plan.json``, the simulator) and the measured median step time of the
+steady-state steps (``metrics.jsonl``). Prints a table and writes ``<out>/cpu_pipeline_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mobius.app.run import train  # noqa: E402
+from mobius.checkpoint import save_model  # noqa: E402
+from mobius.config import config_from_dict  # noqa: E402
+from mobius.data import byte_tokenizer  # noqa: E402
+from mobius.models import build_model  # noqa: E402
+from mobius.models.gpt2 import GPT2Config  # noqa: E402
+
+VARIANTS = {
+    "as planned": {},
+    "clipping (grad_clip 1.0)": {"train": {"grad_clip": 1.0}},
+    "one device slot (no prefetch)": {"parallel": {"prefetch": False}},
+    "8 even stages": {"parallel": {"stages": 8}},
+    "inputs in host memory": {"parallel": {"offload_inputs": "on"}},
+}
+
+
+def checkpoint(root: Path, width: int, blocks: int) -> Path:
+    """A fresh GPT-2 checkpoint with the byte-level tokenizer (257 tokens, vocabulary 320)."""
+    d = root / f"gpt2-h{width}-l{blocks}"
+    cfg = GPT2Config(vocab_size=320, n_positions=256, n_embd=width, n_layer=blocks, n_head=width // 64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=256, eos_token_id=256)
+    save_model(build_model(cfg, 0), d)
+    byte_tokenizer().save(d)
+    return d
+
+
+def run_variant(name: str, extra: dict, ck: Path, root: Path, args: argparse.Namespace) -> dict:
+    raw = {"model": {"checkpoint": str(ck)},
+           "data": {"seq_len": 128, "cache_dir": str(root / "cache")},
+           "train": {"max_steps": args.steps, "micro_batch_size": 4, "micro_batches": 4, "lr": 1e-3,
+                     "warmup_steps": 2, "grad_clip": 0.0, "eval_every": 0, "eval_batches": 1},
+           "parallel": {"mode": "pipeline", "devices": args.workers, "device": "cpu"},
+           "partition": {"cache_dir": str(root / "cache")},
+           "output": {"dir": str(root / name.replace(" ", "_")), "plot": False}}
+    for section, values in extra.items():
+        raw[section].update(values)
+    cfg = config_from_dict(raw, name)
+    t0 = time.perf_counter()
+    train(cfg)
+    wall = time.perf_counter() - t0
+    out = Path(cfg.output.dir)
+    plan = json.loads((out / "plan.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = statistics.median(r["step_s"] for r in rows[args.warmup:])
+    predicted = plan["predicted_step_s"]
+    return {"variant": name, "stages": plan["num_stages"], "num_slots": plan["num_slots"],
+            "offload_inputs": plan["offload_inputs"], "barrier": plan["barrier"], "predicted_s": round(predicted, 4),
+            "measured_s": round(measured, 4), "error": round(predicted / measured - 1, 4),
+            "model_s": round(plan["model_step_s"], 4), "cpu_adam_params_per_s": plan["cpu_adam_params_per_s"],
+            "wall_s": round(wall, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--warmup", type=int, default=4, help="steps left out of the measured median")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        ck = checkpoint(root, args.width, args.blocks)
+        for name in args.variants.split(","):
+            rows.append(run_variant(name, VARIANTS[name], ck, root, args))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'variant':32s} {'stages':>6s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s}")
+    for r in rows:
+        print(f"{r['variant']:32s} {r['stages']:6d} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} "
+              f"{100 * r['error']:+6.1f}%")
+    out = Path(args.out) / "cpu_pipeline_bench.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""The timing and memory model of one pipeline step, written once for two algebras.
+
+It states, stage by stage, when every event of the runtime's schedule (:mod:`partition.schedule`)
+can happen at the earliest: each time is the maximum of the times it waits for, plus a duration.
+With :class:`Numbers` the model evaluates one partition; with :class:`Rows` it emits the MIP's
+constraints (a variable ``>=`` each term of its maximum), so for a fixed partition the MIP's optimum
+*is* the evaluated step time. Units: seconds, GB (10^9 bytes), G parameters (10^9).
+
+What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` device slots):
+
+* **Occupancies.** Each worker holds its stages one after another: the forward of each of its
+  stages (ascending), then the backwards (descending). Its last forward stage stays for its
+  backward (one occupancy), and the pipeline's last stage runs forward, loss and backward together
+  (``FB``, no recompute). Every occupancy is uploaded first (its parameters; a backward also its
+  ``M`` boundary inputs when they wait in host memory).
+* **Uploads** run one at a time per worker (one copy thread); occupancy ``i`` may start uploading
+  once occupancy ``i - K`` has released its slot: at the end of its last compute, or, when it ends
+  in a backward, when its gradients have been downloaded. With clipping or fp16 (``barrier``) the
+  stages are updated after the step's global norm, in ascending order, overlapping the next
+  step's forward: a stage's next upload waits for its update, ``C_j`` seconds after the step starts
+  (the worker's updates up to ``j``).
+* **Compute** of a micro-batch starts when its input (activation, or gradient) has arrived, the
+  occupancy is uploaded and the worker's previous phase has ended; per micro-batch a forward takes
+  ``fwd``, a backward ``bwd`` (recompute, backward and the fp32 gradient accumulation). Only the
+  first and the last micro-batch need a time: with identical micro-batches the last one's start is
+  the longest path through the (stage, micro-batch) grid, which the two chains state exactly.
+* **Gradients** (fp32 sums, 4 bytes per parameter) download after a stage's last backward, one at
+  a time per worker; the worker's CPU AdamW then updates each stage (``A_j`` = its parameters over
+  the CPU rate), in download order, as they arrive -- or, with a barrier, after the step's REDUCE.
+  A tied weight's two ends first exchange gradients (``TIE``) and update last.
+* **The step** ends at REDUCE: every worker's downloads done and (without a barrier) its updates
+  done. The next step starts there; the model's objective is that period.
+* **Memory** per worker: ``K`` slots of its largest stage (parameters, gradients, fp32 sums) plus
+  the boundary inputs kept for its pending backwards (none when they wait in host memory) plus
+  the phase's working set; must fit the usable memory ``G``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Union
+
+from partition.lp import Lin, LinearModel
+
+Expr = Union[float, Lin]
+
+
+@dataclass
+class StageExprs:
+    """Per-stage quantities (numbers, or linear expressions of the MIP's partition variables)."""
+
+    fwd: Expr  # forward seconds per micro-batch
+    bwd: Expr  # backward seconds per micro-batch (recompute, or FB for the last stage; fp32 sums included)
+    params: Expr  # G parameters (CPU update, fp32 gradient download)
+    pbytes: Expr  # GB of half-precision parameters (an upload)
+    slot: Expr  # GB of a device slot holding the stage (parameters, gradients, fp32 sums)
+    in_b: Expr  # GB of one micro-batch's input
+    out_b: Expr  # GB of one micro-batch's output
+    saved: Expr  # GB autograd keeps during one micro-batch's recompute
+    work: Expr  # GB of transient working memory
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the model assumes besides the stages: the runtime's settings."""
+
+    num_stages: int
+    num_workers: int  # N: stage j runs on worker j mod N
+    micro_batches: int
+    num_slots: int = 2  # K: 2 lets the next occupancy upload while the current one computes
+    offload_inputs: bool = False  # boundary inputs wait for their backward in host memory
+    barrier: bool = False  # updates wait for the global norm (clipping, fp16)
+    tied: bool = False  # stage 0 and the last stage hold the two ends of one weight
+
+    def worker(self, j: int) -> int:
+        return j % self.num_workers
+
+    def stages_of(self, w: int) -> list[int]:
+        return list(range(w, self.num_stages, self.num_workers))
+
+    def resident(self, j: int) -> bool:
+        """The worker's last forward stage: its backward follows without a new upload."""
+        return j + self.num_workers >= self.num_stages
+
+    def occupancies(self, w: int) -> list[tuple[str, int]]:
+        """(kind, stage) in the worker's order: F (forward), R (forward + backward), FB, B."""
+        mine, last = self.stages_of(w), self.num_stages - 1
+        kinds = [("FB" if j == last else "R" if self.resident(j) else "F", j) for j in mine]
+        return kinds + [("B", j) for j in reversed(mine) if not self.resident(j)]
+
+
+@dataclass
+class Rates:
+    """Per stage: host link rates of its GPU (GB/s), activation seconds per GB from its neighbours,
+    the CPU update rate (G parameters/s) and the seconds to exchange a tied weight's gradients."""
+
+    up: list[float]
+    down: list[float]
+    lat_in: list[float]  # stage j-1 -> j
+    lat_back: list[float]  # stage j+1 -> j
+    cpu: float
+    tie_s: float = 0.0  # exchange of the tied gradients between two workers (0 on one worker)
+
+
+Name = tuple[str, int]  # a variable's name in the MIP: (what, stage or worker)
+
+
+class Algebra(Protocol):
+    def max(self, name: Name, terms: list[Expr]) -> Expr: ...
+    def require(self, need: Expr, budget: float, what: str) -> None: ...
+
+
+class Numbers:
+    """Evaluate the model for one partition: a maximum is a number; a broken memory rule is recorded."""
+
+    def __init__(self) -> None:
+        self.violations: list[tuple[str, float, float]] = []
+
+    def max(self, name: Name, terms: list[Expr]) -> float:
+        return max(terms, default=0.0)
+
+    def require(self, need: Expr, budget: float, what: str) -> None:
+        if need > budget * (1 + 1e-12):
+            self.violations.append((what, need, budget))
+
+
+class Rows:
+    """Emit the model into a MIP: a maximum is a variable bounded below by each term."""
+
+    def __init__(self, lm: LinearModel):
+        self.lm = lm
+
+    def max(self, name: Name, terms: list[Expr]) -> Lin:
+        lins = [t if isinstance(t, Lin) else Lin(const=t) for t in terms]
+        var_terms = [t for t in lins if t.terms]
+        consts = [t.const for t in lins if not t.terms]
+        if not var_terms:
+            return Lin(const=max(consts, default=0.0))
+        if len(var_terms) == 1 and not consts:
+            return var_terms[0]
+        v = self.lm.var(f"{name[0]}{name[1]}")
+        for t in var_terms:
+            self.lm.add(v, ">=", t)
+        if consts:
+            self.lm.add(v, ">=", max(consts))
+        return v
+
+    def require(self, need: Expr, budget: float, what: str) -> None:
+        self.lm.add(need, "<=", budget)
+
+
+@dataclass
+class StepTimes:
+    """Event times of one step (per stage) and the period; entries are numbers or expressions."""
+
+    fwd_start: dict[int, Expr] = field(default_factory=dict)  # first micro-batch of the forward / FB
+    fwd_last: dict[int, Expr] = field(default_factory=dict)
+    fwd_end: dict[int, Expr] = field(default_factory=dict)
+    bwd_start: dict[int, Expr] = field(default_factory=dict)
+    bwd_last: dict[int, Expr] = field(default_factory=dict)
+    bwd_end: dict[int, Expr] = field(default_factory=dict)
+    upload_done: dict[tuple[str, int], Expr] = field(default_factory=dict)  # ("f"|"b", stage)
+    download_done: dict[int, Expr] = field(default_factory=dict)
+    update_done: dict[int, Expr] = field(default_factory=dict)
+    step: Expr = 0.0
+
+
+def step_model(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, budget: float) -> StepTimes:
+    """State the whole step in ``alg``; returns its event times (``step`` is the objective)."""
+    t = StepTimes()
+    upload = _Uploads(alg, st, r, shape, t)
+    _memory(alg, st, shape, budget)
+    for j in range(shape.num_stages):
+        _forward(alg, st, r, shape, t, upload, j)
+    for j in reversed(range(shape.num_stages)):
+        if j < shape.num_stages - 1:
+            _backward(alg, st, r, shape, t, upload, j)
+        _download(alg, st, r, shape, t, j)
+    _updates(alg, st, r, shape, t)
+    return t
+
+
+class _Uploads:
+    """Upload completion of each worker's occupancies (serial copy thread, K slots)."""
+
+    def __init__(self, alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes):
+        self.alg, self.st, self.r, self.shape, self.t = alg, st, r, shape, t
+        self.order = {w: shape.occupancies(w) for w in range(shape.num_workers)}
+        self.position = {occ: i for w in self.order for i, occ in enumerate(self.order[w])}
+        self.release: dict[tuple[str, int], Callable[[], Expr]] = {}
+        self.ready = _update_offsets(st, r, shape) if shape.barrier else {}
+
+    def done(self, kind: str, j: int) -> Expr:
+        """Upload completion of occupancy (kind, j), defining the worker's earlier ones first."""
+        key = ("b" if kind == "B" else "f", j)
+        if key in self.t.upload_done:
+            return self.t.upload_done[key]
+        occ = self.order[self.shape.worker(j)]
+        i = self.position[(kind, j)]
+        terms: list[Expr] = []
+        if i > 0:
+            terms.append(self.done(*occ[i - 1]))
+        if i >= self.shape.num_slots:
+            terms.append(self._released(*occ[i - self.shape.num_slots]))
+        if kind != "B" and j in self.ready:
+            terms.append(self.ready[j])
+        s, nbytes = self.st[j], self.st[j].pbytes
+        if kind == "B" and self.shape.offload_inputs and j > 0:
+            nbytes = nbytes + s.in_b * self.shape.micro_batches
+        value = self.alg.max(("u" + key[0], j), terms) + nbytes * (1.0 / self.r.up[j])
+        self.t.upload_done[key] = value
+        return value
+
+    def _released(self, kind: str, j: int) -> Expr:
+        """When occupancy (kind, j) frees its slot: after its forward, or its gradient download."""
+        return self.t.fwd_end[j] if kind == "F" else self.t.download_done[j]
+
+
+def _update_offsets(st: list[StageExprs], r: Rates, shape: Shape) -> dict[int, Expr]:
+    """With a barrier: when (after the step starts) each stage's update of the previous step is
+    done -- the worker updates its stages in ascending order from the step's start."""
+    out: dict[int, Expr] = {}
+    for w in range(shape.num_workers):
+        total: Expr = 0.0
+        for j in shape.stages_of(w):
+            total = total + st[j].params * (1.0 / r.cpu)
+            out[j] = total
+    return out
+
+
+def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, up: _Uploads,
+             j: int) -> None:
+    """First and last micro-batch of stage j's forward (FB for the last stage)."""
+    S, N, M = shape.num_stages, shape.num_workers, shape.micro_batches
+    kind = "FB" if j == S - 1 else "R" if shape.resident(j) else "F"
+    per = st[j].bwd if j == S - 1 else st[j].fwd
+    first: list[Expr] = [up.done(kind, j)]
+    last: list[Expr] = []
+    if j >= N:
+        first.append(t.fwd_end[j - N])
+    if j > 0:
+        hop = st[j - 1].fwd + st[j - 1].out_b * r.lat_in[j]
+        first.append(t.fwd_start[j - 1] + hop)
+        last.append(t.fwd_last[j - 1] + hop)
+    t.fwd_start[j] = alg.max(("sf0_", j), first)
+    t.fwd_last[j] = alg.max(("sfl_", j), last + [t.fwd_start[j] + per * (M - 1)])
+    t.fwd_end[j] = t.fwd_last[j] + per
+    if j == S - 1:
+        t.bwd_start[j], t.bwd_last[j], t.bwd_end[j] = t.fwd_start[j], t.fwd_last[j], t.fwd_end[j]
+
+
+def _backward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, up: _Uploads,
+              j: int) -> None:
+    """First and last micro-batch of stage j's backward (recompute + backward)."""
+    N, M = shape.num_workers, shape.micro_batches
+    first: list[Expr] = [t.fwd_end[j] if shape.resident(j) else t.bwd_end[j + N]]
+    if not shape.resident(j):
+        first.append(up.done("B", j))
+    hop = st[j + 1].bwd + st[j + 1].in_b * r.lat_back[j]
+    first.append(t.bwd_start[j + 1] + hop)
+    t.bwd_start[j] = alg.max(("sb0_", j), first)
+    t.bwd_last[j] = alg.max(("sbl_", j), [t.bwd_last[j + 1] + hop, t.bwd_start[j] + st[j].bwd * (M - 1)])
+    t.bwd_end[j] = t.bwd_last[j] + st[j].bwd
+
+
+def _download(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, j: int) -> None:
+    """fp32 gradients down after the stage's last backward, one download at a time per worker."""
+    after = [t.bwd_end[j]]
+    if j + shape.num_workers < shape.num_stages:
+        after.append(t.download_done[j + shape.num_workers])
+    t.download_done[j] = alg.max(("d", j), after) + st[j].params * (4.0 / r.down[j])
+
+
+def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes) -> None:
+    """CPU updates per worker and the step's end (REDUCE)."""
+    S = shape.num_stages
+    ends = {0, S - 1} if shape.tied and S > 1 else set()
+    tie = None
+    if ends:
+        tie = alg.max(("tie", 0), [t.download_done[0], t.download_done[S - 1]]) + r.tie_s
+    done: list[Expr] = list(t.download_done.values()) + ([tie] if tie is not None else [])
+    if shape.barrier:
+        t.step = alg.max(("T", 0), done)
+        return
+    for w in range(shape.num_workers):
+        queue = [j for j in reversed(shape.stages_of(w)) if j not in ends] + [j for j in shape.stages_of(w) if j in ends]
+        prev: Expr | None = None
+        for j in queue:
+            after = [tie if j in ends else t.download_done[j]] + ([prev] if prev is not None else [])
+            t.update_done[j] = alg.max(("o", j), after) + st[j].params * (1.0 / r.cpu)
+            prev = t.update_done[j]
+        if prev is not None:
+            done.append(prev)
+    t.step = alg.max(("T", 0), done)
+
+
+def phase_needs(s: StageExprs, slots: Expr, kept: Expr, M: int, keep_out: bool = False,
+                keep_in_grad: bool = False) -> tuple[Expr, Expr]:
+    """Device memory of a stage's forward and backward phase: the worker's slots, the inputs kept
+    for earlier stages' backwards, the stage's own ``M`` inputs and the phase's working set (with
+    one worker, also the ``M`` outputs kept for the next stage and the input gradients for the one before)."""
+    own = s.in_b * M
+    fwd = slots + kept + own + s.work + (s.out_b * M if keep_out else 0.0)
+    bwd = slots + kept + own + s.saved + s.work + (own if keep_in_grad else 0.0)
+    return fwd, bwd
+
+
+def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape) -> dict[int, list[tuple[str, Expr]]]:
+    """Per worker, the device memory each of its phases needs: K slots of its largest stage,
+    the boundary inputs kept for its pending backwards and the phase's working set."""
+    M, S = shape.micro_batches, shape.num_stages
+    local = shape.num_workers == 1  # neighbours on one worker keep activations and their gradients on it
+    out: dict[int, list[tuple[str, Expr]]] = {}
+    for w in range(shape.num_workers):
+        mine = shape.stages_of(w)
+        if not mine:
+            continue
+        slots = alg.max(("slot", w), [st[j].slot for j in mine]) * shape.num_slots
+        kept: Expr = 0.0
+        out[w] = []
+        for j in mine:
+            fwd, bwd = phase_needs(st[j], slots, kept, M, local and j < S - 1, local and j > 0)
+            out[w] += [(f"stage {j} forward", fwd), (f"stage {j} backward", bwd)]
+            if not shape.offload_inputs or shape.resident(j):
+                kept = kept + st[j].in_b * M
+    return out
+
+
+def _memory(alg: Algebra, st: list[StageExprs], shape: Shape, budget: float) -> None:
+    for needs in worker_needs(alg, st, shape).values():
+        for what, need in needs:
+            alg.require(need, budget, what)
+
+
+def memory_peaks(st: list[StageExprs], shape: Shape) -> list[float]:
+    """Each worker's largest need (GB) under the memory model."""
+    needs = worker_needs(Numbers(), st, shape)
+    return [max((float(n) for _, n in needs.get(w, [])), default=0.0) for w in range(shape.num_workers)]

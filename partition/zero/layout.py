@@ -1,0 +1,240 @@
+"""Chunks: parameters grouped, in the order the forward uses them, into flat buffers of one length.
+
+Elixir Appendix A.2: walk the parameters in forward-use order and put each into the current chunk;
+when it does not fit, close the chunk and open a new one. Two cases the paper leaves out:
+
+* a parameter **used twice** (the embedding tied to the head) is laid out once, at its first use; both
+  units list its chunks, so the call trace shows the second use and the cache treats it like any
+  other chunk (Belady keeps it or not); its gradient is reduced after each of its backward runs and
+  the parts add up in the owners' gradient shards;
+* a parameter **larger than a chunk** starts a fresh chunk and continues over as many consecutive
+  chunks as it needs (the last one stays open for the next parameters); its unit needs all of them at
+  once (the runtime assembles the pieces into one tensor for the computation).
+
+Every chunk buffer has the same length :attr:`ChunkLayout.padded`: the chunk size rounded up so that
+it splits into ``world`` equal shards of a multiple of ``align`` elements (``world`` need not divide
+the chunk size). Parameters start at multiples of ``align`` inside a chunk.
+
+The step as the runtime runs it (:func:`train_program`): the forward of each unit for all of a
+rank's micro-batches, in model order; the last unit's forward, loss and backward; then each unit's
+backward in reverse order. With activation checkpointing a unit is one checkpointed function, so
+every operator is one unit and each chunk is called once in the forward and once in the backward
+(Elixir §5.1's "common computation graph").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+
+ALIGN = 16  # elements: parameter offsets and shard lengths are multiples of this
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter as the layout sees it."""
+
+    names: tuple[str, ...]  # mobius state-dict names (two for a tied weight: the embedding's first)
+    shape: tuple[int, ...]
+    units: tuple[int, ...]  # the units that use it, ascending
+    decay: bool  # takes weight decay
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``[start, start + numel)`` of parameter ``param`` at ``offset`` in a chunk."""
+
+    param: int
+    start: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def used(self) -> int:
+        """Elements up to the end of the last segment."""
+        last = self.segments[-1]
+        return last.offset + last.numel
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where every parameter lives: chunks of ``chunk_size`` elements (buffers of ``padded``)."""
+
+    params: tuple[ParamInfo, ...]
+    num_units: int
+    chunk_size: int
+    world: int
+    align: int
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    @cached_property
+    def shard(self) -> int:
+        """Elements of one rank's shard of a chunk."""
+        return _round_up(-(-self.chunk_size // self.world), self.align)
+
+    @property
+    def padded(self) -> int:
+        """Length of every chunk buffer (and rCache block): ``world`` shards."""
+        return self.shard * self.world
+
+    @cached_property
+    def pieces(self) -> tuple[tuple[tuple[int, Segment], ...], ...]:
+        """Per parameter: its (chunk, segment) pieces in order (one unless it is larger than a chunk)."""
+        out: list[list[tuple[int, Segment]]] = [[] for _ in self.params]
+        for ch in self.chunks:
+            for seg in ch.segments:
+                out[seg.param].append((ch.index, seg))
+        return tuple(tuple(p) for p in out)
+
+    @cached_property
+    def unit_chunks(self) -> tuple[tuple[int, ...], ...]:
+        """Per unit: the chunks its parameters occupy (what must be in rCache while it runs)."""
+        sets: list[set[int]] = [set() for _ in range(self.num_units)]
+        for i, p in enumerate(self.params):
+            for u in p.units:
+                sets[u].update(c for c, _ in self.pieces[i])
+        return tuple(tuple(sorted(s)) for s in sets)
+
+    @property
+    def min_blocks(self) -> int:
+        """The fewest rCache blocks that run the model: the most chunks one unit uses (rCache-min)."""
+        return max((len(u) for u in self.unit_chunks), default=1)
+
+    @property
+    def param_numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def waste(self) -> float:
+        """Share of the chunk buffers that holds no parameter (alignment, unfilled tails, shard padding)."""
+        return 1.0 - self.param_numel / max(1, self.num_chunks * self.padded)
+
+    def decay_runs(self, chunk: int) -> list[tuple[int, int, bool]]:
+        """``(lo, hi, decay)`` runs covering ``[0, used)`` of a chunk: consecutive elements that all
+        take weight decay or all do not (alignment gaps join the run before them)."""
+        runs: list[list] = []
+        segs = self.chunks[chunk].segments
+        for k, seg in enumerate(segs):
+            hi = segs[k + 1].offset if k + 1 < len(segs) else seg.offset + seg.numel
+            decay = self.params[seg.param].decay
+            if runs and runs[-1][2] == decay:
+                runs[-1][1] = hi
+            else:
+                runs.append([seg.offset, hi, decay])
+        return [(lo, hi, d) for lo, hi, d in runs]
+
+    def shard_runs(self, chunk: int, rank: int) -> list[tuple[int, int, bool]]:
+        """The decay runs of ``rank``'s shard of a chunk, in shard coordinates."""
+        base, s = rank * self.shard, self.shard
+        out = []
+        for lo, hi, d in self.decay_runs(chunk):
+            a, b = max(lo, base), min(hi, base + s)
+            if a < b:
+                out.append((a - base, b - base, d))
+        return out
+
+
+def build_layout(params: list[ParamInfo] | tuple[ParamInfo, ...], num_units: int, chunk_size: int, world: int = 1,
+                 align: int = ALIGN) -> ChunkLayout:
+    """Group ``params`` (in forward-use order) into chunks of ``chunk_size`` elements (module docstring)."""
+    assert chunk_size >= 1 and world >= 1 and align >= 1, (chunk_size, world, align)
+    chunks: list[list[Segment]] = [[]]
+    pos = 0
+    for i, p in enumerate(params):
+        n = p.numel
+        if n <= chunk_size:
+            start = _round_up(pos, align)
+            if chunks[-1] and start + n > chunk_size:
+                chunks.append([])
+                start = 0
+            chunks[-1].append(Segment(i, 0, start, n))
+            pos = start + n
+            continue
+        if chunks[-1]:  # larger than a chunk: over fresh consecutive chunks
+            chunks.append([])
+        done = 0
+        while done < n:
+            take = min(chunk_size, n - done)
+            chunks[-1].append(Segment(i, done, 0, take))
+            done += take
+            pos = take
+            if done < n:
+                chunks.append([])
+    built = tuple(Chunk(k, tuple(segs)) for k, segs in enumerate(chunks) if segs)
+    return ChunkLayout(tuple(params), num_units, chunk_size, world, align, built)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's operators and their chunk calls
+# ---------------------------------------------------------------------------------------------
+class OpKind(str, Enum):
+    FORWARD = "F"  # a unit's forward for all of the rank's micro-batches
+    LOSS = "L"  # the last unit: forward, loss and backward (training)
+    BACKWARD = "B"  # a unit's backward (recomputing its forward with activation checkpointing)
+    EVAL = "E"  # the last unit: forward and loss (evaluation)
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: OpKind
+    unit: int
+
+    @property
+    def makes_grads(self) -> bool:
+        return self.kind in (OpKind.LOSS, OpKind.BACKWARD)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.unit}"
+
+
+def train_program(num_units: int) -> tuple[Op, ...]:
+    """Forward in model order, the last unit's loss, backward in reverse order."""
+    last = num_units - 1
+    return (tuple(Op(OpKind.FORWARD, u) for u in range(last)) + (Op(OpKind.LOSS, last),)
+            + tuple(Op(OpKind.BACKWARD, u) for u in reversed(range(last))))
+
+
+def eval_program(num_units: int) -> tuple[Op, ...]:
+    last = num_units - 1
+    return tuple(Op(OpKind.FORWARD, u) for u in range(last)) + (Op(OpKind.EVAL, last),)
+
+
+def chunk_trace(program: tuple[Op, ...], layout: ChunkLayout) -> list[tuple[int, ...]]:
+    """The chunks each operator calls, in order (what the runtime records on its warm-up step)."""
+    return [layout.unit_chunks[op.unit] for op in program]
+
+
+def grad_flushes(program: tuple[Op, ...], layout: ChunkLayout) -> list[tuple[int, ...]]:
+    """Per operator: the chunks whose run of consecutive gradient-making calls ends with it (their
+    gradient is reduce-scattered then). A chunk used by two separate runs (a tied weight) flushes twice."""
+    trace = chunk_trace(program, layout)
+    out = []
+    for t, op in enumerate(program):
+        if not op.makes_grads:
+            out.append(())
+            continue
+        following = set(trace[t + 1]) if t + 1 < len(program) and program[t + 1].makes_grads else set()
+        out.append(tuple(c for c in trace[t] if c not in following))
+    return out

@@ -1,0 +1,443 @@
+"""The zero-mode engine: data parallelism over chunked, sharded model states with rCache (Elixir).
+
+One per rank of the default process group; the same interface as the reference ``SingleEngine``.
+A step runs the unit-major program of :mod:`partition.zero.layout`: each unit's forward for all of
+this rank's micro-batches, the last unit's loss and backward, then each unit's backward in reverse
+(recomputing its forward from the saved input with activation checkpointing; otherwise through the
+graph kept since the forward). Before an operator runs, rCache holds the chunks its unit uses
+(:class:`~scheduler.zero.cache.RCache`); after the last backward call of a chunk's run, its gradient
+is reduce-scattered into the owners' shards (:class:`~scheduler.zero.cache.GradBuffers`). Then the
+global norm, clipping and loss scaling as in the other modes; GPU chunks take one fused AdamW step,
+offloaded chunks a CPU AdamW each on the optimizer thread -- as soon as their gradients are down
+when nothing waits for the norm (no clipping, no fp16), which then overlaps the backward and the next
+step's forward until that chunk is gathered.
+
+Micro-batches: rank ``r`` of ``N`` takes micro-batches ``r*M/N .. (r+1)*M/N - 1`` of the step's ``M``
+(dropout seeded by their global index), so every mode trains the same model from the same config.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mobius.checkpoint import ProcessGroup, RankState, ResumeState
+from mobius.config import Config
+from mobius.engine import DTYPES, Batch, StepStats, autocast
+from mobius.errors import CheckpointError, MobiusError
+from mobius.models import ModelConfig, dropout_active, unit_specs
+from mobius.models.base import lm_loss, run_units
+from mobius.models.hf import LazyCheckpoint, from_hf
+from mobius.optim import LossScaler, clip_coefficient
+from mobius.parallel import ParallelSettings
+from partition.zero import OpKind, ZeroPlan, build_layout, eval_program, grad_flushes, train_program
+from scheduler.comm import all_gather_flat
+from scheduler.stages import build_units, unit_prefix
+from scheduler.store import check_host_memory
+from scheduler.zero.cache import GradBuffers, RCache, Streams
+from scheduler.zero.params import bind, initial_tensors, model_params
+from scheduler.zero.store import HostChunk, Shards
+
+log = logging.getLogger(__name__)
+
+
+def share(micro_batches: int, rank: int, world: int) -> range:
+    """The micro-batches rank ``rank`` of ``world`` takes: a contiguous block, in order."""
+    return range(rank * micro_batches // world, (rank + 1) * micro_batches // world)
+
+
+@dataclass
+class _Pass:
+    """Per-step (or per-evaluation) state of the dispatch thread."""
+
+    train: bool
+    step: int
+    mine: range
+    inputs: dict[int, torch.Tensor]
+    targets: dict[int, torch.Tensor]
+    factor: float = 1.0  # loss multiplier: loss scale / micro-batches
+    lr: float = 0.0
+    acts: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (unit, micro) -> the unit's input
+    graphs: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (unit, micro) -> (input, output), no AC
+    bound: dict[int, list] = field(default_factory=dict)  # unit -> parameters its kept graphs use
+    dys: dict[int, torch.Tensor] = field(default_factory=dict)  # micro -> gradient flowing back
+    loss_sum: torch.Tensor | float = 0.0
+    flushed: dict[int, int] = field(default_factory=dict)
+    arrived: list[tuple[int, object]] = field(default_factory=list)  # offloaded chunk, its gradient's event
+
+
+class ZeroEngine:
+    """Chunked ZeRO with rCache on this rank (module docstring). ``settings`` is taken for the common
+    engine signature; the plan carries everything zero mode needs from it."""
+
+    def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: ZeroPlan, settings: ParallelSettings,
+                 device: torch.device, weights_from: str | None = None):
+        self.cfg, self.model_cfg, self.plan, self.device = cfg, model_cfg, plan, device
+        self.comm = ProcessGroup()
+        self.rank, self.world = self.comm.rank, self.comm.world
+        self.is_main = self.rank == 0
+        if self.world != plan.world:
+            raise MobiusError(f"the zero plan is for {plan.world} ranks but {self.world} are running")
+        self.dtype = DTYPES[cfg.train.precision]
+        num_units = len(unit_specs(model_cfg))
+        self.layout = build_layout(model_params(model_cfg), num_units, plan.chunk_size, self.world, plan.align)
+        assert self.layout.num_chunks == plan.num_chunks, (self.layout.num_chunks, plan.num_chunks)
+        self.index = {n: i for i, p in enumerate(self.layout.params) for n in p.names}
+        self.program, self.eval_ops = train_program(num_units), eval_program(num_units)
+        self.flushes = grad_flushes(self.program, self.layout)
+        self.runs = {c: sum(c in f for f in self.flushes) for c in range(self.layout.num_chunks)}
+        self.barrier = cfg.train.grad_clip > 0 or cfg.train.precision == "fp16"  # updates wait for the norm
+        self._build_state(plan, device)
+        self._load_weights(weights_from)
+        self.streams = Streams(device)
+        group = self._group(device)
+        self.cache = RCache(self.layout, plan.cache_blocks, self.dtype, self.rank, self.world, group, self.streams,
+                            self._fill, plan.prefetch)
+        self.grads = GradBuffers(self.layout, self.layout.min_blocks + 1, self.rank, self.world, group, self.streams)
+        self.units = build_units(model_cfg, 0, num_units)
+        self.optim = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam")
+        self.jobs: list[Future] = []
+        self.failure: BaseException | None = None
+        self.cpu_adam_s = 0.0  # optimizer-thread seconds since the last step's statistics
+        self._adam_lock = threading.Lock()
+        self.updated: torch.cuda.Event | None = None  # the last GPU update (gathers of the next pass wait)
+        self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
+        self.optimizer_step = 0
+        self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
+        log.debug("zero rank %d: %d chunks of %d (%d on %s, %d offloaded), %d rCache blocks", self.rank,
+                  self.layout.num_chunks, self.layout.padded, len(self.gpu.chunks), device, len(self.hosts),
+                  plan.cache_blocks)
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _build_state(self, plan: ZeroPlan, device: torch.device) -> None:
+        n, g = self.layout.num_chunks, min(plan.gpu_chunks, self.layout.num_chunks)
+        offloaded = list(range(g, n))
+        half = 0 if self.dtype == torch.float32 else self.dtype.itemsize
+        check_host_memory(len(offloaded) * self.layout.shard * (16 + half), f"zero rank {self.rank}'s offloaded chunks")
+        self.gpu = Shards(self.layout, list(range(g)), self.rank, device, self.cfg.train)
+        pin = device.type == "cuda"
+        self.hosts = {c: HostChunk(self.layout, c, self.rank, self.dtype, self.cfg.train, pin) for c in offloaded}
+
+    def _group(self, device: torch.device) -> object:
+        """The chunks' collectives: NCCL between GPUs, gloo between CPU workers (none for one rank)."""
+        if self.world == 1:
+            return None
+        return dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
+
+    def _my_segments(self, chunk: int) -> list[tuple[int, int, int, int]]:
+        """(param, start in the param, start in my shard, length) of what my shard of ``chunk`` holds."""
+        s = self.layout.shard
+        lo, hi = self.rank * s, (self.rank + 1) * s
+        out = []
+        for seg in self.layout.chunks[chunk].segments:
+            a, b = max(seg.offset, lo), min(seg.offset + seg.numel, hi)
+            if a < b:
+                out.append((seg.param, seg.start + a - seg.offset, a - lo, b - a))
+        return out
+
+    def _shards_of(self, chunk: int) -> Shards:
+        return self.hosts[chunk].shards if chunk in self.hosts else self.gpu
+
+    def _load_weights(self, source: str | None) -> None:
+        """Fill this rank's master shards from a checkpoint (only the tensors they need) or the seed."""
+        needed = {p for c in range(self.layout.num_chunks) for p, *_ in self._my_segments(c)}
+        names = {self.layout.params[p].names[0] for p in needed}
+        if source is not None:
+            weights = from_hf(LazyCheckpoint(source), self.model_cfg, only=lambda k: k in names)
+        else:
+            weights = initial_tensors(self.model_cfg, self.cfg.train.seed, {self.layout.params[p].units[0] for p in needed})
+        missing = names - set(weights)
+        if missing:
+            raise CheckpointError(f"{source}: no weights for {sorted(missing)[:3]}")
+        for c in range(self.layout.num_chunks):
+            dst = self._shards_of(c).master_of(c)
+            for p, start, at, n in self._my_segments(c):
+                flat = weights[self.layout.params[p].names[0]].reshape(-1)
+                dst[at:at + n].copy_(flat[start:start + n])
+        for host in self.hosts.values():
+            host.refresh_half()
+
+    # ---- gathers --------------------------------------------------------------------------------
+    def _fill(self, chunk: int, mine: torch.Tensor) -> None:
+        """This rank's slice of a gathered chunk: the GPU master shard cast to the compute dtype, or
+        the offloaded chunk's half copy uploaded once its CPU update has written it."""
+        host = self.hosts.get(chunk)
+        if host is None:
+            mine.copy_(self.gpu.master_of(chunk))
+            return
+        host.ready.wait()
+        mine.copy_(host.half, non_blocking=True)
+
+    # ---- a step ---------------------------------------------------------------------------------
+    def _begin(self, train: bool, step: int, batches: list[Batch], factor: float) -> _Pass:
+        self.check()
+        mine = share(len(batches), self.rank, self.world)
+        put = (lambda t: t.pin_memory().to(self.device, non_blocking=True)) if self.device.type == "cuda" else \
+            (lambda t: t)
+        for unit in self.units:
+            unit.train(train)
+        self.cache.begin("train" if train else "eval", self.updated)
+        self.updated = None
+        return _Pass(train, step, mine, {m: put(batches[m][0]) for m in mine}, {m: put(batches[m][1]) for m in mine},
+                     factor)
+
+    def _run(self, st: _Pass) -> None:
+        ops = self.program if st.train else self.eval_ops
+        for t, op in enumerate(ops):
+            chunks = self.layout.unit_chunks[op.unit]
+            self.cache.acquire(chunks)
+            {OpKind.FORWARD: self._forward, OpKind.LOSS: self._loss, OpKind.EVAL: self._loss,
+             OpKind.BACKWARD: self._backward}[op.kind](op.unit, st)
+            self.cache.release(chunks)
+            for c in self.flushes[t] if st.train else ():
+                self._flush(c, st)
+        self.cache.end()
+
+    def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats:
+        M = len(batches)
+        if M % self.world:
+            raise MobiusError(f"{M} micro-batches cannot be split evenly among {self.world} zero ranks")
+        st = self._begin(True, step, batches, self.scaler.loss_factor() / M)
+        st.lr = lr
+        self._run(st)
+        gathers = list(self.cache.gathered)
+        total = self._reduce({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine)),
+                              "sumsq": self.grads.take_sumsq()})
+        scale = self.scaler.loss_factor()
+        norm = math.sqrt(total["sumsq"]) / scale if math.isfinite(total["sumsq"]) else math.inf
+        skipped = self.scaler.update(not math.isfinite(norm))
+        factor = clip_coefficient(norm, self.cfg.train.grad_clip) / scale
+        if not skipped:
+            self.gpu.step(lr, factor)
+            self.optimizer_step += 1
+        self.updated = self.streams.record()
+        if self.barrier:
+            for c, done in st.arrived:
+                self._queue_update(c, done, lr, factor, skipped)
+        self.cache.invalidate()
+        return StepStats(total["loss_sum"] / total["micro"], norm, skipped,
+                         self.scaler.scale if self.scaler.enabled else 1.0, self._counters(gathers))
+
+    def _counters(self, gathers: list[int]) -> dict:
+        """Bytes this rank moved in the step (by the plan's accounting) and CPU AdamW seconds."""
+        s, e, N = self.layout.shard, self.dtype.itemsize, self.world
+        offloaded = sum(1 for c in gathers if c in self.hosts)
+        flushes = sum(len(f) for f in self.flushes)
+        with self._adam_lock:
+            adam, self.cpu_adam_s = self.cpu_adam_s, 0.0
+        return {"gathers": len(gathers), "replaced_bytes": len(gathers) * self.layout.padded * e,
+                "allgather_bytes": len(gathers) * (N - 1) * s * e, "reduce_scatter_bytes": flushes * (N - 1) * s * 4,
+                "h2d_bytes": offloaded * s * e, "d2h_bytes": len(self.hosts) * s * 4, "cpu_adam_s": round(adam, 4)}
+
+    # ---- operators ------------------------------------------------------------------------------
+    def _bind(self, unit: int, grad: bool) -> list:
+        """Point unit ``unit``'s modules at its parameters in rCache (a parameter split over chunks is
+        assembled into one tensor); returns (parameter index, Parameter) pairs."""
+        def tensor_of(name: str) -> torch.Tensor:
+            i = self.index[name]
+            shape, pieces = self.layout.params[i].shape, self.layout.pieces[i]
+            parts = [self.cache.view(c)[seg.offset:seg.offset + seg.numel] for c, seg in pieces]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
+        prefix = unit_prefix(unit, len(self.units))
+        return [(self.index[n], p) for n, p in bind(self.units[unit], prefix, tensor_of, grad)]
+
+    def _call(self, unit: int, x: torch.Tensor, m: int, st: _Pass) -> torch.Tensor:
+        seed = (self.dropout_seed, st.step, m) if self.dropout_seed is not None else None
+        with autocast(self.device, self.cfg.train.precision):
+            return run_units([self.units[unit]], x, unit, dropout_seed=seed)
+
+    def _forward(self, unit: int, st: _Pass) -> None:
+        keep = st.train and not self.cfg.model.activation_checkpointing  # graphs wait for the backward
+        bound = self._bind(unit, grad=keep)
+        for m in st.mine:
+            x = st.inputs[m] if unit == 0 else st.acts[(unit, m)]
+            if keep:
+                x = x.detach().requires_grad_() if x.is_floating_point() else x
+                with torch.autograd.graph.saved_tensors_hooks(self.cache.pack, self.cache.unpack):
+                    y = self._call(unit, x, m, st)
+                st.graphs[(unit, m)] = (x, y)
+            else:
+                with torch.no_grad():
+                    y = self._call(unit, x, m, st)
+                if not st.train:
+                    st.acts.pop((unit, m), None)
+            st.acts[(unit + 1, m)] = y
+        if keep:
+            st.bound[unit] = bound
+
+    def _loss(self, unit: int, st: _Pass) -> None:
+        """The last unit: loss (and in training its backward, which starts the backward pass)."""
+        bound = self._bind(unit, grad=st.train)
+        for m in st.mine:
+            x = st.acts.pop((unit, m))
+            if not st.train:
+                with torch.no_grad():
+                    st.loss_sum = st.loss_sum + lm_loss(self._call(unit, x, m, st), st.targets[m]).float()
+                continue
+            x = x.detach().requires_grad_()
+            loss = lm_loss(self._call(unit, x, m, st), st.targets[m])
+            (loss * st.factor).backward()
+            self._fold(bound)
+            st.dys[m] = x.grad
+            st.loss_sum = st.loss_sum + loss.detach().float()
+
+    def _backward(self, unit: int, st: _Pass) -> None:
+        ac = self.cfg.model.activation_checkpointing
+        bound = self._bind(unit, grad=True) if ac else st.bound.pop(unit)
+        for m in st.mine:
+            dy = st.dys.pop(m)
+            if ac:  # recompute the unit's forward from its saved input
+                x = st.acts.pop((unit, m)) if unit else st.inputs[m]
+                x = x.detach().requires_grad_() if x.is_floating_point() else x
+                y = self._call(unit, x, m, st)
+            else:
+                x, y = st.graphs.pop((unit, m))
+            torch.autograd.backward(y, dy.to(y.dtype))
+            self._fold(bound)
+            if unit > 0:
+                st.dys[m] = x.grad
+
+    def _fold(self, bound: list) -> None:
+        """Add the parameters' gradients into their chunks' fp32 gradient buffers."""
+        for i, p in bound:
+            if p.grad is None:
+                continue
+            flat = p.grad.reshape(-1)
+            for c, seg in self.layout.pieces[i]:
+                self.grads.get(c)[seg.offset:seg.offset + seg.numel].add_(flat[seg.start:seg.start + seg.numel])
+            p.grad = None
+
+    # ---- gradients and updates ------------------------------------------------------------------
+    def _flush(self, chunk: int, st: _Pass) -> None:
+        st.flushed[chunk] = st.flushed.get(chunk, 0) + 1
+        final = st.flushed[chunk] == self.runs[chunk]
+        host = self.hosts.get(chunk)
+        if host is not None and final:
+            host.ready.clear()  # its half copy is stale until the CPU update
+        target = host.shards.grad if host is not None else self.gpu.grad_of(chunk)
+        done = self.grads.flush(chunk, final, target)
+        if host is not None and final:
+            st.arrived.append((chunk, done))
+            if not self.barrier:  # the factor is 1: update as soon as the gradient is down
+                self._queue_update(chunk, done, st.lr, 1.0, False)
+
+    def _queue_update(self, chunk: int, done: object, lr: float, factor: float, skip: bool) -> None:
+        self.jobs = [j for j in self.jobs if not j.done()]
+        self.jobs.append(self.optim.submit(self._cpu_update, chunk, done, lr, factor, skip))
+
+    def _cpu_update(self, chunk: int, done: object, lr: float, factor: float, skip: bool) -> None:
+        """(Optimizer thread) CPU AdamW of an offloaded chunk once its gradient shard is in host memory."""
+        t0 = time.perf_counter()
+        host = self.hosts[chunk]
+        try:
+            if done is not None:
+                done.synchronize()
+            if not skip:
+                host.update(lr, factor)
+        except BaseException as e:  # surfaced by check() on the dispatch thread
+            self.failure = self.failure or e
+        finally:
+            with self._adam_lock:
+                self.cpu_adam_s += time.perf_counter() - t0
+            host.ready.set()
+
+    def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
+        names = sorted(stats)
+        vec = torch.tensor([stats[k] for k in names], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(vec)
+        return dict(zip(names, vec.tolist()))
+
+    def sync(self) -> None:
+        """Wait for every queued CPU update (and surface a failure of one)."""
+        for j in self.jobs:
+            j.result()
+        self.jobs = []
+        self.check()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"a CPU update failed: {type(self.failure).__name__}: {self.failure}") from self.failure
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> float:
+        st = self._begin(False, 0, batches, 1.0)
+        self._run(st)
+        total = self._reduce({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine))})
+        return total["loss_sum"] / max(total["micro"], 1.0)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def _owners(self) -> list[int]:
+        """The rank that writes each parameter: contiguous runs of about equal size."""
+        total, acc, out = self.layout.param_numel, 0, []
+        for p in self.layout.params:
+            out.append(min(self.world - 1, acc * self.world // max(total, 1)))
+            acc += p.numel
+        return out
+
+    def rank_state(self, with_moments: bool) -> RankState:
+        """This rank's share of complete fp32 weights (and AdamW moments) by parameter name."""
+        self.sync()
+        owner = self._owners()
+        mine = [i for i, r in enumerate(owner) if r == self.rank]
+        moments = with_moments and self.optimizer_step > 0
+        parts = 3 if moments else 1
+        full = {i: torch.zeros(parts, self.layout.params[i].numel) for i in mine}  # [parts, numel]
+        for c in range(self.layout.num_chunks):
+            chunk = self._gather_state(c, moments)  # [parts, P]
+            for seg in self.layout.chunks[c].segments:
+                if owner[seg.param] == self.rank:
+                    full[seg.param][:, seg.start:seg.start + seg.numel] = chunk[:, seg.offset:seg.offset + seg.numel]
+        weights, mom = {}, {}
+        for i in mine:
+            p = self.layout.params[i]
+            for name in p.names:
+                weights[name] = full[i][0].view(p.shape)
+            if moments:
+                mom[p.names[0]] = (full[i][1].view(p.shape), full[i][2].view(p.shape))
+        return RankState(weights, mom, self.optimizer_step, self.scaler.state_dict())
+
+    def _gather_state(self, chunk: int, moments: bool) -> torch.Tensor:
+        """A whole chunk's fp32 master (and m, v) on every rank, on the CPU: [parts, P]."""
+        shards = self._shards_of(chunk)
+        rows = [shards.master_of(chunk)]
+        if moments:
+            mv = shards.moments_of(chunk)
+            rows += list(mv) if mv is not None else [torch.zeros_like(rows[0])] * 2
+        mine = torch.stack([r.detach().float().cpu() for r in rows])  # [parts, s]
+        if self.world == 1:
+            return mine
+        out = torch.empty(self.world * mine.shape[0], mine.shape[1])
+        all_gather_flat(out, mine)
+        return out.view(self.world, -1, mine.shape[1]).permute(1, 0, 2).reshape(mine.shape[0], -1)
+
+    def load_state(self, resume: ResumeState) -> None:
+        """AdamW moments by parameter name (from any mode's checkpoint), step count and loss scale."""
+        self.sync()
+        self.optimizer_step = resume.optimizer_step
+        self.scaler.load_state_dict(resume.scaler)
+        s = self.layout.shard
+        for c in range(self.layout.num_chunks):
+            segs = self._my_segments(c)
+            names = sorted({self.layout.params[p].names[0] for p, *_ in segs})
+            moments = resume.moments(names, self.model_cfg) if names else {}
+            if not moments:
+                continue
+            m, v = torch.zeros(s), torch.zeros(s)
+            for p, start, at, n in segs:
+                pm, pv = moments[self.layout.params[p].names[0]]
+                m[at:at + n] = pm.reshape(-1)[start:start + n]
+                v[at:at + n] = pv.reshape(-1)[start:start + n]
+            self._shards_of(c).load_moments_of(c, m, v, self.optimizer_step)
+
+    def close(self) -> None:
+        self.sync()
+        self.optim.shutdown(wait=True)

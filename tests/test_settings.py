@@ -1,0 +1,76 @@
+"""The parallel settings, resolved in one place from the config and the machine."""
+
+from __future__ import annotations
+
+import pytest
+
+import topology
+from mobius.app.settings import DEVICE_RESERVE_BYTES, Machine, resolve
+from mobius.config import config_from_dict
+from mobius.errors import ConfigError, NotAvailableError
+
+GiB = 2**30
+
+
+def _cfg(**parallel):
+    return config_from_dict({"model": {"preset": "gpt2-tiny"}, "parallel": parallel}, "test.yaml")
+
+
+def _box(groups, p2p: bool = False, cpus: int = 32) -> Machine:
+    return Machine(topology.Topology.synthetic(groups, memory_bytes=24 * GiB, p2p=p2p), cpus, local=False)
+
+
+@pytest.mark.parametrize("mode", ["single", "pipeline", "auto"])
+def test_asking_for_cuda_without_a_gpu_stops_in_every_mode(mode: str) -> None:
+    devices = 1 if mode == "single" else 2
+    with pytest.raises(NotAvailableError, match="parallel.device=cuda but no CUDA GPU"):
+        resolve(_cfg(mode=mode, device="cuda", devices=devices), Machine.cpu_only())
+
+
+def test_cpu_workers_stand_in_for_gpus() -> None:
+    s = resolve(_cfg(mode="pipeline", devices=2), Machine(None, 8, local=True))
+    assert (s.device, s.gpus, s.workers, s.p2p, s.shared_gpu) == ("cpu", 0, 2, False, False)
+    assert s.cpu_threads == 4 and s.groups == ((0,), (1,)) and s.memory_bytes == 4 * GiB
+
+
+def test_auto_is_single_on_one_device_and_the_pipeline_on_several() -> None:
+    assert resolve(_cfg(devices=1), _box([1])).mode == "single"
+    many = resolve(_cfg(devices=4), _box([2, 2]))
+    assert many.mode == "pipeline" and "auto" in many.reason
+
+
+def test_a_whole_gpu_keeps_a_reserve_and_root_complexes_group_the_workers() -> None:
+    s = resolve(_cfg(mode="pipeline", devices=4), _box([2, 2]))
+    assert s.device == "cuda" and s.gpus == 4 and not s.memory_capped
+    assert s.memory_bytes == 24 * GiB - DEVICE_RESERVE_BYTES
+    assert s.groups == ((0, 1), (2, 3))
+    assert s.cpu_threads == 32 // 4 - 2  # the worker's share, less its dispatch and copy threads
+
+
+def test_workers_sharing_a_gpu_split_it_and_stage_their_transfers() -> None:
+    s = resolve(_cfg(mode="pipeline", devices=2, p2p="auto"), _box([1], p2p=True))
+    assert s.shared_gpu and s.memory_capped and s.memory_bytes == 12 * GiB and not s.p2p
+    assert s.groups == ((0, 1),)
+    with pytest.raises(ConfigError, match="one GPU per worker"):
+        resolve(_cfg(mode="pipeline", devices=2, p2p="on"), _box([1]))
+
+
+def test_peer_access_decides_p2p() -> None:
+    assert resolve(_cfg(mode="pipeline", devices=2), _box([2], p2p=True)).p2p
+    assert not resolve(_cfg(mode="pipeline", devices=2), _box([2], p2p=False)).p2p
+    assert not resolve(_cfg(mode="pipeline", devices=2, p2p="off"), _box([2], p2p=True)).p2p
+
+
+def test_a_memory_cap_larger_than_the_gpu_share_is_refused() -> None:
+    raw = {"model": {"preset": "gpt2-tiny"}, "parallel": {"mode": "pipeline", "devices": 2},
+           "partition": {"gpu_memory_gib": 16}}
+    with pytest.raises(ConfigError, match="gpu_memory_gib=16 for 2 worker"):
+        resolve(config_from_dict(raw, "t.yaml"), _box([1]))
+    raw["partition"]["gpu_memory_gib"] = 10
+    s = resolve(config_from_dict(raw, "t.yaml"), _box([1]))
+    assert s.memory_bytes == 10 * GiB and s.memory_capped
+
+
+def test_single_mode_runs_on_one_device() -> None:
+    with pytest.raises(ConfigError, match="parallel.mode=single runs on one device"):
+        resolve(_cfg(mode="single", devices=2), _box([2]))
