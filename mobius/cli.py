@@ -1,7 +1,11 @@
 """The ``mobius`` command: thin entry points over the library.
 
 Every user-facing failure is a :class:`mobius.errors.MobiusError`; it is printed as one line
-(``mobius: error: ...``) and the process exits with code 2, never with a traceback.
+(``mobius: error: ...``) and the process exits with code 2, never with a traceback. Under ``torchrun``
+(``torchrun ... -m mobius train run.yaml``) each process logs with its rank (rank 0 at INFO, the others
+warnings only), any failure is also recorded for torchrun's report of the root cause (what
+``torch.distributed.elastic``'s ``@record`` does) with its traceback, and the process leaves at once,
+so that a thread blocked on a lost peer cannot keep it alive.
 """
 
 from __future__ import annotations
@@ -9,10 +13,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from mobius import __version__
-from mobius.app.supervise import Interrupted
+from mobius.app.settings import Torchrun
+from mobius.app.supervise import ECHOES, Interrupted
 from mobius.errors import MobiusError
 
 # sub-command name -> module in mobius.commands exposing add_parser(subparsers) and run(args) -> int
@@ -38,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
-        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+        _logging(args.verbose)
         if args.command is None:
             parser.print_help()
             return 2
@@ -50,11 +56,55 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mobius: {e}", file=sys.stderr)
         return e.exit_code
     except MobiusError as e:
-        print(f"mobius: error: {e}", file=sys.stderr)
-        return 2
+        return _failed(e, f"mobius: error: {e}", 2)
     except KeyboardInterrupt:
         print("mobius: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        rank = _rank()
+        if rank is None:
+            raise
+        return _failed(e, f"mobius: error: {_worker_failure(rank, e)}", 1)
+
+
+def _rank() -> int | None:
+    """This process's rank when torchrun started it."""
+    try:
+        run = Torchrun.from_env()
+    except MobiusError:
+        return int(os.environ["RANK"])
+    return None if run is None else run.rank
+
+
+def _logging(verbose: bool) -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    rank = _rank()
+    if rank is None:
+        logging.basicConfig(level=level, format="%(message)s")
+    else:
+        logging.basicConfig(level=level if rank == 0 or verbose else logging.WARNING,
+                            format=f"[rank {rank}] %(message)s")
+
+
+def _worker_failure(rank: int, e: Exception) -> str:
+    """One line for a rank that failed: the exception, or that it lost a peer (another rank failed first)."""
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    if any(echo in str(e) for echo in ECHOES):
+        return f"rank {rank} lost its connection to another rank, which failed or was stopped ({text})"
+    return f"rank {rank} failed: {text}"
+
+
+def _failed(e: BaseException, line: str, code: int) -> int:
+    """Print the one line; under torchrun also record ``e`` for its report and leave now."""
+    print(line, file=sys.stderr)
+    if _rank() is None:
+        return code
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(e)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

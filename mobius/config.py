@@ -133,6 +133,17 @@ class ParallelSection(_Section):
                          "same tracks as the simulator's trace from 'mobius plan --trace'.", ge=0)
     stages: int = _f(0, "Pipeline stages; 0 lets the partitioner choose. A number splits the units evenly "
                      "(for experiments).", ge=0)
+    resident_stages: list[int] | None = _f(None, "Pipeline stages kept on their GPU for good (weights, fp32 master "
+                                           "and AdamW states; a device AdamW, no uploads or downloads). null: the "
+                                           "planner chooses where GPU memory is free and the step gets faster; []: none.")
+    kept_stages: list[int] | None = _f(None, "Pipeline stages that keep their forward's activations for the backward "
+                                       "instead of recomputing them (resident stages or a GPU's last swapped stage). "
+                                       "null: the planner chooses; []: none.")
+    grad_download: Literal["auto", "fp32", "half"] = _f("auto", "Precision of the pipeline's gradient downloads: fp32 "
+                                                        "(the exact sums), half (bf16 only: half the bytes and 4 fewer "
+                                                        "host bytes per parameter, gradients rounded to bf16), auto "
+                                                        "(half when host memory needs it or the simulated step is 5% "
+                                                        "shorter).")
 
 
 @dataclass
@@ -227,6 +238,10 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
             choices = "|".join(str(a) for a in typing.get_args(tp))
             raise ConfigError(f"{where} must be one of {choices}, got {value!r}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_check_type(v, typing.get_args(tp)[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML reads "3e-4" as a string

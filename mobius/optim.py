@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw as adamw_functional
 
 from mobius.config import TrainSection
 
@@ -86,3 +87,64 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     if max_norm <= 0 or not math.isfinite(total_norm):
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def host_bytes_per_param(precision: str, half_grads: bool) -> int:
+    """Host bytes of a swapped pipeline stage's parameter: fp32 master (4) + AdamW moments (8) + the
+    pinned half-precision upload copy (2; the master itself in fp32) + the pinned fp32 gradient the
+    GPU's sums come down to (4; none when gradients come down in the half dtype, into the half copy)."""
+    if precision == "fp32":
+        return 16
+    return 14 if half_grads else 18
+
+
+UPDATE_BLOCK = 1 << 24  # elements per block of a host update (bounds the scratch of half gradients: 64 MB)
+
+
+class FlatAdamW:
+    """AdamW over one flat fp32 master buffer, whose first ``decay_numel`` entries take weight decay,
+    with its moments beside it on the same device (host memory, or the GPU of a resident stage).
+
+    One :meth:`step` is torch's fused AdamW kernel run block by block: each block reads its gradient
+    (fp32, or the half dtype converted into a small scratch buffer), updates master and moments, and
+    writes the block's half-precision copy while the block is still in cache. The gradient factor
+    (clipping, loss scale) is folded into the kernel, not a separate pass over the gradients.
+    """
+
+    def __init__(self, master: torch.Tensor, half: torch.Tensor | None, decay_numel: int, cfg: TrainSection,
+                 block: int = UPDATE_BLOCK):
+        self.master, self.half, self.decay_numel, self.cfg = master, half, decay_numel, cfg
+        self.block = block if master.device.type == "cpu" else master.numel()  # one kernel on a GPU
+        self.m = torch.zeros_like(master)
+        self.v = torch.zeros_like(master)
+        self.steps = 0  # updates applied so far (AdamW's bias correction)
+        self._scratch: torch.Tensor | None = None
+
+    def step(self, grad: torch.Tensor, lr: float, grad_factor: float = 1.0) -> None:
+        """One AdamW step with gradient ``grad * grad_factor`` (an fp32 ``grad`` is scaled in place)."""
+        self.steps += 1
+        n, d = self.master.numel(), self.decay_numel
+        dev = self.master.device
+        scale = torch.tensor(1.0 / grad_factor, device=dev) if grad_factor != 1.0 else None
+        count = torch.zeros((), dtype=torch.float32, device=dev)
+        for lo, hi, wd in ((0, d, self.cfg.weight_decay), (d, n, 0.0)):
+            for a in range(lo, hi, self.block):
+                b = min(hi, a + self.block)
+                g = grad[a:b] if grad.dtype == torch.float32 else self._fp32(grad[a:b])
+                count.fill_(self.steps - 1)  # the kernel counts it up to this step
+                adamw_functional([self.master[a:b]], [g], [self.m[a:b]], [self.v[a:b]], [], [count], fused=True,
+                                 grad_scale=scale, amsgrad=False, beta1=self.cfg.beta1, beta2=self.cfg.beta2, lr=lr,
+                                 weight_decay=wd, eps=self.cfg.eps, maximize=False)
+                if self.half is not None:
+                    self.half[a:b].copy_(self.master[a:b])
+
+    def _fp32(self, g: torch.Tensor) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < g.numel():
+            self._scratch = torch.empty(min(self.block, self.master.numel()), device=self.master.device)
+        return self._scratch[:g.numel()].copy_(g)
+
+    def load(self, m: torch.Tensor, v: torch.Tensor, steps: int) -> None:
+        """Set the moments (flat, like the master) and the number of updates applied."""
+        self.m.copy_(m)
+        self.v.copy_(v)
+        self.steps = steps

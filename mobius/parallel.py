@@ -13,11 +13,11 @@ Mode = Literal["single", "pipeline", "zero"]
 class ParallelSettings:
     """The resolved parallel layout of a run.
 
-    ``workers`` processes (one in single mode) run on ``device``; on CUDA, worker ``w`` uses GPU
-    ``w % gpus``, so several workers may share one GPU (``shared_gpu``: each capped at
-    ``memory_bytes``, transfers staged through host memory). ``groups`` lists the workers whose
-    host transfers share a link (a root complex, or one GPU's link); uploads within a group are
-    served in stage order.
+    ``workers`` processes (one in single mode) run on ``device``, ``workers / nodes`` on each machine
+    (``nodes`` > 1 only under ``torchrun --nnodes``); on CUDA, local worker ``w`` uses GPU ``w % gpus``,
+    so several workers may share one GPU (``shared_gpu``: each capped at ``memory_bytes``, transfers
+    staged through host memory). ``groups`` lists the workers whose host transfers share a link (a
+    root complex, or one GPU's link); uploads within a group are served in stage order.
     """
 
     mode: Mode
@@ -30,8 +30,10 @@ class ParallelSettings:
     cpu_threads: int  # torch threads per worker
     groups: tuple[tuple[int, ...], ...]
     reason: str = ""  # why this mode (and device) were chosen
+    nodes: int = 1  # machines the workers are spread over (torchrun's nodes), the same number on each
 
     def __post_init__(self) -> None:
+        assert self.nodes >= 1 and self.workers % self.nodes == 0, self
         assert self.workers >= 1 and self.cpu_threads >= 1 and self.memory_bytes > 0, self
         assert (self.device == "cpu") == (self.gpus == 0), self
         assert self.mode != "single" or self.workers == 1, self
@@ -39,9 +41,14 @@ class ParallelSettings:
         assert not self.p2p or (self.device == "cuda" and not self.shared_gpu), self
 
     @property
+    def local_workers(self) -> int:
+        """Workers on each machine."""
+        return self.workers // self.nodes
+
+    @property
     def shared_gpu(self) -> bool:
         """Several workers on one GPU."""
-        return self.device == "cuda" and self.workers > self.gpus
+        return self.device == "cuda" and self.local_workers > self.gpus
 
     def gpu_of(self, worker: int) -> int | None:
         """The CUDA device index of a worker (None on the CPU)."""
@@ -56,6 +63,7 @@ class ParallelSettings:
 
     def describe(self) -> str:
         where = "CPU worker process(es)" if self.device == "cpu" else f"GPU(s) ({self.gpus} in use)"
-        return (f"mode {self.mode}: {self.workers} {where}, {self.memory_bytes / 2**30:.1f} GiB each, "
+        nodes = f" on {self.nodes} nodes" if self.nodes > 1 else ""
+        return (f"mode {self.mode}: {self.workers} {where}{nodes}, {self.memory_bytes / 2**30:.1f} GiB each, "
                 f"{self.cpu_threads} CPU thread(s) per worker, activations {self.activation_path()}"
                 + (f" ({self.reason})" if self.reason else ""))

@@ -27,6 +27,13 @@ class PipelineOptions:
     num_slots: int = 2
     offload_inputs: bool = False
     barrier: bool = False  # clipping or fp16: updates wait for the global norm
+    resident: frozenset[int] = frozenset()  # stages kept on their GPU (of one partition)
+    kept: frozenset[int] = frozenset()  # stages that keep their forward's activations
+    grad_dtype: str = "fp32"  # gradient downloads: fp32 sums, or "half" (the training dtype)
+
+    @property
+    def grad_bytes(self) -> float:
+        return 2.0 if self.grad_dtype == "half" else 4.0
 
 
 @dataclass
@@ -43,10 +50,17 @@ def slot_gb(param_bytes: float, grad_bytes: float, param_count: float, half: boo
     return (param_bytes + grad_bytes + (4 * param_count if half else 0)) / GB
 
 
+def state_gb(param_bytes: float, grad_bytes: float, param_count: float, half: bool) -> float:
+    """GB of a resident stage on its GPU: its slot plus the fp32 master (a separate copy in half
+    precision) and the AdamW moments: 20 bytes per parameter in bf16/fp16, 16 in fp32."""
+    return slot_gb(param_bytes, grad_bytes, param_count, half) + (12 if half else 8) * param_count / GB
+
+
 def stage_exprs(sc: StageCost, half: bool) -> StageExprs:
     """A stage's quantities in the model's units (seconds, GB, G parameters)."""
     return StageExprs(fwd=sc.fwd_s, bwd=sc.bwd_s + sc.acc_s, params=sc.param_count / GB, pbytes=sc.param_bytes / GB,
                       slot=slot_gb(sc.param_bytes, sc.grad_bytes, sc.param_count, half),
+                      state=state_gb(sc.param_bytes, sc.grad_bytes, sc.param_count, half),
                       in_b=sc.in_bytes / GB, out_b=sc.out_bytes / GB, saved=sc.saved_bytes / GB,
                       work=sc.work_bytes / GB)
 
@@ -62,7 +76,7 @@ def activation_seconds_per_byte(hw: Hardware, src: int, dst: int) -> float:
 
 
 def rates_for(profile: ModelProfile, hw: Hardware, slots: list[int], num_stages: int,
-              bandwidth: str = "link") -> Rates:
+              bandwidth: str = "link", half_grads: bool = False) -> Rates:
     """Per-stage rates of an S-stage pipeline whose stage j runs on GPU ``slots[j % N]``."""
     N = len(slots)
     gpu = [slots[j % N] for j in range(num_stages)]
@@ -74,7 +88,7 @@ def rates_for(profile: ModelProfile, hw: Hardware, slots: list[int], num_stages:
     split = num_stages > 1 and gpu[0] != gpu[-1]
     tie_s = 4 * profile.tied_params / hw.host_copy_Bps if split else 0.0
     return Rates([up(g) / GB for g in gpu], [down(g) / GB for g in gpu], lat_in, lat_back,
-                 hw.cpu_adam_params_per_s / GB, tie_s)
+                 hw.cpu_update_rate(half_grads) / GB, tie_s, hw.device_adam_params_per_s / GB)
 
 
 class ModelEvaluator:
@@ -104,22 +118,28 @@ class ModelEvaluator:
 
     def rates(self, S: int) -> Rates:
         if S not in self._rates:
-            self._rates[S] = rates_for(self.profile, self.hw, self.slots(S), S, self.bandwidth)
+            self._rates[S] = rates_for(self.profile, self.hw, self.slots(S), S, self.bandwidth,
+                                       self.options.grad_dtype == "half")
         return self._rates[S]
 
-    def shape(self, S: int) -> Shape:
-        o = self.options
+    def shape(self, S: int, options: PipelineOptions | None = None) -> Shape:
+        o = options or self.options
         return Shape(S, len(self.slots(S)), self.M, o.num_slots, o.offload_inputs, o.barrier,
-                     tied=self.profile.tied_params > 0)
+                     tied=self.profile.tied_params > 0, resident=o.resident, kept=o.kept, grad_bytes=o.grad_bytes)
 
-    def evaluate(self, boundaries: list[int]) -> Evaluation:
-        """Every event's earliest time for the partition ``boundaries``."""
+    def exprs(self, boundaries: list[int]) -> list[StageExprs]:
+        return [self._exprs.get((a, b)) or self._exprs.setdefault((a, b), stage_exprs(self.stage(a, b), self.half))
+                for a, b in zip(boundaries, boundaries[1:])]
+
+    def evaluate(self, boundaries: list[int], options: PipelineOptions | None = None) -> Evaluation:
+        """Every event's earliest time for the partition ``boundaries`` (under ``options``, by
+        default the evaluator's; the gradient dtype must be the evaluator's)."""
+        assert options is None or options.grad_dtype == self.options.grad_dtype, "rates are cached per dtype"
         self.evaluations += 1
         S = len(boundaries) - 1
-        st = [self._exprs.get((a, b)) or self._exprs.setdefault((a, b), stage_exprs(self.stage(a, b), self.half))
-              for a, b in zip(boundaries, boundaries[1:])]
         alg = Numbers()
-        times = step_model(alg, st, self.rates(S), self.shape(S), self.hw.gpu_memory_bytes / GB)
+        times = step_model(alg, self.exprs(boundaries), self.rates(S), self.shape(S, options),
+                           self.hw.gpu_memory_bytes / GB)
         return Evaluation(math.inf if alg.violations else float(times.step), times, alg.violations)
 
     def step_time(self, boundaries: list[int]) -> float:

@@ -27,6 +27,8 @@ DEFAULT_RESERVE_BYTES = int(1.5 * GiB)  # CUDA context, cuBLAS workspace, alloca
 PAPER_LINK_Bps = 13.1e9  # the Mobius paper's maximum measured host<->GPU bandwidth (§4.2)
 PAPER_ADAM_PARAMS_PER_S = 4.0e9  # assumption: DeepSpeed-style CPU Adam on 2 x Xeon Gold 6130 (32 cores)
 HOST_COPY_Bps = 5e9  # a gloo send between two processes on one host (memory copies through a socket)
+DEVICE_ADAM_BYTES = 30  # a fused AdamW step on the device: master, m, v read and written, fp32 gradient, half copy
+DEVICE_ADAM_PARAMS_PER_S = 936e9 * 0.8 / DEVICE_ADAM_BYTES  # an RTX 3090's memory bandwidth at 80%
 
 
 @dataclass
@@ -46,7 +48,10 @@ class Hardware:
     rc_h2d_by_streams: list[list[float]] | None = None  # per group: aggregate rate of k = 1, 2, ... streams
     rc_d2h_by_streams: list[list[float]] | None = None
     cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S  # one worker's CPU AdamW (+ half-precision refresh)
+    cpu_adam_half_grads_params_per_s: float | None = None  # ... reading half-precision gradients (None: the same)
     host_copy_Bps: float = HOST_COPY_Bps  # tensors between worker processes through host memory (gloo)
+    device_adam_params_per_s: float = DEVICE_ADAM_PARAMS_PER_S  # a resident stage's AdamW on its device
+    host_memory_bytes: int | None = None  # host memory the stores may use (None: unknown, not checked)
     name: str = "custom"
     gpu_names: list[str] = field(default_factory=list)
 
@@ -65,6 +70,12 @@ class Hardware:
         if self.gpu_memory_bytes <= 0:
             raise ConfigError(f"usable GPU memory must be positive, got {self.gpu_memory_bytes} bytes")
         self._group_index = {g: i for i, grp in enumerate(self.groups) for g in grp}
+
+    def cpu_update_rate(self, half_grads: bool = False) -> float:
+        """Parameters per second of one worker's CPU AdamW, with fp32 or half-precision gradients."""
+        if half_grads and self.cpu_adam_half_grads_params_per_s:
+            return self.cpu_adam_half_grads_params_per_s
+        return self.cpu_adam_params_per_s
 
     def group_of(self, gpu: int) -> int:
         """Index of the root complex (group) holding ``gpu``."""
@@ -200,10 +211,13 @@ class Hardware:
         by_h, by_d = _by_streams(gpus, groups, bw)
         pairs = _p2p_pairs(topo, gpus, bw, min(h2d), p2p)
         names = [g.name if g.name != "unknown" or s is None else s.name for g, s in zip(gpus, specs)]
+        known = next((s for s in specs if s is not None), None)
+        device_adam = known.mem_GBps * 1e9 * 0.8 / DEVICE_ADAM_BYTES if known else DEVICE_ADAM_PARAMS_PER_S
         return cls(num_gpus=len(gpus), gpu_memory_bytes=memory, h2d_Bps=h2d, d2h_Bps=d2h, groups=groups,
                    rc_h2d_Bps=rc_h, rc_d2h_Bps=rc_d, p2p_pairs_Bps=pairs, rc_h2d_by_streams=by_h,
                    rc_d2h_by_streams=by_d,
                    cpu_adam_params_per_s=cpu_adam_params_per_s or PAPER_ADAM_PARAMS_PER_S,
+                   device_adam_params_per_s=device_adam,
                    name=f"{len(gpus)} x {names[0] if names else '?'} ({getattr(topo, 'source', 'topology')})",
                    gpu_names=names)
 
@@ -242,6 +256,16 @@ def _gpu_links(gpus: list, specs: list, bw: dict | None) -> tuple[list[float], l
     return h2d, d2h
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Log an assumption once per process (auto mode plans several modes on one machine)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.info("%s", message)
+
+
 def _shared_links(topo: Any, gpus: list, groups: list[list[int]], h2d: list[float], d2h: list[float],
                   bw: dict | None) -> tuple[list[float], list[float]]:
     """Per root complex: the shared host->GPU and GPU->host rates."""
@@ -257,9 +281,9 @@ def _shared_links(topo: Any, gpus: list, groups: list[list[int]], h2d: list[floa
                 rc_h[k] = float(rc["h2d_total_GBps"]) * GB
                 rc_d[k] = float(rc.get("d2h_total_GBps") or rc["h2d_total_GBps"]) * GB
     if bw is None:
-        log.info("no bandwidth file: assuming %s per-GPU links and %s shared per root complex "
-                 "(run 'mobius topo --bench' on the server for measured figures)",
-                 ", ".join(f"{r / GB:.1f}" for r in h2d), ", ".join(f"{r / GB:.1f}" for r in rc_h))
+        _say_once(f"no bandwidth file: assuming {', '.join(f'{r / GB:.1f}' for r in h2d)} per-GPU links and "
+                  f"{', '.join(f'{r / GB:.1f}' for r in rc_h)} shared per root complex (run 'mobius topo --bench' "
+                  f"on the server for measured figures)")
     return rc_h, rc_d
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Literal
 
 from mobius.errors import MobiusError
 from partition.costs import ModelProfile, UnitCost, stage_cost
-from partition.evaluate import GB, ModelEvaluator, PipelineOptions, rates_for, slot_gb, stage_exprs
+from partition.evaluate import GB, ModelEvaluator, PipelineOptions, rates_for, slot_gb, stage_exprs, state_gb
 from partition.hardware import Hardware
 from partition.heuristic import find_incumbent
 from partition.lp import LinearModel, Lin, SolveResult, SolverName, solve
@@ -121,7 +121,8 @@ def _unit_lin(u: UnitCost, half: bool) -> dict[str, float]:
     """A unit's additive quantities in the model's units (its stage's work and boundaries are not)."""
     params = u.param_count / GB
     return {"fwd": u.fwd_s, "bwd": u.bwd_s + u.acc_s, "params": params, "pbytes": u.param_bytes / GB,
-            "slot": slot_gb(u.param_bytes, u.grad_bytes, u.param_count, half), "saved": u.saved_bytes / GB}
+            "slot": slot_gb(u.param_bytes, u.grad_bytes, u.param_count, half),
+            "state": state_gb(u.param_bytes, u.grad_bytes, u.param_count, half), "saved": u.saved_bytes / GB}
 
 
 def _count_encoding(lm: LinearModel, profile: ModelProfile, S: int) -> tuple[list[StageExprs], Callable]:
@@ -148,7 +149,8 @@ def _count_encoding(lm: LinearModel, profile: ModelProfile, S: int) -> tuple[lis
         else:
             work = Lin(const=blk.work_bytes / GB)
         stages.append(StageExprs(fwd=sums["fwd"], bwd=sums["bwd"], params=sums["params"], pbytes=sums["pbytes"],
-                                 slot=sums["slot"], in_b=Lin(), out_b=Lin(), saved=sums["saved"], work=work))
+                                 slot=sums["slot"], state=sums["state"], in_b=Lin(), out_b=Lin(), saved=sums["saved"],
+                                 work=work))
     out0 = has_block[0] * ((blk.act_bytes - emb.act_bytes) / GB) + emb.act_bytes / GB
     for j, st in enumerate(stages):
         st.out_b = out0 if j == 0 else Lin(const=(head.act_bytes if j == S - 1 else blk.act_bytes) / GB)
@@ -183,7 +185,7 @@ def _cut_encoding(lm: LinearModel, profile: ModelProfile, S: int) -> tuple[list[
                     if v:
                         sums[k] = sums[k] + m * v
         stages.append(StageExprs(fwd=sums["fwd"], bwd=sums["bwd"], params=sums["params"], pbytes=sums["pbytes"],
-                                 slot=sums["slot"], in_b=Lin(), out_b=Lin(), saved=sums["saved"],
+                                 slot=sums["slot"], state=sums["state"], in_b=Lin(), out_b=Lin(), saved=sums["saved"],
                                  work=_cut_work(lm, units, z, j)))
     for j, st in enumerate(stages):
         if j == 0:
@@ -262,9 +264,11 @@ def build_model(profile: ModelProfile, hw: Hardware, slots: list[int], micro_bat
         st, decode = _count_encoding(lm, profile, S)
     else:
         st, decode = _cut_encoding(lm, profile, S)
+    assert not options.resident and not options.kept, "residency is chosen after the partition (plan.py)"
     shape = Shape(S, len(slots), micro_batches, options.num_slots, options.offload_inputs, options.barrier,
-                  tied=profile.tied_params > 0)
-    times = step_model(Rows(lm), st, rates_for(profile, hw, slots, S, bandwidth), shape, hw.gpu_memory_bytes / GB)
+                  tied=profile.tied_params > 0, grad_bytes=options.grad_bytes)
+    rates = rates_for(profile, hw, slots, S, bandwidth, options.grad_dtype == "half")
+    times = step_model(Rows(lm), st, rates, shape, hw.gpu_memory_bytes / GB)
     lm.objective = times.step if isinstance(times.step, Lin) else Lin(const=times.step)
     return BuiltModel(lm, S, encoding, decode)
 

@@ -3,13 +3,15 @@ memory, and how it was found.
 
 :func:`plan_model` is the one entry point: profile (or estimate) the units, solve the MIP over every
 stage count under each memory setting the run allows (two device slots or one; boundary inputs kept
-on the GPU or in host memory), simulate the best plan's schedule on the real topology (root-complex
-contention included) and the baselines beside it. The runtime takes ``boundaries``, ``slots``,
-``num_slots`` and ``offload_inputs`` from the plan and builds the same schedule the simulator ran.
+on the GPU or in host memory), choose the resident and kept stages of its partition
+(:mod:`partition.residency`) and the gradient download dtype, simulate the plan's schedule on the
+real topology (root-complex contention included) and the baselines beside it. The runtime takes
+:meth:`Plan.runtime_settings` from the plan and builds the same schedule the simulator ran.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -18,7 +20,10 @@ from typing import Any, Sequence
 
 from partition.baselines import BASELINES
 from partition.costs import ModelProfile, stage_costs
-from partition.evaluate import PipelineOptions, stage_exprs
+from mobius.errors import ConfigError, MobiusError
+from mobius.optim import host_bytes_per_param
+from partition import residency
+from partition.evaluate import ModelEvaluator, PipelineOptions, stage_exprs
 from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.lp import SolverName
@@ -42,11 +47,13 @@ class StagePlan:
     gpu: int
     param_bytes: int
     fwd_s: float  # per micro-batch
-    bwd_s: float  # per micro-batch: recompute + backward (+ fp32 sums); the last stage's FB
+    bwd_s: float  # per micro-batch: recompute + backward (+ fp32 sums); the last stage's FB; no recompute if kept
     fwd_peak_bytes: int  # its worker's device memory during the stage's forward
     bwd_peak_bytes: int  # ... and during its backward
-    resident_backward: bool  # the backward follows the forward on the GPU without re-uploading
+    backward_in_place: bool  # the backward follows the forward on the GPU without re-uploading
     upload_wait_s: float  # simulated time its compute waited for its uploads (prefetch not hiding them)
+    resident: bool = False  # lives on its GPU: no uploads or downloads, a device AdamW
+    kept: bool = False  # keeps its forward's activations for the backward (no recompute)
 
 
 @dataclass
@@ -83,6 +90,11 @@ class Plan:
     param_count: int
     cpu_adam_params_per_s: float
     mip: dict[str, Any] = field(default_factory=dict)
+    resident: list[int] = field(default_factory=list)  # stages kept on their GPU for good
+    kept: list[int] = field(default_factory=list)  # stages that keep their forward's activations
+    grad_dtype: str = "fp32"  # gradient downloads: fp32 sums, or "half" (bf16)
+    host_bytes: int = 0  # host memory of the swapped stages' stores (weights, AdamW, transfer buffers)
+    grad_choice: str = ""  # why this gradient dtype
 
     @property
     def num_stages(self) -> int:
@@ -93,7 +105,8 @@ class Plan:
 
     @property
     def options(self) -> PipelineOptions:
-        return PipelineOptions(self.num_slots, self.offload_inputs, self.barrier)
+        return PipelineOptions(self.num_slots, self.offload_inputs, self.barrier, frozenset(self.resident),
+                               frozenset(self.kept), self.grad_dtype)
 
     def to_json(self) -> dict:
         """A JSON-ready dict (also what ``mobius plan --json`` prints)."""
@@ -113,7 +126,8 @@ class Plan:
     def runtime_settings(self) -> dict:
         """What the runtime takes from the plan (the test that the plan shown is the plan run compares these)."""
         return {"boundaries": list(self.boundaries), "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)],
-                "num_slots": self.num_slots, "offload_inputs": self.offload_inputs, "barrier": self.barrier}
+                "num_slots": self.num_slots, "offload_inputs": self.offload_inputs, "barrier": self.barrier,
+                "resident": sorted(self.resident), "kept": sorted(self.kept), "grad_dtype": self.grad_dtype}
 
     def summary(self) -> str:
         """A human-readable report: stages table, settings, predicted time, memory, traffic, baselines."""
@@ -135,20 +149,30 @@ def _gb(n: float) -> str:
     return f"{n / GB:.2f} GB"
 
 
+def _stage_list(stages: list[int]) -> str:
+    return ", ".join(map(str, sorted(stages))) if stages else "none"
+
+
 def _summary_lines(p: Plan) -> list[str]:
     lines = [f"stages: {p.num_stages} on {p.num_gpus} GPU(s), {p.mapping_kind} mapping, slots {p.slots} "
              f"(stage j runs on GPU slots[j % {len(p.slots)}])",
-             f"  {'stage':>5}  {'units':<22} {'gpu':>3}  {'params':>9}  {'fwd/mb':>8}  {'bwd/mb':>8}  "
+             f"  {'stage':>5}  {'units':<22} {'gpu':>3}  {'where':<8} {'params':>9}  {'fwd/mb':>8}  {'bwd/mb':>8}  "
              f"{'upload wait':>11}  {'peak fwd':>9}  {'peak bwd':>9}"]
     for s in p.stages:
-        lines.append(f"  {s.index:>5}  {s.units:<22} {s.gpu:>3}  {_gb(s.param_bytes):>9}  {s.fwd_s * 1e3:>6.1f}ms  "
-                     f"{s.bwd_s * 1e3:>6.1f}ms  {s.upload_wait_s * 1e3:>9.1f}ms  {s.fwd_peak_bytes / GiB:>6.2f}GiB  "
-                     f"{s.bwd_peak_bytes / GiB:>6.2f}GiB")
+        where = ("resident" if s.resident else "swapped")[:8]
+        lines.append(f"  {s.index:>5}  {s.units:<22} {s.gpu:>3}  {where:<8} {_gb(s.param_bytes):>9}  "
+                     f"{s.fwd_s * 1e3:>6.1f}ms  {s.bwd_s * 1e3:>6.1f}ms{'K' if s.kept else ' '} "
+                     f"{s.upload_wait_s * 1e3:>9.1f}ms  {s.fwd_peak_bytes / GiB:>6.2f}GiB  {s.bwd_peak_bytes / GiB:>6.2f}GiB")
+    lines.append("  resident: weights, fp32 master and AdamW states live on the GPU (device AdamW, no uploads); "
+                 "K: keeps its forward's activations (no recompute)")
     slots = "2 per GPU (the next stage uploads while one computes)" if p.num_slots == 2 else "1 per GPU (no prefetch)"
     lines.append(f"runtime: device slots {slots}; boundary inputs {'in host memory' if p.offload_inputs else 'kept on the GPU'}"
                  f"; CPU AdamW at {p.cpu_adam_params_per_s / 1e9:.2f} G params/s per worker, "
                  + ("after the global norm (clipping or fp16), overlapping the next forward" if p.barrier
                     else "as each stage's gradients arrive"))
+    lines.append(f"resident stages: {_stage_list(p.resident)}; kept activations: {_stage_list(p.kept)}; gradient "
+                 f"downloads in {p.grad_dtype} ({p.grad_choice}); host memory for the swapped stages: "
+                 f"{p.host_bytes / GiB:.1f} GiB")
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
                  f"contention; the MIP's contention-free model says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
@@ -173,7 +197,8 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
                bandwidth_view: BandwidthView = "link", sharing: Sharing = "priority",
                with_baselines: bool = True, rel_gap: float = DEFAULT_REL_GAP, prefetch: bool = True,
                min_stages: int = 1, boundaries: list[int] | None = None, offload_inputs: str = "auto",
-               barrier: bool = False) -> Plan:
+               barrier: bool = False, resident: Sequence[int] | None = None, kept: Sequence[int] | None = None,
+               grad_download: str = "auto") -> Plan:
     """Profile (or take) the unit costs, find the best partition and runtime settings, simulate it
     and the baselines.
 
@@ -184,42 +209,146 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
     ``boundaries``: a partition to evaluate instead of solving for one (``parallel.stages``).
     ``prefetch``: two device slots allowed; ``offload_inputs``: "on", "off" or "auto" (both tried);
     ``barrier``: the run clips gradients or scales fp16 losses (updates wait for the global norm).
+    ``resident`` / ``kept``: the stages that stay on their GPU / keep their activations (None: the
+    second pass chooses, see :mod:`partition.residency`). ``grad_download``: "fp32", "half" or
+    "auto" (half when host memory needs it or the simulator finds it clearly faster).
     """
     prof = _profile(specs_or_profile, micro_batch_size, seq_len, precision, profile, gpu, cache_dir)
+    _check_grad_download(grad_download, prof.precision)
     slots_for = as_slots_function(mapping, hardware.groups)
     t0 = time.perf_counter()
     res, options = _search(prof, hardware, slots_for, micro_batches, solver, time_limit_s, bandwidth_view, rel_gap,
-                           prefetch, min_stages, boundaries, offload_inputs, barrier)
+                           prefetch, min_stages, boundaries, offload_inputs, barrier,
+                           "half" if grad_download == "half" else "fp32")
     bounds = res.best.boundaries
     slots = slots_for(len(bounds) - 1)
-    sim = simulate(prof, bounds, hardware, slots, micro_batches, options, sharing)
+    want = (None if resident is None else frozenset(resident), None if kept is None else frozenset(kept))
+    options, sim = _residency(prof, hardware, slots_for, micro_batches, bounds, options, bandwidth_view, sharing, *want)
+    options, sim, choice = _grad_dtype(prof, hardware, slots, micro_batches, bounds, options, sharing, grad_download,
+                                       sim)
     base, base_bounds = {}, {}
     if with_baselines:
+        swapped = dataclasses.replace(options, resident=frozenset(), kept=frozenset())
         for name, fn in BASELINES.items():
-            b = fn(prof, hardware, len(slots), micro_batches, options)
+            b = fn(prof, hardware, len(slots), micro_batches, swapped)
             base_bounds[name] = b
-            base[name] = (simulate(prof, b, hardware, slots_for(len(b) - 1), micro_batches, options, sharing,
-                                   record=False).step_s if b else None)
+            base[name] = _baseline_time(prof, hardware, slots_for, micro_batches, b, options, bandwidth_view, sharing,
+                                        want) if b else None
     res.solve_s = time.perf_counter() - t0
     label = mapping if isinstance(mapping, str) else "given"
-    return _assemble(prof, hardware, bounds, slots, micro_batches, options, sim, res, base, base_bounds, label)
+    plan = _assemble(prof, hardware, bounds, slots, micro_batches, options, sim, res, base, base_bounds, label)
+    plan.grad_choice = choice
+    plan.model_step_s = ModelEvaluator(prof, hardware, slots_for, micro_batches, bandwidth_view, options).step_time(bounds)
+    return plan
 
 
-def _option_sets(prefetch: bool, offload_inputs: str, barrier: bool) -> list[list[PipelineOptions]]:
+def _check_grad_download(grad_download: str, precision: str) -> None:
+    if grad_download not in ("auto", "fp32", "half"):
+        raise ConfigError(f"parallel.grad_download must be auto, fp32 or half, got {grad_download!r}")
+    if grad_download == "half" and precision != "bf16":
+        raise ConfigError(f"parallel.grad_download=half needs train.precision bf16, got {precision} (fp32 has no half "
+                          f"copy to land in; fp16 sums of loss-scaled gradients can overflow)")
+
+
+RESIDENCY_RESERVE = 0.06  # of the usable GPU memory, kept free by the automatic residency choice: the memory
+# model's error and the allocator's fragmentation (an H100 capped at 24 GiB ran out with 23.9 GiB planned)
+
+
+def _residency(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, bounds: list[int],
+               options: PipelineOptions, view: BandwidthView, sharing: Sharing, resident: frozenset[int] | None,
+               kept: frozenset[int] | None) -> tuple[PipelineOptions, SimResult]:
+    """The partition's resident and kept stages (given, or chosen by the second pass) and its
+    simulation; an automatic choice the simulator finds slower than none is dropped."""
+    ev = ModelEvaluator(prof, hw, slots_for, M, view, options)
+    slots = slots_for(len(bounds) - 1)
+    if resident or kept:
+        wrong = residency.check_choice(ev, bounds, resident or frozenset(), kept or frozenset())
+        if wrong:
+            raise ConfigError(f"parallel.{wrong[0]}_stages: {wrong[1]}")
+    res, kp, t = frozenset(), frozenset(), math.inf
+    if resident is None or kept is None:  # what the planner adds leaves RESIDENCY_RESERVE of the GPU free
+        spare = dataclasses.replace(hw, gpu_memory_bytes=int(hw.gpu_memory_bytes * (1 - RESIDENCY_RESERVE)))
+        res, kp, t = residency.choose(ModelEvaluator(prof, spare, slots_for, M, view, options), bounds, resident, kept)
+    if not math.isfinite(t):  # or what the config forces does not fit that way
+        res, kp, t = residency.choose(ev, bounds, resident, kept)
+    chosen = dataclasses.replace(options, resident=res, kept=kp)
+    if not math.isfinite(t):
+        broken = ev.evaluate(bounds, chosen).violations[0]
+        raise MobiusError(f"resident stages {sorted(res)} and kept stages {sorted(kp)} do not fit: {broken[0]} needs "
+                          f"{broken[1]:.2f} GB of the {broken[2]:.2f} GB usable per GPU")
+    sim = simulate(prof, bounds, hw, slots, M, chosen, sharing)
+    if (res or kp) and (resident is None or kept is None) and not (resident or kept):
+        plain = simulate(prof, bounds, hw, slots, M, options, sharing)
+        if plain.step_s <= sim.step_s:
+            log.info("the resident/kept choice %s/%s simulates slower (%.3f s) than none (%.3f s): dropped",
+                     sorted(res), sorted(kp), sim.step_s, plain.step_s)
+            return options, plain
+    return chosen, sim
+
+
+GRAD_HALF_GAIN = 0.05  # auto downloads half-precision gradients when the simulated step is this much shorter
+
+
+def _grad_dtype(prof: ModelProfile, hw: Hardware, slots: list[int], M: int, bounds: list[int],
+                options: PipelineOptions, sharing: Sharing, grad_download: str,
+                sim: SimResult) -> tuple[PipelineOptions, SimResult, str]:
+    """The gradient download dtype: as asked, or (auto) half when the host memory needs it or the
+    simulator finds it at least ``GRAD_HALF_GAIN`` faster; fp32 keeps the reference's numbers."""
+    if grad_download != "auto":
+        return options, sim, "as configured"
+    if prof.precision != "bf16":
+        return options, sim, f"{prof.precision} training"
+    half = dataclasses.replace(options, grad_dtype="half")
+    need = _host_bytes(prof, bounds, options)
+    if hw.host_memory_bytes is not None and need > hw.host_memory_bytes:
+        return half, simulate(prof, bounds, hw, slots, M, half, sharing), (
+            f"fp32 gradient buffers would need {need / GiB:.1f} GiB of host memory, {hw.host_memory_bytes / GiB:.1f} "
+            f"GiB is available")
+    if not sim.bytes_by_kind.get("grad"):
+        return options, sim, "no gradient downloads"
+    fast = simulate(prof, bounds, hw, slots, M, half, sharing)
+    gain = 1 - fast.step_s / sim.step_s
+    if gain >= GRAD_HALF_GAIN:
+        return half, fast, f"simulated {100 * gain:.1f}% faster than fp32"
+    return options, sim, f"half would save {100 * gain:.1f}% of the step (< {100 * GRAD_HALF_GAIN:.0f}%)"
+
+
+def _host_bytes(prof: ModelProfile, bounds: list[int], options: PipelineOptions) -> int:
+    """Host memory of the swapped stages' stores (:func:`mobius.optim.host_bytes_per_param`)."""
+    per = host_bytes_per_param(prof.precision, options.grad_dtype == "half")
+    return sum(sc.param_count for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident) * per
+
+
+def _baseline_time(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, bounds: list[int],
+                   options: PipelineOptions, view: BandwidthView, sharing: Sharing,
+                   want: tuple[frozenset[int] | None, frozenset[int] | None]) -> float:
+    """A baseline partition simulated the same way (with its own automatic residency choice)."""
+    base = dataclasses.replace(options, resident=frozenset(), kept=frozenset())
+    auto = tuple(None if w is None else frozenset() for w in want)
+    try:
+        _, sim = _residency(prof, hw, slots_for, M, bounds, base, view, sharing, *auto)
+    except MobiusError:
+        return math.inf
+    return sim.step_s
+
+
+def _option_sets(prefetch: bool, offload_inputs: str, barrier: bool,
+                 grad_dtype: str = "fp32") -> list[list[PipelineOptions]]:
     """The runtime settings to try, in tiers: one slot is tried only when no two-slot plan fits."""
     offloads = {"on": [True], "off": [False]}.get(offload_inputs, [False, True])
-    tiers = [[PipelineOptions(k, o, barrier) for o in offloads] for k in ((2, 1) if prefetch else (1,))]
+    tiers = [[PipelineOptions(k, o, barrier, grad_dtype=grad_dtype) for o in offloads]
+             for k in ((2, 1) if prefetch else (1,))]
     return tiers
 
 
 def _search(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, solver: SolverName, time_limit_s: float,
             view: BandwidthView, rel_gap: float, prefetch: bool, min_stages: int, boundaries: list[int] | None,
-            offload_inputs: str, barrier: bool) -> tuple[MipResult, PipelineOptions]:
+            offload_inputs: str, barrier: bool, grad_dtype: str) -> tuple[MipResult, PipelineOptions]:
     """The best partition under the best runtime settings (the MIP's model decides)."""
     t0 = time.perf_counter()
     counts = list(range(max(1, min_stages), prof.num_units + 1))
     best: tuple[MipResult, PipelineOptions] | None = None
-    for tier in _option_sets(prefetch, offload_inputs, barrier):
+    for tier in _option_sets(prefetch, offload_inputs, barrier, grad_dtype):
         for options in tier:
             if boundaries is not None:
                 res = given_partition(prof, hw, slots_for, M, boundaries, view, options)
@@ -232,7 +361,7 @@ def _search(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, solve
                     best = (res, options)
         if best is not None:
             return best
-    raise explain_infeasible(prof, hw, M, _option_sets(prefetch, offload_inputs, barrier)[-1][-1])
+    raise explain_infeasible(prof, hw, M, _option_sets(prefetch, offload_inputs, barrier, grad_dtype)[-1][-1])
 
 
 def _profile(specs_or_profile: Any, mbs: int, seq: int, precision: str, mode: str, gpu: Any,
@@ -248,6 +377,7 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[i
               options: PipelineOptions, sim: SimResult, res: MipResult, base: dict, base_bounds: dict,
               mapping: str) -> Plan:
     stages = _stage_plans(prof, bounds, slots, M, options, sim)
+    host = _host_bytes(prof, bounds, options)
     total = sim.total_bytes()
     traffic = {"total_bytes": total, "h2d_bytes": sum(sim.h2d_bytes), "d2h_bytes": sum(sim.d2h_bytes),
                "p2p_bytes": sum(sim.p2p_bytes), "x_param_bytes": total / max(prof.param_bytes(), 1),
@@ -268,14 +398,17 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[i
                 profile_source=prof.source, device_name=prof.device_name, stages=stages,
                 peak_bytes=list(sim.peak_bytes), traffic=traffic, unit_names=[u.name for u in prof.units],
                 mapping_kind=mapping, hardware=hw.describe(), gpu_memory_bytes=hw.gpu_memory_bytes,
-                param_count=prof.param_count(), cpu_adam_params_per_s=hw.cpu_adam_params_per_s, mip=mip_info)
+                param_count=prof.param_count(), cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half"),
+                mip=mip_info, resident=sorted(options.resident), kept=sorted(options.kept), grad_dtype=options.grad_dtype,
+                host_bytes=host)
 
 
 def _stage_plans(prof: ModelProfile, bounds: list[int], slots: list[int], M: int, options: PipelineOptions,
                  sim: SimResult) -> list[StagePlan]:
     costs = stage_costs(prof, bounds)
     half = prof.precision != "fp32"
-    shape = Shape(len(costs), len(slots), M, options.num_slots, options.offload_inputs, options.barrier)
+    shape = Shape(len(costs), len(slots), M, options.num_slots, options.offload_inputs, options.barrier,
+                  prof.tied_params > 0 and len(costs) > 1, options.resident, options.kept, options.grad_bytes)
     needs = {what: float(n) for per in worker_needs(Numbers(), [stage_exprs(c, half) for c in costs], shape).values()
              for what, n in per}
     names = [u.name for u in prof.units]
@@ -283,8 +416,10 @@ def _stage_plans(prof: ModelProfile, bounds: list[int], slots: list[int], M: int
     for j, sc in enumerate(costs):
         units = names[sc.first] if sc.end - sc.first == 1 else f"{names[sc.first]}..{names[sc.end - 1]}"
         out.append(StagePlan(index=j, first_unit=sc.first, end_unit=sc.end, units=units, gpu=slots[j % len(slots)],
-                             param_bytes=sc.param_bytes, fwd_s=sc.fwd_s, bwd_s=sc.bwd_s + sc.acc_s,
+                             param_bytes=sc.param_bytes, fwd_s=sc.fwd_s,
+                             bwd_s=sc.bwd_s + sc.acc_s - (sc.fwd_s if j in options.kept else 0.0),
                              fwd_peak_bytes=int(needs[f"stage {j} forward"] * GB),
                              bwd_peak_bytes=int(needs[f"stage {j} backward"] * GB),
-                             resident_backward=shape.resident(j), upload_wait_s=sim.stages[j].upload_wait_s))
+                             backward_in_place=shape.turns(j), upload_wait_s=sim.stages[j].upload_wait_s,
+                             resident=j in options.resident, kept=j in options.kept))
     return out

@@ -183,47 +183,54 @@ def _accumulate_s(numel: int, dtype, dev, reps: int, warmup: int) -> float:
 CPU_UPDATE_NUMEL = 1 << 24  # parameters in the timed AdamW step (large enough to leave the caches)
 
 
-def measure_cpu_update(threads: int, precision: str, numel: int = CPU_UPDATE_NUMEL, reps: int = 3) -> float:
+def measure_cpu_update(threads: int, precision: str, numel: int = CPU_UPDATE_NUMEL, reps: int = 3,
+                       half_grads: bool = False) -> float:
     """Parameters per second of the pipeline's CPU update on this machine with ``threads`` threads:
-    torch's fused AdamW on a flat fp32 master copy, then (bf16/fp16) the refresh of the
-    half-precision copy that is uploaded -- what each pipeline worker's optimizer thread runs."""
+    the runtime's own :class:`~mobius.optim.FlatAdamW` on a flat fp32 master copy, writing the
+    half-precision copy (bf16/fp16) in the same pass, from fp32 gradients or (``half_grads``)
+    half-precision ones -- what each pipeline worker's optimizer thread runs."""
     import torch
+
+    from mobius.config import TrainSection
+    from mobius.optim import FlatAdamW
 
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        master = torch.nn.Parameter(torch.zeros(numel))
-        master.grad = torch.full((numel,), 1e-3)
-        half = torch.empty(numel, dtype=_dtype(precision)) if precision != "fp32" else None
-        opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
-
-        def step() -> None:
-            opt.step()
-            if half is not None:
-                half.copy_(master.detach())
-        return numel / _time(step, torch.device("cpu"), reps, 1)
+        dtype = _dtype(precision)
+        half = torch.empty(numel, dtype=dtype) if precision != "fp32" else None
+        grad = torch.full((numel,), 1e-3, dtype=dtype if half_grads else torch.float32)
+        opt = FlatAdamW(torch.zeros(numel), half, numel, TrainSection(weight_decay=0.1))
+        return numel / _time(lambda: opt.step(grad, 1e-4, 0.5), torch.device("cpu"), reps, 1)
     finally:
         torch.set_num_threads(before)
 
 
-def cpu_update_rate(threads: int, precision: str, cache_dir: str | Path | None = None) -> float:
-    """:func:`measure_cpu_update`, cached per CPU model, thread count and precision."""
+CPU_UPDATE_IN_STEP = 0.68  # the CPU AdamW's rate inside a training step / its rate measured alone: with
+# uploads, downloads and kernel dispatch sharing the host's memory bandwidth and cores, an H100 box ran
+# 0.67 (1.42B), 0.71 (1.42B, clipped) and 0.66 (3.94B) of the isolated rate
+
+
+def cpu_update_rate(threads: int, precision: str, cache_dir: str | Path | None = None,
+                    half_grads: bool = False) -> float:
+    """:func:`measure_cpu_update`, cached per CPU model, thread count, precision and gradient dtype."""
     import platform
 
-    key = hashlib.sha1(json.dumps([_cpu_name(), platform.machine(), threads, precision]).encode()).hexdigest()[:16]
+    key = hashlib.sha1(json.dumps([_cpu_name(), platform.machine(), threads, precision, half_grads,
+                                   "flat-v2"]).encode()).hexdigest()[:16]
     path = Path(cache_dir) / "cpu_update" / f"{key}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
             return float(json.loads(path.read_text())["params_per_s"])
         except (OSError, ValueError, KeyError):
             pass
-    rate = measure_cpu_update(threads, precision)
-    log.info("CPU AdamW%s: %.2f G params/s with %d thread(s)", "" if precision == "fp32" else " + half copy",
-             rate / 1e9, threads)
+    rate = measure_cpu_update(threads, precision, half_grads=half_grads)
+    log.info("CPU AdamW%s%s: %.2f G params/s with %d thread(s)", "" if precision == "fp32" else " + half copy",
+             " from half gradients" if half_grads else "", rate / 1e9, threads)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"params_per_s": rate, "threads": threads, "precision": precision,
-                                    "cpu": _cpu_name()}))
+                                    "half_grads": half_grads, "cpu": _cpu_name()}))
     return rate
 
 

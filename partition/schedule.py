@@ -43,6 +43,7 @@ class Kind(enum.Enum):
     SEND_GRAD = "sg"
     DOWNLOAD = "D"
     UPDATE = "O"
+    DEVICE_UPDATE = "Od"
     TIE = "T"
     REDUCE = "R"
 
@@ -80,6 +81,8 @@ class Schedule:
     barrier: bool = False  # updates wait for the global gradient norm (clipping, fp16)
     tied: bool = False  # stage 0 and the last stage hold the two ends of one tied weight
     offload_inputs: bool = False  # boundary inputs come back with the backward upload
+    resident: frozenset[int] = frozenset()  # stages kept on their device: no upload, download or CPU update
+    kept: frozenset[int] = frozenset()  # stages whose backward uses the forward's graph (no recompute)
 
     @cached_property
     def upload_order(self) -> dict[tuple[int, str], int]:
@@ -106,10 +109,13 @@ def compute_order(num_stages: int, gpu_of: tuple[int, ...], micro_batches: int, 
     return out
 
 
-def _residencies(compute: list[Action]) -> list[tuple[int, Phase, int, int]]:
-    """(stage, phase, first index, last index) of each uninterrupted run of one stage's compute."""
+def _residencies(compute: list[Action], resident: frozenset[int]) -> list[tuple[int, Phase, int, int]]:
+    """(stage, phase, first index, last index) of each run of one swapped stage's compute; the
+    compute of resident stages in between does not interrupt a run (it takes no slot)."""
     runs: list[tuple[int, Phase, int, int]] = []
     for i, a in enumerate(compute):
+        if a.stage in resident:
+            continue
         phase: Phase = "b" if a.kind == Kind.BACKWARD else "f"
         if runs and runs[-1][0] == a.stage:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2], i)
@@ -118,14 +124,15 @@ def _residencies(compute: list[Action]) -> list[tuple[int, Phase, int, int]]:
     return runs
 
 
-def add_swaps(compute: list[Action], num_slots: int) -> list[Action]:
-    """Insert uploads and frees. A stage stays resident across its forward/backward turn.
+def add_swaps(compute: list[Action], num_slots: int, resident: frozenset[int] = frozenset()) -> list[Action]:
+    """Insert uploads and frees. A stage stays on the device across its forward/backward turn;
+    resident stages never move.
 
     With two slots the next residency's upload is issued just before the current residency
     computes (it lands in the slot the residency before the current one freed); with one slot,
     only after the current residency is freed.
     """
-    runs = _residencies(compute)
+    runs = _residencies(compute, resident)
     before: dict[int, list[Action]] = {}
     after: dict[int, list[Action]] = {}
     for r, (stage, phase, first, last) in enumerate(runs):
@@ -166,56 +173,74 @@ def add_transfers(actions: list[Action], num_stages: int, gpu_of: tuple[int, ...
     return out
 
 
-def add_updates(actions: list[Action], num_stages: int, barrier: bool, tied: bool) -> list[Action]:
-    """Download a stage's gradients after its last backward; update it there (or after the
-    step's REDUCE when ``barrier``); tied ends exchange their gradients (TIE) at the end."""
+def add_updates(actions: list[Action], num_stages: int, barrier: bool, tied: bool,
+                resident: frozenset[int] = frozenset()) -> list[Action]:
+    """Download a stage's gradients after its last backward; update it there (or after the step's
+    REDUCE when ``barrier``); tied ends exchange their gradients (TIE) at the end. A resident stage
+    downloads nothing and updates on its device."""
     ends = {0, num_stages - 1} if tied and num_stages > 1 else set()
+    assert not ends & resident, "a tied weight's ends are exchanged through host memory"
     last_compute = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.BACKWARD, Kind.FB)}
+    device_after: dict[int, int] = {}  # a device update runs on the compute stream: after the gradient's send
+    for j, i in last_compute.items():
+        if j in resident and not barrier:
+            sends = i + 1 < len(actions) and actions[i + 1].kind == Kind.SEND_GRAD and actions[i + 1].stage == j
+            device_after[i + 1 if sends else i] = j
     out: list[Action] = []
     for i, a in enumerate(actions):
         out.append(a)
-        if last_compute.get(a.stage) == i:
-            out.append(Action(Kind.DOWNLOAD, a.stage))
-            if not barrier and a.stage not in ends:
-                out.append(Action(Kind.UPDATE, a.stage))
+        if last_compute.get(a.stage) == i and a.kind in (Kind.BACKWARD, Kind.FB):
+            if a.stage not in resident:
+                out.append(Action(Kind.DOWNLOAD, a.stage))
+            if not barrier and a.stage not in ends and a.stage not in resident:
+                out.append(_update(a.stage, resident))
+        if i in device_after:
+            out.append(_update(device_after[i], resident))
     mine = sorted(last_compute)
     if ends & set(mine):
         out.append(Action(Kind.TIE))
         if not barrier:
-            out += [Action(Kind.UPDATE, j) for j in mine if j in ends]
+            out += [_update(j, resident) for j in mine if j in ends]
     out.append(Action(Kind.REDUCE))
-    if barrier:
-        out += [Action(Kind.UPDATE, j) for j in mine]
+    if barrier:  # resident stages first: their device updates run before the next step's first forward
+        out += [_update(j, resident) for j in mine if j in resident] + [_update(j, resident) for j in mine
+                                                                        if j not in resident]
     return out
 
 
+def _update(stage: int, resident: frozenset[int]) -> Action:
+    return Action(Kind.DEVICE_UPDATE if stage in resident else Kind.UPDATE, stage)
+
+
 def build_schedule(num_stages: int, num_workers: int, micro_batches: int, gpu_of: list[int] | None = None,
-                   num_slots: int = 2, barrier: bool = False, tied: bool = False,
-                   offload_inputs: bool = False) -> Schedule:
+                   num_slots: int = 2, barrier: bool = False, tied: bool = False, offload_inputs: bool = False,
+                   resident: frozenset[int] = frozenset(), kept: frozenset[int] = frozenset()) -> Schedule:
     """The per-worker action lists of one training step."""
     g = _gpu_of(num_stages, num_workers, gpu_of)
+    resident, kept = frozenset(resident), frozenset(kept)
     lists = []
     for w in range(num_workers):
         acts = compute_order(num_stages, g, micro_batches, w)
-        acts = add_swaps(acts, num_slots)
+        acts = add_swaps(acts, num_slots, resident)
         acts = add_transfers(acts, num_stages, g)
-        lists.append(tuple(add_updates(acts, num_stages, barrier, tied)))
+        lists.append(tuple(add_updates(acts, num_stages, barrier, tied, resident)))
     sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), num_slots, True, barrier, tied,
-                     offload_inputs)
+                     offload_inputs, resident, kept)
     check(sched)
     return sched
 
 
 def build_eval_schedule(num_stages: int, num_workers: int, micro_batches: int, gpu_of: list[int] | None = None,
-                        num_slots: int = 2) -> Schedule:
+                        num_slots: int = 2, resident: frozenset[int] = frozenset()) -> Schedule:
     """Forward only: the last stage's forward ends in the loss; the step ends in REDUCE (the loss)."""
     g = _gpu_of(num_stages, num_workers, gpu_of)
     lists = []
     for w in range(num_workers):
-        acts = add_transfers(add_swaps(compute_order(num_stages, g, micro_batches, w, train=False), num_slots),
-                             num_stages, g)
+        compute = compute_order(num_stages, g, micro_batches, w, train=False)
+        acts = add_transfers(add_swaps(compute, num_slots, frozenset(resident)), num_stages, g)
         lists.append(tuple(acts + [Action(Kind.REDUCE)]))
-    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), num_slots, False)
+    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), num_slots, False,
+                     resident=frozenset(resident))
     check(sched)
     return sched
 
@@ -234,18 +259,22 @@ def check(s: Schedule) -> None:
         resident: set[int] = set()
         for a in acts:
             if a.kind == Kind.UPLOAD:
-                assert a.stage not in resident, (w, str(a))
+                assert a.stage not in resident and a.stage not in s.resident, (w, str(a))
                 resident.add(a.stage)
                 assert len(resident) <= s.num_slots, (w, str(a), resident)
             elif a.kind == Kind.FREE:
                 resident.remove(a.stage)
             elif a.kind in COMPUTE:
-                assert a.stage in resident, (w, str(a))
+                assert a.stage in resident or a.stage in s.resident, (w, str(a))
         assert not resident, (w, resident)
+        for j in s.kept & set(s.stages_of(w)):  # a kept graph needs its weights until the backward
+            first_b = next(i for i, a in enumerate(acts) if a.kind == Kind.BACKWARD and a.stage == j)
+            assert not any(a.kind == Kind.FREE and a.stage == j for a in acts[:first_b]), (w, j)
         assert sum(a.kind == Kind.REDUCE for a in acts) == 1, w
         for j in s.stages_of(w):
-            assert sum(a.kind == Kind.DOWNLOAD and a.stage == j for a in acts) == int(s.train)
-            assert sum(a.kind == Kind.UPDATE and a.stage == j for a in acts) == int(s.train)
+            downloads = int(s.train and j not in s.resident)
+            assert sum(a.kind == Kind.DOWNLOAD and a.stage == j for a in acts) == downloads
+            assert sum(a.kind in (Kind.UPDATE, Kind.DEVICE_UPDATE) and a.stage == j for a in acts) == int(s.train)
 
 
 def timeline(s: Schedule, width: int = 6) -> str:
@@ -254,14 +283,14 @@ def timeline(s: Schedule, width: int = 6) -> str:
     for w, acts in enumerate(s.actions):
         rows.append(f"gpu{w} | " + "".join(str(a).ljust(width) for a in acts))
     legend = ("U=upload X=free F=forward FB=forward+loss+backward B=backward(recompute) ra/sa=recv/send activation "
-              "rg/sg=recv/send gradient D=download grads O=CPU update T=tied-weight exchange R=step reduce; "
-              "suffix f/b: pass, then stage[,micro-batch]")
+              "rg/sg=recv/send gradient D=download grads O=CPU update Od=device update (resident stage) "
+              "T=tied-weight exchange R=step reduce; suffix f/b: pass, then stage[,micro-batch]")
     return "\n".join(rows + [legend])
 
 
 def uploads_in_order(s: Schedule) -> list[tuple[int, str]]:
     """All uploads of a step in the order their stages start computing (forward ascending, then
     backward descending) -- the order in which copies sharing a root complex are served."""
-    fwd = [(j, "f") for j in range(s.num_stages)]
+    fwd = [(j, "f") for j in range(s.num_stages) if j not in s.resident]
     bwd = [(a.stage, "b") for acts in s.actions for a in acts if a.kind == Kind.UPLOAD and a.phase == "b"]
     return fwd + sorted(bwd, key=lambda x: -x[0])

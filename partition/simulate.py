@@ -109,8 +109,8 @@ def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, s
     slots = slots[:len(costs)]  # fewer stages than GPUs leave the last ones idle
     N, S = len(slots), len(costs)
     sched = build_schedule(S, N, micro_batches, [j % N for j in range(S)], options.num_slots, options.barrier,
-                           profile.tied_params > 0 and S > 1, options.offload_inputs)
-    sim = _Sim(profile, costs, hardware, slots, sched, sharing, record)
+                           profile.tied_params > 0 and S > 1, options.offload_inputs, options.resident, options.kept)
+    sim = _Sim(profile, costs, hardware, slots, sched, sharing, record, options.grad_bytes)
     return sim.run(steps)
 
 
@@ -153,30 +153,42 @@ class _Worker:
 
     def __init__(self, w: int, gpu: int, sched: Schedule):
         self.w, self.gpu, self.sched = w, gpu, sched
-        self.compute: list[_Task] = []
+        self.compute: list[_Task] = []  # compute stream: forwards, backwards, device AdamWs
         self.uploads: list[_Task] = []
         self.d2h: list[_Task] = []  # gradient downloads and input offloads, in issue order
-        self.updates: list[int] = []  # stages, in the list's order
+        self.updates: list[int] = []  # stages with a CPU update, in the list's order
         self._split(sched.actions[w])
         self.reset()
 
     def _split(self, actions: tuple) -> None:
-        last_mine = max(self.sched.stages_of(self.w))
+        """The list's actions per engine. Device updates that follow REDUCE (a barrier) run on the
+        compute stream before the next step's first forward: they open the step's compute list."""
+        swapped = [j for j in self.sched.stages_of(self.w) if j not in self.sched.resident]
+        last_swapped = max(swapped, default=-1)
         occ_of = {(a.stage, a.phase): k for k, a in enumerate(x for x in actions if x.kind == Kind.UPLOAD)}
+        opening: list[_Task] = []
+        reduced = False
         for a in actions:
             if a.kind == Kind.UPLOAD:
                 self.uploads.append(_Task(a.kind, a.stage, phase=a.phase, occ=occ_of[(a.stage, a.phase)]))
             elif a.kind in COMPUTE:
                 phase = "b" if a.kind == Kind.BACKWARD and (a.stage, "b") in occ_of else "f"
-                self.compute.append(_Task(a.kind, a.stage, a.micro, occ=occ_of[(a.stage, phase)]))
-                if self.sched.offload_inputs and a.kind == Kind.FORWARD and 0 < a.stage != last_mine:
+                self.compute.append(_Task(a.kind, a.stage, a.micro, occ=occ_of.get((a.stage, phase), -1)))
+                if self.sched.offload_inputs and a.kind == Kind.FORWARD and 0 < a.stage != last_swapped \
+                        and a.stage not in self.sched.resident and a.stage not in self.sched.kept:
                     self.d2h.append(_Task(Kind.FORWARD, a.stage, a.micro, trigger=len(self.compute) - 1))
             elif a.kind == Kind.DOWNLOAD:
                 self.d2h.append(_Task(a.kind, a.stage, occ=self.compute[-1].occ, trigger=len(self.compute) - 1))
             elif a.kind == Kind.UPDATE:
                 self.updates.append(a.stage)
+            elif a.kind == Kind.DEVICE_UPDATE:
+                (opening if reduced else self.compute).append(_Task(a.kind, a.stage))
+            reduced |= a.kind == Kind.REDUCE
+        self.compute = opening + self.compute
+        for t in self.d2h:
+            t.trigger += len(opening)
         downloaded = {t.occ for t in self.d2h if t.kind == Kind.DOWNLOAD}
-        last = {t.occ: i for i, t in enumerate(self.compute)}
+        last = {t.occ: i for i, t in enumerate(self.compute) if t.occ >= 0}
         self.release_at = {i: occ for occ, i in last.items() if occ not in downloaded}  # compute -> occupancy freed
         self.triggers: dict[int, list[int]] = {}
         for k, t in enumerate(self.d2h):
@@ -197,8 +209,10 @@ class _Sim:
     """The event loop: start what is ready, share bandwidth, jump to the next completion."""
 
     def __init__(self, profile: ModelProfile, costs: list[StageCost], hw: Hardware, slots: list[int],
-                 sched: Schedule, sharing: Sharing, record: bool):
+                 sched: Schedule, sharing: Sharing, record: bool, grad_bytes: float = 4.0):
         self.profile, self.costs, self.hw, self.sched = profile, costs, hw, sched
+        self.grad_bytes = grad_bytes
+        self.cpu_rate = hw.cpu_update_rate(half_grads=grad_bytes < 4)
         self.sharing, self.record = sharing, record
         self.S, self.M, self.N = sched.num_stages, sched.micro_batches, len(slots)
         self.workers = [_Worker(w, slots[w], sched) for w in range(self.N)]
@@ -296,13 +310,14 @@ class _Sim:
         if w.busy_until is not None or w.ci >= len(w.compute):
             return False
         task = w.compute[w.ci]
-        if task.occ not in w.upload_done:
+        if task.occ >= 0 and task.occ not in w.upload_done:
             return False
         inputs = self._input_ready(task)
         if inputs is None or inputs > self.t + _EPS_T:
             return False
-        start = max(self.t, w.upload_done[task.occ])
-        wait = max(0.0, w.upload_done[task.occ] - max(w.last_end, inputs))
+        uploaded = w.upload_done[task.occ] if task.occ >= 0 else self.t
+        start = max(self.t, uploaded)
+        wait = max(0.0, uploaded - max(w.last_end, inputs))
         dur = self._duration(task)
         w.busy_until = start + dur
         tm = self.timing[task.stage]
@@ -312,6 +327,9 @@ class _Sim:
             else:
                 tm.fwd_start = start - self.step_start
             tm.upload_wait_s += wait
+        if task.kind == Kind.DEVICE_UPDATE:
+            self._event(w.gpu, "compute", f"Od{task.stage}", start, start + dur, "dadam")
+            return True
         cat = "bwd" if task.kind != Kind.FORWARD else "fwd"
         self._event(w.gpu, "compute", f"{task.kind.value}{task.stage}.{task.micro}", start, start + dur, cat)
         return True
@@ -319,7 +337,7 @@ class _Sim:
     def _input_ready(self, task: _Task) -> float | None:
         if task.kind == Kind.BACKWARD:
             return self.arrived.get(("g", task.stage, task.micro))
-        if task.stage == 0:
+        if task.stage == 0 or task.kind == Kind.DEVICE_UPDATE:
             return self.step_start
         return self.arrived.get(("a", task.stage, task.micro))
 
@@ -327,6 +345,10 @@ class _Sim:
         sc = self.costs[task.stage]
         if task.kind == Kind.FORWARD:
             return sc.fwd_s
+        if task.kind == Kind.DEVICE_UPDATE:
+            return sc.param_count / self.hw.device_adam_params_per_s
+        if task.kind == Kind.BACKWARD and task.stage in self.sched.kept:
+            return sc.bwd_s + sc.acc_s - sc.fwd_s  # the forward's graph was kept: no recompute
         return sc.bwd_s + sc.acc_s  # recompute + backward, or FB (no recompute); fp32 sums
 
     def _start_d2h(self, w: _Worker) -> bool:
@@ -339,7 +361,7 @@ class _Sim:
         w.di += 1
         if task.kind == Kind.DOWNLOAD:
             self.updated[task.stage] = None
-            nbytes = 4 * self.costs[task.stage].param_count  # fp32 gradient sums
+            nbytes = self.grad_bytes * self.costs[task.stage].param_count  # fp32 sums or half
             self._d2h_flow(w.gpu, f"G{task.stage}", "grad", nbytes, (2, self.S - task.stage),
                            lambda t, w=w, task=task: self._downloaded(w, task, t))
         else:
@@ -378,7 +400,7 @@ class _Sim:
                     (self.tie_at is None or self.tie_at > self.t + _EPS_T):
                 continue
             self.opt_queue[w].pop(0)
-            dur = self.costs[j].param_count / self.hw.cpu_adam_params_per_s
+            dur = self.costs[j].param_count / self.cpu_rate
             self.opt_busy[w], self.opt_running[w] = self.t + dur, (step, j)
             self._event(-1, "cpu", f"adam{j}", self.t, self.t + dur, "adam")
             started = True
@@ -444,7 +466,9 @@ class _Sim:
         w.last_end = self.t
         self.compute_end_s = max(self.compute_end_s, self.t - self.step_start)
         tm = self.timing[j]
-        if task.kind == Kind.FORWARD:
+        if task.kind == Kind.DEVICE_UPDATE:
+            pass
+        elif task.kind == Kind.FORWARD:
             tm.fwd_end = self.t - self.step_start
             self._send(w, j, j + 1, m, backward=False)
         else:
@@ -561,7 +585,8 @@ class _Sim:
 
     def _peaks(self) -> list[int]:
         st: list[StageExprs] = [stage_exprs(c, self.half) for c in self.costs]
-        shape = Shape(self.S, self.N, self.M, self.sched.num_slots, self.sched.offload_inputs)
+        shape = Shape(self.S, self.N, self.M, self.sched.num_slots, self.sched.offload_inputs, self.sched.barrier,
+                      self.sched.tied, self.sched.resident, self.sched.kept, self.grad_bytes)
         per_worker = memory_peaks(st, shape)
         out = [0] * self.hw.num_gpus
         for w in self.workers:
@@ -638,6 +663,8 @@ def _glyph(e: SimEvent) -> str:
         return ch.upper() if e.cat == "bwd" else ch
     if e.cat == "adam":
         return str(int(e.name[4:]) % 10)
+    if e.cat == "dadam":
+        return "*"
     return {"upload": ">", "grad": "<", "ckpt": "c"}.get(e.cat, "g" if e.name.startswith("g") else "a")
 
 

@@ -30,15 +30,23 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
   A tied weight's two ends first exchange gradients (``TIE``) and update last.
 * **The step** ends at REDUCE: every worker's downloads done and (without a barrier) its updates
   done. The next step starts there; the model's objective is that period.
-* **Memory** per worker: ``K`` slots of its largest stage (parameters, gradients, fp32 sums) plus
-  the boundary inputs kept for its pending backwards (none when they wait in host memory) plus
-  the phase's working set; must fit the usable memory ``G``.
+* **Resident stages** live on their GPU for good (half and fp32 weights, AdamW moments, gradients):
+  no upload, no download, a device AdamW right after their backward (with a barrier: at the start of
+  the next step, before the worker's first forward). They take no slot.
+* **Kept activations**: a stage whose weights stay on the GPU from its forward to its backward (a
+  resident stage, or the worker's last swapped stage) may keep its forward's autograd graph instead
+  of recomputing it: its backward then costs ``bwd - fwd`` per micro-batch, and the graph's
+  activations (``M`` micro-batches of ``saved``) stay on the GPU until its backward.
+* **Memory** per worker: ``K`` slots of its largest swapped stage (parameters, gradients, fp32 sums),
+  its resident stages' states, the boundary inputs (or kept activations) its pending backwards hold
+  (none for inputs waiting in host memory) and the phase's working set; must fit the usable memory
+  ``G``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Union
+from typing import Protocol, Union
 
 from partition.lp import Lin, LinearModel
 
@@ -54,6 +62,7 @@ class StageExprs:
     params: Expr  # G parameters (CPU update, fp32 gradient download)
     pbytes: Expr  # GB of half-precision parameters (an upload)
     slot: Expr  # GB of a device slot holding the stage (parameters, gradients, fp32 sums)
+    state: Expr  # GB of the stage kept resident: its slot plus fp32 master and AdamW moments
     in_b: Expr  # GB of one micro-batch's input
     out_b: Expr  # GB of one micro-batch's output
     saved: Expr  # GB autograd keeps during one micro-batch's recompute
@@ -71,6 +80,9 @@ class Shape:
     offload_inputs: bool = False  # boundary inputs wait for their backward in host memory
     barrier: bool = False  # updates wait for the global norm (clipping, fp16)
     tied: bool = False  # stage 0 and the last stage hold the two ends of one weight
+    resident: frozenset[int] = frozenset()  # stages that live on their GPU for good
+    kept: frozenset[int] = frozenset()  # stages that keep their forward's activations for the backward
+    grad_bytes: float = 4.0  # bytes per parameter of a gradient download (fp32 sums, or half)
 
     def worker(self, j: int) -> int:
         return j % self.num_workers
@@ -78,15 +90,35 @@ class Shape:
     def stages_of(self, w: int) -> list[int]:
         return list(range(w, self.num_stages, self.num_workers))
 
-    def resident(self, j: int) -> bool:
-        """The worker's last forward stage: its backward follows without a new upload."""
+    def swapped(self, w: int) -> list[int]:
+        """The worker's stages that move between host and GPU."""
+        return [j for j in self.stages_of(w) if j not in self.resident]
+
+    def last_forward(self, j: int) -> bool:
+        """The worker's last forward stage: its backward is the worker's next phase."""
         return j + self.num_workers >= self.num_stages
 
+    def turns(self, j: int) -> bool:
+        """The stage's backward needs no upload: it is resident, or the worker's last swapped stage
+        (only resident stages compute between its forward and its backward)."""
+        if j in self.resident:
+            return True
+        return j == max(self.swapped(self.worker(j)))
+
     def occupancies(self, w: int) -> list[tuple[str, int]]:
-        """(kind, stage) in the worker's order: F (forward), R (forward + backward), FB, B."""
-        mine, last = self.stages_of(w), self.num_stages - 1
-        kinds = [("FB" if j == last else "R" if self.resident(j) else "F", j) for j in mine]
-        return kinds + [("B", j) for j in reversed(mine) if not self.resident(j)]
+        """Uploads in the worker's order, as (kind, stage): F (forward), R (forward + backward), FB, B."""
+        mine, last = self.swapped(w), self.num_stages - 1
+        kinds = [("FB" if j == last else "R" if self.turns(j) else "F", j) for j in mine]
+        return kinds + [("B", j) for j in reversed(mine) if not self.turns(j)]
+
+    def bwd_time(self, st: "StageExprs", j: int) -> Expr:
+        """Backward seconds per micro-batch: no recompute when the stage kept its activations (the
+        last stage's FB never recomputes: it is never in ``kept``)."""
+        return st.bwd - st.fwd if j in self.kept else st.bwd
+
+    def __post_init__(self) -> None:
+        assert self.num_stages - 1 not in self.kept, "the last stage's FB keeps nothing: it never recomputes"
+        assert all(j in self.resident or self.turns(j) for j in self.kept), "only stages whose weights stay"
 
 
 @dataclass
@@ -100,6 +132,7 @@ class Rates:
     lat_back: list[float]  # stage j+1 -> j
     cpu: float
     tie_s: float = 0.0  # exchange of the tied gradients between two workers (0 on one worker)
+    device: float = 1e12  # G parameters/s of the AdamW of a resident stage, on its device
 
 
 Name = tuple[str, int]  # a variable's name in the MIP: (what, stage or worker)
@@ -175,7 +208,8 @@ def step_model(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, budge
     for j in reversed(range(shape.num_stages)):
         if j < shape.num_stages - 1:
             _backward(alg, st, r, shape, t, upload, j)
-        _download(alg, st, r, shape, t, j)
+        if j not in shape.resident:
+            _download(alg, st, r, shape, t, j)
     _updates(alg, st, r, shape, t)
     return t
 
@@ -187,7 +221,6 @@ class _Uploads:
         self.alg, self.st, self.r, self.shape, self.t = alg, st, r, shape, t
         self.order = {w: shape.occupancies(w) for w in range(shape.num_workers)}
         self.position = {occ: i for w in self.order for i, occ in enumerate(self.order[w])}
-        self.release: dict[tuple[str, int], Callable[[], Expr]] = {}
         self.ready = _update_offsets(st, r, shape) if shape.barrier else {}
 
     def done(self, kind: str, j: int) -> Expr:
@@ -217,27 +250,35 @@ class _Uploads:
 
 
 def _update_offsets(st: list[StageExprs], r: Rates, shape: Shape) -> dict[int, Expr]:
-    """With a barrier: when (after the step starts) each stage's update of the previous step is
-    done -- the worker updates its stages in ascending order from the step's start."""
+    """With a barrier: when (after the step starts) each swapped stage's CPU update of the previous
+    step is done -- the worker updates them in ascending order from the step's start."""
     out: dict[int, Expr] = {}
     for w in range(shape.num_workers):
         total: Expr = 0.0
-        for j in shape.stages_of(w):
+        for j in shape.swapped(w):
             total = total + st[j].params * (1.0 / r.cpu)
             out[j] = total
     return out
+
+
+def _device_updates(st: list[StageExprs], r: Rates, shape: Shape, w: int) -> Expr:
+    """Seconds of the worker's resident stages' device AdamW (with a barrier: before its first forward)."""
+    return sum((st[j].params * (1.0 / r.device) for j in shape.stages_of(w) if j in shape.resident), 0.0)
 
 
 def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, up: _Uploads,
              j: int) -> None:
     """First and last micro-batch of stage j's forward (FB for the last stage)."""
     S, N, M = shape.num_stages, shape.num_workers, shape.micro_batches
-    kind = "FB" if j == S - 1 else "R" if shape.resident(j) else "F"
     per = st[j].bwd if j == S - 1 else st[j].fwd
-    first: list[Expr] = [up.done(kind, j)]
+    first: list[Expr] = []
+    if j not in shape.resident:
+        first.append(up.done("FB" if j == S - 1 else "R" if shape.turns(j) else "F", j))
     last: list[Expr] = []
     if j >= N:
         first.append(t.fwd_end[j - N])
+    elif shape.barrier and shape.resident:
+        first.append(_device_updates(st, r, shape, j))
     if j > 0:
         hop = st[j - 1].fwd + st[j - 1].out_b * r.lat_in[j]
         first.append(t.fwd_start[j - 1] + hop)
@@ -247,43 +288,52 @@ def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
     t.fwd_end[j] = t.fwd_last[j] + per
     if j == S - 1:
         t.bwd_start[j], t.bwd_last[j], t.bwd_end[j] = t.fwd_start[j], t.fwd_last[j], t.fwd_end[j]
+        if j in shape.resident and not shape.barrier:
+            t.bwd_end[j] = t.bwd_end[j] + st[j].params * (1.0 / r.device)
 
 
 def _backward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, up: _Uploads,
               j: int) -> None:
-    """First and last micro-batch of stage j's backward (recompute + backward)."""
+    """First and last micro-batch of stage j's backward (recompute + backward, or kept activations)."""
     N, M = shape.num_workers, shape.micro_batches
-    first: list[Expr] = [t.fwd_end[j] if shape.resident(j) else t.bwd_end[j + N]]
-    if not shape.resident(j):
+    first: list[Expr] = [t.fwd_end[j] if shape.last_forward(j) else t.bwd_end[j + N]]
+    if not shape.turns(j):
         first.append(up.done("B", j))
-    hop = st[j + 1].bwd + st[j + 1].in_b * r.lat_back[j]
+    per = shape.bwd_time(st[j], j)
+    hop = shape.bwd_time(st[j + 1], j + 1) + st[j + 1].in_b * r.lat_back[j]
     first.append(t.bwd_start[j + 1] + hop)
     t.bwd_start[j] = alg.max(("sb0_", j), first)
-    t.bwd_last[j] = alg.max(("sbl_", j), [t.bwd_last[j + 1] + hop, t.bwd_start[j] + st[j].bwd * (M - 1)])
-    t.bwd_end[j] = t.bwd_last[j] + st[j].bwd
+    t.bwd_last[j] = alg.max(("sbl_", j), [t.bwd_last[j + 1] + hop, t.bwd_start[j] + per * (M - 1)])
+    t.bwd_end[j] = t.bwd_last[j] + per
+    if j in shape.resident and not shape.barrier:  # its device AdamW follows on the compute stream
+        t.bwd_end[j] = t.bwd_end[j] + st[j].params * (1.0 / r.device)
 
 
 def _download(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, j: int) -> None:
-    """fp32 gradients down after the stage's last backward, one download at a time per worker."""
+    """Gradients down after the stage's last backward, one download at a time per worker."""
     after = [t.bwd_end[j]]
-    if j + shape.num_workers < shape.num_stages:
-        after.append(t.download_done[j + shape.num_workers])
-    t.download_done[j] = alg.max(("d", j), after) + st[j].params * (4.0 / r.down[j])
+    later = [i for i in shape.swapped(shape.worker(j)) if i > j]
+    if later:
+        after.append(t.download_done[min(later)])
+    t.download_done[j] = alg.max(("d", j), after) + st[j].params * (shape.grad_bytes / r.down[j])
 
 
 def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes) -> None:
     """CPU updates per worker and the step's end (REDUCE)."""
     S = shape.num_stages
     ends = {0, S - 1} if shape.tied and S > 1 else set()
+    assert not ends & shape.resident, "a tied weight's ends are exchanged through host memory"
     tie = None
     if ends:
         tie = alg.max(("tie", 0), [t.download_done[0], t.download_done[S - 1]]) + r.tie_s
-    done: list[Expr] = list(t.download_done.values()) + ([tie] if tie is not None else [])
+    done: list[Expr] = list(t.download_done.values()) + [t.bwd_end[j] for j in shape.resident]
+    done += [tie] if tie is not None else []
     if shape.barrier:
         t.step = alg.max(("T", 0), done)
         return
     for w in range(shape.num_workers):
-        queue = [j for j in reversed(shape.stages_of(w)) if j not in ends] + [j for j in shape.stages_of(w) if j in ends]
+        swapped = shape.swapped(w)
+        queue = [j for j in reversed(swapped) if j not in ends] + [j for j in swapped if j in ends]
         prev: Expr | None = None
         for j in queue:
             after = [tie if j in ends else t.download_done[j]] + ([prev] if prev is not None else [])
@@ -294,34 +344,40 @@ def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
     t.step = alg.max(("T", 0), done)
 
 
-def phase_needs(s: StageExprs, slots: Expr, kept: Expr, M: int, keep_out: bool = False,
-                keep_in_grad: bool = False) -> tuple[Expr, Expr]:
-    """Device memory of a stage's forward and backward phase: the worker's slots, the inputs kept
-    for earlier stages' backwards, the stage's own ``M`` inputs and the phase's working set (with
-    one worker, also the ``M`` outputs kept for the next stage and the input gradients for the one before)."""
-    own = s.in_b * M
-    fwd = slots + kept + own + s.work + (s.out_b * M if keep_out else 0.0)
-    bwd = slots + kept + own + s.saved + s.work + (own if keep_in_grad else 0.0)
+def phase_needs(s: StageExprs, base: Expr, kept: Expr, M: int, keep_out: bool = False,
+                keep_in_grad: bool = False, keeps_activations: bool = False) -> tuple[Expr, Expr]:
+    """Device memory of a stage's forward and backward phase: the worker's slots and resident
+    states (``base``), what earlier stages keep for their backwards, the stage's own ``M`` inputs (or,
+    keeping its activations, its ``M`` micro-batches' graph) and the phase's working set (with one
+    worker, also the ``M`` outputs kept for the next stage and the input gradients for the one before)."""
+    own = s.saved * M if keeps_activations else s.in_b * M
+    fwd = base + kept + own + s.work + (s.out_b * M if keep_out else 0.0)
+    bwd = base + kept + own + s.work + (0.0 if keeps_activations else s.saved) + (s.in_b * M if keep_in_grad else 0.0)
     return fwd, bwd
 
 
 def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape) -> dict[int, list[tuple[str, Expr]]]:
-    """Per worker, the device memory each of its phases needs: K slots of its largest stage,
-    the boundary inputs kept for its pending backwards and the phase's working set."""
+    """Per worker, the device memory each of its phases needs: K slots of its largest swapped stage,
+    its resident stages' states, what its pending backwards keep (boundary inputs or activations)
+    and the phase's working set."""
     M, S = shape.micro_batches, shape.num_stages
     local = shape.num_workers == 1  # neighbours on one worker keep activations and their gradients on it
     out: dict[int, list[tuple[str, Expr]]] = {}
     for w in range(shape.num_workers):
-        mine = shape.stages_of(w)
+        mine, swapped = shape.stages_of(w), shape.swapped(w)
         if not mine:
             continue
-        slots = alg.max(("slot", w), [st[j].slot for j in mine]) * shape.num_slots
+        slots = alg.max(("slot", w), [st[j].slot for j in swapped]) * shape.num_slots if swapped else 0.0
+        base = slots + sum((st[j].state for j in mine if j in shape.resident), 0.0)
         kept: Expr = 0.0
         out[w] = []
         for j in mine:
-            fwd, bwd = phase_needs(st[j], slots, kept, M, local and j < S - 1, local and j > 0)
+            keeps = j in shape.kept
+            fwd, bwd = phase_needs(st[j], base, kept, M, local and j < S - 1, local and j > 0, keeps)
             out[w] += [(f"stage {j} forward", fwd), (f"stage {j} backward", bwd)]
-            if not shape.offload_inputs or shape.resident(j):
+            if keeps:
+                kept = kept + st[j].saved * M
+            elif not shape.offload_inputs or shape.turns(j):
                 kept = kept + st[j].in_b * M
     return out
 

@@ -1,9 +1,10 @@
 """The pipeline engine: one per worker, the same interface as the reference ``SingleEngine``.
 
-It runs the plan it is given (stages, their workers, device slots, where boundary inputs wait):
-the schedule is built from the plan by :mod:`partition.schedule` -- the same action lists the
-planner simulated -- and the :class:`~scheduler.executor.Executor` dispatches them. Weights and
-optimizer moments are held per stage in host memory (:mod:`scheduler.store`); checkpoints go
+It runs the plan it is given (stages, their workers, device slots, where boundary inputs wait,
+resident and kept stages, the gradient download dtype): the schedule is built from the plan by
+:mod:`partition.schedule` -- the same action lists the planner simulated -- and the
+:class:`~scheduler.executor.Executor` dispatches them. Weights and optimizer moments are held per
+stage (:mod:`scheduler.store`): in host memory, or on the GPU for resident stages; checkpoints go
 through :mod:`mobius.checkpoint` like every other mode's.
 """
 
@@ -30,7 +31,7 @@ from partition.schedule import Schedule, build_eval_schedule, build_schedule
 from scheduler.comm import Counters, DirectLink, LocalLink, StagedLink, UploadArbiter, arbiter_name
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
 from scheduler.stages import stage_layouts, unit_prefix, views
-from scheduler.store import HostStage, check_host_memory, host_bytes
+from scheduler.store import StageStore, check_host_memory, host_bytes
 from scheduler.trace import StepTrace
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,16 @@ class PipelineEngine:
         mine = [j for j in range(plan.num_stages) if self.gpu_of[j] == self.rank]
         if not mine:
             raise MobiusError(f"worker {self.rank} has no stage: {plan.num_stages} stages for {self.world} workers")
-        check_host_memory(host_bytes([self.layouts[j] for j in mine], self.dtype), f"worker {self.rank}'s stages")
+        half_grads = plan.grad_dtype == "half"
+        if half_grads and self.dtype != torch.bfloat16:
+            raise MobiusError(f"the plan downloads half-precision gradients, which needs bf16 training, not "
+                              f"{cfg.train.precision}; plan again for this configuration")
+        swapped = [j for j in mine if j not in plan.resident]
+        check_host_memory(host_bytes([self.layouts[j] for j in swapped], self.dtype, half_grads),
+                          f"worker {self.rank}'s swapped stages")
         pin = device.type == "cuda"
-        self.hosts = {j: HostStage(self.layouts[j], self.dtype, cfg.train, pin) for j in mine}
+        self.stores = {j: StageStore(self.layouts[j], self.dtype, cfg.train, pin, half_grads,
+                                     device if j in plan.resident else "cpu") for j in mine}
         self._load_weights(weights_from)
         self.counters = Counters()
         self.arbiter = self._arbiter()
@@ -66,37 +74,40 @@ class PipelineEngine:
             raise MobiusError("the plan was made for a run " + ("without" if barrier else "with") + " clipping or "
                               "fp16 loss scaling; plan again for this configuration")
         self.train_sched = build_schedule(plan.num_stages, self.world, cfg.train.micro_batches, list(self.gpu_of),
-                                          plan.num_slots, barrier, bool(tied), plan.offload_inputs)
+                                          plan.num_slots, barrier, bool(tied), plan.offload_inputs,
+                                          frozenset(plan.resident), frozenset(plan.kept))
         self.eval_scheds: dict[int, Schedule] = {}
         options = ExecutorOptions(cfg.train.precision, self.dtype,
                                   (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg)),
-                                  plan.num_slots, plan.offload_inputs, cfg.train.grad_clip, tied, skip_updates)
-        self.ex = Executor(self.rank, device, model_cfg, self.layouts, self.hosts, self._links(), self.arbiter,
-                           self.counters, Collectives(self._reduce, self._exchange), self.scaler, options)
+                                  plan.num_slots, plan.offload_inputs, cfg.train.grad_clip, tied, skip_updates,
+                                  half_grads)
+        hosts = {j: s for j, s in self.stores.items() if j not in plan.resident}
+        resident = {j: s for j, s in self.stores.items() if j in plan.resident}
+        self.ex = Executor(self.rank, device, model_cfg, self.layouts, hosts, self._links(), self.arbiter,
+                           self.counters, Collectives(self._reduce, self._exchange), self.scaler, options, resident)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
         self.param_bytes = sum(lay.param_count for lay in self.layouts) * self.dtype.itemsize
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _names(self) -> set[str]:
-        return {n for j in self.hosts for p in self.layouts[j].params for n in p.names}
-
     def _load_weights(self, source: str | None) -> None:
-        """Each worker reads only its stages (a checkpoint) or initialises only them (from scratch)."""
-        names = self._names()
-        if source is not None:
-            weights = from_hf(LazyCheckpoint(source), self.model_cfg, only=lambda k: k in names)
-        else:
-            weights = self._init_weights(names)
-        missing = names - set(weights)
-        if missing:
-            raise CheckpointError(f"{source}: no weights for {sorted(missing)[:3]}")
-        for host in self.hosts.values():
-            host.load(weights)
+        """Each worker reads only its stages (a checkpoint) or initialises only them (from scratch), one
+        stage at a time, so that at most one stage's fp32 weights exist beside the stores."""
+        for j, store in self.stores.items():
+            names = {n for p in self.layouts[j].params for n in p.names}
+            if source is not None:
+                weights = from_hf(LazyCheckpoint(source), self.model_cfg, only=lambda k: k in names)
+            else:
+                weights = self._init_weights(j, names)
+            missing = names - set(weights)
+            if missing:
+                raise CheckpointError(f"{source}: no weights for {sorted(missing)[:3]}")
+            store.load(weights)
+            del weights
 
-    def _init_weights(self, names: set[str]) -> dict[str, torch.Tensor]:
+    def _init_weights(self, stage: int, names: set[str]) -> dict[str, torch.Tensor]:
         specs, seed = unit_specs(self.model_cfg), self.cfg.train.seed
         out: dict[str, torch.Tensor] = {}
-        units = {k for j in self.hosts for k in range(self.layouts[j].first_unit, self.layouts[j].end_unit)}
+        units = set(range(self.layouts[stage].first_unit, self.layouts[stage].end_unit))
         tied = tied_weights(self.model_cfg)
         if any(head in names for _, head in tied):
             units.add(0)  # the tied head starts as the embedding
@@ -122,7 +133,7 @@ class PipelineEngine:
 
     def _links(self) -> dict:
         S = self.plan.num_stages
-        peers = {self.gpu_of[j + d] for j in self.hosts for d in (-1, 1) if 0 <= j + d < S}
+        peers = {self.gpu_of[j + d] for j in self.stores for d in (-1, 1) if 0 <= j + d < S}
         links: dict = {}
         nccl = dist.new_group(backend="nccl") if self.settings.p2p else None
         for p in sorted(peers):
@@ -202,7 +213,7 @@ class PipelineEngine:
         M = len(batches)
         if M not in self.eval_scheds:
             self.eval_scheds[M] = build_eval_schedule(self.plan.num_stages, self.world, M, list(self.gpu_of),
-                                                      self.plan.num_slots)
+                                                      self.plan.num_slots, frozenset(self.plan.resident))
         io = StepIO([x for x, _ in batches], [y for _, y in batches], 0, 1.0, None)
         return self.ex.run(self.eval_scheds[M], io).loss
 
@@ -212,8 +223,8 @@ class PipelineEngine:
         self.ex.sync()
         weights: dict[str, torch.Tensor] = {}
         moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for j, host in self.hosts.items():
-            weights.update(views(host.master, self.layouts[j]))
+        for j, host in self.stores.items():
+            weights.update(views(host.master.cpu(), self.layouts[j]))
             if with_moments:
                 moments.update(host.moments())
         return RankState(weights, moments, self.optimizer_step, self.scaler.state_dict())
@@ -222,7 +233,7 @@ class PipelineEngine:
         """Optimizer moments by name (from a checkpoint of any mode or partition) and the loss scale."""
         self.optimizer_step = resume.optimizer_step
         self.scaler.load_state_dict(resume.scaler)
-        for j, host in self.hosts.items():
+        for j, host in self.stores.items():
             names = [p.names[0] for p in self.layouts[j].params]
             host.load_moments(resume.moments(names, self.model_cfg), self.optimizer_step)
 

@@ -8,13 +8,17 @@ Threads and streams (see scheduler/README.md for who owns which buffer and event
 * the **upload thread** copies a stage's half-precision weights from its pinned host copy into a
   device slot on the copy stream, in chunks served in stage order per root complex
   (:class:`~scheduler.comm.UploadArbiter`);
-* the **download stream** brings each stage's fp32 gradient sums to its pinned host buffer;
+* the **download stream** brings each stage's gradient sums (fp32, or rounded to the half dtype)
+  to its pinned host buffer;
 * the **optimizer thread** runs each stage's CPU AdamW (``UPDATE``) once its gradients are down.
 
 Device memory holds ``num_slots`` *slots* (the running stage and the prefetched one), each with
-the stage's half-precision parameters, their gradients and an fp32 gradient sum; the boundary
-activations of the stages in flight; nothing else. A stage's parameters live in its slot as views,
-so the unit modules (built once on the meta device) compute on whatever slot holds them.
+the stage's half-precision parameters, their gradients and an fp32 gradient sum; a permanent slot
+per *resident* stage, beside its fp32 master and AdamW moments (updated on the compute stream,
+``DEVICE_UPDATE``); the boundary activations of the stages in flight, or the autograd graphs of
+*kept* stages (their backward reuses the forward's graph instead of recomputing); nothing else. A
+stage's parameters live in its slot as views, so the unit modules (built once on the meta device)
+compute on whatever slot holds them.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from mobius.optim import LossScaler, clip_coefficient
 from partition.schedule import COMPUTE, Action, Kind, Schedule
 from scheduler.comm import Counters, UploadArbiter
 from scheduler.stages import StageLayout, bind, build_units
-from scheduler.store import HostStage
+from scheduler.store import StageStore
 from scheduler.trace import StepTrace
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,7 @@ class ExecutorOptions:
     grad_clip: float = 0.0
     tied: tuple[tuple[int, int, int], ...] = ()  # (stage, offset, numel) of a tied weight's ends on two stages
     skip_updates: bool = False  # benchmark ablation: no AdamW (the GPU side alone)
+    half_grads: bool = False  # gradients come down rounded to the half dtype, into the stage's half copy
 
 
 @dataclass
@@ -87,11 +92,21 @@ class Collectives:
         self.reduce, self.exchange = reduce, exchange
 
 
-class DeviceSlot:
-    """One stage's worth of device memory: parameters, gradients (and an fp32 accumulator)."""
+@dataclass
+class Graph:
+    """A kept stage's forward: its input (with ``requires_grad``) and output, graph attached."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, accumulate_fp32: bool):
-        self.params = torch.empty(numel, dtype=dtype, device=device)
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class DeviceSlot:
+    """One stage's worth of device memory: parameters, gradients (and an fp32 accumulator). A
+    resident stage's slot computes on its store's half copy (``params``) and is never freed."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, accumulate_fp32: bool,
+                 params: torch.Tensor | None = None):
+        self.params = torch.empty(numel, dtype=dtype, device=device) if params is None else params
         self.grads = torch.zeros(numel, dtype=dtype, device=device)
         self.acc = torch.zeros(numel, dtype=torch.float32, device=device) if accumulate_fp32 else None
         self.stage: int | None = None
@@ -111,7 +126,7 @@ class StepState:
     batches: dict[str, list[torch.Tensor]]
     trace: StepTrace | None
     order_base: int
-    saved: dict[tuple[int, int], object] = field(default_factory=dict)  # (stage, micro) -> boundary input
+    saved: dict[tuple[int, int], object] = field(default_factory=dict)  # (stage, micro) -> boundary input or Graph
     outputs: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # waiting to be sent
     waiting: dict[tuple[str, int, int], Callable[[], torch.Tensor]] = field(default_factory=dict)  # posted receives
     loss_sum: torch.Tensor | float = 0.0  # on the device until REDUCE (no host sync per micro-batch)
@@ -129,19 +144,23 @@ class StepState:
 
 
 class Executor:
-    """Runs schedules for one worker (``rank``) over its stages' host stores (``hosts``)."""
+    """Runs schedules for one worker (``rank``) over its swapped stages' host stores (``hosts``) and
+    its resident stages' device stores (``resident``)."""
 
     def __init__(self, rank: int, device: torch.device, model_cfg: ModelConfig, layouts: list[StageLayout],
-                 hosts: dict[int, HostStage], links: dict, arbiter: UploadArbiter, counters: Counters,
-                 collectives: Collectives, scaler: LossScaler, options: ExecutorOptions):
+                 hosts: dict[int, StageStore], links: dict, arbiter: UploadArbiter, counters: Counters,
+                 collectives: Collectives, scaler: LossScaler, options: ExecutorOptions,
+                 resident: dict[int, StageStore] | None = None):
         self.rank, self.device, self.layouts, self.hosts = rank, device, layouts, hosts
+        self.resident = resident or {}
         self.links, self.arbiter, self.counters, self.coll = links, arbiter, counters, collectives
         self.scaler, self.opt = scaler, options
         self.num_units = layouts[-1].end_unit
-        self.units = {j: build_units(model_cfg, layouts[j].first_unit, layouts[j].end_unit) for j in hosts}
-        numel = max(layouts[j].numel for j in hosts)
+        mine = sorted(set(hosts) | set(self.resident))
+        self.units = {j: build_units(model_cfg, layouts[j].first_unit, layouts[j].end_unit) for j in mine}
         acc = options.dtype != torch.float32
-        self.slots = [DeviceSlot(numel, options.dtype, device, acc) for _ in range(options.num_slots)]
+        numel = max((layouts[j].numel for j in hosts), default=0)
+        self.slots = [DeviceSlot(numel, options.dtype, device, acc) for _ in range(options.num_slots if hosts else 0)]
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -149,8 +168,13 @@ class Executor:
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
         self.optim = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam")
         self.tied = {j: (o, n) for j, o, n in options.tied if j in hosts}
-        self.last_mine = max(hosts)  # this worker's last forward stage: its backward follows at once
+        self.last_swapped = max(hosts, default=-1)  # its backward follows its forward without a new upload
         self.slot_of: dict[int, DeviceSlot] = {}
+        for j, store in self.resident.items():  # permanent slots
+            slot = DeviceSlot(layouts[j].numel, options.dtype, device, acc, params=store.half)
+            slot.stage = j
+            slot.ready.set()
+            self.slot_of[j] = slot
         self.failure: BaseException | None = None  # from a background thread, raised by check()
         self._update_s = 0.0  # optimizer-thread seconds in AdamW since the last REDUCE
         self._update_lock = threading.Lock()
@@ -160,7 +184,8 @@ class Executor:
             Kind.UPLOAD: self._upload, Kind.FREE: self._free, Kind.FORWARD: self._forward, Kind.FB: self._fb,
             Kind.BACKWARD: self._backward, Kind.RECV_ACT: self._recv, Kind.RECV_GRAD: self._recv,
             Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send, Kind.DOWNLOAD: self._download,
-            Kind.UPDATE: self._update, Kind.TIE: self._tie, Kind.REDUCE: self._reduce}
+            Kind.UPDATE: self._update, Kind.DEVICE_UPDATE: self._device_update, Kind.TIE: self._tie,
+            Kind.REDUCE: self._reduce}
 
     # ---- the dispatch loop ----------------------------------------------------------------------
     def run(self, sched: Schedule, io: StepIO, trace: StepTrace | None = None) -> StepOutcome:
@@ -270,7 +295,7 @@ class Executor:
         """(Upload thread) bring stage j's offloaded inputs back with its backward upload."""
         for m in range(st.sched.micro_batches):
             entry = st.saved.get((j, m))
-            if not isinstance(entry, tuple):
+            if not (isinstance(entry, tuple) and entry[0] == "host"):
                 continue
             _, host, done = entry
             self.counters.add(h2d=host.nbytes)
@@ -336,6 +361,8 @@ class Executor:
 
     def _forward(self, a: Action) -> None:
         j, m, st = a.stage, a.micro, self.st
+        if st.sched.train and j in st.sched.kept:
+            return self._forward_kept(j, m)
         self._resident(j, grads=False)
         x = self._input(j, m)
         with torch.no_grad(), autocast(self.device, self.opt.precision):
@@ -344,9 +371,20 @@ class Executor:
                 self._count_loss(lm_loss(y, st.batches["targets"][m]))
                 return
         if st.sched.train:
-            offload = st.sched.offload_inputs and x.is_floating_point() and j != self.last_mine
+            offload = st.sched.offload_inputs and x.is_floating_point() and j in self.hosts and j != self.last_swapped
             st.saved[(j, m)] = self._offload_input(x) if offload else x
         st.outputs[("a", j, m)] = y.to(self.opt.dtype)
+
+    def _forward_kept(self, j: int, m: int) -> None:
+        """Forward with autograd on: the graph stays on the device for the backward (no recompute)."""
+        self._resident(j, grads=True)
+        x = self._input(j, m)
+        if x.is_floating_point():
+            x = x.detach().requires_grad_()
+        with autocast(self.device, self.opt.precision):
+            y = self._run(j, x, m)
+        self.st.saved[(j, m)] = Graph(x, y)
+        self.st.outputs[("a", j, m)] = y.detach().to(self.opt.dtype)
 
     def _fb(self, a: Action) -> None:
         """Last stage: forward, loss and backward of one micro-batch (no recompute)."""
@@ -364,15 +402,17 @@ class Executor:
             st.outputs[("g", j, m)] = x.grad
 
     def _backward(self, a: Action) -> None:
-        """Recompute the stage's forward from its saved input, then backpropagate."""
+        """Recompute the stage's forward from its saved input (or take its kept graph), then backpropagate."""
         j, m, st = a.stage, a.micro, self.st
         slot = self._resident(j, grads=True)
-        x = st.saved.pop((j, m))
+        saved = st.saved.pop((j, m))
         g = st.waiting.pop(("g", j, m))()
-        if x.is_floating_point():
-            x = x.detach().requires_grad_()
-        with autocast(self.device, self.opt.precision):
-            y = self._run(j, x, m)
+        if isinstance(saved, Graph):
+            x, y = saved.x, saved.y
+        else:
+            x = saved.detach().requires_grad_() if saved.is_floating_point() else saved
+            with autocast(self.device, self.opt.precision):
+                y = self._run(j, x, m)
         torch.autograd.backward(y, g.to(y.dtype))
         self._accumulate(slot, j)
         if j > 0:
@@ -395,7 +435,7 @@ class Executor:
             if not self.cuda:
                 return ts
             return [t.pin_memory().to(self.device, non_blocking=True) for t in ts]
-        mine = set(self.hosts)
+        mine = set(self.hosts) | set(self.resident)
         return {"inputs": put(io.inputs) if 0 in mine else [],
                 "targets": put(io.targets) if sched.num_stages - 1 in mine else []}
 
@@ -416,12 +456,16 @@ class Executor:
         self.links[a.peer].send(t.to(self.opt.dtype), self._tag(kind, a.stage, a.micro))
 
     def _download(self, a: Action) -> None:
-        """Gradients of a finished stage to its host buffer; the CPU update takes it from there."""
+        """Gradients of a finished stage to its host buffer (fp32, or rounded to the half dtype into
+        the half copy); the CPU update takes them from there."""
         j, st = a.stage, self.st
         slot, host, n = self.slot_of[j], self.hosts[j], self.layouts[j].numel
         host.updated.clear()
         src = slot.acc[:n] if slot.acc is not None else slot.grads[:n]  # fp32 either way
-        st.sumsq.append(self._sumsq(src, self.tied.get(j)))
+        st.sumsq.append(self._sumsq(src, self.tied.get(j)))  # the exact norm, before any rounding
+        if self.opt.half_grads:
+            src = slot.grads[:n].copy_(src)  # the slot's half gradients are free once summed
+        dst = host.grads_in[:n]
         done = None
         if self.cuda:
             ready = torch.cuda.Event()
@@ -429,7 +473,7 @@ class Executor:
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(ready)
                 start = st.trace.mark(self.d2h_stream) if st.trace is not None else None
-                host.grad.copy_(src, non_blocking=True)
+                dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.d2h_stream)
                 if st.trace is not None:
@@ -437,7 +481,7 @@ class Executor:
             slot.released = done  # the slot is reused only after the copy has read it
         else:
             start = time.perf_counter()
-            host.grad.copy_(src)
+            dst.copy_(src)
             if st.trace is not None:
                 st.trace.add("d2h", f"D{j}", start, time.perf_counter())
         self.counters.add(d2h=n * src.element_size())
@@ -477,6 +521,14 @@ class Executor:
                 self._update_s += time.perf_counter() - t0
             host.updated.set()
 
+    def _device_update(self, a: Action) -> None:
+        """A resident stage's AdamW on the compute stream, from its fp32 gradient sums."""
+        j, st = a.stage, self.st
+        slot, n = self.slot_of[j], self.layouts[j].numel
+        if not (st.skipped or self.opt.skip_updates):
+            self.resident[j].update(st.io.lr, st.factor, slot.acc[:n] if slot.acc is not None else slot.grads[:n])
+        slot.grads_live = False  # zeroed before the next backward
+
     def _tie(self, a: Action) -> None:
         """Sum the two ends' gradients of the tied weight (both ends then take the same update);
         its sum of squares is counted once, on the embedding's worker."""
@@ -484,13 +536,13 @@ class Executor:
         for arrived in (st.arrived.get(j) for j in self.tied):
             if arrived is not None:
                 arrived.synchronize()
-        ends = {j: self.hosts[j].grad[o:o + n] for j, (o, n) in self.tied.items()}
+        ends = {j: self.hosts[j].grads_in[o:o + n] for j, (o, n) in self.tied.items()}
         if len(ends) == 2:
-            total = sum(ends.values())
+            total = sum(e.float() for e in ends.values())
         else:
             (j, mine), = ends.items()
             other_stage = st.sched.num_stages - 1 if j == 0 else 0
-            total = mine + self.coll.exchange(mine, st.sched.gpu_of[other_stage])
+            total = mine.float() + self.coll.exchange(mine, st.sched.gpu_of[other_stage]).float()
         for g in ends.values():
             g.copy_(total)
         st.tied_sumsq = float(torch.dot(total, total)) if 0 in ends else 0.0
@@ -508,6 +560,10 @@ class Executor:
             st.stall_s += sum(x.elapsed_time(y) for x, y in st.stall_events) / 1e3
         if st.sched.train and not st.sched.barrier:
             self.sync()  # without a barrier a step ends when its updates have
+        if st.sched.train:  # resident gradients are still on the device (an update without a factor leaves them)
+            for j in self.resident:
+                slot, n = self.slot_of[j], self.layouts[j].numel
+                st.sumsq.append(self._sumsq(slot.acc[:n] if slot.acc is not None else slot.grads[:n], None))
         self.check()
         stats = self._local_stats(st)
         total = self.coll.reduce(stats)

@@ -1,11 +1,22 @@
-"""The host side of a stage: fp32 master weights, AdamW states, the half-precision upload copy and
-the gradient download buffer, all flat; and the CPU AdamW update that runs on them.
+"""A stage's optimizer-side memory: fp32 master weights, AdamW moments, the half-precision copy
+the GPU computes with and where its gradients arrive, all flat; and the AdamW update on them.
 
-Host bytes per parameter: 4 (fp32 master) + 8 (AdamW m, v) + 2 (pinned half copy; none in fp32) +
-4 (pinned fp32 gradient) = 18. Gradients come down in fp32 (summed over micro-batches on the GPU):
-twice the bytes of half-precision gradients on the GPU->host direction, which uploads do not use,
-and no conversion pass on the CPU, whose AdamW is the slowest part of a step.
-:func:`check_host_memory` computes this before anything is allocated.
+A *swapped* stage keeps all of it in host memory (the half copy pinned, for uploads) and updates on
+the CPU; a *resident* stage keeps it on its GPU and updates there. Host bytes per swapped parameter:
+
+=============================  ====  ==========================================================
+train precision / gradients    B     what
+=============================  ====  ==========================================================
+bf16/fp16, fp32 downloads      18    4 master + 8 AdamW (m, v) + 2 pinned half copy + 4 pinned fp32 gradient
+bf16, half downloads           14    the gradient lands in the half copy (it is rewritten by the update)
+fp32                           16    the master is the upload copy; 4 pinned fp32 gradient
+=============================  ====  ==========================================================
+
+fp32 downloads carry the gradient sums exactly as the GPU accumulated them (the reference trainer's
+numbers); half downloads round them to bf16 first (half the GPU->host bytes and 4 fewer host bytes
+per parameter). Every gradient of a step waits in host memory for the global norm when the run clips
+(or scales fp16 losses), so a smaller pool of fp32 buffers would not bound anything there.
+:func:`check_host_memory` computes the need before anything is allocated.
 """
 
 from __future__ import annotations
@@ -14,29 +25,33 @@ import logging
 import threading
 
 import torch
-from torch import nn
 
 from mobius.config import TrainSection
 from mobius.errors import MobiusError
-from mobius.optim import adamw, set_lr
+from mobius.optim import FlatAdamW, host_bytes_per_param
 from scheduler.stages import StageLayout
 
 log = logging.getLogger(__name__)
 
 
-def host_bytes(layouts: list[StageLayout], train_dtype: torch.dtype) -> int:
-    """Host memory the stores of these stages need (see the module docstring)."""
-    half = 0 if train_dtype == torch.float32 else 2
-    return sum(lay.numel for lay in layouts) * (4 + 8 + half + 4)
+def host_bytes(layouts: list[StageLayout], train_dtype: torch.dtype, half_grads: bool = False) -> int:
+    """Host memory the stores of these swapped stages need (see the module docstring)."""
+    precision = "fp32" if train_dtype == torch.float32 else "half"
+    return sum(lay.numel for lay in layouts) * host_bytes_per_param(precision, half_grads)
+
+
+HOST_USABLE_FRACTION = 0.85  # of MemAvailable: the rest for the process itself (a stage's fp32 weights at start,
+# CUDA and Python) and the page cache; pinned memory cannot be swapped out, so overshooting is fatal
 
 
 def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
+    """What the stores may take: ``HOST_USABLE_FRACTION`` of MemAvailable from /proc/meminfo (None
+    where it cannot be read)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    return int(HOST_USABLE_FRACTION * int(line.split()[1]) * 1024)
     except OSError:
         return None
     return None
@@ -46,72 +61,65 @@ def check_host_memory(needed: int, what: str) -> None:
     avail = available_host_bytes()
     if avail is not None and needed > avail:
         raise MobiusError(f"{what} needs {needed / 2**30:.1f} GiB of host memory for weights, optimizer states and "
-                          f"transfer buffers, but only {avail / 2**30:.1f} GiB is available")
+                          f"transfer buffers, but only {avail / 2**30:.1f} GiB is available to them "
+                          f"({HOST_USABLE_FRACTION:.0%} of the free memory)")
 
 
-class HostStage:
-    """One stage's flat host buffers and its AdamW."""
+class StageStore:
+    """One stage's flat buffers and its AdamW, in host memory (``device`` cpu) or on a GPU (resident).
 
-    def __init__(self, layout: StageLayout, train_dtype: torch.dtype, cfg: TrainSection, pin: bool):
+    ``half`` is the copy the GPU computes with (the master itself in fp32). On the host it is pinned
+    for uploads, and the stage's gradients arrive in ``grad`` (fp32) or, with ``half_grads``, in
+    ``half`` itself; a resident stage's gradients stay in its device slot.
+    """
+
+    def __init__(self, layout: StageLayout, train_dtype: torch.dtype, cfg: TrainSection, pin: bool = False,
+                 half_grads: bool = False, device: torch.device | str = "cpu"):
         self.layout, self.dtype = layout, train_dtype
-        n = layout.numel
-        self.master = torch.zeros(n, dtype=torch.float32, pin_memory=pin and train_dtype == torch.float32)
-        self.half = self.master if train_dtype == torch.float32 else torch.empty(n, dtype=train_dtype, pin_memory=pin)
-        self.grad = torch.zeros(n, dtype=torch.float32, pin_memory=pin)  # fp32 gradients arrive here
-        d = layout.decay_numel
-        self._flat = [nn.Parameter(self.master[:d]), nn.Parameter(self.master[d:])]
-        self.optimizer = adamw([f for f in self._flat[:1] if f.numel()], [f for f in self._flat[1:] if f.numel()],
-                               cfg, fused=True)
+        n, device = layout.numel, torch.device(device)
+        on_host = device.type == "cpu"
+        fp32 = train_dtype == torch.float32
+        self.master = torch.zeros(n, dtype=torch.float32, device=device, pin_memory=pin and fp32 and on_host)
+        self.half = self.master if fp32 else torch.empty(n, dtype=train_dtype, device=device,
+                                                         pin_memory=pin and on_host)
+        assert not (half_grads and fp32), "half-precision downloads need a half-precision copy"
+        self.grad = torch.zeros(n, dtype=torch.float32, pin_memory=pin) if on_host and not half_grads else None
+        self.optimizer = FlatAdamW(self.master, None if fp32 else self.half, layout.decay_numel, cfg)
         self.updated = threading.Event()  # set when master/half hold this step's weights
         self.updated.set()
+
+    @property
+    def grads_in(self) -> torch.Tensor:
+        """Where a download puts the stage's gradients (host stores)."""
+        return self.grad if self.grad is not None else self.half
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """Fill the master (and half) copy from full-precision tensors by name."""
         for p in self.layout.params:
             self.master[p.offset:p.offset + p.numel].copy_(weights[p.names[0]].reshape(-1))
-        self.refresh_half()
-
-    def refresh_half(self) -> None:
         if self.half is not self.master:
             self.half.copy_(self.master)
 
-    def update(self, lr: float, grad_factor: float) -> None:
-        """AdamW on the master weights with grad = host grad * grad_factor; refresh the half copy."""
-        g = self.grad
-        if grad_factor != 1.0:
-            g.mul_(grad_factor)
-        d = self.layout.decay_numel
-        self._flat[0].grad, self._flat[1].grad = g[:d], g[d:]
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self._flat[0].grad = self._flat[1].grad = None
-        self.refresh_half()
+    def update(self, lr: float, grad_factor: float, grad: torch.Tensor | None = None) -> None:
+        """AdamW with gradient ``grad * grad_factor`` (default: the downloaded gradients); the half
+        copy is rewritten in the same pass."""
+        self.optimizer.step(self.grads_in if grad is None else grad, lr, grad_factor)
 
     def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """AdamW (exp_avg, exp_avg_sq) by parameter name (so a run can resume under any partition or
-        mode); empty before the first update."""
-        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        d = self.layout.decay_numel
-        for p in self.layout.params:
-            flat, off = (self._flat[0], p.offset) if p.offset < d else (self._flat[1], p.offset - d)
-            st = self.optimizer.state.get(flat)
-            if st:
-                out[p.names[0]] = (st["exp_avg"][off:off + p.numel].view(p.shape),
-                                   st["exp_avg_sq"][off:off + p.numel].view(p.shape))
-        return out
+        """AdamW (exp_avg, exp_avg_sq) by parameter name, in host memory (so a run can resume under
+        any partition or mode); empty before the first update."""
+        if self.optimizer.steps == 0:
+            return {}
+        m, v = self.optimizer.m.cpu(), self.optimizer.v.cpu()
+        return {p.names[0]: (m[p.offset:p.offset + p.numel].view(p.shape), v[p.offset:p.offset + p.numel].view(p.shape))
+                for p in self.layout.params}
 
     def load_moments(self, moments: dict[str, tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
         """Set the AdamW state from moments by parameter name (every parameter of the stage)."""
         if not moments:
             return
-        d = self.layout.decay_numel
-        for k, flat in enumerate(self._flat):
-            if flat.numel() == 0:
-                continue
-            lo, hi = (0, d) if k == 0 else (d, self.layout.numel)
-            m, v = torch.zeros(flat.numel()), torch.zeros(flat.numel())
-            for p in self.layout.params:
-                if lo <= p.offset < hi:
-                    m[p.offset - lo:p.offset - lo + p.numel] = moments[p.names[0]][0].reshape(-1)
-                    v[p.offset - lo:p.offset - lo + p.numel] = moments[p.names[0]][1].reshape(-1)
-            self.optimizer.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}
+        m, v = torch.zeros(self.layout.numel), torch.zeros(self.layout.numel)
+        for p in self.layout.params:
+            m[p.offset:p.offset + p.numel] = moments[p.names[0]][0].reshape(-1)
+            v[p.offset:p.offset + p.numel] = moments[p.names[0]][1].reshape(-1)
+        self.optimizer.load(m, v, step)

@@ -83,6 +83,19 @@ def deep_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def untied_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``deep_checkpoint`` with its own head weight (the benchmark models' layout): the first and last
+    stages may then be resident."""
+    from mobius.data import byte_tokenizer
+
+    d = tmp_path_factory.mktemp("untied") / "gpt2-10-untied"
+    make_hf_model("gpt2", n_layer=10, n_embd=32, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                  tie_word_embeddings=False).save_pretrained(d)
+    byte_tokenizer().save(d)
+    return d
+
+
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     f = tmp_path_factory.mktemp("text") / "corpus.txt"
     f.write_text(TEXT * 40)

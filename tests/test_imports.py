@@ -11,7 +11,7 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mobius", "topology", "partition", "scheduler")
 LAYERS = {"core": 0, "topology": 1, "partition": 2, "scheduler": 3, "app": 4}
-APP = ("mobius.app", "mobius.cli", "mobius.commands")
+APP = ("mobius.app", "mobius.cli", "mobius.commands", "mobius.__main__")  # __main__: `python -m mobius`
 
 
 def _modules() -> dict[str, Path]:
@@ -26,7 +26,7 @@ def _modules() -> dict[str, Path]:
 
 
 def layer(module: str) -> str:
-    if module == APP[1] or any(module == a or module.startswith(a + ".") for a in (APP[0], APP[2])):
+    if module in (APP[1], APP[3]) or any(module == a or module.startswith(a + ".") for a in (APP[0], APP[2])):
         return "app"
     top = module.split(".")[0]
     return "core" if top == "mobius" else top

@@ -209,3 +209,63 @@ def test_local_search_seed_is_never_worse_than_its_starting_split() -> None:
     ev = ModelEvaluator(prof, hw, _sequential(4), 4)
     res = solve_partition(prof, hw, _sequential(4), 4)
     assert ev.step_time(res.best.boundaries) == pytest.approx(res.best.predicted_s, rel=1e-9)
+
+
+def _random_residency(rng: random.Random, ev: ModelEvaluator, bounds: list[int],
+                      options: PipelineOptions) -> PipelineOptions:
+    """Random resident stages (never a tied end) and random kept stages among those allowed."""
+    from partition import residency
+
+    S = len(bounds) - 1
+    free = [j for j in range(S) if j not in residency.tied_ends(ev, S)]
+    res = frozenset(j for j in free if rng.random() < 0.4)
+    shape = ev.shape(S, replace(options, resident=res))
+    kept = frozenset(j for j in range(S) if residency.may_keep(shape, j) and rng.random() < 0.6)
+    return replace(options, resident=res, kept=kept, grad_dtype=rng.choice(["fp32", "half"]))
+
+
+@pytest.mark.parametrize("machine", MACHINES[:2])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_simulator_runs_what_the_model_predicts_with_resident_and_kept_stages(seed: int, machine: str) -> None:
+    """Resident stages (device AdamW, no transfers), kept activations (no recompute) and half
+    gradient downloads: the simulator of the runtime's action lists agrees with the timing model."""
+    prof, hw, M, options = _case(seed, machine)
+    hw = replace(hw, gpu_memory_bytes=hw.gpu_memory_bytes * 4, device_adam_params_per_s=hw.cpu_adam_params_per_s * 3,
+                 cpu_adam_half_grads_params_per_s=hw.cpu_adam_params_per_s * 0.8)
+    N = hw.num_gpus
+    rng = random.Random(100 + seed)
+    parts = [b for b in all_partitions(prof.num_units) if len(b) - 1 >= N]
+    rng.shuffle(parts)
+    tried = 0
+    for bounds in parts:
+        opts = _random_residency(rng, ModelEvaluator(prof, hw, _sequential(N), M, options=options), bounds, options)
+        model = ModelEvaluator(prof, hw, _sequential(N), M, options=opts).evaluate(bounds)
+        if model.violations or not (opts.resident or opts.kept):
+            continue
+        sim = simulate(prof, bounds, hw, list(range(N)), M, opts, record=False)
+        assert sim.step_s == pytest.approx(model.T, rel=0.03), (bounds, opts)
+        tried += 1
+        if tried == 6:
+            break
+    assert tried >= 3
+
+
+def test_the_residency_pass_uses_free_memory_and_stops_at_the_budget() -> None:
+    """With room, the second pass makes stages resident and keeps activations, and the step gets
+    shorter; each choice fits the budget; with no room it changes nothing."""
+    from partition import residency
+
+    from partition.timing import memory_peaks
+
+    prof = toy_profile(blocks=8)
+    bounds = [0, 2, 4, 6, 8, 10]
+    probe = ModelEvaluator(prof, Hardware.uniform(2, 64 * GiB, 2e9, groups=[[0], [1]]), _sequential(2), 4)
+    tight = int(max(memory_peaks(probe.exprs(bounds), probe.shape(5))) * 1e9) + 1000  # the swapped plan only
+    for mem, expect_some in ((64 * GiB, True), (tight, False)):
+        hw = Hardware.uniform(2, mem, 2e9, groups=[[0], [1]], cpu_adam_params_per_s=0.5e9)
+        ev = ModelEvaluator(prof, hw, _sequential(2), 4)
+        base = ev.step_time(bounds)
+        res, kept, t = residency.choose(ev, bounds)
+        assert bool(res or kept) == expect_some, (mem, res, kept)
+        assert t <= base and (t < base) == expect_some
+        assert not ev.evaluate(bounds, replace(ev.options, resident=res, kept=kept)).violations

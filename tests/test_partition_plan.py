@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import topology
+from partition.plan import RESIDENCY_RESERVE
 from fixtures.partition.profiles import toy_profile
 from mobius import cli
 from mobius.commands import plan as plan_cmd
@@ -74,15 +75,22 @@ def test_plan_json_round_trip() -> None:
 def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
     specs = unit_specs(get_preset("gpt2-xl"))
     hw = Hardware.paper_3090ti()
-    plan = plan_model(specs, hw, micro_batches=4, micro_batch_size=2, seq_len=512, precision="fp16",
-                      profile="estimated", gpu="rtx3090ti")
-    assert plan.profile_source == "estimated" and plan.boundaries[-1] == len(specs)
-    assert plan.predicted_step_s >= plan.model_step_s * 0.999  # contention only adds time
-    assert all(v is None or v >= plan.predicted_step_s * 0.98 for v in plan.baselines.values())
-    assert max(plan.peak_bytes) <= hw.gpu_memory_bytes
-    assert 3.0 < plan.traffic["x_param_bytes"] < 5.0  # two half-precision uploads, fp32 gradients down
+    kw = dict(micro_batches=4, micro_batch_size=2, seq_len=512, precision="fp16", profile="estimated", gpu="rtx3090ti")
+    swapped = plan_model(specs, hw, resident=[], kept=[], **kw)  # the paper's pipeline: every stage swapped
+    assert swapped.profile_source == "estimated" and swapped.boundaries[-1] == len(specs)
+    assert 3.0 < swapped.traffic["x_param_bytes"] < 5.0  # two half-precision uploads, fp32 gradients down
+    plan = plan_model(specs, hw, **kw)  # the second pass uses the memory the swapped plan leaves free
+    for p in (swapped, plan):
+        assert p.predicted_step_s >= p.model_step_s * 0.999  # contention only adds time
+        assert all(v is None or v >= p.predicted_step_s * 0.98 for v in p.baselines.values())
+        assert max(p.peak_bytes) <= hw.gpu_memory_bytes
+    assert plan.resident and plan.predicted_step_s < swapped.predicted_step_s
+    assert max(plan.peak_bytes) <= (1 - RESIDENCY_RESERVE) * hw.gpu_memory_bytes  # room for the allocator
+    assert plan.traffic["x_param_bytes"] < swapped.traffic["x_param_bytes"]
+    assert plan.host_bytes < swapped.host_bytes == 18 * swapped.param_count  # fp16: fp32 gradient buffers
     text = plan.summary()
     assert "predicted step time" in text and "baselines" in text and "peak GPU memory" in text
+    assert "resident stages: " + ", ".join(map(str, plan.resident)) in text
 
 
 def test_hardware_from_a_saved_nvidia_smi_topology_and_a_bandwidth_file() -> None:
@@ -157,10 +165,15 @@ def test_mobius_plan_reads_the_architecture_of_a_checkpoint_directory(gpt2_dir: 
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(f"model:\n  checkpoint: {gpt2_dir}\ndata:\n  seq_len: 32\ntrain:\n  micro_batches: 2\n"
                    f"partition:\n  profile: estimated\n  gpu: rtx3090\n")
-    assert _run_plan([str(cfg), "--gpus", "2", "--json"]) == 0
+    assert _run_plan([str(cfg), "--gpus", "2", "--json", "--parallel.mode=pipeline"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["unit_names"] == ["embed", "block.0", "block.1", "head"]  # the checkpoint's 2 layers
     assert out["num_gpus"] == 2 and out["model"] == str(gpt2_dir)
+    assert out["mode"]["chosen"] == "pipeline" and out["mode"]["explicit"]
+    assert _run_plan([str(cfg), "--gpus", "1", "--json"]) == 0  # auto: a tiny model trains plainly on one GPU
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"]["chosen"] == "single" and not out["mode"]["explicit"]
+    assert {c["mode"] for c in out["mode"]["candidates"]} == {"single", "pipeline", "zero"}
 
 
 def test_plan_respects_a_minimum_stage_count() -> None:

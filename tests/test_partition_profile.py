@@ -48,9 +48,15 @@ def test_estimate_matches_measured_proportions_between_units(measured: ModelProf
     estimated = estimate_units(_small_gpt(), 2, 128, "fp32", cpu_like)
     assert estimated.source == "estimated"
     assert [u.param_bytes for u in estimated.units] == [u.param_bytes for u in measured.units]
-    est, meas = _shares(estimated), _shares(measured)
-    head_vs_block_est, head_vs_block_meas = est[-1] / est[1], meas[-1] / meas[1]
-    assert 0.5 < head_vs_block_est / head_vs_block_meas < 2.0
+    est = _shares(estimated)
+    ratios = []
+    for attempt in range(3):  # timings on a shared machine: a burst of other work can skew one profile
+        meas = _shares(measured if attempt == 0 else profile_units(_small_gpt(), 2, 128, "fp32", "cpu", reps=5,
+                                                                   warmup=2))
+        ratios.append((est[-1] / est[1]) / (meas[-1] / meas[1]))  # the head's time against a block's
+        if 0.5 < ratios[-1] < 2.0:
+            break
+    assert 0.5 < ratios[-1] < 2.0, ratios
     block_est, block_meas = estimated.units[1], measured.units[1]
     assert block_est.saved_bytes == pytest.approx(block_meas.saved_bytes, rel=0.3)
     assert block_est.act_bytes == block_meas.act_bytes
@@ -91,12 +97,14 @@ def test_the_cpu_update_rate_is_measured_once_and_cached(tmp_path, monkeypatch: 
 
     calls = []
     real = profile.measure_cpu_update
-    monkeypatch.setattr(profile, "measure_cpu_update", lambda t, p: calls.append((t, p)) or real(t, p, 1 << 20, 2))
+    monkeypatch.setattr(profile, "measure_cpu_update", lambda t, p, half_grads=False: calls.append((t, p, half_grads))
+                        or real(t, p, 1 << 20, 2, half_grads))
     rate = profile.cpu_update_rate(1, "bf16", tmp_path)
-    assert rate > 1e6 and calls == [(1, "bf16")]
+    assert rate > 1e6 and calls == [(1, "bf16", False)]
     assert profile.cpu_update_rate(1, "bf16", tmp_path) == rate and len(calls) == 1  # from the cache
     profile.cpu_update_rate(2, "bf16", tmp_path)
     assert len(calls) == 2  # another thread count is another measurement
+    assert profile.cpu_update_rate(1, "bf16", tmp_path, half_grads=True) > 1e6 and calls[-1] == (1, "bf16", True)
 
 
 def test_estimated_profile_needs_a_gpu_model() -> None:

@@ -76,13 +76,65 @@ def _compare_weights(a: Path, b: Path, atol: float) -> None:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=atol, msg=k)
 
 
+SWAPPED = {"resident_stages": [], "kept_stages": []}  # the paper's pipeline: every stage swapped, recomputed
+
+
 @pytest.mark.parametrize("workers,stages", [(2, 4), (2, 6), (4, 8), (4, 12)])
 def test_pipeline_matches_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path, workers: int,
                                     stages: int) -> None:
     train(_cfg(tmp_path, deep_checkpoint, corpus, "ref"))
     train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe",
-               parallel={"mode": "pipeline", "devices": workers, "stages": stages}))
+               parallel={"mode": "pipeline", "devices": workers, "stages": stages, **SWAPPED}))
     _compare(tmp_path / "ref", tmp_path / "pipe", atol=1e-5)
+
+
+# 2 workers, 6 stages: worker 0 runs stages 0, 2, 4 and worker 1 runs 1, 3, 5; the tied embedding/head
+# (stages 0 and 5) stay swapped. A kept stage is resident or its worker's last swapped stage.
+MIXES = {
+    "resident-clipped": ({"resident_stages": [1, 2], "kept_stages": []}, {}),
+    "kept-last-swapped": ({"resident_stages": [], "kept_stages": [4]}, {}),
+    "resident-kept-no-clip": ({"resident_stages": [2, 3], "kept_stages": [2, 3, 4]}, {"grad_clip": 0.0}),
+    "all-but-ends-offload": ({"resident_stages": [1, 2, 3, 4], "kept_stages": [1, 4], "offload_inputs": "on"}, {}),
+    "worker-all-resident": ({"resident_stages": [1, 3], "kept_stages": [1, 3]}, {"grad_clip": 0.0}),
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_resident_and_kept_stages_match_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path,
+                                                  mix: str) -> None:
+    """Resident stages (device AdamW) and kept activations (no recompute) mixed with swapped stages."""
+    par, tr = MIXES[mix]
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", train=tr))
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe", train=tr,
+               parallel={"mode": "pipeline", "devices": 2, "stages": 6, **par}))
+    plan = json.loads((tmp_path / "pipe" / "plan.json").read_text())
+    assert (plan["resident"], plan["kept"]) == (par["resident_stages"], par["kept_stages"])
+    _compare(tmp_path / "ref", tmp_path / "pipe", atol=1e-5)
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_resident_first_and_last_stages_match_reference(tmp_path: Path, untied_checkpoint: Path, corpus: Path,
+                                                         clip: float) -> None:
+    """An untied head lets the planner keep the ends on the GPU: the token ids and targets then go to
+    resident stages (the benchmark models' usual plan)."""
+    tr = {"grad_clip": clip}
+    train(_cfg(tmp_path, untied_checkpoint, corpus, "ref", train=tr))
+    par = {"mode": "pipeline", "devices": 2, "stages": 6, "resident_stages": [0, 1, 5], "kept_stages": [0, 1]}
+    train(_cfg(tmp_path, untied_checkpoint, corpus, "pipe", train=tr, parallel=par))
+    _compare(tmp_path / "ref", tmp_path / "pipe", atol=1e-5)
+
+
+def test_impossible_resident_or_kept_stages_are_config_errors(tmp_path: Path, deep_checkpoint: Path,
+                                                              corpus: Path) -> None:
+    from mobius.errors import ConfigError
+
+    base = {"mode": "pipeline", "devices": 2, "stages": 6}
+    for extra, match in (({"resident_stages": [0]}, r"stage\(s\) \[0\] hold an end of the tied"),
+                         ({"resident_stages": [7]}, r"out of range: the plan has 6 stages"),
+                         ({"kept_stages": [2], "resident_stages": []}, r"stage\(s\) \[2\] cannot keep activations"),
+                         ({"kept_stages": [5]}, r"cannot keep activations")):
+        with pytest.raises(ConfigError, match=match):
+            train(_cfg(tmp_path, deep_checkpoint, corpus, "x", parallel={**base, **extra}), overwrite=True)
 
 
 @pytest.mark.parametrize("variant", ["dropout-no-clip", "no-prefetch-sequential", "offload-inputs"])
@@ -96,7 +148,7 @@ def test_pipeline_variants_match_reference(tmp_path: Path, deep_checkpoint: Path
         extra, par = {}, {"prefetch": False, "mapping": "sequential"}
     train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", **extra))
     train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe",
-               parallel={"mode": "pipeline", "devices": 2, "stages": 5, **par}, **extra))
+               parallel={"mode": "pipeline", "devices": 2, "stages": 5, **SWAPPED, **par}, **extra))
     _compare(tmp_path / "ref", tmp_path / "pipe", atol=1e-5)
 
 
@@ -125,6 +177,36 @@ def test_host_memory_is_checked_before_allocating(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(store, "available_host_bytes", lambda: 8 * 2**30)
     with pytest.raises(MobiusError, match=r"needs 2[0-9.]+ GiB of host memory .* only 8\.0 GiB is available"):
         store.check_host_memory(need, "worker 0's stages")
+
+
+def test_resident_stages_with_fp16_loss_scaling(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
+    """fp16 with resident stages: their device AdamW takes the loss scale out like the CPU one."""
+    t = {"precision": "fp16"}
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", train=t))
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe", train=t,
+               parallel={"mode": "pipeline", "devices": 2, "stages": 4, "resident_stages": [1, 2], "kept_stages": [1]}))
+    la = [json.loads(x)["loss"] for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "pipe" / "metrics.jsonl").read_text().splitlines()]
+    torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=0, atol=3e-2)
+
+
+def test_half_gradient_downloads_stay_close_to_fp32_downloads(tmp_path: Path, deep_checkpoint: Path,
+                                                              corpus: Path) -> None:
+    """bf16 gradients down (into the half copy): the update sees sums rounded to bf16, so the run
+    stays within bf16 rounding of the fp32-download run; the host needs 14 bytes per parameter."""
+    t = {"precision": "bf16"}
+    runs = {}
+    for dtype in ("fp32", "half"):
+        par = {"mode": "pipeline", "devices": 2, "stages": 4, "grad_download": dtype, **SWAPPED}
+        runs[dtype] = train(_cfg(tmp_path, deep_checkpoint, corpus, dtype, train=t, parallel=par))
+        plan = json.loads((tmp_path / dtype / "plan.json").read_text())
+        assert plan["grad_dtype"] == dtype and plan["host_bytes"] == (18 if dtype == "fp32" else 14) * plan["param_count"]
+    torch.testing.assert_close(torch.tensor(runs["half"].losses), torch.tensor(runs["fp32"].losses), rtol=0, atol=2e-2)
+    down = {d: json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[0])["d2h_bytes"] for d in runs}
+    assert down["half"] < 0.6 * down["fp32"]  # gradient bytes halved (activation hops are the same)
+    wa, wb = read_state_dict(tmp_path / "fp32" / "final"), read_state_dict(tmp_path / "half" / "final")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=2e-2, msg=k)
 
 
 def test_pipeline_bf16_is_close_to_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import topology
-from mobius.app.settings import DEVICE_RESERVE_BYTES, Machine, resolve
+from mobius.app.run import check_parallel
+from mobius.app.settings import DEVICE_RESERVE_BYTES, Machine, mode_options, resolve, static_mode
 from mobius.config import config_from_dict
 from mobius.errors import ConfigError, NotAvailableError
 
@@ -20,11 +21,11 @@ def _box(groups, p2p: bool = False, cpus: int = 32) -> Machine:
     return Machine(topology.Topology.synthetic(groups, memory_bytes=24 * GiB, p2p=p2p), cpus, local=False)
 
 
-@pytest.mark.parametrize("mode", ["single", "pipeline", "auto"])
+@pytest.mark.parametrize("mode", ["single", "pipeline", "zero", "auto"])
 def test_asking_for_cuda_without_a_gpu_stops_in_every_mode(mode: str) -> None:
     devices = 1 if mode == "single" else 2
     with pytest.raises(NotAvailableError, match="parallel.device=cuda but no CUDA GPU"):
-        resolve(_cfg(mode=mode, device="cuda", devices=devices), Machine.cpu_only())
+        check_parallel(_cfg(mode=mode, device="cuda", devices=devices), Machine.cpu_only())
 
 
 def test_cpu_workers_stand_in_for_gpus() -> None:
@@ -33,10 +34,21 @@ def test_cpu_workers_stand_in_for_gpus() -> None:
     assert s.cpu_threads == 4 and s.groups == ((0,), (1,)) and s.memory_bytes == 4 * GiB
 
 
-def test_auto_is_single_on_one_device_and_the_pipeline_on_several() -> None:
-    assert resolve(_cfg(devices=1), _box([1])).mode == "single"
-    many = resolve(_cfg(devices=4), _box([2, 2]))
-    assert many.mode == "pipeline" and "auto" in many.reason
+def test_auto_needs_no_plan_only_for_one_device_without_a_gpu() -> None:
+    assert static_mode(_cfg(devices=1), Machine.cpu_only()) == ("single", "auto: one device and no GPU, plain "
+                                                                          "training on the CPU")
+    assert static_mode(_cfg(devices=1), _box([1])) is None  # compares the planners' predictions
+    assert static_mode(_cfg(mode="zero", devices=4), _box([2, 2])) == ("zero", "")
+    s = resolve(_cfg(devices=4), _box([2, 2]), "pipeline", "the reason")
+    assert s.mode == "pipeline" and s.workers == 4 and "(the reason)" in s.describe()
+    assert resolve(_cfg(devices=4), _box([2, 2]), "single").workers == 1  # auto may pick one GPU of several
+
+
+def test_auto_lists_why_a_mode_cannot_run() -> None:
+    why = mode_options(_cfg(devices=3), _box([2, 2]))
+    assert why["pipeline"] == "" and why["single"] == ""
+    assert "train.micro_batches=4 evenly among parallel.devices=3" in why["zero"]
+    assert "parallel.devices=2 CPU worker processes stand in" in mode_options(_cfg(devices=2), Machine.cpu_only())["single"]
 
 
 def test_a_whole_gpu_keeps_a_reserve_and_root_complexes_group_the_workers() -> None:

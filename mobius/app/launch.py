@@ -2,8 +2,9 @@
 
 ``mobius train`` in pipeline and zero mode calls :func:`spawn`: one supervised process per worker
 (:mod:`mobius.app.supervise`, torch.distributed.elastic's agent) with a torchrun-compatible
-environment. Under ``torchrun`` the same :func:`worker` runs directly in the process torchrun
-started. If a worker fails, every other one is stopped and the error names the rank and the cause.
+environment. Under ``torchrun`` the same :func:`run_worker` runs in every process torchrun started
+(:mod:`mobius.app.torchrun`). If a worker fails, every other one is stopped and the error names the
+rank and the cause.
 """
 
 from __future__ import annotations
@@ -61,14 +62,19 @@ def make_engine(cfg: Config, model_cfg: ModelConfig, plan: Plan | ZeroPlan, sett
 
 
 def worker(cfg_dict: dict, settings: ParallelSettings, plan: Plan | ZeroPlan, resume: str | None) -> TrainResult:
-    """One worker: join the group, build the mode's engine, run the shared training loop.
-
-    On failure it neither closes the engine nor leaves the group: the supervisor ends the process
-    and every other one (a graceful close could wait forever on a peer that is gone)."""
+    """One supervised worker: join the group, then :func:`run_worker`."""
     cfg = config_from_dict(cfg_dict["config"], cfg_dict["source"])
     dist.init_process_group("gloo", timeout=TIMEOUT)
+    return run_worker(cfg, settings, plan, Path(resume) if resume else None)
+
+
+def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, resume_from: Path | None) -> TrainResult:
+    """This process's part of a pipeline or zero run, in the default (gloo) process group: build the
+    mode's engine and run the shared training loop.
+
+    On failure it neither closes the engine nor leaves the group: the supervisor (or torchrun) ends
+    the process and every other one (a graceful close could wait forever on a peer that is gone)."""
     device = open_device(settings, int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    resume_from = Path(resume) if resume else None
     tokenizer, data = prepare_data(cfg, resume_from)
     model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_from)
     engine = make_engine(cfg, model_cfg, plan, settings, device, weights_source(cfg, resume_from))
@@ -83,10 +89,8 @@ def worker(cfg_dict: dict, settings: ParallelSettings, plan: Plan | ZeroPlan, re
 
 
 def spawn(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, resume: str | None) -> TrainResult:
-    """Run the workers (supervised) and return rank 0's result; under torchrun, be one of them."""
+    """Run the workers (supervised) and return rank 0's result."""
     cfg_dict = {"config": cfg.to_dict(), "source": cfg.source}
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already started by torchrun
-        return worker(cfg_dict, settings, plan, resume)
     results = run_workers(worker, (cfg_dict, settings, plan, resume), settings.workers,
                           logging.getLogger().getEffectiveLevel())
     return results[0]

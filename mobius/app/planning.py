@@ -1,29 +1,38 @@
-"""Planning a run: the machine as partition/ sees it (``Hardware``), the units' profile, and the
-plan. :func:`plan_pipeline` is the one planning function of the pipeline, :func:`plan_zero` the one of
-zero mode: ``mobius plan`` prints their result and ``mobius train`` runs it, so the plan shown is the
-plan run."""
+"""Planning a run: the machine as partition/ sees it (``Hardware``), the units' profile, the plan,
+and which mode runs. :func:`plan_single`, :func:`plan_pipeline` and :func:`plan_zero` are the one
+planning function of each mode; :func:`plan_run` gives the mode, its settings and its plan --
+``parallel.mode: auto`` compares the three planners' predicted steps (:func:`choose_mode`). ``mobius
+plan`` prints its result and ``mobius train`` runs it, so the plan shown is the plan run."""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
-from mobius.app.settings import Machine
+from mobius.app.settings import Machine, mode_options, resolve, static_mode
 from mobius.config import Config
-from mobius.errors import ConfigError
+from mobius.errors import ConfigError, MobiusError
 from mobius.models import ModelConfig, tied_param_count, unit_specs
-from mobius.parallel import ParallelSettings
+from mobius.parallel import Mode, ParallelSettings
 from partition import Hardware, ModelProfile, Plan, get_profile, lookup_gpu, plan_model
 from partition.gpus import gpu_spec
-from partition.profile import cpu_update_rate
+from partition.profile import CPU_UPDATE_IN_STEP, cpu_update_rate
+from partition.single import SinglePlan
+from partition.single import plan_single as single_plan
 from partition.zero import ZeroHardware, ZeroPlan
 from partition.zero import plan as zero_plan
 from partition.zero.search import ADAM_BYTES
+from scheduler.store import available_host_bytes
 from scheduler.zero.params import model_params
 
 log = logging.getLogger(__name__)
 CPU_COPY_Bps = 5e9  # memcpy between the "host" and "device" buffers of a CPU worker
 SHARED_GPU_LINK_Bps = 25e9  # one GPU's host link, split among the workers sharing it
+NVLINK_Bps = 20e9  # one NVLink's effective rate per direction (NVLink 3: 25 GB/s), for an unmeasured box
+INTER_NODE_Bps = 12.5e9  # assumed network of one node to the others (100 Gb/s), shared by its ranks
+AnyPlan = SinglePlan | Plan | ZeroPlan
 
 
 def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidth_file: str | None = None) -> Hardware:
@@ -39,7 +48,15 @@ def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidt
         hw = _gpus(cfg, settings, machine, bandwidth_file)
     if machine.local:
         cache = os.path.join(cfg.partition.cache_dir, "partition")
-        hw.cpu_adam_params_per_s = cpu_update_rate(settings.cpu_threads, cfg.train.precision, cache)
+        # measured alone, then as fast as it runs beside a step's transfers (CPU_UPDATE_IN_STEP)
+        hw.cpu_adam_params_per_s = CPU_UPDATE_IN_STEP * cpu_update_rate(settings.cpu_threads, cfg.train.precision,
+                                                                        cache)
+        if cfg.train.precision == "bf16":
+            hw.cpu_adam_half_grads_params_per_s = CPU_UPDATE_IN_STEP * cpu_update_rate(
+                settings.cpu_threads, "bf16", cache, half_grads=True)
+        hw.host_memory_bytes = available_host_bytes()
+    if settings.device == "cpu":  # a resident stage's "device" AdamW runs on the worker's CPU threads
+        hw.device_adam_params_per_s = hw.cpu_adam_params_per_s
     return hw
 
 
@@ -51,7 +68,21 @@ def _gpus(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidth_f
     spec = gpu_spec(cfg.partition.gpu) if cfg.partition.gpu else None
     hw = Hardware.from_topology(machine.topology, bandwidth, gpu_memory_bytes=settings.memory_bytes, p2p=settings.p2p,
                                 gpu=spec)
-    return hw.subset(list(range(settings.workers))) if settings.workers < hw.num_gpus else hw
+    if settings.p2p and not (bandwidth and any(r for row in bandwidth.p2p_GBps for r in row)):
+        hw.p2p_pairs_Bps = _nvlink_rates(machine.topology.nvlink, hw)
+    local = settings.local_workers  # one node's GPUs: every node is planned as this one
+    return hw.subset(list(range(local))) if local < hw.num_gpus else hw
+
+
+def _nvlink_rates(nvlink: list[list[int]], hw: Hardware) -> list[list[float | None]] | None:
+    """Peer rates with NVLink pairs at their links' rate (the topology counts links; an unmeasured box)."""
+    n = hw.num_gpus
+    rates = [[hw.p2p_rate(a, b) for b in range(n)] for a in range(n)]
+    for a in range(n):
+        for b in range(n):
+            if a != b and nvlink[a][b] > 0:
+                rates[a][b] = max(rates[a][b] or 0.0, nvlink[a][b] * NVLINK_Bps)
+    return rates if any(r for row in rates for r in row) else None
 
 
 def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, machine: Machine,
@@ -92,7 +123,9 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
     barrier = t.grad_clip > 0 or t.precision == "fp16"  # updates wait for the global norm
     plan = plan_model(prof, hw, micro_batches=t.micro_batches, mapping=cfg.parallel.mapping, solver=p.solver,
                       time_limit_s=p.time_limit_s, prefetch=cfg.parallel.prefetch, min_stages=settings.workers,
-                      boundaries=forced, offload_inputs=cfg.parallel.offload_inputs, barrier=barrier)
+                      boundaries=forced, offload_inputs=cfg.parallel.offload_inputs, barrier=barrier,
+                      resident=cfg.parallel.resident_stages, kept=cfg.parallel.kept_stages,
+                      grad_download=cfg.parallel.grad_download)
     return plan, prof, hw
 
 
@@ -106,17 +139,27 @@ def zero_hardware(cfg: Config, settings: ParallelSettings, machine: Machine, hw:
     as shared when every rank uploads at once, NVLink (peer) rates for the collectives, the CPU
     update rate of one rank's thread share (measured here, or the machine's divided among ranks)."""
     n, mem = settings.workers, settings.memory_bytes
-    cpu_adam = hw.cpu_adam_params_per_s if machine.local else hw.cpu_adam_params_per_s / n
+    cpu_adam = hw.cpu_adam_params_per_s if machine.local else hw.cpu_adam_params_per_s / settings.local_workers
     if settings.device == "cpu":
         return ZeroHardware(n, mem, CPU_COPY_Bps, CPU_COPY_Bps, GLOO_Bps, CPU_COPY_Bps, cpu_adam, cpu_adam,
                             name="CPU workers")
-    c2g = min(hw.shared_h2d(g) for g in range(n))
-    g2c = min(hw.shared_d2h(g) for g in range(n))
-    peers = [hw.p2p_rate(a, b) for a in range(n) for b in range(n) if a != b]
+    local = range(hw.num_gpus)
+    c2g = min(hw.shared_h2d(g) for g in local)
+    g2c = min(hw.shared_d2h(g) for g in local)
+    peers = [hw.p2p_rate(a, b) for a in local for b in local if a != b]
     g2g = min(peers) if peers and all(peers) else min(c2g, g2c) / 2  # without P2P, NCCL goes through host memory
+    name = hw.name
+    if settings.nodes > 1:  # a ring crosses the network: each node's link carries its ranks' share
+        g2g = min(g2g, INTER_NODE_Bps / len(local))
+        name = f"{settings.nodes} nodes of {hw.name}, {INTER_NODE_Bps / 1e9:.1f} GB/s between nodes (assumed)"
+    device = device_Bps(cfg, hw)
+    return ZeroHardware(n, mem, c2g, g2c, g2g, device, cpu_adam, device / ADAM_BYTES, name=name)
+
+
+def device_Bps(cfg: Config, hw: Hardware) -> float:
+    """The memory bandwidth that casts, sums and AdamW reach on the GPU planned for."""
     spec = lookup_gpu(cfg.partition.gpu or (hw.gpu_names[0] if hw.gpu_names else "")) or gpu_spec("h100")
-    device = DEVICE_EFFICIENCY * spec.mem_GBps * 1e9
-    return ZeroHardware(n, mem, c2g, g2c, g2g, device, cpu_adam, device / ADAM_BYTES, name=hw.name)
+    return DEVICE_EFFICIENCY * spec.mem_GBps * 1e9
 
 
 def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, machine: Machine,
@@ -130,7 +173,180 @@ def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, m
                      checkpointing=cfg.model.activation_checkpointing,
                      barrier=t.grad_clip > 0 or t.precision == "fp16", prefetch=cfg.parallel.prefetch,
                      chunk_size=z.chunk_size, cache_blocks=z.cache_blocks, gpu_chunks=z.gpu_chunks)
-    if not plan.fits:
+    if not plan.fits and cfg.parallel.mode == "zero":  # auto reports it in its comparison
         log.warning("the zero plan needs %.2f GiB per rank for chunks and rCache, more than the %.2f GiB usable",
                     (plan.peak_bytes - plan.memory["activations"]) / 2**30, plan.memory["usable"] / 2**30)
     return plan, prof, zhw
+
+
+# ---------------------------------------------------------------------------------------------- single
+def plan_single(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, machine: Machine,
+                bandwidth_file: str | None = None) -> tuple[SinglePlan, ModelProfile, Hardware]:
+    """Plain training on one device, predicted from the same unit profile (AdamW on the device: the
+    GPU's memory bandwidth, or the CPU update rate measured here)."""
+    hw = hardware(cfg, settings, machine, bandwidth_file)
+    prof = profile(cfg, model_cfg, settings, machine, hw)
+    adam = hw.cpu_adam_params_per_s if settings.device == "cpu" else device_Bps(cfg, hw) / ADAM_BYTES
+    plan = single_plan(prof, settings.memory_bytes, micro_batches=cfg.train.micro_batches,
+                       checkpointing=cfg.model.activation_checkpointing, adam_params_per_s=adam)
+    return plan, prof, hw
+
+
+# ---------------------------------------------------------------------------------------------- the mode
+PLANNERS: dict[Mode, Callable[..., tuple[Any, ModelProfile, Any]]] = {
+    "single": plan_single, "pipeline": plan_pipeline, "zero": plan_zero}
+
+
+@dataclass
+class Planned:
+    """One mode planned for a run: its settings, its plan (None: single mode, which needs none to run),
+    the unit profile and the planner's view of the machine."""
+
+    settings: ParallelSettings
+    plan: AnyPlan | None = None
+    profile: ModelProfile | None = None
+    hardware: Any = None
+
+    @property
+    def mode(self) -> Mode:
+        return self.settings.mode
+
+    def candidate(self) -> "Candidate":
+        """This plan as a row of auto's comparison."""
+        p = self.plan
+        if p is None:
+            return Candidate(self.mode, None, True, "not planned")
+        fits = getattr(p, "fits", True)  # a pipeline plan is only made when it fits
+        return Candidate(self.mode, p.predicted_step_s, fits, _note(p, self.settings))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A mode in auto's comparison: its predicted step, whether it fits, and what it plans (or why not)."""
+
+    mode: Mode
+    predicted_step_s: float | None
+    fits: bool
+    note: str
+
+
+def _note(plan: AnyPlan, settings: ParallelSettings) -> str:
+    where = f"{settings.workers} {'CPU worker(s)' if settings.device == 'cpu' else 'GPU(s)'}"
+    if isinstance(plan, SinglePlan):
+        m = plan.memory
+        return (f"1 {'CPU' if settings.device == 'cpu' else 'GPU'}: {m['states'] / 2**30:.1f} GiB of model states "
+                f"+ {m['activations'] / 2**30:.1f} GiB of activations" + ("" if plan.fits else
+                f"; the states may use {m['usable'] / 2**30:.1f} GiB"))
+    if isinstance(plan, ZeroPlan):
+        return (f"{where}: {plan.num_chunks} chunks, {plan.cache_blocks} rCache blocks, "
+                f"{plan.num_chunks - plan.gpu_chunks} offloaded" + ("" if plan.fits else
+                f"; needs {plan.peak_bytes / 2**30:.1f} GiB of {plan.memory['capacity'] / 2**30:.1f} GiB"))
+    return f"{where}: {plan.num_stages} stages, {plan.mapping_kind} mapping"
+
+
+@dataclass
+class ModeChoice:
+    """The mode a run uses, why, and (for ``auto``) every mode's prediction side by side."""
+
+    chosen: Planned
+    reason: str
+    candidates: list[Candidate]
+    explicit: bool  # parallel.mode named the mode
+
+    @property
+    def mode(self) -> Mode:
+        return self.chosen.mode
+
+    def runner_up(self) -> Candidate | None:
+        """The fastest other mode that fits."""
+        others = [c for c in self.candidates if c.mode != self.mode and c.fits and c.predicted_step_s is not None]
+        return min(others, key=lambda c: c.predicted_step_s, default=None)
+
+    def line(self) -> str:
+        """One line: the mode, its prediction, the runner-up's, and the reason."""
+        if self.explicit:
+            return f"parallel.mode={self.mode}"
+        best = next(c for c in self.candidates if c.mode == self.mode)
+        if best.predicted_step_s is None:
+            return f"parallel.mode=auto chose {self.mode}: {self.reason}"
+        r = self.runner_up()
+        other = f"runner-up {r.mode} {r.predicted_step_s:.3f} s" if r else "no other mode fits"
+        return (f"parallel.mode=auto chose {self.mode} ({best.predicted_step_s:.3f} s/step predicted; {other}): "
+                f"{self.reason}")
+
+    def table(self) -> str:
+        """The comparison ``mobius plan`` prints: mode, predicted step, fits, what it plans or why not."""
+        rows = [f"  {'mode':<9} {'predicted step':>14}  {'fits':<4}  plan"]
+        for c in self.candidates:
+            step = f"{c.predicted_step_s:.3f} s" if c.predicted_step_s is not None else "-"
+            mark = "  <- chosen" if c.mode == self.mode else ""
+            rows.append(f"  {c.mode:<9} {step:>14}  {'yes' if c.fits else 'no':<4}  {c.note}{mark}")
+        return "\n".join([self.line()] + rows)
+
+    def to_json(self) -> dict:
+        return {"chosen": self.mode, "explicit": self.explicit, "reason": self.reason, "line": self.line(),
+                "candidates": [asdict(c) for c in self.candidates]}
+
+
+def plan_mode(cfg: Config, model_cfg: ModelConfig, machine: Machine, mode: Mode, bandwidth_file: str | None = None,
+              reason: str = "") -> Planned:
+    """Resolve the settings of ``mode`` and plan it."""
+    settings = resolve(cfg, machine, mode, reason)
+    plan, prof, hw = PLANNERS[mode](cfg, model_cfg, settings, machine, bandwidth_file)
+    return Planned(settings, plan, prof, hw)
+
+
+def plan_run(cfg: Config, model_cfg: ModelConfig, machine: Machine, bandwidth_file: str | None = None,
+             plan_single: bool = False) -> ModeChoice:
+    """The mode, settings and plan of a run: ``auto``'s comparison, or the mode that needs no plan to be
+    chosen (planned; single mode only with ``plan_single``, since it runs without a plan)."""
+    static = static_mode(cfg, machine)
+    if static is None:
+        return choose_mode(cfg, model_cfg, machine, bandwidth_file)
+    mode, reason = static
+    if mode == "single" and not plan_single:
+        chosen = Planned(resolve(cfg, machine, mode, reason))
+    else:
+        chosen = plan_mode(cfg, model_cfg, machine, mode, bandwidth_file, reason)
+    return ModeChoice(chosen, reason, [chosen.candidate()], explicit=cfg.parallel.mode != "auto")
+
+
+def choose_mode(cfg: Config, model_cfg: ModelConfig, machine: Machine,
+                bandwidth_file: str | None = None) -> ModeChoice:
+    """``parallel.mode: auto``: plan every mode that can run here and pick by :func:`decide`."""
+    planned: dict[Mode, Planned] = {}
+    candidates = []
+    for mode, why_not in mode_options(cfg, machine).items():
+        try:
+            if why_not:
+                raise MobiusError(why_not)
+            planned[mode] = plan_mode(cfg, model_cfg, machine, mode, bandwidth_file, "parallel.mode=auto")
+            candidates.append(planned[mode].candidate())
+        except MobiusError as e:
+            candidates.append(Candidate(mode, None, False, str(e).splitlines()[0]))
+    gpus = min(cfg.parallel.devices // machine.nodes, machine.gpu_count) if cfg.parallel.device != "cpu" else 0
+    mode, reason = decide(candidates, gpus, machine.nvlink(gpus))
+    return ModeChoice(planned[mode], reason, candidates, explicit=False)
+
+
+def decide(candidates: list[Candidate], gpus: int = 0, nvlink: bool = False) -> tuple[Mode, str]:
+    """auto's rule: the mode that fits with the fastest predicted step -- except that ``gpus`` GPUs
+    sharing NVLink/NVSwitch (``nvlink``) run zero rather than the pipeline, which is built for PCIe
+    boxes. Returns the mode and the reason."""
+    fitting = sorted((c for c in candidates if c.fits and c.predicted_step_s is not None),
+                     key=lambda c: c.predicted_step_s)
+    if not fitting:
+        raise MobiusError("parallel.mode=auto: no mode fits: " + "; ".join(f"{c.mode}: {c.note}" for c in candidates))
+    best = fitting[0]
+    zero = next((c for c in fitting if c.mode == "zero"), None)
+    if nvlink and zero is not None and best.mode == "pipeline":
+        return "zero", (f"the {gpus} GPUs share NVLink/NVSwitch, where zero's all-gathers and reduce-scatters are "
+                        f"fast; the pipeline is built for PCIe boxes (its plan predicts {best.predicted_step_s:.3f} s)")
+    if best.mode == "single":
+        return "single", ("the model, its AdamW states and one micro-batch's activations fit one device, and plain "
+                          "training predicts the fastest step")
+    if best.mode == "zero":
+        return "zero", (f"the {gpus} GPUs share NVLink/NVSwitch and " if nvlink else "") + \
+            "zero's plan predicts the fastest step"
+    pcie = " on GPUs without NVLink" if gpus > 1 and not nvlink else ""
+    return "pipeline", f"the pipeline's plan predicts the fastest step{pcie}"

@@ -60,10 +60,12 @@ def run_workers(fn: Callable[..., Any], args: tuple, workers: int, log_level: in
 
     run_id = f"mobius-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="mobius-workers-") as logs, _quiet_torch():
+        grace = {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, rdzv_backend="c10d",
                               rdzv_endpoint="127.0.0.1:0", run_id=run_id, max_restarts=0, monitor_interval=MONITOR_S,
-                              start_method="spawn", shutdown_timeout=SHUTDOWN_S,
-                              logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.NONE, tee=Std.NONE))
+                              start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.NONE,
+                                                                                tee=Std.NONE),
+                              **grace)  # torch < 2.12 has no shutdown_timeout: its agent waits 30 s at most
         try:
             return elastic_launch(config, _worker_entry)(fn, args, log_level)
         except ChildFailedError as e:

@@ -1,4 +1,5 @@
-"""``mobius plan CONFIG``: how the model will be cut into stages and placed, and what a step will cost.
+"""``mobius plan CONFIG``: which mode runs, how the model will be cut, placed or chunked, and what a step
+will cost.
 
 Examples::
 
@@ -7,15 +8,19 @@ Examples::
     mobius plan configs/finetune-opt-13b.yaml --gpus 4 --json           # a synthetic 2+2 box of partition.gpu
     mobius plan run.yaml --trace plan.json                              # timeline for https://ui.perfetto.dev
     mobius plan run.yaml --parallel.mode=zero --gpus 2                  # zero mode: chunks, rCache, GPU/CPU split
+    mobius plan run.yaml --parallel.mode=auto --topology dgx.txt --nodes 2 --parallel.devices=16   # two 8-GPU nodes
 
-With ``parallel.mode: zero`` it shows the zero plan instead (chunk size, rCache blocks, chunks on the
-GPU and offloaded, predicted step time and memory, and the rCache-min / rCache-max / all-offload
-alternatives); otherwise the pipeline's, whatever mode the run file picks.
+It shows the plan of ``parallel.mode``: the pipeline's (stages, mapping, predicted step, baselines),
+zero's (chunk size, rCache blocks, chunks on the GPU and offloaded, predicted step and memory, the
+rCache-min / rCache-max / all-offload alternatives) or single's (plain training: predicted step and
+whether it fits). With ``parallel.mode: auto`` it first prints auto's comparison -- every mode's
+predicted step, whether it fits, the choice and why -- then the chosen mode's plan, exactly what
+``mobius train`` would run.
 
 Config keys used: model.checkpoint / model.preset, data.seq_len, train.micro_batch_size,
-train.micro_batches, train.precision, parallel.devices / mapping / prefetch / p2p, partition.* and
-topology.file / topology.bandwidth_file; in zero mode also model.activation_checkpointing,
-train.grad_clip and zero.*.
+train.micro_batches, train.precision, train.grad_clip, model.activation_checkpointing, parallel.mode /
+devices / mapping / prefetch / p2p / offload_inputs / stages, partition.*, zero.* and topology.file /
+topology.bandwidth_file.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ import logging
 import os
 from typing import Any
 
-from mobius.app.planning import plan_pipeline, plan_zero
-from mobius.app.settings import Machine, resolve
+from mobius.app.planning import ModeChoice, plan_run
+from mobius.app.settings import Machine
 from mobius.assemble import planned_architecture
 from mobius.config import Config, load_config
 from mobius.errors import ConfigError, MobiusError
@@ -39,9 +44,11 @@ log = logging.getLogger(__name__)
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``plan`` sub-command."""
-    p = sub.add_parser("plan", help="show how the model will be partitioned and placed, and the predicted step time",
-                       description="Profile (or estimate) the model's units, solve the partition MIP, map stages to "
-                                   "GPUs and simulate a training step; baselines are simulated beside it. Any "
+    p = sub.add_parser("plan", help="show which mode runs, how the model is partitioned and placed, and the predicted "
+                                    "step time",
+                       description="Profile (or estimate) the model's units and plan the run's mode: the pipeline's "
+                                   "partition MIP, mapping and simulated step with baselines, zero's chunk search, "
+                                   "or single's plain training; parallel.mode=auto compares them and picks one. Any "
                                    "configuration key can be overridden with --section.key=value.")
     p.add_argument("config", help="YAML run file (see configs/)")
     p.add_argument("--topology", metavar="FILE", help="saved topology: `mobius topo --json` output or "
@@ -50,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                        "(default: topology.bandwidth_file)")
     p.add_argument("--gpus", type=int, metavar="N", help="plan for a synthetic box of N GPUs of model partition.gpu "
                                                          "in two root complexes (when no topology is given)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="plan a torchrun run over N machines like this one (parallel.devices counts the ranks of "
+                        "all of them, like torchrun's world size)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--trace", metavar="FILE", help="write the simulated step as Chrome-trace JSON (Perfetto)")
     p.add_argument("--timeline", action="store_true", help="also print the simulated step as a text grid")
@@ -62,13 +72,14 @@ def _machine(cfg: Config, args: argparse.Namespace) -> Machine:
 
     path = args.topology or cfg.topology.file
     if path:
-        return Machine.saved(topology.load_topology(path))
+        return Machine.saved(topology.load_topology(path), nodes=args.nodes)
     if args.gpus:
         spec = gpu_spec(cfg.partition.gpu) if cfg.partition.gpu else None
         sizes = [args.gpus - args.gpus // 2, args.gpus // 2] if args.gpus > 1 else [1]
         return Machine.saved(topology.Topology.synthetic(sizes, memory_bytes=spec.memory_bytes if spec else 24 * 2**30,
-                                                         name=spec.name if spec else "NVIDIA GeForce RTX 3090"))
-    machine = Machine.detect(cfg)
+                                                         name=spec.name if spec else "NVIDIA GeForce RTX 3090"),
+                             nodes=args.nodes)
+    machine = Machine.detect(cfg, nodes=args.nodes)
     if machine.gpu_count == 0 and cfg.parallel.device != "cpu":
         raise MobiusError("this machine has no CUDA GPU to plan for; plan for a server with --topology FILE "
                           "(mobius topo --json, or saved nvidia-smi topo -m) or --gpus N, or set "
@@ -79,33 +90,34 @@ def _machine(cfg: Config, args: argparse.Namespace) -> Machine:
 def run(args: argparse.Namespace) -> int:
     """Carry out ``mobius plan``; user-facing problems raise :class:`MobiusError`."""
     cfg = load_config(args.config, args.overrides)
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
     if args.gpus is not None:
         if args.gpus < 1:
             raise ConfigError(f"--gpus must be at least 1, got {args.gpus}")
-        cfg.parallel.devices = args.gpus
-    zero = cfg.parallel.mode == "zero"
-    if not zero:
-        cfg.parallel.mode = "pipeline"  # the plan of the pipeline, whatever other mode the run file picks
-    elif args.trace or args.timeline:
-        raise ConfigError("--trace and --timeline draw the pipeline's simulated step; parallel.mode=zero has none")
+        cfg.parallel.devices = args.gpus * args.nodes
     machine = _machine(cfg, args)
-    if cfg.parallel.devices > max(1, machine.gpu_count) and machine.gpu_count:
-        raise ConfigError(f"parallel.devices is {cfg.parallel.devices} but the topology has {machine.gpu_count} GPU(s)")
-    settings = resolve(cfg, machine)
-    planner = plan_zero if zero else plan_pipeline
-    plan, prof, hw = planner(cfg, planned_architecture(cfg), settings, machine, args.bandwidth)
+    per_node = cfg.parallel.devices // args.nodes
+    if machine.gpu_count and per_node > machine.gpu_count:
+        raise ConfigError(f"parallel.devices is {cfg.parallel.devices} but the topology has {machine.gpu_count} GPU(s)"
+                          + (f" per node ({args.nodes} nodes)" if args.nodes > 1 else ""))
+    choice = plan_run(cfg, planned_architecture(cfg), machine, args.bandwidth, plan_single=True)
+    chosen = choice.chosen
+    if (args.trace or args.timeline) and choice.mode != "pipeline":
+        raise ConfigError(f"--trace and --timeline draw the pipeline's simulated step; the run's mode is {choice.mode} "
+                          f"(set --parallel.mode=pipeline to see the pipeline's)")
     sim = None
     if args.trace or args.timeline:
-        sim = simulate(prof, plan.boundaries, hw, plan.slots, plan.micro_batches, plan.options)
+        plan = chosen.plan
+        sim = simulate(chosen.profile, plan.boundaries, chosen.hardware, plan.slots, plan.micro_batches, plan.options)
     if args.trace:
         sim.write_chrome_trace(args.trace)
     if args.json:
-        out = plan.to_json()
-        out["profile"] = _profile_json(prof)
-        out["model"] = _model_name(cfg)
+        out = chosen.plan.to_json()
+        out.update(mode=choice.to_json(), profile=_profile_json(chosen.profile), model=_model_name(cfg))
         print(json.dumps(out))
     else:
-        print(_report(cfg, prof, hw, plan))
+        print(_report(cfg, choice))
         if args.timeline:
             print(sim.to_ascii(110))
         if args.trace:
@@ -137,11 +149,14 @@ def _profile_json(prof: Any) -> dict:
             "notes": prof.notes}
 
 
-def _report(cfg: Config, prof: Any, hw: Any, plan: Any) -> str:
+def _report(cfg: Config, choice: ModeChoice) -> str:
+    chosen = choice.chosen
+    prof, hw, plan = chosen.profile, chosen.hardware, chosen.plan
     how = (f"estimated for {prof.device_name} ({100 * prof.notes.get('compute_efficiency', 0):.0f}% of "
            f"{prof.notes.get('tflops', 0):.1f} TFLOP/s)" if prof.source == "estimated"
            else f"measured on {prof.device_name} in {prof.profile_s:.1f} s")
-    lines = [f"model: {_model_name(cfg)}: {prof.num_units} units, {prof.param_count() / 1e9:.2f} B parameters "
+    lines = [choice.line() if choice.explicit else choice.table(),
+             f"model: {_model_name(cfg)}: {prof.num_units} units, {prof.param_count() / 1e9:.2f} B parameters "
              f"({prof.param_bytes() / GB:.1f} GB in {prof.precision}); micro-batch {prof.micro_batch_size} x "
              f"{prof.seq_len} tokens, {plan.micro_batches} micro-batches",
              f"hardware: {hw.describe()}",

@@ -1,10 +1,12 @@
-"""``mobius train CONFIG [--section.key=value ...] [--resume [DIR]]``."""
+"""``mobius train CONFIG [--section.key=value ...] [--resume [DIR]]``; also every process of
+``torchrun --nnodes N --nproc-per-node G -m mobius train CONFIG``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
+from mobius.app.settings import Torchrun
 from mobius.config import describe_fields, load_config
 from mobius.errors import ConfigError
 
@@ -32,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise ConfigError("--resume continues the run in output.dir and --overwrite replaces it: pass one of them")
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    run = Torchrun.from_env()
+    if run is not None and run.rank != 0:  # rank 0 reports the run
+        return 0
     first, last = result.losses[0] if result.losses else float("nan"), result.losses[-1] if result.losses else float("nan")
     ev = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
     print(f"done: {result.steps} steps, loss {first:.4f} -> {last:.4f}{ev}; checkpoint: {result.final_dir}")
