@@ -3,19 +3,23 @@ scripts, FSDP2 and DeepSpeed offload), on the benchmark workload: a GPT-style 1.
 2048, 24 layers, 16 heads, sequence 1024), 4 micro-batches of 4, bf16.
 
     python bench/pipeline_bench.py --what ref,mobius --cap-gib 24 --steps 5 --out bench_out
+    python bench/pipeline_bench.py --what ref,mobius --grad-clip 0,1.0 --cap-gib 24 --steps 5 --out bench_out
 
 ``ref``: mobius's reference engine, whole model and AdamW states on the GPU (uncapped).
 ``mobius``: the pipeline engine on one GPU capped at ``--cap-gib`` (a 24 GB consumer card), one
 worker, stages planned by partition/ (or ``--stages N`` split evenly), CPU AdamW.
 Prints a table and writes ``<out>/pipeline_bench.json``: step time, tokens/s, TFLOPs (6 N tokens / t),
 peak GPU memory, bytes host->GPU / GPU->host per step (the runtime's counters), upload stalls, and
-the planner's predicted step time beside the measured one. ``--smoke`` runs a tiny model on the CPU
-to check the script itself.
+the planner's predicted step time beside the measured one, and the plan's choices (resident and kept
+stages, gradient download dtype, device slots). ``--grad-clip`` takes a comma list (``0,1.0``): every
+system runs at each clip setting, and "vs all-in-GPU" compares with the reference row of the same
+setting. ``--smoke`` runs a tiny model on the CPU to check the script itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -36,10 +40,18 @@ def make_cfg(args: argparse.Namespace, mode: str) -> Config:
            "train": {"micro_batch_size": args.mbs, "micro_batches": args.micro_batches, "precision": args.precision,
                      "lr": 1e-5, "warmup_steps": 0, "grad_clip": args.grad_clip, "max_steps": 1000},
            "parallel": {"mode": mode, "device": "cpu" if args.smoke else "cuda", "stages": args.stages,
-                        "prefetch": not args.no_prefetch},
+                        "prefetch": not args.no_prefetch, "resident_stages": stage_list(args.resident),
+                        "kept_stages": stage_list(args.kept)},
            "partition": {"gpu_memory_gib": args.cap_gib, "time_limit_s": 20},
            "output": {"dir": str(Path(args.out) / mode), "plot": False}}
     return config_from_dict(raw, "pipeline_bench")
+
+
+def stage_list(text: str) -> list[int] | None:
+    """``auto`` (the planner chooses), ``none`` (no stage) or a comma list of stage indices."""
+    if text == "auto":
+        return None
+    return [] if text == "none" else [int(v) for v in text.split(",")]
 
 
 def batches(args: argparse.Namespace, vocab: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -86,19 +98,31 @@ def result_row(name: str, t: float, n_params: int, tokens: int, stats: list, **e
     return row
 
 
+def clip_tag(args: argparse.Namespace) -> str:
+    return f" [clip {args.grad_clip:g}]"
+
+
+def free_gpu() -> None:
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
 def run_ref(args: argparse.Namespace) -> dict:
     from mobius.engine import SingleEngine
 
     cfg = make_cfg(args, "single")
     mc = get_preset(args.preset)
     device = torch.device("cpu" if args.smoke else "cuda")
-    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(1.0)  # a pipeline run before this one capped the process
+        torch.cuda.reset_peak_memory_stats()
     engine = SingleEngine(build_model(mc, 0), cfg, device)  # uncapped, as all-in-GPU training runs
     t, stats = time_engine(engine, args, mc.vocab_size)
     tokens = args.mbs * args.micro_batches * args.seq
-    row = result_row("all-in-GPU (mobius reference engine)", t, param_count(mc), tokens, stats)
+    row = result_row("all-in-GPU (mobius reference engine)" + clip_tag(args), t, param_count(mc), tokens, stats,
+                     grad_clip=args.grad_clip)
     del engine
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    free_gpu()
     return row
 
 
@@ -121,15 +145,48 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     plan_s = time.perf_counter() - t_plan
     device = open_device(settings, 0)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-    engine = PipelineEngine(cfg, mc, plan, settings, device, None, skip_updates=variant == "no-update")
-    t, stats = time_engine(engine, args, mc.vocab_size)
+    name = f"mobius pipeline, {args.cap_gib:g} GiB cap" + clip_tag(args) + (f" [{variant}]" if variant else "")
+    print(f"{name}: plan stages {plan.num_stages} resident {sorted(plan.resident)} kept {sorted(plan.kept)} grads "
+          f"{plan.grad_dtype} slots {plan.num_slots} predicted {plan.predicted_step_s:.3f} s, peak "
+          f"{[round(b / 2**30, 2) for b in plan.peak_bytes]} GiB, profile {plan.profile_source}", flush=True)
+    engine = None
+    try:
+        engine = PipelineEngine(cfg, mc, plan, settings, device, None, skip_updates=variant == "no-update")
+        t, stats = time_engine(engine, args, mc.vocab_size)
+    except Exception as exc:  # noqa: BLE001 - a failed plan is a row (with the plan's choices)
+        import traceback
+        traceback.print_exc()
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        row = {"name": name, "step_s": None, "error": "out of GPU memory" if oom else f"{type(exc).__name__}: {exc}"[:500],
+               "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else 0.0,
+               "grad_clip": args.grad_clip, "stages": plan.num_stages, "boundaries": list(plan.boundaries),
+               "predicted_step_s": round(plan.predicted_step_s, 4), "resident": sorted(plan.resident),
+               "kept": sorted(plan.kept), "grad_dtype": plan.grad_dtype, "num_slots": plan.num_slots,
+               "offload_inputs": plan.offload_inputs, "profile_source": plan.profile_source,
+               "predicted_peak_gib": [round(b / 2**30, 2) for b in plan.peak_bytes],
+               "host_gib": round(plan.host_bytes / 2**30, 1), "grad_choice": plan.grad_choice}
+        if engine is not None:
+            engine.close()
+        engine = None
+        dist.destroy_process_group()
+        free_gpu()
+        return row
     tokens = args.mbs * args.micro_batches * args.seq
-    name = f"mobius pipeline, {args.cap_gib:g} GiB cap" + (f" [{variant}]" if variant else "")
-    row = result_row(name, t, param_count(mc), tokens, stats,
+    row = result_row(name, t, param_count(mc), tokens, stats, grad_clip=args.grad_clip,
                      stages=plan.num_stages, boundaries=list(plan.boundaries), plan_s=round(plan_s, 2),
-                     predicted_step_s=plan.predicted_step_s)
+                     predicted_step_s=round(plan.predicted_step_s, 4), model_step_s=round(plan.model_step_s, 4),
+                     resident=sorted(plan.resident), kept=sorted(plan.kept), grad_dtype=plan.grad_dtype,
+                     grad_choice=plan.grad_choice, num_slots=plan.num_slots, offload_inputs=plan.offload_inputs,
+                     barrier=plan.barrier, profile_source=plan.profile_source,
+                     predicted_peak_gib=[round(b / 2**30, 2) for b in plan.peak_bytes],
+                     predicted_h2d_bytes=plan.traffic.get("h2d_bytes"), predicted_d2h_bytes=plan.traffic.get("d2h_bytes"),
+                     host_gib=round(plan.host_bytes / 2**30, 1), cpu_adam_params_per_s=plan.cpu_adam_params_per_s,
+                     baselines=plan.baselines)
+    row["measured_over_predicted"] = round(t / plan.predicted_step_s, 3) if plan.predicted_step_s else None
     engine.close()
+    engine = None
     dist.destroy_process_group()
+    free_gpu()
     return row
 
 
@@ -141,7 +198,8 @@ def main() -> None:
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--precision", default="bf16")
-    p.add_argument("--grad-clip", type=float, default=0.0, help="0 as in the peers' runs (no clipping)")
+    p.add_argument("--grad-clip", default="0", help="clip setting(s), a comma list (0,1.0): each system runs at each; "
+                   "0 as in the peers' runs (no clipping)")
     p.add_argument("--cap-gib", type=float, default=24.0)
     p.add_argument("--stages", type=int, default=0, help="0: planned by partition/")
     p.add_argument("--no-prefetch", action="store_true")
@@ -149,6 +207,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
+    p.add_argument("--resident", default="auto", help="auto | none | comma list: parallel.resident_stages")
+    p.add_argument("--kept", default="auto", help="auto | none | comma list: parallel.kept_stages")
     p.add_argument("--variants", default="", help="extra pipeline runs for a profile: no-update (no CPU AdamW: "
                    "the GPU side alone), no-prefetch, stages=N")
     args = p.parse_args()
@@ -156,30 +216,53 @@ def main() -> None:
         args.preset, args.seq, args.mbs, args.micro_batches, args.steps, args.warmup = "gpt2-tiny", 32, 2, 2, 2, 1
         args.precision = "fp32"
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    clips = [float(c) for c in str(args.grad_clip).split(",") if c.strip()]
     rows = []
-    for what in args.what.split(","):
-        rows.append({"ref": run_ref, "mobius": run_mobius}[what](args))
-        print(json.dumps(rows[-1]), flush=True)
-    for variant in filter(None, args.variants.split(",")):
-        v = argparse.Namespace(**vars(args))
-        if variant == "no-prefetch":
-            v.no_prefetch = True
-        elif variant.startswith("stages="):
-            v.stages = int(variant.split("=")[1])
-        rows.append(run_mobius(v, variant))
-        print(json.dumps(rows[-1]), flush=True)
+    for clip in clips:
+        a = argparse.Namespace(**{**vars(args), "grad_clip": clip})
+        for what in args.what.split(","):
+            rows.append({"ref": run_ref, "mobius": run_mobius}[what](a))
+            print(json.dumps(rows[-1]), flush=True)
+            report(rows, args, quiet=True)  # what has run so far survives a later failure
+        for variant in filter(None, args.variants.split(",")):
+            v = argparse.Namespace(**vars(a))
+            if variant == "no-prefetch":
+                v.no_prefetch = True
+            elif variant.startswith("stages="):
+                v.stages = int(variant.split("=")[1])
+            elif variant == "plain":  # swapped stages only, recompute everywhere (no resident, no kept)
+                v.resident, v.kept = "none", "none"
+            rows.append(run_mobius(v, variant))
+            print(json.dumps(rows[-1]), flush=True)
+            report(rows, args, quiet=True)
     report(rows, args)
 
 
-def report(rows: list[dict], args: argparse.Namespace) -> None:
-    ref = next((r for r in rows if r["name"].startswith("all-in-GPU")), None)
-    print(f"\n{'system':45s} {'step s':>8s} {'tok/s':>8s} {'TFLOPs':>7s} {'peak GiB':>9s} {'vs all-in-GPU':>14s}")
-    for r in rows:
-        rel = f"{ref['step_s'] / r['step_s']:.2f}x" if ref else "-"
-        print(f"{r['name']:45s} {r['step_s']:8.3f} {r['tokens_per_s']:8d} {r['tflops']:7.1f} {r['peak_gib']:9.2f} {rel:>14s}")
+def report(rows: list[dict], args: argparse.Namespace, quiet: bool = False) -> None:
+    """The table (``vs all-in-GPU``: the reference row of the same clip setting) and the JSON."""
     out = Path(args.out) / "pipeline_bench.json"
     out.write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                                else "cpu", "rows": rows}, indent=2))
+    if quiet:
+        return
+    refs = {r.get("grad_clip"): r for r in rows if r["name"].startswith("all-in-GPU") and r.get("step_s")}
+    print(f"\n{'system':62s} {'step s':>7s} {'pred s':>7s} {'meas/pred':>9s} {'tok/s':>7s} {'TFLOPs':>7s} "
+          f"{'peak GiB':>8s} {'h2d GB':>7s} {'d2h GB':>7s} {'adam s':>7s} {'vs all-in-GPU':>13s}  plan")
+    for r in rows:
+        if r.get("step_s") is None:
+            print(f"{r['name']:62s} {'-':>7s} {r.get('predicted_step_s', '-'):>7}  {r.get('error')}  resident "
+                  f"{r.get('resident')} kept {r.get('kept')} grads {r.get('grad_dtype')} predicted peak "
+                  f"{r.get('predicted_peak_gib')} GiB, measured peak {r.get('peak_gib')} GiB")
+            continue
+        ref = refs.get(r.get("grad_clip"))
+        rel = f"{ref['step_s'] / r['step_s']:.2f}x" if ref else "-"
+        pred = r.get("predicted_step_s")
+        plan = (f"resident {r['resident']} kept {r['kept']} grads {r['grad_dtype']} slots {r['num_slots']} "
+                f"stages {r['stages']}") if "resident" in r else ""
+        print(f"{r['name']:62s} {r['step_s']:7.3f} {pred if pred is not None else '-':>7} "
+              f"{r.get('measured_over_predicted') or '-':>9} {r['tokens_per_s']:7d} {r['tflops']:7.1f} "
+              f"{r['peak_gib']:8.2f} {r.get('h2d_bytes', 0) / 1e9:7.2f} {r.get('d2h_bytes', 0) / 1e9:7.2f} "
+              f"{r.get('cpu_adam_s', 0):7.3f} {rel:>13s}  {plan}")
     print(f"wrote {out}")
 
 
