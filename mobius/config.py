@@ -118,7 +118,9 @@ class ParallelSection(_Section):
     _name = "parallel"
     mode: Literal["auto", "single", "pipeline", "zero"] = _f("auto", "single: one device; pipeline: the swapped "
                                                               "Mobius pipeline; zero: chunked ZeRO (NVLink boxes); "
-                                                              "auto: single on one device, pipeline on several.")
+                                                              "auto: plans all three and runs the fastest predicted "
+                                                              "one that fits (zero when every GPU shares NVLink), "
+                                                              "logging why.")
     devices: int = _f(1, "GPUs to use (CPU worker processes stand in when there is no GPU).", ge=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Run on CUDA when available (auto), or force cpu/cuda.")
     mapping: Literal["cross", "sequential"] = _f("cross", "Stage-to-GPU mapping: cross (topology-aware) or sequential.")
