@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -206,32 +207,70 @@ def measure_cpu_update(threads: int, precision: str, numel: int = CPU_UPDATE_NUM
         torch.set_num_threads(before)
 
 
-CPU_UPDATE_IN_STEP = 0.68  # the CPU AdamW's rate inside a training step / its rate measured alone: with
-# uploads, downloads and kernel dispatch sharing the host's memory bandwidth and cores, an H100 box ran
-# 0.67 (1.42B), 0.71 (1.42B, clipped) and 0.66 (3.94B) of the isolated rate
+CPU_UPDATE_IN_STEP = 0.68  # the CPU AdamW's rate inside a training step / its rate measured alone, until a run
+# on this machine has measured it (:func:`record_in_step_rate`): with uploads, downloads and kernel dispatch
+# sharing the host's memory bandwidth and cores, an H100 box ran 0.71 (1.42B) and 0.66 (3.94B) of the
+# isolated rate in clipped steps
+IN_STEP = "in-step"
+
+
+def _update_cache(cache_dir: str | Path | None, threads: int, precision: str, half_grads: bool,
+                  kind: str) -> Path | None:
+    import platform
+
+    key = hashlib.sha1(json.dumps([_cpu_name(), platform.machine(), threads, precision, half_grads,
+                                   kind]).encode()).hexdigest()[:16]
+    return Path(cache_dir) / "cpu_update" / f"{key}.json" if cache_dir is not None else None
+
+
+def _read_rate(path: Path | None) -> float | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return float(json.loads(path.read_text())["params_per_s"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _write_rate(path: Path, rate: float, **about: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"params_per_s": rate, "cpu": _cpu_name(), **about}))
+    os.replace(tmp, path)
 
 
 def cpu_update_rate(threads: int, precision: str, cache_dir: str | Path | None = None,
                     half_grads: bool = False) -> float:
     """:func:`measure_cpu_update`, cached per CPU model, thread count, precision and gradient dtype."""
-    import platform
-
-    key = hashlib.sha1(json.dumps([_cpu_name(), platform.machine(), threads, precision, half_grads,
-                                   "flat-v2"]).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / "cpu_update" / f"{key}.json" if cache_dir is not None else None
-    if path is not None and path.is_file():
-        try:
-            return float(json.loads(path.read_text())["params_per_s"])
-        except (OSError, ValueError, KeyError):
-            pass
+    path = _update_cache(cache_dir, threads, precision, half_grads, "flat-v2")
+    rate = _read_rate(path)
+    if rate is not None:
+        return rate
     rate = measure_cpu_update(threads, precision, half_grads=half_grads)
     log.info("CPU AdamW%s%s: %.2f G params/s with %d thread(s)", "" if precision == "fp32" else " + half copy",
              " from half gradients" if half_grads else "", rate / 1e9, threads)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"params_per_s": rate, "threads": threads, "precision": precision,
-                                    "half_grads": half_grads, "cpu": _cpu_name()}))
+        _write_rate(path, rate, threads=threads, precision=precision, half_grads=half_grads)
     return rate
+
+
+def record_in_step_rate(threads: int, precision: str, cache_dir: str | Path, device: str, half_grads: bool,
+                        rate: float) -> None:
+    """Keep the CPU AdamW rate a run measured inside its training steps (``device``: its workers'
+    device type), for the next plan on this machine."""
+    _write_rate(_update_cache(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"), rate,
+                threads=threads, precision=precision, half_grads=half_grads, device=device)
+
+
+def cpu_update_rate_in_step(threads: int, precision: str, cache_dir: str | Path | None, device: str,
+                            half_grads: bool = False) -> tuple[float, str]:
+    """The CPU AdamW rate to plan with, and where it comes from: what a run on this machine measured
+    inside its steps, or ``CPU_UPDATE_IN_STEP`` times the rate measured alone."""
+    rate = _read_rate(_update_cache(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"))
+    if rate is not None:
+        return rate, "measured inside training steps on this machine"
+    alone = cpu_update_rate(threads, precision, cache_dir, half_grads)
+    return CPU_UPDATE_IN_STEP * alone, f"{CPU_UPDATE_IN_STEP} x {alone / 1e9:.2f} G/s measured alone"
 
 
 def _cpu_name() -> str:

@@ -27,6 +27,7 @@ from mobius.models.hf import LazyCheckpoint, from_hf
 from mobius.optim import LossScaler
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
+from partition.profile import record_in_step_rate
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
 from scheduler.comm import Counters, DirectLink, LocalLink, StagedLink, UploadArbiter, arbiter_name
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
@@ -36,6 +37,7 @@ from scheduler.trace import StepTrace
 
 log = logging.getLogger(__name__)
 TIE_TAG = 1 << 30  # gloo tag of the tied-weight exchange
+IN_STEP_WARMUP, IN_STEP_STEPS = 2, 5  # steps before, and steps of, the in-step CPU AdamW measurement
 
 
 class PipelineEngine:
@@ -87,6 +89,7 @@ class PipelineEngine:
                            self.counters, Collectives(self._reduce, self._exchange), self.scaler, options, resident)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
         self.param_bytes = sum(lay.param_count for lay in self.layouts) * self.dtype.itemsize
+        self._update_rate = [0, 0.0, 0.0]  # steps seen, CPU AdamW seconds and parameters (see _note_update_rate)
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _load_weights(self, source: str | None) -> None:
@@ -185,11 +188,30 @@ class PipelineEngine:
         if trace is not None:
             self._write_trace(trace, step + 1)
         s, n = out.stats, self.world
+        self._note_update_rate(s)
         moved = s["h2d_bytes"] + s["d2h_bytes"] + s["p2p_bytes"]
         extra = {"h2d_bytes": int(s["h2d_bytes"]), "d2h_bytes": int(s["d2h_bytes"]), "p2p_bytes": int(s["p2p_bytes"]),
                  "traffic_x_params": round(moved / self.param_bytes, 3), "stall_s": round(s["stall_s"] / n, 4),
                  "upload_wait_s": round(s["upload_wait_s"] / n, 4), "cpu_adam_s": round(s["cpu_adam_s"] / n, 4)}
         return StepStats(out.loss, out.grad_norm, out.skipped, self.scaler.scale if self.scaler.enabled else 1.0, extra)
+
+    def _note_update_rate(self, stats: dict[str, float]) -> None:
+        """After ``IN_STEP_WARMUP`` steps, sum the CPU AdamW's seconds and parameters over the next
+        ``IN_STEP_STEPS`` (all workers) and keep the rate for the next plan on this machine."""
+        seen = self._update_rate
+        seen[0] += 1
+        if seen[0] <= IN_STEP_WARMUP or seen[0] > IN_STEP_WARMUP + IN_STEP_STEPS:
+            return
+        seen[1] += stats["cpu_adam_s"]
+        seen[2] += stats["cpu_adam_params"]
+        if seen[0] < IN_STEP_WARMUP + IN_STEP_STEPS or seen[1] <= 0 or seen[2] <= 0 or not self.is_main:
+            return
+        rate = seen[2] / seen[1]  # per worker: each worker's threads update its own stages
+        record_in_step_rate(self.settings.cpu_threads, self.cfg.train.precision,
+                            Path(self.cfg.partition.cache_dir) / "partition", self.settings.device,
+                            self.plan.grad_dtype == "half", rate)
+        log.info("CPU AdamW inside training steps: %.2f G params/s per worker (planned with %.2f); kept for the "
+                 "next plan on this machine", rate / 1e9, self.plan.cpu_adam_params_per_s / 1e9)
 
     def _write_trace(self, trace: StepTrace, step: int) -> None:
         """Finish the traced step (its CPU updates included) and write one Chrome trace for all workers."""

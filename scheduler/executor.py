@@ -176,7 +176,8 @@ class Executor:
             slot.ready.set()
             self.slot_of[j] = slot
         self.failure: BaseException | None = None  # from a background thread, raised by check()
-        self._update_s = 0.0  # optimizer-thread seconds in AdamW since the last REDUCE
+        self._update_s = 0.0  # optimizer-thread seconds in AdamW since the last REDUCE (download waits excluded)
+        self._update_params = 0  # parameters those updates covered
         self._update_lock = threading.Lock()
         self._pending: list[Future] = []  # update jobs not yet known to be done
         self._runs = 0
@@ -506,12 +507,14 @@ class Executor:
     def _update_job(self, j: int, arrived: torch.cuda.Event | None, lr: float, factor: float, skipped: bool,
                     trace: StepTrace | None) -> None:
         t0 = time.perf_counter()
-        host = self.hosts[j]
+        host, updated = self.hosts[j], 0
         try:
             if arrived is not None:
                 arrived.synchronize()
+            t0 = time.perf_counter()
             if not (skipped or self.opt.skip_updates):
                 host.update(lr, factor)
+                updated = self.layouts[j].numel
             if trace is not None:
                 trace.add("cpu", f"O{j}", t0, time.perf_counter())
         except BaseException as e:
@@ -519,6 +522,7 @@ class Executor:
         finally:
             with self._update_lock:
                 self._update_s += time.perf_counter() - t0
+                self._update_params += updated
             host.updated.set()
 
     def _device_update(self, a: Action) -> None:
@@ -581,7 +585,8 @@ class Executor:
         h2d, d2h, p2p = self.counters.take()
         with self._update_lock:
             update_s, self._update_s = self._update_s, 0.0
+            update_params, self._update_params = self._update_params, 0
         sumsq = sum(float(t) for t in st.sumsq) + st.tied_sumsq
         return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "h2d_bytes": float(h2d),
                 "d2h_bytes": float(d2h), "p2p_bytes": float(p2p), "stall_s": st.stall_s, "upload_wait_s": st.wait_s,
-                "cpu_adam_s": update_s}
+                "cpu_adam_s": update_s, "cpu_adam_params": float(update_params)}

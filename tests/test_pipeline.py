@@ -289,3 +289,26 @@ def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path) -> None:
     spans = [e for e in trace if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {1, 2}  # both workers
     assert {e["name"][0] for e in spans} >= {"F", "B", "U", "D", "O"}  # compute, uploads, downloads, CPU AdamW
+
+
+def test_a_run_measures_its_cpu_adamw_rate_for_the_next_plan(tmp_path: Path, deep_checkpoint: Path,
+                                                             corpus: Path) -> None:
+    """After a few steps the engine keeps the CPU AdamW rate it saw inside its steps; the next plan on
+    this machine uses it instead of a fixed share of the rate measured alone."""
+    from mobius.app.planning import hardware
+    from mobius.app.settings import Machine, resolve
+    from partition.profile import CPU_UPDATE_IN_STEP, cpu_update_rate, cpu_update_rate_in_step
+    from scheduler.engine import IN_STEP_STEPS, IN_STEP_WARMUP
+
+    cache = tmp_path / "plan-cache"
+    par = {"mode": "pipeline", "devices": 2, "stages": 4, **SWAPPED}
+    cfg = _cfg(tmp_path, deep_checkpoint, corpus, "pipe", parallel=par, partition={"cache_dir": str(cache)},
+               train={"max_steps": IN_STEP_WARMUP + IN_STEP_STEPS})
+    settings = resolve(cfg, Machine.detect(cfg))
+    before = hardware(cfg, settings, Machine.detect(cfg)).cpu_adam_params_per_s
+    alone = cpu_update_rate(settings.cpu_threads, "fp32", cache / "partition")
+    assert before == pytest.approx(CPU_UPDATE_IN_STEP * alone)
+    train(cfg)
+    rate, source = cpu_update_rate_in_step(settings.cpu_threads, "fp32", cache / "partition", "cpu")
+    assert source == "measured inside training steps on this machine" and 1e5 < rate < 1e11
+    assert hardware(cfg, settings, Machine.detect(cfg)).cpu_adam_params_per_s == rate

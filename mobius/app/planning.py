@@ -18,7 +18,7 @@ from mobius.models import ModelConfig, tied_param_count, unit_specs
 from mobius.parallel import Mode, ParallelSettings
 from partition import Hardware, ModelProfile, Plan, get_profile, lookup_gpu, plan_model
 from partition.gpus import gpu_spec
-from partition.profile import CPU_UPDATE_IN_STEP, cpu_update_rate
+from partition.profile import cpu_update_rate_in_step
 from partition.single import SinglePlan
 from partition.single import plan_single as single_plan
 from partition.zero import ZeroHardware, ZeroPlan
@@ -48,12 +48,12 @@ def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidt
         hw = _gpus(cfg, settings, machine, bandwidth_file)
     if machine.local:
         cache = os.path.join(cfg.partition.cache_dir, "partition")
-        # measured alone, then as fast as it runs beside a step's transfers (CPU_UPDATE_IN_STEP)
-        hw.cpu_adam_params_per_s = CPU_UPDATE_IN_STEP * cpu_update_rate(settings.cpu_threads, cfg.train.precision,
-                                                                        cache)
-        if cfg.train.precision == "bf16":
-            hw.cpu_adam_half_grads_params_per_s = CPU_UPDATE_IN_STEP * cpu_update_rate(
-                settings.cpu_threads, "bf16", cache, half_grads=True)
+        threads, precision = settings.cpu_threads, cfg.train.precision  # as fast as it runs inside a step
+        hw.cpu_adam_params_per_s, source = cpu_update_rate_in_step(threads, precision, cache, settings.device)
+        log.debug("CPU AdamW: %.2f G params/s per worker (%s)", hw.cpu_adam_params_per_s / 1e9, source)
+        if precision == "bf16":
+            hw.cpu_adam_half_grads_params_per_s, _ = cpu_update_rate_in_step(threads, precision, cache,
+                                                                             settings.device, half_grads=True)
         hw.host_memory_bytes = available_host_bytes()
     if settings.device == "cpu":  # a resident stage's "device" AdamW runs on the worker's CPU threads
         hw.device_adam_params_per_s = hw.cpu_adam_params_per_s
