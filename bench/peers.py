@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import os
 import statistics
@@ -46,18 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mobius.models import build_model, get_preset, param_count  # noqa: E402
 from mobius.models.base import lm_loss  # noqa: E402
+from pipeline_bench import add_workload_args, batches, clip_list, free_gpu, smoke_workload, sync  # noqa: E402
 
 
 def step_batches(args: argparse.Namespace, vocab: int, step: int, gas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """pipeline_bench's batches of this step (same generator seed, same draws), regrouped as ``gas`` micro-batches."""
-    g = torch.Generator().manual_seed(step)
-    xs, ys = [], []
-    for _ in range(args.micro_batches):
-        t = torch.randint(0, vocab, (args.mbs, args.seq + 1), generator=g)
-        xs.append(t[:, :-1])
-        ys.append(t[:, 1:])
-    x, y = torch.cat(xs), torch.cat(ys)
-    return list(zip(x.chunk(gas), y.chunk(gas)))
+    """pipeline_bench's batches of this step, regrouped as ``gas`` micro-batches."""
+    xs, ys = zip(*batches(args, vocab, step))
+    return list(zip(torch.cat(xs).chunk(gas), torch.cat(ys).chunk(gas)))
 
 
 def parse_setting(text: str, total: int) -> dict:
@@ -71,21 +65,10 @@ def parse_setting(text: str, total: int) -> dict:
     return {"gas": gas, "mbs": mbs, "ac": "ac" in flags, "nosync": "nosync" in flags, "text": text}
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def cap_gpu(args: argparse.Namespace) -> None:
     if torch.cuda.is_available() and not args.smoke:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), 0)
-
-
-def free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def peak_gib() -> float:
@@ -201,7 +184,7 @@ def run_fsdp2(args: argparse.Namespace, base: torch.nn.Module, setting: dict, cl
                         optimizer=f"torch AdamW ({kind}, CPU)")
     finally:
         opt = model = params = decay = no_decay = groups = None  # freed before the next setting
-        free()
+        free_gpu()
 
 
 def fsdp2_rows(args: argparse.Namespace, clips: list[float]) -> list[dict]:
@@ -215,16 +198,22 @@ def fsdp2_rows(args: argparse.Namespace, clips: list[float]) -> list[dict]:
     base = build_model(mc, 0)
     print(f"built {args.preset} ({param_count(mc) / 1e9:.2f}B) in {time.perf_counter() - t0:.1f} s", flush=True)
     total = args.micro_batches * args.mbs
+    settings = [parse_setting(t, total) for t in filter(None, args.fsdp_settings.split(","))]
+    return sweep("FSDP2 CPU offload", lambda setting, clip: run_fsdp2(args, base, setting, clip), settings, clips,
+                 args)
+
+
+def sweep(system: str, run, settings: list[dict], clips: list[float], args: argparse.Namespace) -> list[dict]:
+    """``run(setting, clip)`` for every clip and setting; a failure is a row; the JSON after each."""
     rows = []
     for clip in clips:
-        for text in filter(None, args.fsdp_settings.split(",")):
-            setting = parse_setting(text, total)
+        for setting in settings:
             try:
-                row = run_fsdp2(args, base, setting, clip)
+                row = run(setting, clip)
             except Exception as exc:  # noqa: BLE001 - one setting's failure is a row
                 traceback.print_exc()
-                row = error_row("FSDP2 CPU offload", setting, clip, exc)
-                free()
+                row = error_row(system, setting, clip, exc)
+                free_gpu()
             rows.append(row)
             print(json.dumps(row), flush=True)
             save(rows, args, partial=True)
@@ -291,12 +280,14 @@ def run_deepspeed(args: argparse.Namespace, setting: dict, clip: float) -> dict:
     finally:
         engine.destroy() if hasattr(engine, "destroy") else None
         engine = model = None  # freed before the next setting
-        free()
+        free_gpu()
 
 
 def deepspeed_rows(args: argparse.Namespace, clips: list[float]) -> list[dict]:
     total = args.micro_batches * args.mbs
     settings = [parse_setting(t, total) for t in filter(None, args.ds_settings.split(","))]
+    if any(s["ac"] for s in settings):
+        raise SystemExit("deepspeed settings: activation checkpointing is not wired here")
     if args.smoke:
         for s in settings:
             json.dumps(ds_config(args, s, 1.0))
@@ -311,21 +302,8 @@ def deepspeed_rows(args: argparse.Namespace, clips: list[float]) -> list[dict]:
     torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend="nccl")
     cap_gpu(args)
-    rows = []
-    for clip in clips:
-        for setting in settings:
-            if setting["ac"]:
-                raise SystemExit("deepspeed settings: activation checkpointing is not wired here")
-            try:
-                row = run_deepspeed(args, setting, clip)
-            except Exception as exc:  # noqa: BLE001 - one setting's failure is a row
-                traceback.print_exc()
-                row = error_row("DeepSpeed ZeRO-3 offload", setting, clip, exc)
-                free()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            save(rows, args, partial=True)
-    return rows
+    return sweep("DeepSpeed ZeRO-3 offload", lambda setting, clip: run_deepspeed(args, setting, clip), settings,
+                 clips, args)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -375,28 +353,17 @@ def report(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", default="fsdp2,deepspeed")
-    p.add_argument("--preset", default="gpt-1.4b")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--mbs", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--precision", default="bf16")
-    p.add_argument("--grad-clip", default="0,1.0", help="comma list of clip settings (0: none)")
-    p.add_argument("--cap-gib", type=float, default=24.0)
+    add_workload_args(p, clip_default="0,1.0", steps_default=3)
     p.add_argument("--fsdp-settings", default="4x4:ac,4x4:noac,4x4:ac:nosync,1x16:ac,1x16:noac")
     p.add_argument("--ds-settings", default="4x4")
     p.add_argument("--ds-no-zero-init", action="store_true", help="build the model on the CPU, partition in initialize")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
     args = p.parse_args()
     if args.smoke:
-        args.preset, args.seq, args.mbs, args.micro_batches, args.steps, args.warmup = "gpt2-tiny", 32, 2, 2, 2, 1
-        args.precision = "fp32"
+        smoke_workload(args)
         args.fsdp_settings = ",".join(s.replace("4x4", "2x2").replace("1x16", "1x4") for s in args.fsdp_settings.split(","))
         args.ds_settings = ",".join(s.replace("4x4", "2x2").replace("1x16", "1x4") for s in args.ds_settings.split(","))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    clips = [float(c) for c in args.grad_clip.split(",") if c.strip()]
+    clips = clip_list(args)
     for what in args.what.split(","):
         rows = {"fsdp2": fsdp2_rows, "deepspeed": deepspeed_rows}[what](args, clips)
         if rows:

@@ -190,35 +190,48 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--what", default="ref,mobius")
+def add_workload_args(p: argparse.ArgumentParser, clip_default: str, steps_default: int) -> None:
+    """The benchmark workload's options, shared with bench/peers.py (same model, batches, cap, clips)."""
     p.add_argument("--preset", default="gpt-1.4b")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--precision", default="bf16")
-    p.add_argument("--grad-clip", default="0", help="clip setting(s), a comma list (0,1.0): each system runs at each; "
-                   "0 as in the peers' runs (no clipping)")
+    p.add_argument("--grad-clip", default=clip_default, help="clip setting(s), a comma list (0,1.0): each system "
+                   "runs at each; 0: no clipping")
     p.add_argument("--cap-gib", type=float, default=24.0)
-    p.add_argument("--stages", type=int, default=0, help="0: planned by partition/")
-    p.add_argument("--no-prefetch", action="store_true")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=steps_default)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
+
+
+def smoke_workload(args: argparse.Namespace) -> None:
+    """``--smoke``: a tiny fp32 model and two short steps on the CPU."""
+    args.preset, args.seq, args.mbs, args.micro_batches, args.steps, args.warmup = "gpt2-tiny", 32, 2, 2, 2, 1
+    args.precision = "fp32"
+
+
+def clip_list(args: argparse.Namespace) -> list[float]:
+    return [float(c) for c in str(args.grad_clip).split(",") if c.strip()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--what", default="ref,mobius")
+    add_workload_args(p, clip_default="0", steps_default=5)
+    p.add_argument("--stages", type=int, default=0, help="0: planned by partition/")
+    p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--resident", default="auto", help="auto | none | comma list: parallel.resident_stages")
     p.add_argument("--kept", default="auto", help="auto | none | comma list: parallel.kept_stages")
     p.add_argument("--variants", default="", help="extra pipeline runs for a profile: no-update (no CPU AdamW: "
                    "the GPU side alone), no-prefetch, stages=N")
     args = p.parse_args()
     if args.smoke:
-        args.preset, args.seq, args.mbs, args.micro_batches, args.steps, args.warmup = "gpt2-tiny", 32, 2, 2, 2, 1
-        args.precision = "fp32"
+        smoke_workload(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    clips = [float(c) for c in str(args.grad_clip).split(",") if c.strip()]
     rows = []
-    for clip in clips:
+    for clip in clip_list(args):
         a = argparse.Namespace(**{**vars(args), "grad_clip": clip})
         for what in args.what.split(","):
             rows.append({"ref": run_ref, "mobius": run_mobius}[what](a))
