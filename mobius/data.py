@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from mobius.errors import ConfigError, DataError, MobiusError
+from mobius.files import write_text_atomic
 
 if TYPE_CHECKING:
     import tokenizers
@@ -235,7 +236,7 @@ def tokenize_to_cache(path: str, text_field: str, tokenizer: TextTokenizer, cach
     n = _write_tokens(documents(path, text_field), tokenizer, cache, file, dtype)
     if n == 0:
         raise MobiusError(f"data.path {path} holds no text")
-    _atomic_write_text(meta_file, json.dumps({"tokens": n, "dtype": np.dtype(dtype).name, "source": path,
+    write_text_atomic(meta_file, json.dumps({"tokens": n, "dtype": np.dtype(dtype).name, "source": path,
                                               "tokenizer": tokenizer.name}))
     return np.memmap(file, dtype=dtype, mode="r", shape=(n,))
 
@@ -268,12 +269,6 @@ def _write_tokens(docs: Iterator[str], tokenizer: TextTokenizer, cache: Path, fi
 def _chain(a: Iterator, b: list) -> Iterator:
     yield from a
     yield from b
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------

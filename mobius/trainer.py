@@ -34,6 +34,7 @@ from mobius.config import Config
 from mobius.data import TextTokenizer, TrainData
 from mobius.engine import DTYPES, Engine, StepStats
 from mobius.errors import CheckpointError
+from mobius.files import write_text_atomic
 from mobius.models import ModelConfig
 from mobius.optim import lr_at
 
@@ -119,9 +120,7 @@ class Trainer:
         file = self.out / "metrics.jsonl"
         if file.is_file() and self.main:
             keep = [line for line in file.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= self.step]
-            tmp = file.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, file)
+            write_text_atomic(file, "".join(line + "\n" for line in keep))
 
     def _trainer_state(self, engine_state: checkpoint.RankState) -> dict:
         return {"format": STATE_FORMAT, "step": self.step, "data": self.data.state_dict(), "rng": rng_state(),

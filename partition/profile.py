@@ -24,13 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from mobius.errors import ConfigError, NotAvailableError
+from mobius.files import write_text_atomic
 from partition.costs import PRECISION_BYTES, ModelProfile, UnitCost
 from partition.gpus import GPUSpec, gpu_spec
 
@@ -233,10 +233,7 @@ def _read_rate(path: Path | None) -> float | None:
 
 
 def _write_rate(path: Path, rate: float, **about: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"params_per_s": rate, "cpu": _cpu_name(), **about}))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"params_per_s": rate, "cpu": _cpu_name(), **about}))
 
 
 def cpu_update_rate(threads: int, precision: str, cache_dir: str | Path | None = None,

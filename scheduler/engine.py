@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats
 from mobius.errors import CheckpointError, MobiusError
+from mobius.files import write_text_atomic
 from mobius.models import ModelConfig, dropout_active, hidden_size, init_unit, tied_weights, unit_specs
 from mobius.models.hf import LazyCheckpoint, from_hf
 from mobius.optim import LossScaler
@@ -222,11 +222,9 @@ class PipelineEngine:
         gathered = self.comm.all_gather_object(events)
         if self.is_main:
             out = Path(self.cfg.output.dir) / f"trace-step{step}.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(json.dumps({"traceEvents": [e for part in gathered for e in part], "displayTimeUnit": "ms",
-                                       "otherData": {"generator": "mobius runtime", "step": step}}))
-            os.replace(tmp, out)
+            write_text_atomic(out, json.dumps({"traceEvents": [e for part in gathered for e in part],
+                                               "displayTimeUnit": "ms",
+                                               "otherData": {"generator": "mobius runtime", "step": step}}))
             log.info("wrote %s (open it in https://ui.perfetto.dev)", out)
 
     @torch.no_grad()

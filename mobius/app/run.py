@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from mobius.checkpoint import ResumeState
 from mobius.config import Config
 from mobius.data import TextTokenizer, TrainData
 from mobius.engine import SingleEngine
+from mobius.files import write_text_atomic
 from mobius.models import ModelConfig, param_count
 from mobius.parallel import Mode, ParallelSettings
 from mobius.trainer import Trainer, TrainResult, save_dtype_for
@@ -31,10 +31,7 @@ PLAN_FILE = "plan.json"  # the plan a pipeline or zero run runs, as `mobius plan
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def train(cfg: Config, resume: str | None = None, machine: Machine | None = None,
