@@ -29,6 +29,7 @@ import torch
 from mobius.config import TrainSection
 from mobius.errors import MobiusError
 from mobius.optim import FlatAdamW, host_bytes_per_param
+from scheduler.pinned import host_zeros
 from scheduler.stages import StageLayout
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,14 @@ class StageStore:
         n, device = layout.numel, torch.device(device)
         on_host = device.type == "cpu"
         fp32 = train_dtype == torch.float32
-        self.master = torch.zeros(n, dtype=torch.float32, device=device, pin_memory=pin and fp32 and on_host)
-        self.half = self.master if fp32 else torch.empty(n, dtype=train_dtype, device=device,
-                                                         pin_memory=pin and on_host)
+        if on_host:  # page-locked at the exact size (scheduler/pinned.py): what host_bytes counts
+            self.master = host_zeros(n, torch.float32, pin and fp32, self)
+            self.half = self.master if fp32 else host_zeros(n, train_dtype, pin, self)
+        else:
+            self.master = torch.zeros(n, dtype=torch.float32, device=device)
+            self.half = self.master if fp32 else torch.empty(n, dtype=train_dtype, device=device)
         assert not (half_grads and fp32), "half-precision downloads need a half-precision copy"
-        self.grad = torch.zeros(n, dtype=torch.float32, pin_memory=pin) if on_host and not half_grads else None
+        self.grad = host_zeros(n, torch.float32, pin, self) if on_host and not half_grads else None
         self.optimizer = FlatAdamW(self.master, None if fp32 else self.half, layout.decay_numel, cfg)
         self.updated = threading.Event()  # set when master/half hold this step's weights
         self.updated.set()

@@ -21,6 +21,7 @@ from torch import nn
 from mobius.config import TrainSection
 from mobius.optim import adamw, set_lr
 from partition.zero import ChunkLayout
+from scheduler.pinned import host_zeros
 
 
 class Shards:
@@ -31,8 +32,8 @@ class Shards:
         s = layout.shard
         self.layout, self.chunks, self.rank = layout, list(chunks), rank
         self.base = {c: i * s for i, c in enumerate(chunks)}
-        self.master = torch.zeros(len(chunks) * s, device=device, pin_memory=pin_master)  # [chunks * s]
-        self.grad = torch.zeros(len(chunks) * s, device=device, pin_memory=pin_grad)  # [chunks * s]
+        self.master = self._buffer(len(chunks) * s, device, pin_master)  # [chunks * s]
+        self.grad = self._buffer(len(chunks) * s, device, pin_grad)  # [chunks * s]
         self.runs: dict[int, list[tuple[int, nn.Parameter]]] = {c: [] for c in chunks}  # chunk -> (shard lo, param)
         decay: list[nn.Parameter] = []
         no_decay: list[nn.Parameter] = []
@@ -44,6 +45,12 @@ class Shards:
                 (decay if d else no_decay).append(p)
                 self.runs[c].append((lo, p))
         self.optimizer = adamw(decay, no_decay, cfg, fused=True) if decay or no_decay else None
+
+    def _buffer(self, numel: int, device: torch.device, pin: bool) -> torch.Tensor:
+        """Zeros on ``device``; in host memory page-locked at the exact size when ``pin``."""
+        if device.type == "cpu":
+            return host_zeros(numel, torch.float32, pin, self)
+        return torch.zeros(numel, device=device)
 
     def master_of(self, chunk: int) -> torch.Tensor:
         b = self.base[chunk]
@@ -90,7 +97,7 @@ class HostChunk:
     def __init__(self, layout: ChunkLayout, chunk: int, rank: int, dtype: torch.dtype, cfg: TrainSection, pin: bool):
         full = dtype == torch.float32  # fp32: gathers upload the master itself
         self.shards = Shards(layout, [chunk], rank, torch.device("cpu"), cfg, pin_master=pin and full, pin_grad=pin)
-        self.half = self.shards.master if full else torch.empty(layout.shard, dtype=dtype, pin_memory=pin)
+        self.half = self.shards.master if full else host_zeros(layout.shard, dtype, pin, self)
         self.ready = threading.Event()  # the half copy holds the current weights (no CPU update pending)
         self.ready.set()
 

@@ -1,0 +1,127 @@
+"""Host buffers page-locked at their exact size (scheduler/pinned.py), against a stand-in for the CUDA
+runtime that records what is registered; tests/test_pipeline_gpu.py checks the real one."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from mobius.config import TrainSection
+from mobius.models import tied_weights
+from mobius.models.gpt2 import GPT2Config
+from scheduler import pinned
+from scheduler.stages import stage_layouts
+from scheduler.store import StageStore, host_bytes
+
+
+class FakeCudart:
+    """Records registrations by address; ``fail`` makes every registration return CUDA error 2."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+        self.registered: dict[int, int] = {}
+        self.attempts = 0
+        self.errors_cleared = 0
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.attempts += 1
+        if self.fail:
+            return 2
+        assert ptr not in self.registered
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        del self.registered[ptr]
+        return 0
+
+    def cudaGetLastError(self) -> int:
+        self.errors_cleared += 1
+        return 0
+
+
+@pytest.fixture
+def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setitem(pinned._state, "register", True)
+    return fake
+
+
+class Owner:
+    pass
+
+
+def test_a_buffer_is_registered_at_its_exact_size_on_its_own_pages(cudart: FakeCudart) -> None:
+    owner = Owner()
+    t = pinned.host_zeros(1_000_003, torch.bfloat16, True, owner)  # 2,000,006 bytes: 2 MiB would be 2,097,152
+    assert cudart.registered == {t.data_ptr(): 2_000_006}
+    assert t.data_ptr() % 4096 == 0 and t.dtype == torch.bfloat16 and t.shape == (1_000_003,)
+    assert not t.any()
+
+
+def test_the_registration_ends_with_the_owner_and_the_memory_outlives_it(cudart: FakeCudart) -> None:
+    owner = Owner()
+    view = pinned.host_zeros(4096, torch.float32, True, owner)[100:200]
+    view.fill_(3.0)
+    assert len(cudart.registered) == 1
+    del owner
+    gc.collect()
+    assert cudart.registered == {}
+    assert view.sum().item() == 300.0  # unregistered, not freed: the view still holds the mapping
+
+
+def test_without_pinning_nothing_is_registered(cudart: FakeCudart) -> None:
+    t = pinned.host_zeros(1000, torch.float32, False)
+    assert cudart.attempts == 0 and t.shape == (1000,) and not t.any()
+
+
+def test_a_refused_registration_falls_back_to_torch_pinned_memory_once_and_says_so(
+        cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    cudart.fail = True
+    fallbacks = []
+    monkeypatch.setattr(pinned, "_torch_pinned", lambda t: fallbacks.append(t.numel()) or t)
+    with caplog.at_level(logging.WARNING, logger="scheduler.pinned"):
+        a = pinned.host_zeros(1000, torch.float32, True, Owner())
+        b = pinned.host_zeros(2000, torch.bfloat16, True, Owner())
+    assert fallbacks == [1000, 2000] and a.shape == (1000,) and b.dtype == torch.bfloat16
+    assert cudart.attempts == 1, "after one refusal the process stops trying"
+    assert cudart.errors_cleared == 1, "the refused call's error must not surface in torch's next launch check"
+    assert len(caplog.records) == 1 and "failed with CUDA error 2" in caplog.text and "power of two" in caplog.text
+
+
+def _layout(numel_blocks: int = 2):
+    cfg = GPT2Config(vocab_size=320, n_positions=64, n_embd=64, n_layer=numel_blocks, n_head=2)
+    return stage_layouts(cfg, [0, 1 + numel_blocks, 2 + numel_blocks], tied_weights(cfg))[0]
+
+
+@pytest.mark.parametrize("dtype,half_grads,locked", [(torch.bfloat16, False, 6), (torch.bfloat16, True, 2),
+                                                     (torch.float32, False, 8)])
+def test_a_stage_store_locks_exactly_what_the_host_memory_check_counts(cudart: FakeCudart, dtype: torch.dtype,
+                                                                       half_grads: bool, locked: int) -> None:
+    """bf16: the half copy (2) and the fp32 gradient (4) page-locked, master and moments (12) pageable;
+    fp32: the master is the upload copy (4) and the gradient (4); none of it rounded up."""
+    lay = _layout()
+    store = StageStore(lay, dtype, TrainSection(), pin=True, half_grads=half_grads)
+    assert sum(cudart.registered.values()) == locked * lay.numel
+    pageable = 8 if dtype == torch.float32 else 12  # AdamW's m and v, and the fp32 master beside a half copy
+    assert host_bytes([lay], dtype, half_grads) == (locked + pageable) * lay.numel
+    del store
+    gc.collect()
+    assert cudart.registered == {}
+
+
+def test_an_offloaded_zero_chunk_locks_its_gradient_shard_and_half_copy(cudart: FakeCudart) -> None:
+    from partition.zero import ParamInfo, build_layout
+    from scheduler.zero.store import HostChunk
+
+    params = [ParamInfo((f"u{u}.w",), (1000, 3), (u,), decay=True) for u in range(2)]
+    layout = build_layout(params, 2, chunk_size=4096, world=2, align=16)
+    chunk = HostChunk(layout, 0, 1, torch.bfloat16, TrainSection(), pin=True)
+    assert sorted(cudart.registered.values()) == [2 * layout.shard, 4 * layout.shard]  # bf16 copy, fp32 gradient
+    del chunk
+    gc.collect()
+    assert cudart.registered == {}
