@@ -1,0 +1,154 @@
+"""Every GPU benchmark the README's performance section reports, in parts that each fit one sitting of
+a lent GPU (about 10 minutes), and one report of all their rows.
+
+    python bench/gpu_suite.py --parts pipeline,zero --out $OUT       # run parts (resumable: done rows are kept)
+    python bench/gpu_suite.py --report runs/suite                    # the tables, from every part's JSON
+    python bench/gpu_suite.py --parts all --smoke --out /tmp/suite   # tiny models on the CPU: checks the suite
+
+Parts, in the order a short GPU session should take them (``--parts all`` runs them in this order):
+
+=========  ==================================================================================================
+pipeline   1.42B, all-in-GPU and the pipeline as planned and all swapped, without and with clipping
+zero       1.42B zero mode as planned and its rCache-min / rCache-max / all-offload alternatives; clipped
+large      3.94B pipeline (planned, all swapped; both clip settings) and zero mode
+opt        OPT-6.7B pipeline, as planned (the host-memory row)
+peers      FSDP2 CPU offload (its best setting, 1 x 16 with activation checkpointing) and DeepSpeed ZeRO-3
+           offload, both clip settings
+=========  ==================================================================================================
+
+Each benchmark runs as its own process with a time limit; its JSON, its log and its exit status land
+under ``<out>/<name>/``, and ``<out>/suite.json`` records what ran. ``--budget-s`` stops before a
+benchmark whose limit would overrun it (the next call picks up there). ``--report`` prints, for every
+row of every JSON under a folder, step time, tokens/s, TFLOP/s, peak GPU memory, host<->GPU bytes, the
+ratio to all-in-GPU training of the same model and clip setting, and predicted beside measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIPS = ["--grad-clip", "0,1.0"]
+
+
+def _pipe(*extra: str) -> list[str]:
+    return ["bench/pipeline_bench.py", *extra]
+
+
+def _zero(*extra: str) -> list[str]:
+    return ["bench/zero_bench.py", *extra]
+
+
+# part -> [(benchmark name, script and arguments, time limit in seconds)]
+PARTS: dict[str, list[tuple[str, list[str], int]]] = {
+    "pipeline": [("pipeline-1.4b", _pipe("--what", "ref,mobius", "--variants", "plain", *CLIPS, "--steps", "5"), 480)],
+    "zero": [("zero-1.4b", _zero("--what", "zero", "--variants", "rcache-min,rcache-max,all-offload", "--steps", "4"),
+              360),
+             ("zero-1.4b-clip", _zero("--what", "zero", "--grad-clip", "1.0", "--steps", "4"), 180)],
+    "large": [("pipeline-3.9b", _pipe("--what", "mobius", "--preset", "gpt-3.9b", "--variants", "plain", *CLIPS,
+                                      "--steps", "3", "--warmup", "1"), 420),
+              ("zero-3.9b", _zero("--what", "zero", "--preset", "gpt-3.9b", "--steps", "3", "--warmup", "1"), 240)],
+    "opt": [("pipeline-opt-6.7b", _pipe("--what", "mobius", "--preset", "opt-6.7b", "--grad-clip", "1.0",
+                                        "--steps", "2", "--warmup", "1"), 540)],
+    "peers": [("fsdp2", ["bench/peers.py", "--what", "fsdp2", "--fsdp-settings", "1x16:ac", *CLIPS, "--steps", "3"],
+               300),
+              ("deepspeed", ["bench/peers.py", "--what", "deepspeed", *CLIPS, "--steps", "3"], 300)],
+}
+
+
+def run_parts(parts: list[str], out: Path, budget_s: float, smoke: bool) -> list[dict]:
+    """Run the parts' benchmarks in order, skipping those already done; returns this call's records."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "suite.json"
+    done = json.loads(log.read_text()) if log.exists() else []
+    finished = {r["name"] for r in done if r["rc"] == 0}
+    t0, records = time.monotonic(), []
+    for part in parts:
+        for name, argv, limit in PARTS[part]:
+            if name in finished:
+                continue
+            if time.monotonic() - t0 + limit > budget_s:
+                print(f"suite: stopping before {name} (its {limit} s limit would pass the {budget_s:.0f} s budget)")
+                return records
+            records.append(_run_one(name, argv + (["--smoke"] if smoke else []), limit, out / name))
+            done = [r for r in done if r["name"] != name] + [records[-1]]
+            log.write_text(json.dumps(done, indent=2))
+    return records
+
+
+def _run_one(name: str, argv: list[str], limit: int, where: Path) -> dict:
+    where.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, *argv, "--out", str(where)]
+    print(f"suite: {name}: {' '.join(argv)}", flush=True)
+    t0 = time.monotonic()
+    with open(where / "log.txt", "w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=limit,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    wall = time.monotonic() - t0
+    print(f"suite: {name}: exit {rc} after {wall:.0f} s", flush=True)
+    return {"name": name, "argv": argv, "rc": rc, "wall_s": round(wall, 1)}
+
+
+# ---- the report -------------------------------------------------------------------------------------
+def collect(folder: Path) -> list[dict]:
+    """Every row of every benchmark JSON under ``folder``, with its model and clip setting."""
+    rows = []
+    for path in sorted(folder.rglob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or "rows" not in data:
+            continue
+        preset = data.get("args", {}).get("preset", "?")
+        for r in data["rows"]:
+            rows.append({**r, "preset": preset, "clip": float(r.get("grad_clip", data["args"].get("grad_clip", 0)))})
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    """One markdown table: the rows by model and clip setting, all-in-GPU first."""
+    ref = {(r["preset"], r["clip"]): r["step_s"] for r in rows if r["name"].startswith("all-in-GPU") and "step_s" in r}
+    lines = ["| model | system | clip | step (s) | tokens/s | TFLOP/s | peak GiB | h2d / d2h GB | vs all-in-GPU "
+             "| predicted (s) | measured / predicted |", "|" + "---|" * 11]
+    for r in sorted(rows, key=lambda r: (r["preset"], r["clip"], not r["name"].startswith("all-in-GPU"))):
+        base = ref.get((r["preset"], r["clip"]))
+        if "step_s" not in r:  # a run that failed (e.g. a plan that does not fit): its reason
+            lines.append(f"| {r['preset']} | {r['name']} | {r['clip']:g} | {r.get('error', 'failed')} |" + " |" * 7)
+            continue
+        t, pred = r["step_s"], r.get("predicted_step_s")
+        traffic = f"{r['h2d_bytes'] / 1e9:.1f} / {r['d2h_bytes'] / 1e9:.1f}" if "h2d_bytes" in r else ""
+        vs = f"{base / t:.2f}" if base else ""
+        predicted = f"{pred:.3f} | {t / pred:.2f}" if pred else " | "
+        lines.append(f"| {r['preset']} | {r['name']} | {r['clip']:g} | {t:.3f} | {r['tokens_per_s']:,} | "
+                     f"{r['tflops']:.0f} | {r['peak_gib']:.1f} | {traffic} | {vs} | {predicted} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="", help="comma list of " + ", ".join(PARTS) + ", or all")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--budget-s", type=float, default=570.0, help="start no benchmark that could end after this")
+    p.add_argument("--smoke", action="store_true", help="each benchmark's --smoke (tiny models, CPU)")
+    p.add_argument("--report", default="", help="a folder of benchmark JSON to tabulate (no runs)")
+    args = p.parse_args()
+    if args.parts:
+        parts = list(PARTS) if args.parts == "all" else args.parts.split(",")
+        unknown = [x for x in parts if x not in PARTS]
+        if unknown:
+            p.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+        run_parts(parts, Path(args.out), args.budget_s, args.smoke)
+    folder = Path(args.report or args.out)
+    if folder.exists():
+        print(report(collect(folder)))
+
+
+if __name__ == "__main__":
+    main()
