@@ -115,19 +115,20 @@ def collect(folder: Path) -> list[dict]:
 def report(rows: list[dict]) -> str:
     """One markdown table: the rows by model and clip setting, all-in-GPU first."""
     ref = {(r["preset"], r["clip"]): r["step_s"] for r in rows if r["name"].startswith("all-in-GPU") and "step_s" in r}
-    lines = ["| model | system | clip | step (s) | tokens/s | TFLOP/s | peak GiB | h2d / d2h GB | vs all-in-GPU "
-             "| predicted (s) | measured / predicted |", "|" + "---|" * 11]
+    lines = ["| model | system | clip | step (s) | tokens/s | TFLOP/s | peak GiB | h2d / d2h GB | host GiB planned / "
+             "measured | vs all-in-GPU | predicted (s) | measured / predicted |", "|" + "---|" * 12]
     for r in sorted(rows, key=lambda r: (r["preset"], r["clip"], not r["name"].startswith("all-in-GPU"))):
         base = ref.get((r["preset"], r["clip"]))
         if "step_s" not in r:  # a run that failed (e.g. a plan that does not fit): its reason
-            lines.append(f"| {r['preset']} | {r['name']} | {r['clip']:g} | {r.get('error', 'failed')} |" + " |" * 7)
+            lines.append(f"| {r['preset']} | {r['name']} | {r['clip']:g} | {r.get('error', 'failed')} |" + " |" * 8)
             continue
         t, pred = r["step_s"], r.get("predicted_step_s")
         traffic = f"{r['h2d_bytes'] / 1e9:.1f} / {r['d2h_bytes'] / 1e9:.1f}" if "h2d_bytes" in r else ""
+        host = f"{r['host_gib']} / {r.get('host_rss_gib', '?')}" if "host_gib" in r else ""
         vs = f"{base / t:.2f}" if base else ""
         predicted = f"{pred:.3f} | {t / pred:.2f}" if pred else " | "
         lines.append(f"| {r['preset']} | {r['name']} | {r['clip']:g} | {t:.3f} | {r['tokens_per_s']:,} | "
-                     f"{r['tflops']:.0f} | {r['peak_gib']:.1f} | {traffic} | {vs} | {predicted} |")
+                     f"{r['tflops']:.0f} | {r['peak_gib']:.1f} | {traffic} | {host} | {vs} | {predicted} |")
     return "\n".join(lines)
 
 

@@ -11,7 +11,8 @@ worker, stages planned by partition/ (or ``--stages N`` split evenly), CPU AdamW
 Prints a table and writes ``<out>/pipeline_bench.json``: step time, tokens/s, TFLOPs (6 N tokens / t),
 peak GPU memory, bytes host->GPU / GPU->host per step (the runtime's counters), upload stalls, and
 the planner's predicted step time beside the measured one, and the plan's choices (resident and kept
-stages, gradient download dtype, device slots). ``--grad-clip`` takes a comma list (``0,1.0``): every
+stages, gradient download dtype, device slots), and host memory: the plan's figure (``host_gib``)
+beside what the engine's process grew by (``host_rss_gib``, page-locked buffers included). ``--grad-clip`` takes a comma list (``0,1.0``): every
 system runs at each clip setting, and "vs all-in-GPU" compares with the reference row of the same
 setting. ``--smoke`` runs a tiny model on the CPU to check the script itself.
 """
@@ -102,6 +103,15 @@ def clip_tag(args: argparse.Namespace) -> str:
     return f" [clip {args.grad_clip:g}]"
 
 
+def rss_gib() -> float:
+    """This process's resident host memory (page-locked buffers included), from /proc (0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2**20
+    except (OSError, StopIteration):
+        return 0.0
+
+
 def free_gpu() -> None:
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -149,7 +159,7 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     print(f"{name}: plan stages {plan.num_stages} resident {sorted(plan.resident)} kept {sorted(plan.kept)} grads "
           f"{plan.grad_dtype} slots {plan.num_slots} predicted {plan.predicted_step_s:.3f} s, peak "
           f"{[round(b / 2**30, 2) for b in plan.peak_bytes]} GiB, profile {plan.profile_source}", flush=True)
-    engine = None
+    engine, rss0 = None, rss_gib()
     try:
         engine = PipelineEngine(cfg, mc, plan, settings, device, None, skip_updates=variant == "no-update")
         t, stats = time_engine(engine, args, mc.vocab_size)
@@ -164,7 +174,8 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
                "kept": sorted(plan.kept), "grad_dtype": plan.grad_dtype, "num_slots": plan.num_slots,
                "offload_inputs": plan.offload_inputs, "profile_source": plan.profile_source,
                "predicted_peak_gib": [round(b / 2**30, 2) for b in plan.peak_bytes],
-               "host_gib": round(plan.host_bytes / 2**30, 1), "grad_choice": plan.grad_choice}
+               "host_gib": round(plan.host_bytes / 2**30, 1), "host_rss_gib": round(rss_gib() - rss0, 1),
+               "grad_choice": plan.grad_choice}
         if engine is not None:
             engine.close()
         engine = None
@@ -180,7 +191,8 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
                      barrier=plan.barrier, profile_source=plan.profile_source,
                      predicted_peak_gib=[round(b / 2**30, 2) for b in plan.peak_bytes],
                      predicted_h2d_bytes=plan.traffic.get("h2d_bytes"), predicted_d2h_bytes=plan.traffic.get("d2h_bytes"),
-                     host_gib=round(plan.host_bytes / 2**30, 1), cpu_adam_params_per_s=plan.cpu_adam_params_per_s,
+                     host_gib=round(plan.host_bytes / 2**30, 1), host_rss_gib=round(rss_gib() - rss0, 1),
+                     cpu_adam_params_per_s=plan.cpu_adam_params_per_s,
                      baselines=plan.baselines)
     row["measured_over_predicted"] = round(t / plan.predicted_step_s, 3) if plan.predicted_step_s else None
     engine.close()
@@ -271,7 +283,8 @@ def report(rows: list[dict], args: argparse.Namespace, quiet: bool = False) -> N
         rel = f"{ref['step_s'] / r['step_s']:.2f}x" if ref else "-"
         pred = r.get("predicted_step_s")
         plan = (f"resident {r['resident']} kept {r['kept']} grads {r['grad_dtype']} slots {r['num_slots']} "
-                f"stages {r['stages']}") if "resident" in r else ""
+                f"stages {r['stages']} host {r['host_gib']} GiB planned, {r.get('host_rss_gib')} GiB "
+                f"measured") if "resident" in r else ""
         print(f"{r['name']:62s} {r['step_s']:7.3f} {pred if pred is not None else '-':>7} "
               f"{r.get('measured_over_predicted') or '-':>9} {r['tokens_per_s']:7d} {r['tflops']:7.1f} "
               f"{r['peak_gib']:8.2f} {r.get('h2d_bytes', 0) / 1e9:7.2f} {r.get('d2h_bytes', 0) / 1e9:7.2f} "
