@@ -1,7 +1,7 @@
 """Every GPU benchmark the README's performance section reports, in parts that each fit one sitting of
 a lent GPU (about 10 minutes), and one report of all their rows.
 
-    python bench/gpu_suite.py --parts pipeline,zero --out $OUT       # run parts (resumable: done rows are kept)
+    python bench/gpu_suite.py --parts all --out runs/suite           # again until done: each call stops at --budget-s
     python bench/gpu_suite.py --report runs/suite                    # the tables, from every part's JSON
     python bench/gpu_suite.py --parts all --smoke --out /tmp/suite   # tiny models on the CPU: checks the suite
 

@@ -47,8 +47,7 @@ def host_zeros(numel: int, dtype: torch.dtype, pin: bool, owner: object | None =
 def _page_aligned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Zeros in an anonymous mapping of their own (page-aligned: no page shared with other data); the
     tensor keeps the mapping alive."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
+    return torch.frombuffer(mmap.mmap(-1, numel * dtype.itemsize), dtype=dtype, count=numel)
 
 
 def _torch_pinned(t: torch.Tensor) -> torch.Tensor:
