@@ -1,14 +1,18 @@
 """The planner's predicted step time beside the measured one, for the pipeline on CPU worker
 processes (no GPU needed): the check of the simulator's fidelity on machines without a GPU.
 
-    python bench/cpu_pipeline_bench.py --out bench_out          # ~3 minutes on 2 cores
+    python bench/cpu_pipeline_bench.py --out bench_out               # ~1.5 minutes on 2 cores
+    python bench/cpu_pipeline_bench.py --out bench_out --repeats 3   # ~5 minutes
 
 A GPT-2 style model (hidden 256, 8 blocks, sequence 128, 4 micro-batches of 4) is trained from
 scratch on the standard library's docstrings with ``mobius train`` as a user runs it, on 2 CPU
 worker processes (gloo), in several variants: as planned; with clipping; with one device slot
 (no prefetch); with 8 even stages; with boundary inputs in host memory. For each: the plan's
 predicted step time (``plan.json``, the simulator) and the measured median step time of the
-steady-state steps (``metrics.jsonl``). Prints a table and writes ``<out>/cpu_pipeline_bench.json``.
+steady-state steps (``metrics.jsonl``). ``--repeats R`` runs the whole set R times, interleaved, each
+time with a fresh cache (the units profiled and the CPU update rate learnt anew, as on a new machine),
+so a slow spell of a shared machine does not fall on one variant; the table gives each variant's
+median error and its range. Prints the table and writes ``<out>/cpu_pipeline_bench.json``.
 """
 
 from __future__ import annotations
@@ -51,14 +55,15 @@ def checkpoint(root: Path, width: int, blocks: int) -> Path:
     return d
 
 
-def run_variant(name: str, extra: dict, ck: Path, root: Path, args: argparse.Namespace) -> dict:
+def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args: argparse.Namespace) -> dict:
+    cache = str(root / f"cache-{repeat}")
     raw = {"model": {"checkpoint": str(ck)},
-           "data": {"seq_len": 128, "cache_dir": str(root / "cache")},
+           "data": {"seq_len": 128, "cache_dir": cache},
            "train": {"max_steps": args.steps, "micro_batch_size": 4, "micro_batches": 4, "lr": 1e-3,
                      "warmup_steps": 2, "grad_clip": 0.0, "eval_every": 0, "eval_batches": 1},
            "parallel": {"mode": "pipeline", "devices": args.workers, "device": "cpu"},
-           "partition": {"cache_dir": str(root / "cache")},
-           "output": {"dir": str(root / name.replace(" ", "_")), "plot": False}}
+           "partition": {"cache_dir": cache},
+           "output": {"dir": str(root / f"{name.replace(' ', '_')}-{repeat}"), "plot": False}}
     for section, values in extra.items():
         raw[section].update(values)
     cfg = config_from_dict(raw, name)
@@ -70,11 +75,25 @@ def run_variant(name: str, extra: dict, ck: Path, root: Path, args: argparse.Nam
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = statistics.median(r["step_s"] for r in rows[args.warmup:])
     predicted = plan["predicted_step_s"]
-    return {"variant": name, "stages": plan["num_stages"], "num_slots": plan["num_slots"],
+    return {"variant": name, "repeat": repeat, "stages": plan["num_stages"], "num_slots": plan["num_slots"],
             "offload_inputs": plan["offload_inputs"], "barrier": plan["barrier"], "predicted_s": round(predicted, 4),
             "measured_s": round(measured, 4), "error": round(predicted / measured - 1, 4),
             "model_s": round(plan["model_step_s"], 4), "cpu_adam_params_per_s": plan["cpu_adam_params_per_s"],
             "wall_s": round(wall, 1)}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per variant (in the order run): the median predicted and measured step, the median error
+    (predicted / measured - 1) and its range over the repeats."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["variant"], []).append(r)
+    return [{"variant": name, "repeats": len(rs),
+             "predicted_s": round(statistics.median(r["predicted_s"] for r in rs), 4),
+             "measured_s": round(statistics.median(r["measured_s"] for r in rs), 4),
+             "error": round(statistics.median(r["error"] for r in rs), 4),
+             "error_min": min(r["error"] for r in rs), "error_max": max(r["error"] for r in rs)}
+            for name, rs in by.items()]
 
 
 def main() -> None:
@@ -86,22 +105,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the measured median")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--repeats", type=int, default=1, help="run every variant this many times, interleaved")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         ck = checkpoint(root, args.width, args.blocks)
-        for name in args.variants.split(","):
-            rows.append(run_variant(name, VARIANTS[name], ck, root, args))
-            print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'variant':32s} {'stages':>6s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s}")
-    for r in rows:
-        print(f"{r['variant']:32s} {r['stages']:6d} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} "
-              f"{100 * r['error']:+6.1f}%")
+        for repeat in range(args.repeats):
+            for name in args.variants.split(","):
+                rows.append(run_variant(name, VARIANTS[name], ck, root, repeat, args))
+                print(json.dumps(rows[-1]), flush=True)
+    summary = summarize(rows)
+    print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s}")
+    for r in summary:
+        print(f"{r['variant']:32s} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} {100 * r['error']:+6.1f}% "
+              f"{100 * r['error_min']:+7.1f}..{100 * r['error_max']:+.1f}%")
     out = Path(args.out) / "cpu_pipeline_bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "rows": rows}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "rows": rows, "summary": summary},
+                              indent=2))
     print(f"wrote {out}")
 
 
