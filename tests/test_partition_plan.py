@@ -182,3 +182,10 @@ def test_plan_respects_a_minimum_stage_count() -> None:
     free = plan_model(prof, hw, micro_batches=4, mapping=[0, 1, 2, 3], with_baselines=False)
     forced = plan_model(prof, hw, micro_batches=4, mapping=[0, 1, 2, 3], with_baselines=False, min_stages=4)
     assert forced.num_stages >= 4 and free.num_stages < 4
+
+
+def test_plan_report_states_small_and_large_amounts_readably() -> None:
+    from mobius.commands.plan import _amount
+
+    assert [_amount(n) for n in (512, 6_547_968, 1.42e9, 6.7e9)] == ["512", "6.55M", "1.42B", "6.7B"]
+    assert [_amount(n, "B") for n in (300, 3.6e6, 5.68e9)] == ["300 B", "3.6 MB", "5.68 GB"]

@@ -149,6 +149,14 @@ def _profile_json(prof: Any) -> dict:
             "notes": prof.notes}
 
 
+def _amount(n: float, unit: str = "") -> str:
+    """``n`` in the largest decimal prefix that leaves at least 1: 6.55M, 1.42B (or 26.2 MB, 5.7 GB)."""
+    for scale, prefix in ((1e9, "G" if unit else "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{' ' if unit else ''}{prefix}{unit}"
+    return f"{n:.0f}{' ' if unit else ''}{unit}"
+
+
 def _report(cfg: Config, choice: ModeChoice) -> str:
     chosen = choice.chosen
     prof, hw, plan = chosen.profile, chosen.hardware, chosen.plan
@@ -156,8 +164,8 @@ def _report(cfg: Config, choice: ModeChoice) -> str:
            f"{prof.notes.get('tflops', 0):.1f} TFLOP/s)" if prof.source == "estimated"
            else f"measured on {prof.device_name} in {prof.profile_s:.1f} s")
     lines = [choice.line() if choice.explicit else choice.table(),
-             f"model: {_model_name(cfg)}: {prof.num_units} units, {prof.param_count() / 1e9:.2f} B parameters "
-             f"({prof.param_bytes() / GB:.1f} GB in {prof.precision}); micro-batch {prof.micro_batch_size} x "
+             f"model: {_model_name(cfg)}: {prof.num_units} units, {_amount(prof.param_count())} parameters "
+             f"({_amount(prof.param_bytes(), 'B')} in {prof.precision}); micro-batch {prof.micro_batch_size} x "
              f"{prof.seq_len} tokens, {plan.micro_batches} micro-batches",
              f"hardware: {hw.describe()}",
              f"profile: {how}; per micro-batch:"]
