@@ -150,7 +150,8 @@ def _profile_json(prof: Any) -> dict:
 
 
 def _amount(n: float, unit: str = "") -> str:
-    """``n`` in the largest decimal prefix that leaves at least 1: 6.55M, 1.42B (or 26.2 MB, 5.7 GB)."""
+    """``n`` with the largest decimal prefix that leaves at least 1, three significant digits: 6.55M, 1.42B
+    (with ``unit="B"``: 3.63 MB, 5.68 GB)."""
     for scale, prefix in ((1e9, "G" if unit else "B"), (1e6, "M"), (1e3, "k")):
         if n >= scale:
             return f"{n / scale:.3g}{' ' if unit else ''}{prefix}{unit}"
