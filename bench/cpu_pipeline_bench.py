@@ -7,7 +7,8 @@ processes (no GPU needed): the check of the simulator's fidelity on machines wit
 A GPT-2 style model (hidden 256, 8 blocks, sequence 128, 4 micro-batches of 4) is trained from
 scratch on the standard library's docstrings with ``mobius train`` as a user runs it, on 2 CPU
 worker processes (gloo), in several variants: as planned; with clipping; with one device slot
-(no prefetch); with 8 even stages; with boundary inputs in host memory. For each: the plan's
+(no prefetch); with 8 even stages; with boundary inputs in host memory; with no kept activations
+(every backward recomputes its forward). For each: the plan's
 predicted step time (``plan.json``, the simulator) and the measured median step time of the
 steady-state steps (``metrics.jsonl``). ``--repeats R`` runs the whole set R times, interleaved, each
 time with a fresh cache (the units profiled and the CPU update rate learnt anew, as on a new machine),
@@ -42,6 +43,7 @@ VARIANTS = {
     "one device slot (no prefetch)": {"parallel": {"prefetch": False}},
     "8 even stages": {"parallel": {"stages": 8}},
     "inputs in host memory": {"parallel": {"offload_inputs": "on"}},
+    "no kept activations": {"parallel": {"kept_stages": []}},
 }
 
 
@@ -76,7 +78,8 @@ def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args:
     measured = statistics.median(r["step_s"] for r in rows[args.warmup:])
     predicted = plan["predicted_step_s"]
     return {"variant": name, "repeat": repeat, "stages": plan["num_stages"], "num_slots": plan["num_slots"],
-            "offload_inputs": plan["offload_inputs"], "barrier": plan["barrier"], "predicted_s": round(predicted, 4),
+            "offload_inputs": plan["offload_inputs"], "barrier": plan["barrier"],
+            "resident": plan["resident"], "kept": plan["kept"], "predicted_s": round(predicted, 4),
             "measured_s": round(measured, 4), "error": round(predicted / measured - 1, 4),
             "model_s": round(plan["model_step_s"], 4), "cpu_adam_params_per_s": plan["cpu_adam_params_per_s"],
             "wall_s": round(wall, 1)}

@@ -139,7 +139,7 @@ class ParallelSection(_Section):
                                            "and AdamW states; a device AdamW, no uploads or downloads). null: the "
                                            "planner chooses where GPU memory is free and the step gets faster; []: none.")
     kept_stages: list[int] | None = _f(None, "Pipeline stages that keep their forward's activations for the backward "
-                                       "instead of recomputing them (resident stages or a GPU's last swapped stage). "
+                                       "instead of recomputing them (any stage but the last). "
                                        "null: the planner chooses; []: none.")
     grad_download: Literal["auto", "fp32", "half"] = _f("auto", "Precision of the pipeline's gradient downloads: fp32 "
                                                         "(the exact sums), half (bf16 only: half the bytes and 4 fewer "

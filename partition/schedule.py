@@ -267,9 +267,6 @@ def check(s: Schedule) -> None:
             elif a.kind in COMPUTE:
                 assert a.stage in resident or a.stage in s.resident, (w, str(a))
         assert not resident, (w, resident)
-        for j in s.kept & set(s.stages_of(w)):  # a kept graph needs its weights until the backward
-            first_b = next(i for i, a in enumerate(acts) if a.kind == Kind.BACKWARD and a.stage == j)
-            assert not any(a.kind == Kind.FREE and a.stage == j for a in acts[:first_b]), (w, j)
         assert sum(a.kind == Kind.REDUCE for a in acts) == 1, w
         for j in s.stages_of(w):
             downloads = int(s.train and j not in s.resident)

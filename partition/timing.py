@@ -33,10 +33,11 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
 * **Resident stages** live on their GPU for good (half and fp32 weights, AdamW moments, gradients):
   no upload, no download, a device AdamW right after their backward (with a barrier: at the start of
   the next step, before the worker's first forward). They take no slot.
-* **Kept activations**: a stage whose weights stay on the GPU from its forward to its backward (a
-  resident stage, or the worker's last swapped stage) may keep its forward's autograd graph instead
-  of recomputing it: its backward then costs ``bwd - fwd`` per micro-batch, and the graph's
-  activations (``M`` micro-batches of ``saved``) stay on the GPU until its backward.
+* **Kept activations**: any stage but the last (whose FB never recomputes) may keep its forward's
+  autograd graph instead of recomputing it, swapped stages too (the runtime's graph saves their
+  weights by position in the slot, read back from the backward's upload): its backward then costs
+  ``bwd - fwd`` per micro-batch, and the graph (``M`` micro-batches of ``saved`` plus their inputs)
+  stays on the GPU until its backward.
 * **Memory** per worker: ``K`` slots of its largest swapped stage (parameters, gradients, fp32 sums),
   its resident stages' states, the boundary inputs (or kept activations) its pending backwards hold
   (none for inputs waiting in host memory) and the phase's working set; must fit the usable memory
@@ -118,7 +119,6 @@ class Shape:
 
     def __post_init__(self) -> None:
         assert self.num_stages - 1 not in self.kept, "the last stage's FB keeps nothing: it never recomputes"
-        assert all(j in self.resident or self.turns(j) for j in self.kept), "only stages whose weights stay"
 
 
 @dataclass
@@ -350,7 +350,7 @@ def phase_needs(s: StageExprs, base: Expr, kept: Expr, M: int, keep_out: bool = 
     states (``base``), what earlier stages keep for their backwards, the stage's own ``M`` inputs (or,
     keeping its activations, its ``M`` micro-batches' graph) and the phase's working set (with one
     worker, also the ``M`` outputs kept for the next stage and the input gradients for the one before)."""
-    own = s.saved * M if keeps_activations else s.in_b * M
+    own = (s.saved + s.in_b) * M if keeps_activations else s.in_b * M  # a kept graph holds its input too
     fwd = base + kept + own + s.work + (s.out_b * M if keep_out else 0.0)
     bwd = base + kept + own + s.work + (0.0 if keeps_activations else s.saved) + (s.in_b * M if keep_in_grad else 0.0)
     return fwd, bwd
@@ -376,7 +376,7 @@ def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape) -> dict[int, 
             fwd, bwd = phase_needs(st[j], base, kept, M, local and j < S - 1, local and j > 0, keeps)
             out[w] += [(f"stage {j} forward", fwd), (f"stage {j} backward", bwd)]
             if keeps:
-                kept = kept + st[j].saved * M
+                kept = kept + (st[j].saved + st[j].in_b) * M
             elif not shape.offload_inputs or shape.turns(j):
                 kept = kept + st[j].in_b * M
     return out

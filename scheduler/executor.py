@@ -23,6 +23,7 @@ compute on whatever slot holds them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -94,10 +95,21 @@ class Collectives:
 
 @dataclass
 class Graph:
-    """A kept stage's forward: its input (with ``requires_grad``) and output, graph attached."""
+    """A kept stage's forward: its input (with ``requires_grad``) and output, graph attached; for a
+    swapped stage also the parameters the graph accumulates into (re-pointed at the backward's slot)."""
 
     x: torch.Tensor
     y: torch.Tensor
+    params: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """A tensor a kept graph saved that is a view of its stage's slot, by position in the slot."""
+
+    offset: int  # elements from the start of the slot's parameter buffer
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
 
 
 class DeviceSlot:
@@ -114,7 +126,7 @@ class DeviceSlot:
         self.ready_event: torch.cuda.Event | None = None  # upload finished (CUDA)
         self.released: torch.cuda.Event | None = None  # last use finished (CUDA); the next upload waits on it
         self.grads_live = False  # gradients zeroed for this residency
-        self.bound: tuple[int, bool] | None = None  # (stage, with gradients) the modules point here for
+        self.bound: tuple[int, str] | None = None  # (stage, "grads" | "graph" | "infer") the modules point here for
 
 
 @dataclass
@@ -319,8 +331,9 @@ class Executor:
             slot.released.record(torch.cuda.current_stream(self.device))
         slot.stage = None
 
-    def _resident(self, j: int, grads: bool) -> DeviceSlot:
-        """Wait for stage j's upload (counting the stall) and bind its modules to its slot."""
+    def _resident(self, j: int, grads: bool, graph: bool = False) -> DeviceSlot:
+        """Wait for stage j's upload (counting the stall) and bind its modules to its slot: with
+        gradients, or (``graph``) requiring them without buffers, or for inference."""
         slot = self.slot_of[j]
         if not slot.ready.is_set():
             t0 = time.perf_counter()
@@ -344,9 +357,11 @@ class Executor:
             if slot.acc is not None:
                 slot.acc[:n].zero_()
             slot.grads_live = True
-        if slot.bound != (j, grads):
-            bind(self.units[j], self.layouts[j], self.num_units, slot.params[:n], slot.grads[:n] if grads else None)
-            slot.bound = (j, grads)
+        mode = "grads" if grads else "graph" if graph else "infer"
+        if slot.bound != (j, mode):
+            bind(self.units[j], self.layouts[j], self.num_units, slot.params[:n], slot.grads[:n] if grads else None,
+                 requires_grad=grads or graph)
+            slot.bound = (j, mode)
         return slot
 
     # ---- compute --------------------------------------------------------------------------------
@@ -377,15 +392,40 @@ class Executor:
         st.outputs[("a", j, m)] = y.to(self.opt.dtype)
 
     def _forward_kept(self, j: int, m: int) -> None:
-        """Forward with autograd on: the graph stays on the device for the backward (no recompute)."""
-        self._resident(j, grads=True)
+        """Forward with autograd on: the graph stays on the device for the backward (no recompute).
+        A swapped stage's graph holds its weights by position (:meth:`_weights_by_position`), so its
+        slot may take other stages before the backward."""
+        swapped = j not in self.resident
+        self._resident(j, grads=not swapped, graph=swapped)
         x = self._input(j, m)
         if x.is_floating_point():
             x = x.detach().requires_grad_()
-        with autocast(self.device, self.opt.precision):
-            y = self._run(j, x, m)
-        self.st.saved[(j, m)] = Graph(x, y)
+        with self._weights_by_position(j) if swapped else contextlib.nullcontext():
+            with autocast(self.device, self.opt.precision):
+                y = self._run(j, x, m)
+        params = tuple(self.units[j].parameters()) if swapped else ()
+        self.st.saved[(j, m)] = Graph(x, y, params)
         self.st.outputs[("a", j, m)] = y.detach().to(self.opt.dtype)
+
+    def _weights_by_position(self, j: int) -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks for stage j's kept forward: a saved view of its slot is kept as its
+        position in the slot and read back from whichever slot holds the stage at the backward."""
+        base = self.slot_of[j].params
+        ptr, start = base.untyped_storage().data_ptr(), base.storage_offset()
+
+        def pack(t: torch.Tensor) -> torch.Tensor | SlotView:
+            if t.device != base.device or t.untyped_storage().data_ptr() != ptr:
+                return t
+            assert t.dtype == base.dtype, (t.dtype, base.dtype)
+            return SlotView(t.storage_offset() - start, tuple(t.shape), tuple(t.stride()))
+
+        def unpack(v: torch.Tensor | SlotView) -> torch.Tensor:
+            if not isinstance(v, SlotView):
+                return v
+            cur = self.slot_of[j].params
+            return cur.as_strided(v.shape, v.stride, cur.storage_offset() + v.offset)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _fb(self, a: Action) -> None:
         """Last stage: forward, loss and backward of one micro-batch (no recompute)."""
@@ -410,6 +450,9 @@ class Executor:
         g = st.waiting.pop(("g", j, m))()
         if isinstance(saved, Graph):
             x, y = saved.x, saved.y
+            if saved.params:  # swapped: the graph accumulates into its forward's parameters -> this slot's buffers
+                for old, new in zip(saved.params, self.units[j].parameters(), strict=True):
+                    old.grad = new.grad
         else:
             x = saved.detach().requires_grad_() if saved.is_floating_point() else saved
             with autocast(self.device, self.opt.precision):

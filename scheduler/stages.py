@@ -116,8 +116,10 @@ def views(buf: torch.Tensor, layout: StageLayout) -> dict[str, torch.Tensor]:
 
 
 def bind(units: nn.ModuleList, layout: StageLayout, num_units: int, params: torch.Tensor,
-         grads: torch.Tensor | None) -> None:
-    """Point the stage's unit modules at views of ``params`` (and their ``.grad`` at ``grads``)."""
+         grads: torch.Tensor | None, requires_grad: bool | None = None) -> None:
+    """Point the stage's unit modules at views of ``params`` (and their ``.grad`` at ``grads``);
+    ``requires_grad`` defaults to whether ``grads`` are given."""
+    requires_grad = grads is not None if requires_grad is None else requires_grad
     pv = views(params, layout)
     gv = views(grads, layout) if grads is not None else {}
     for k, unit in zip(range(layout.first_unit, layout.end_unit), units):
@@ -125,7 +127,7 @@ def bind(units: nn.ModuleList, layout: StageLayout, num_units: int, params: torc
         for mod_name, mod in unit.named_modules():
             for leaf in [n for n, p in mod._parameters.items() if p is not None]:
                 full = prefix + (f"{mod_name}." if mod_name else "") + leaf
-                param = nn.Parameter(pv[full], requires_grad=grads is not None)
+                param = nn.Parameter(pv[full], requires_grad=requires_grad)
                 if grads is not None:
                     param.grad = gv[full]  # accumulated in place (a tied pair shares one gradient view)
                 mod._parameters[leaf] = param

@@ -89,8 +89,13 @@ def test_pipeline_matches_reference(tmp_path: Path, deep_checkpoint: Path, corpu
 
 
 # 2 workers, 6 stages: worker 0 runs stages 0, 2, 4 and worker 1 runs 1, 3, 5; the tied embedding/head
-# (stages 0 and 5) stay swapped. A kept stage is resident or its worker's last swapped stage.
+# (stages 0 and 5) stay swapped. Any stage but the last may keep its activations: a swapped kept stage's
+# slot takes other stages before its backward, which reads the weights from the backward's upload.
 MIXES = {
+    "kept-swapped-clipped": ({"resident_stages": [], "kept_stages": [0, 1, 2, 3]}, {}),
+    "kept-swapped-offload-no-clip": ({"resident_stages": [], "kept_stages": [1, 2], "offload_inputs": "on"},
+                                     {"grad_clip": 0.0}),
+    "kept-swapped-and-resident": ({"resident_stages": [3], "kept_stages": [0, 2, 3]}, {}),
     "resident-clipped": ({"resident_stages": [1, 2], "kept_stages": []}, {}),
     "kept-last-swapped": ({"resident_stages": [], "kept_stages": [4]}, {}),
     "resident-kept-no-clip": ({"resident_stages": [2, 3], "kept_stages": [2, 3, 4]}, {"grad_clip": 0.0}),
@@ -131,21 +136,23 @@ def test_impossible_resident_or_kept_stages_are_config_errors(tmp_path: Path, de
     base = {"mode": "pipeline", "devices": 2, "stages": 6}
     for extra, match in (({"resident_stages": [0]}, r"stage\(s\) \[0\] hold an end of the tied"),
                          ({"resident_stages": [7]}, r"out of range: the plan has 6 stages"),
-                         ({"kept_stages": [2], "resident_stages": []}, r"stage\(s\) \[2\] cannot keep activations"),
-                         ({"kept_stages": [5]}, r"cannot keep activations")):
+                         ({"kept_stages": [5]}, r"stage\(s\) \[5\] cannot keep activations: the last stage")):
         with pytest.raises(ConfigError, match=match):
             train(_cfg(tmp_path, deep_checkpoint, corpus, "x", parallel={**base, **extra}), overwrite=True)
 
 
-@pytest.mark.parametrize("variant", ["dropout-no-clip", "no-prefetch-sequential", "offload-inputs"])
+@pytest.mark.parametrize("variant", ["dropout-no-clip", "dropout-kept", "no-prefetch-sequential", "no-prefetch-kept",
+                                     "offload-inputs"])
 def test_pipeline_variants_match_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path, variant: str) -> None:
-    if variant == "dropout-no-clip":  # dropout masks seeded per unit; updates as gradients arrive
+    if variant.startswith("dropout"):  # dropout masks seeded per unit; updates as gradients arrive
         extra = dict(model={"dropout": 0.1}, train={"grad_clip": 0.0})
-        par = {}
+        par = {"kept_stages": [0, 1, 2, 3]} if variant == "dropout-kept" else {}
     elif variant == "offload-inputs":  # boundary inputs wait in host memory, come back with the upload
         extra, par = {}, {"offload_inputs": "on"}
-    else:
+    else:  # one device slot: every stage's backward upload reuses the slot its forward had
         extra, par = {}, {"prefetch": False, "mapping": "sequential"}
+        if variant == "no-prefetch-kept":
+            par["kept_stages"] = [0, 2, 3]
     train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", **extra))
     train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe",
                parallel={"mode": "pipeline", "devices": 2, "stages": 5, **SWAPPED, **par}, **extra))
