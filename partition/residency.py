@@ -7,21 +7,15 @@ saves) against the memory it takes: a resident stage costs its weights, fp32 mas
 and gradients on the device (20 bytes per parameter in bf16) and saves its uploads, its gradient
 download and its CPU update (a device AdamW instead); a kept stage costs ``M`` micro-batches of its
 autograd graph and saves one forward recompute per micro-batch. The pass is greedy and exact: each
-round evaluates every move (one stage, or the same change on one stage of every worker, since when
-several workers bound the step no single stage shortens it) with the timing model
-(:class:`~partition.evaluate.ModelEvaluator`, memory rules included) and takes the one that saves
-the most time per byte, until a round finds no move that saves time. A round of more than
-``LAZY_MOVES`` moves is evaluated lazily: a move's score in an earlier round is taken to bound its
-score now, so the round re-evaluates moves only while one of them could still beat the best fresh
-score (a 42-stage plan on 4 GPUs: about 7x fewer evaluations, the same choice). The round that
-ends the pass evaluates every move afresh. The plan then simulates the result (:mod:`partition.plan`).
+round evaluates every single move with the timing model (:class:`~partition.evaluate.ModelEvaluator`,
+memory rules included) and takes the one that saves the most time per byte, until no move saves
+time. The plan then simulates the result (:mod:`partition.plan`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 
 from partition.evaluate import GB, ModelEvaluator
@@ -29,7 +23,6 @@ from partition.timing import Shape, StageExprs
 
 log = logging.getLogger(__name__)
 MIN_GAIN = 1e-4  # a move must save this fraction of the step
-LAZY_MOVES = 100  # rounds with more candidate moves than this are evaluated lazily
 
 
 @dataclass(frozen=True)
@@ -72,24 +65,17 @@ def check_choice(ev: ModelEvaluator, boundaries: list[int], resident: frozenset[
 
 
 def _moves(ev: ModelEvaluator, S: int, cur: Move, free_resident: bool, free_kept: bool) -> list[Move]:
-    """Every single-stage move, and the same move on one stage of every worker at once (stages
-    ``j..j+N-1``): when several workers bound the step equally, no single stage shortens it."""
-    shape = ev.shape(S, dataclasses.replace(ev.options, resident=cur.resident))
-    N = shape.num_workers
-    groups = [frozenset({j}) for j in range(S)] + [frozenset(range(j, j + N)) for j in range(S - N + 1) if N > 1]
     out: list[Move] = []
-    for g in groups:
-        name = f"{min(g)}" if len(g) == 1 else f"{min(g)}-{max(g)}"
-        if free_resident:
-            res = g - cur.resident - tied_ends(ev, S)
-            if res:
-                out.append(Move(cur.resident | res, cur.kept, f"resident {name}"))
-                keep = {j for j in res if j < S - 1} - cur.kept
-                if free_kept and keep:
-                    out.append(Move(cur.resident | res, cur.kept | keep, f"resident+kept {name}"))
-        keep = {j for j in g - cur.kept if may_keep(shape, j)}
-        if free_kept and keep:
-            out.append(Move(cur.resident, cur.kept | keep, f"kept {name}"))
+    shape = ev.shape(S, dataclasses.replace(ev.options, resident=cur.resident))
+    if free_resident:
+        for j in sorted(set(range(S)) - cur.resident - tied_ends(ev, S)):
+            res = cur.resident | {j}
+            out.append(Move(res, cur.kept, f"resident {j}"))
+            if free_kept and j < S - 1 and j not in cur.kept:
+                out.append(Move(res, cur.kept | {j}, f"resident+kept {j}"))
+    if free_kept:
+        out += [Move(cur.resident, cur.kept | {j}, f"kept {j}") for j in range(S)
+                if j not in cur.kept and may_keep(shape, j)]
     return out
 
 
@@ -108,19 +94,15 @@ def choose(ev: ModelEvaluator, boundaries: list[int], resident: frozenset[int] |
     cur = Move(frozenset(resident or ()), frozenset(kept or ()), "start")
     st = ev.exprs(boundaries)
     best_t = ev.evaluate(boundaries, dataclasses.replace(ev.options, resident=cur.resident, kept=cur.kept)).T
-    last: dict[str, float] = {}  # each move's score when last evaluated, taken as a bound on its score now
     while True:
         found: tuple[float, float, Move] | None = None
-        moves = _moves(ev, S, cur, resident is None, kept is None)
-        lazy = len(moves) > LAZY_MOVES
-        for move in sorted(moves, key=lambda m: -last.get(m.what, math.inf)):
-            if lazy and found is not None and last.get(move.what, math.inf) <= found[0]:
-                break  # no move left can beat the best fresh score
+        for move in _moves(ev, S, cur, resident is None, kept is None):
             t = ev.evaluate(boundaries, dataclasses.replace(ev.options, resident=move.resident, kept=move.kept)).T
-            last[move.what] = (best_t - t) / _bytes(st, ev.M, cur, move) if t < best_t * (1 - MIN_GAIN) else 0.0
-            if last[move.what] > 0 and (found is None or last[move.what] > found[0]):
-                found = (last[move.what], t, move)
-        if found is None:  # a whole round evaluated afresh: no move saves time
+            if t < best_t * (1 - MIN_GAIN):
+                score = (best_t - t) / _bytes(st, ev.M, cur, move)
+                if found is None or score > found[0]:
+                    found = (score, t, move)
+        if found is None:
             return cur.resident, cur.kept, best_t
         _, best_t, cur = found
         log.debug("residency: %s -> %.4f s", cur.what, best_t)

@@ -269,3 +269,20 @@ def test_the_residency_pass_uses_free_memory_and_stops_at_the_budget() -> None:
         assert bool(res or kept) == expect_some, (mem, res, kept)
         assert t <= base and (t < base) == expect_some
         assert not ev.evaluate(bounds, replace(ev.options, resident=res, kept=kept)).violations
+
+
+def test_the_residency_pass_keeps_the_activations_of_swapped_stages() -> None:
+    """With room on the GPUs the pass keeps the activations of swapped stages whose slots take other
+    stages before their backward (no longer only resident or turning stages); the choice fits."""
+    from partition import residency
+
+    prof = toy_profile(blocks=16)
+    bounds = [0, 1] + list(range(3, 17, 2)) + [17, 18]  # embed | 2 blocks x 7 + 1 block | head: 10 stages
+    hw = Hardware.uniform(4, 64 * GiB, 10e9, groups=[[0], [1], [2], [3]], cpu_adam_params_per_s=20e9)
+    ev = ModelEvaluator(prof, hw, _sequential(4), 4)
+    res, kept, t = residency.choose(ev, bounds, resident=frozenset())
+    assert t < ev.step_time(bounds) * 0.95
+    shape = ev.shape(len(bounds) - 1)
+    assert {j for j in kept if not shape.turns(j)}, kept
+    assert not ev.evaluate(bounds, replace(ev.options, kept=kept)).violations
+
