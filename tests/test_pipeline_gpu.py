@@ -35,6 +35,23 @@ def test_pipeline_on_cuda_matches_reference(tmp_path: Path, deep_checkpoint: Pat
 
 
 @gpu
+@pytest.mark.parametrize("workers,stages,kept", [(1, 4, [0, 1, 2]), (2, 6, [0, 1, 2, 3])])
+def test_kept_swapped_stages_on_cuda_match_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path,
+                                                     workers: int, stages: int, kept: list[int]) -> None:
+    """Swapped stages keep their graphs while their slots take other stages (copy stream, slot reuse):
+    fp32 losses within 1e-4 of the reference."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = {"device": "cuda"}
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", parallel=dev))
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe", partition={"gpu_memory_gib": 4.0},
+               parallel={**dev, "mode": "pipeline", "devices": workers, "stages": stages, "resident_stages": [],
+                         "kept_stages": kept}))
+    assert json.loads((tmp_path / "pipe" / "plan.json").read_text())["kept"] == kept
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "pipe")), torch.tensor(_losses(tmp_path / "ref")),
+                               rtol=0, atol=1e-4)
+
+
+@gpu
 def test_pipeline_on_cuda_bf16(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
     """bf16 on the GPU, two workers on one GPU: close to the reference (3e-2 on the loss)."""
     dev = {"device": "cuda"}
