@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from partition.evaluate import GB, ModelEvaluator
-from partition.timing import Shape, StageExprs
+from partition.timing import StageExprs
 
 log = logging.getLogger(__name__)
 MIN_GAIN = 1e-4  # a move must save this fraction of the step
@@ -32,10 +32,10 @@ class Move:
     what: str  # e.g. "resident 3", "kept 5", "resident+kept 2"
 
 
-def may_keep(shape: Shape, j: int) -> bool:
+def may_keep(num_stages: int, j: int) -> bool:
     """Any stage but the last (whose FB never recomputes) may keep its activations: a swapped
     stage's graph holds its weights by position and reads them from the backward's upload."""
-    return 0 <= j < shape.num_stages - 1
+    return 0 <= j < num_stages - 1
 
 
 def tied_ends(ev: ModelEvaluator, S: int) -> set[int]:
@@ -56,8 +56,7 @@ def check_choice(ev: ModelEvaluator, boundaries: list[int], resident: frozenset[
     if ends:
         return "resident", (f"stage(s) {sorted(ends)} hold an end of the tied embedding/head weight, whose gradients "
                             f"are summed in host memory; they cannot be resident")
-    shape = ev.shape(S, dataclasses.replace(ev.options, resident=resident))
-    wrong = sorted(j for j in kept if not may_keep(shape, j))
+    wrong = sorted(j for j in kept if not may_keep(S, j))
     if wrong:
         return "kept", (f"stage(s) {wrong} cannot keep activations: the last stage ({S - 1}) runs forward, loss "
                         f"and backward together and never recomputes")
@@ -66,16 +65,15 @@ def check_choice(ev: ModelEvaluator, boundaries: list[int], resident: frozenset[
 
 def _moves(ev: ModelEvaluator, S: int, cur: Move, free_resident: bool, free_kept: bool) -> list[Move]:
     out: list[Move] = []
-    shape = ev.shape(S, dataclasses.replace(ev.options, resident=cur.resident))
     if free_resident:
         for j in sorted(set(range(S)) - cur.resident - tied_ends(ev, S)):
             res = cur.resident | {j}
             out.append(Move(res, cur.kept, f"resident {j}"))
-            if free_kept and j < S - 1 and j not in cur.kept:
+            if free_kept and may_keep(S, j) and j not in cur.kept:
                 out.append(Move(res, cur.kept | {j}, f"resident+kept {j}"))
     if free_kept:
         out += [Move(cur.resident, cur.kept | {j}, f"kept {j}") for j in range(S)
-                if j not in cur.kept and may_keep(shape, j)]
+                if j not in cur.kept and may_keep(S, j)]
     return out
 
 
