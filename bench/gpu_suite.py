@@ -12,6 +12,9 @@ pipeline   1.42B, all-in-GPU and the pipeline as planned and all swapped, withou
 zero       1.42B zero mode as planned and its rCache-min / rCache-max / all-offload alternatives; clipped
 large      3.94B pipeline (planned, all swapped; both clip settings) and zero mode
 opt        OPT-6.7B pipeline, as planned (the host-memory row)
+llama      Llama-3.2-1B all-in-GPU vs the pipeline; Llama-3.1-8B's widths in 20 of its 32 blocks (5.4B: the 8B's
+           states, 113-135 GiB, do not fit a 128 GB host; all-in-GPU needs 128 GB of GPU memory), through the pipeline;
+           both at 8 micro-batches of 1 x 2048 tokens, clipped, as the shipped Llama configs
 peers      FSDP2 CPU offload (its best setting, 1 x 16 with activation checkpointing) and DeepSpeed ZeRO-3
            offload, both clip settings
 =========  ==================================================================================================
@@ -35,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ["--grad-clip", "0,1.0"]
+LLAMA = ["--seq", "2048", "--mbs", "1", "--micro-batches", "8", "--grad-clip", "1.0"]  # the shipped Llama configs'
 
 
 def _pipe(*extra: str) -> list[str]:
@@ -56,6 +60,10 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
               ("zero-3.9b", _zero("--what", "zero", "--preset", "gpt-3.9b", "--steps", "3", "--warmup", "1"), 240)],
     "opt": [("pipeline-opt-6.7b", _pipe("--what", "mobius", "--preset", "opt-6.7b", "--grad-clip", "1.0",
                                         "--steps", "2", "--warmup", "1"), 540)],
+    "llama": [("pipeline-llama-3.2-1b", _pipe("--what", "ref,mobius", *LLAMA, "--preset", "llama-3.2-1b", "--steps", "3"),
+               420),
+              ("pipeline-llama-3.1-8b", _pipe("--what", "mobius", *LLAMA, "--preset", "llama-3.1-8b", "--layers", "20",
+                                              "--steps", "2", "--warmup", "1"), 560)],
     "peers": [("fsdp2", ["bench/peers.py", "--what", "fsdp2", "--fsdp-settings", "1x16:ac", *CLIPS, "--steps", "3"],
                300),
               ("deepspeed", ["bench/peers.py", "--what", "deepspeed", *CLIPS, "--steps", "3"], 300)],
@@ -107,6 +115,8 @@ def collect(folder: Path) -> list[dict]:
         if not isinstance(data, dict) or "rows" not in data:
             continue
         preset = data.get("args", {}).get("preset", "?")
+        if data.get("args", {}).get("layers"):
+            preset += f" ({data['args']['layers']} blocks)"
         for r in data["rows"]:
             rows.append({**r, "preset": preset, "clip": float(r.get("grad_clip", data["args"].get("grad_clip", 0)))})
     return rows

@@ -20,6 +20,7 @@ setting. ``--smoke`` runs a tiny model on the CPU to check the script itself.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -32,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mobius.config import Config, config_from_dict  # noqa: E402
+from mobius.errors import MobiusError  # noqa: E402
 from mobius.models import build_model, get_preset, param_count  # noqa: E402
 
 
@@ -46,6 +48,15 @@ def make_cfg(args: argparse.Namespace, mode: str) -> Config:
            "partition": {"gpu_memory_gib": args.cap_gib, "time_limit_s": 20},
            "output": {"dir": str(Path(args.out) / mode), "plot": False}}
     return config_from_dict(raw, "pipeline_bench")
+
+
+def bench_model(args: argparse.Namespace):
+    """The workload's architecture: the preset, with ``--layers`` blocks when given (the same widths and
+    per-block costs in fewer blocks, for a host whose memory cannot take the whole model's states)."""
+    mc = get_preset(args.preset)
+    if getattr(args, "layers", 0):
+        mc = dataclasses.replace(mc, **{"n_layer" if mc.family == "gpt2" else "num_hidden_layers": args.layers})
+    return mc
 
 
 def stage_list(text: str) -> list[int] | None:
@@ -121,16 +132,22 @@ def run_ref(args: argparse.Namespace) -> dict:
     from mobius.engine import SingleEngine
 
     cfg = make_cfg(args, "single")
-    mc = get_preset(args.preset)
+    mc = bench_model(args)
     device = torch.device("cpu" if args.smoke else "cuda")
     if torch.cuda.is_available():
         torch.cuda.set_per_process_memory_fraction(1.0)  # a pipeline run before this one capped the process
         torch.cuda.reset_peak_memory_stats()
-    engine = SingleEngine(build_model(mc, 0), cfg, device)  # uncapped, as all-in-GPU training runs
-    t, stats = time_engine(engine, args, mc.vocab_size)
-    tokens = args.mbs * args.micro_batches * args.seq
-    row = result_row("all-in-GPU (mobius reference engine)" + clip_tag(args), t, param_count(mc), tokens, stats,
-                     grad_clip=args.grad_clip)
+    name = "all-in-GPU (mobius reference engine)" + clip_tag(args)
+    engine = None
+    try:
+        engine = SingleEngine(build_model(mc, 0), cfg, device)  # uncapped, as all-in-GPU training runs
+        t, stats = time_engine(engine, args, mc.vocab_size)
+    except torch.OutOfMemoryError:  # the model's states do not fit the whole GPU: a row that says so
+        row = {"name": name, "step_s": None, "error": "out of GPU memory", "grad_clip": args.grad_clip,
+               "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    else:
+        tokens = args.mbs * args.micro_batches * args.seq
+        row = result_row(name, t, param_count(mc), tokens, stats, grad_clip=args.grad_clip)
     del engine
     free_gpu()
     return row
@@ -147,15 +164,19 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     cfg = make_cfg(args, "pipeline")
-    mc = get_preset(args.preset)
+    mc = bench_model(args)
     t_plan = time.perf_counter()
     machine = Machine.detect(cfg)
     settings = resolve(cfg, machine)
-    plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
+    name = f"mobius pipeline, {args.cap_gib:g} GiB cap" + clip_tag(args) + (f" [{variant}]" if variant else "")
+    try:
+        plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
+    except MobiusError as exc:  # no plan fits (GPU or host memory): a row with the planner's reason
+        dist.destroy_process_group()
+        return {"name": name, "step_s": None, "error": f"no plan: {exc}", "grad_clip": args.grad_clip}
     plan_s = time.perf_counter() - t_plan
     device = open_device(settings, 0)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-    name = f"mobius pipeline, {args.cap_gib:g} GiB cap" + clip_tag(args) + (f" [{variant}]" if variant else "")
     print(f"{name}: plan stages {plan.num_stages} resident {sorted(plan.resident)} kept {sorted(plan.kept)} grads "
           f"{plan.grad_dtype} slots {plan.num_slots} predicted {plan.predicted_step_s:.3f} s, peak "
           f"{[round(b / 2**30, 2) for b in plan.peak_bytes]} GiB, profile {plan.profile_source}", flush=True)
@@ -205,6 +226,7 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
 def add_workload_args(p: argparse.ArgumentParser, clip_default: str, steps_default: int) -> None:
     """The benchmark workload's options, shared with bench/peers.py (same model, batches, cap, clips)."""
     p.add_argument("--preset", default="gpt-1.4b")
+    p.add_argument("--layers", type=int, default=0, help="blocks instead of the preset's (0: the preset's)")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=4)
@@ -219,8 +241,10 @@ def add_workload_args(p: argparse.ArgumentParser, clip_default: str, steps_defau
 
 
 def smoke_workload(args: argparse.Namespace) -> None:
-    """``--smoke``: a tiny fp32 model and two short steps on the CPU."""
-    args.preset, args.seq, args.mbs, args.micro_batches, args.steps, args.warmup = "gpt2-tiny", 32, 2, 2, 2, 1
+    """``--smoke``: a tiny fp32 model of the workload's family and two short steps on the CPU."""
+    tiny = "llama-tiny" if get_preset(args.preset).family in ("llama", "mistral", "qwen2", "qwen3") else "gpt2-tiny"
+    args.preset, args.seq, args.mbs, args.micro_batches, args.steps, args.warmup = tiny, 32, 2, 2, 2, 1
+    args.layers = 0
     args.precision = "fp32"
 
 

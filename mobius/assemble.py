@@ -96,7 +96,9 @@ def architecture(cfg: Config) -> ModelConfig:
             _check_matches_preset(mc, cfg.model.preset, ck)
         return mc
     if cfg.model.preset:
-        return get_preset(cfg.model.preset)
+        mc = get_preset(cfg.model.preset)
+        mc.check_sequence(cfg.data.seq_len)
+        return mc
     raise ConfigError(f"{cfg.source}: model.checkpoint {ck} is not at hand and no model.preset names the architecture")
 
 
@@ -112,8 +114,7 @@ def planned_architecture(cfg: Config) -> ModelConfig:
 
 def _check_matches_preset(mc: ModelConfig, preset: str, where: str) -> None:
     expected = get_preset(preset)
-    keys = ("family", "n_embd", "n_layer", "n_head", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    for key in keys:
+    for key in ("family", *expected.ARCH_FIELDS):
         a, b = getattr(mc, key, None), getattr(expected, key, None)
         if a != b:
             raise ConfigError(f"{where}: the checkpoint's {key} is {a}, but model.preset {preset} has {b}")
@@ -131,7 +132,8 @@ def _fresh_model_config(cfg: Config, tokenizer: TextTokenizer) -> ModelConfig:
             vocab = -(-tokenizer.vocab_size // 64) * 64  # rounded up to a multiple of 64
             log.info("from scratch: vocab_size %d -> %d to match the tokenizer", mc.vocab_size, vocab)
             mc.vocab_size = vocab
-            mc.bos_token_id = mc.eos_token_id = tokenizer.eos_id
+            mc.eos_token_id = tokenizer.eos_id
+            mc.bos_token_id = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
     if cfg.model.dropout is not None:
         mc.set_dropout(cfg.model.dropout)
     return mc
@@ -146,6 +148,7 @@ def run_model_config(cfg: Config, tokenizer: TextTokenizer,
             mc.set_dropout(cfg.model.dropout)
     else:
         mc = _fresh_model_config(cfg, tokenizer)
+    mc.check_sequence(cfg.data.seq_len)
     ck_dtype = _checkpoint_dtype(Path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
     return mc, ck_dtype
 

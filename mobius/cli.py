@@ -30,7 +30,7 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mobius", description="Fine-tune large OPT / GPT-2 models on commodity GPU servers.")
+    parser = argparse.ArgumentParser(prog="mobius", description="Fine-tune large Llama, Qwen, Mistral, OPT and GPT-2 models on commodity GPU servers.")
     parser.add_argument("--version", action="version", version=f"mobius {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

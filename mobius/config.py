@@ -64,13 +64,14 @@ class _Section:
 class ModelSection(_Section):
     _name = "model"
     checkpoint: str | None = _f(None, "Hugging Face checkpoint directory to fine-tune (config.json + weights).")
-    preset: str | None = _f(None, "Architecture preset, e.g. gpt2-tiny, gpt2-xl, opt-1.3b: trained from scratch when "
+    preset: str | None = _f(None, "Architecture preset, e.g. gpt2-tiny, opt-13b, llama-3.1-8b, qwen2.5-14b, qwen3-32b, "
+                            "mistral-7b (mobius plan --help lists them all): trained from scratch when "
                             "no checkpoint is given; with a checkpoint, the architecture it must have (and what "
                             "'mobius plan' uses before the checkpoint is at hand).")
     dropout: float | None = _f(None, "Set every dropout probability to this; null keeps the checkpoint's or preset's.",
                                ge=0, lt=1)
     activation_checkpointing: bool = _f(False, "Recompute each unit's activations in backward (single and zero "
-                                        "modes; the pipeline always recomputes inside its stages).")
+                                        "modes; the pipeline decides per stage: parallel.kept_stages).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -158,6 +159,10 @@ class PartitionSection(_Section):
                                                            "estimated from datasheets, or auto.")
     gpu: str | None = _f(None, "GPU model for estimated profiles, e.g. rtx3090, rtx4090, a100-40gb, h100.")
     gpu_memory_gib: float | None = _f(None, "Usable GPU memory per device; null: the device's own.", gt=0)
+    host_memory_gib: float | None = _f(None, "Host memory the pipeline's host stores may take (weights, AdamW "
+                                       "states, transfer buffers), in GiB; a plan that needs more stops with the "
+                                       "two figures. null: 85% of this machine's available memory when planning on "
+                                       "it, not checked when planning from a saved topology.", gt=0)
     cache_dir: str = _f(".mobius_cache", "Where measured profiles are cached.")
 
 

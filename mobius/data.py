@@ -6,7 +6,9 @@
 * Text comes from ``.txt`` files (one document each), ``.jsonl`` files (one document per record,
   field configurable) or directories of them; ``builtin:stdlib-docs`` gathers the docstrings of
   Python's standard library, text present wherever Python is.
-* Documents are tokenized once, joined with end-of-text tokens and cached as a memory-mapped array
+* Documents are tokenized once, each followed by the end-of-text token (and preceded by the
+  beginning-of-text token when the checkpoint's ``tokenizer_config.json`` names one apart from it,
+  as Llama 3 and Mistral were trained), and cached as a memory-mapped array
   keyed by the sources and the tokenizer; training reads blocks of ``seq_len + 1`` tokens in a
   seeded, per-epoch shuffled order whose position is saved with checkpoints.
 """
@@ -47,11 +49,13 @@ REPLACEMENT = "\ufffd"
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class TextTokenizer:
-    """A ``tokenizers.Tokenizer`` with the end-of-text id mobius packs documents with."""
+    """A ``tokenizers.Tokenizer`` with the tokens mobius packs documents with: ``[bos] doc eos``."""
 
     tokenizer: "tokenizers.Tokenizer"
     eos_id: int
-    name: str  # identifies the tokenizer in cache keys
+    name: str  # identifies the tokenizer (and its bos / eos choice) in cache keys
+    bos_id: int | None = None  # begins every document (the checkpoint's tokenizer config names one apart from eos)
+    config: dict | None = None  # the tokenizer_config.json it came with, written back with checkpoints
 
     @property
     def vocab_size(self) -> int:
@@ -60,18 +64,26 @@ class TextTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
+    def pack(self, ids: list[int]) -> list[int]:
+        """One document's ids as training text: ``[bos] ids eos``."""
+        return ([self.bos_id] if self.bos_id is not None else []) + ids + [self.eos_id]
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
     def save(self, directory: Path) -> dict[str, Path]:
-        """Write ``tokenizer.json`` (+ a minimal tokenizer_config.json); returns name -> path."""
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (the checkpoint's own, or a minimal
+        one naming the end-of-text token); returns name -> path."""
         directory.mkdir(parents=True, exist_ok=True)
         tok = directory / "tokenizer.json"
         self.tokenizer.save(str(tok))
         conf = directory / "tokenizer_config.json"
-        eos = self.tokenizer.id_to_token(self.eos_id)
-        conf.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
-                                    "bos_token": eos, "unk_token": eos}, indent=2) + "\n")
+        if self.config is not None:
+            conf.write_text(json.dumps(self.config, indent=2, ensure_ascii=False) + "\n")
+        else:
+            eos = self.tokenizer.id_to_token(self.eos_id)
+            conf.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                                        "bos_token": eos, "unk_token": eos}, indent=2) + "\n")
         return {"tokenizer.json": tok, "tokenizer_config.json": conf}
 
 
@@ -100,11 +112,40 @@ def _byte_of(ch: str) -> int:
 
 
 def _eos_of(tok: "tokenizers.Tokenizer", path: Path) -> int:
-    for candidate in (EOT, "</s>", "<eos>", "<|eot_id|>"):
+    for candidate in (EOT, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>"):
         i = tok.token_to_id(candidate)
         if i is not None:
             return i
-    raise MobiusError(f"{path}: tokenizer has no end-of-text token (looked for {EOT}, </s>, <eos>)")
+    raise MobiusError(f"{path}: tokenizer has no end-of-text token (looked for {EOT}, </s>, <eos>, <|end_of_text|>)")
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _special_ids(tok: "tokenizers.Tokenizer", file: Path) -> tuple[int | None, int, dict | None]:
+    """(bos, eos, config) from the ``tokenizer_config.json`` beside ``file``: its eos_token ends every
+    document; its bos_token begins every one when it differs from eos and ``add_bos_token`` is not
+    false (Llama 3, Mistral; Qwen names none). Without a config: no bos, eos found by name."""
+    conf_file = file.parent / "tokenizer_config.json"
+    if not conf_file.is_file():
+        return None, _eos_of(tok, file), None
+    try:
+        conf = json.loads(conf_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MobiusError(f"{conf_file}: cannot be read as JSON ({e})") from None
+    ids = {}
+    for role in ("bos", "eos"):
+        text = _token_text(conf.get(f"{role}_token"))
+        ids[role] = tok.token_to_id(text) if text else None
+        if text and ids[role] is None:
+            raise MobiusError(f"{conf_file}: {role}_token {text!r} is not in the tokenizer's vocabulary")
+    eos = ids["eos"] if ids["eos"] is not None else _eos_of(tok, file)
+    bos = ids["bos"] if ids["bos"] != eos and conf.get("add_bos_token", True) is not False else None
+    return bos, eos, conf
 
 
 def load_tokenizer(spec: str | None, checkpoint: str | None) -> TextTokenizer:
@@ -118,7 +159,8 @@ def load_tokenizer(spec: str | None, checkpoint: str | None) -> TextTokenizer:
                 tok = Tokenizer.from_file(str(file))
             except Exception as e:  # tokenizers raises its own Exception type
                 raise MobiusError(f"{file}: not a valid tokenizer.json ({e})") from e
-            return TextTokenizer(tok, _eos_of(tok, file), _file_digest(file))
+            bos, eos, conf = _special_ids(tok, file)
+            return TextTokenizer(tok, eos, f"{_file_digest(file)}:b{bos}:e{eos}", bos, conf)
         vocab, merges = base / "vocab.json", base / "merges.txt"
         if vocab.is_file() and merges.is_file():
             tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
@@ -224,7 +266,7 @@ def _source_key(path: str, text_field: str) -> str:
 # Token cache
 # ---------------------------------------------------------------------------------------------
 def tokenize_to_cache(path: str, text_field: str, tokenizer: TextTokenizer, cache_dir: str) -> np.ndarray:
-    """Token ids of all documents joined by end-of-text, cached as a memory-mapped array."""
+    """Token ids of all documents, each ``[bos] doc eos``, cached as a memory-mapped array."""
     key = hashlib.sha256(f"{_source_key(path, text_field)}|{tokenizer.name}".encode()).hexdigest()[:20]
     cache = Path(cache_dir)
     file, meta_file = cache / f"tokens-{key}.bin", cache / f"tokens-{key}.json"
@@ -255,8 +297,9 @@ def _write_tokens(docs: Iterator[str], tokenizer: TextTokenizer, cache: Path, fi
                     batch.append(doc)
                 if batch and (doc is None or len(batch) == 256):
                     for ids in tokenizer.encode_batch(batch):
-                        np.asarray(ids + [tokenizer.eos_id], dtype=dtype).tofile(out)
-                        n += len(ids) + 1
+                        packed = tokenizer.pack(ids)
+                        np.asarray(packed, dtype=dtype).tofile(out)
+                        n += len(packed)
                     bar.update(len(batch))
                     batch = []
         os.replace(tmp, file)

@@ -94,6 +94,7 @@ class Plan:
     kept: list[int] = field(default_factory=list)  # stages that keep their forward's activations
     grad_dtype: str = "fp32"  # gradient downloads: fp32 sums, or "half" (bf16)
     host_bytes: int = 0  # host memory of the swapped stages' stores (weights, AdamW, transfer buffers)
+    host_memory_bytes: int | None = None  # what the stores may take on the host (None: not known)
     grad_choice: str = ""  # why this gradient dtype
 
     @property
@@ -172,7 +173,9 @@ def _summary_lines(p: Plan) -> list[str]:
                     else "as each stage's gradients arrive"))
     lines.append(f"resident stages: {_stage_list(p.resident)}; kept activations: {_stage_list(p.kept)}; gradient "
                  f"downloads in {p.grad_dtype} ({p.grad_choice}); host memory for the swapped stages: "
-                 f"{p.host_bytes / GiB:.1f} GiB")
+                 f"{p.host_bytes / GiB:.1f} GiB " + (f"of {p.host_memory_bytes / GiB:.1f} GiB available"
+                                                     if p.host_memory_bytes is not None else
+                                                     "(not checked: set partition.host_memory_gib)"))
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
                  f"contention; the MIP's contention-free model says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
@@ -226,6 +229,7 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
     options, sim = _residency(prof, hardware, slots_for, micro_batches, bounds, options, bandwidth_view, sharing, *want)
     options, sim, choice = _grad_dtype(prof, hardware, slots, micro_batches, bounds, options, sharing, grad_download,
                                        sim)
+    _check_host_memory(prof, hardware, bounds, options)
     base, base_bounds = {}, {}
     if with_baselines:
         swapped = dataclasses.replace(options, resident=frozenset(), kept=frozenset())
@@ -311,6 +315,16 @@ def _grad_dtype(prof: ModelProfile, hw: Hardware, slots: list[int], M: int, boun
     if gain >= GRAD_HALF_GAIN:
         return half, fast, f"simulated {100 * gain:.1f}% faster than fp32"
     return options, sim, f"half would save {100 * gain:.1f}% of the step (< {100 * GRAD_HALF_GAIN:.0f}%)"
+
+
+def _check_host_memory(prof: ModelProfile, hw: Hardware, bounds: list[int], options: PipelineOptions) -> None:
+    """Stop when the chosen plan's host stores exceed the host memory (when it is known)."""
+    need = _host_bytes(prof, bounds, options)
+    if hw.host_memory_bytes is not None and need > hw.host_memory_bytes:
+        per = host_bytes_per_param(prof.precision, options.grad_dtype == "half")
+        raise MobiusError(f"host memory does not suffice: the swapped stages need {need / GiB:.1f} GiB ({per} bytes "
+                          f"per parameter, {options.grad_dtype} gradient downloads), {hw.host_memory_bytes / GiB:.1f} "
+                          f"GiB is available (partition.host_memory_gib, or 85% of the free memory of this machine)")
 
 
 def _host_bytes(prof: ModelProfile, bounds: list[int], options: PipelineOptions) -> int:
@@ -400,7 +414,7 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[i
                 mapping_kind=mapping, hardware=hw.describe(), gpu_memory_bytes=hw.gpu_memory_bytes,
                 param_count=prof.param_count(), cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half"),
                 mip=mip_info, resident=sorted(options.resident), kept=sorted(options.kept), grad_dtype=options.grad_dtype,
-                host_bytes=host)
+                host_bytes=host, host_memory_bytes=hw.host_memory_bytes)
 
 
 def _stage_plans(prof: ModelProfile, bounds: list[int], slots: list[int], M: int, options: PipelineOptions,

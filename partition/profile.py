@@ -62,23 +62,6 @@ def estimate_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, pr
     return ModelProfile(units, micro_batch_size, seq_len, precision, spec.name, "estimated", 0.0, notes)
 
 
-def _ffn_width(s: Any) -> int:
-    """The MLP width of a block, recovered from its parameter count (4H^2 + 2HF + small terms)."""
-    H = s.hidden_size
-    return max(H, int((s.param_count - 4 * H * H) / (2 * H)))
-
-
-def _estimate_memory(s: Any, tokens: int, elem: int) -> tuple[int, int]:
-    """(saved activation bytes, working bytes) of one micro-batch of ``tokens`` tokens."""
-    H, V = s.hidden_size, s.vocab_size
-    if s.kind == "embed":
-        return tokens * 8, 2 * tokens * H * elem
-    if s.kind == "head":  # final norm output and the loss's fp32 log-softmax
-        return tokens * (H * elem + V * 4), 2 * tokens * V * 4
-    F = _ffn_width(s)  # ln1 in/out, q, k, v, attention out, ln2 in/out, fc1 out, activation out
-    return tokens * (8 * H + 2 * F) * elem, tokens * (2 * max(F, 3 * H) + 2 * H) * elem
-
-
 def _estimate_unit(s: Any, mbs: int, seq: int, precision: str, gpu: GPUSpec, ce: float, me: float) -> UnitCost:
     elem = precision_bytes(precision)
     tokens = mbs * seq
@@ -86,7 +69,7 @@ def _estimate_unit(s: Any, mbs: int, seq: int, precision: str, gpu: GPUSpec, ce:
     param_bytes = s.param_count * elem
     in_bytes = tokens * 8 if s.kind == "embed" else tokens * s.hidden_size * elem
     act_bytes = int(s.out_numel(mbs, seq)) * elem
-    saved, work = _estimate_memory(s, tokens, elem)
+    saved, work = s.memory(mbs, seq, elem)  # the family's count of saved and transient activations
     # matrix multiplies (compute- or weight-bound) run apart from the element-wise passes over
     # activations (norms, activations, softmax); the loss makes ~16 B of fp32 traffic per logit
     elementwise = in_bytes + act_bytes + saved + (s.kind == "head") * tokens * s.vocab_size * 16

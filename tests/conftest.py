@@ -100,3 +100,61 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     f = tmp_path_factory.mktemp("text") / "corpus.txt"
     f.write_text(TEXT * 40)
     return f
+
+
+def tiny_llama_config(model_type: str = "llama", **kw):
+    """A tiny transformers config of one of the Llama-architecture families (4 query heads, 2 KV heads)."""
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[model_type]
+    base = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=56, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-5,
+                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if model_type == "qwen3":
+        base["head_dim"] = 12  # apart from hidden / heads, as Qwen3's are
+    base.update(kw)
+    return cls(**base)
+
+
+def make_hf_llama(model_type: str = "llama", seed: int = 0, **kw):
+    """A tiny randomly initialised transformers model of a Llama-architecture family, with norm gains
+    and biases drawn at random too (transformers starts them at 1 and 0, which would hide mistakes)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(model_type, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    return model.eval()
+
+
+def save_special_tokenizer(directory: Path, bos: str | None, eos: str, **config) -> Path:
+    """A byte-level tokenizer.json with the given special tokens (Llama 3 / Qwen style) and a
+    tokenizer_config.json naming them, as checkpoints ship them."""
+    from tokenizers import Tokenizer
+
+    from mobius.data import byte_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok: Tokenizer = byte_tokenizer().tokenizer
+    tok.add_special_tokens([t for t in (bos, eos) if t])
+    tok.save(str(directory / "tokenizer.json"))
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, **config}
+    (directory / "tokenizer_config.json").write_text(json.dumps(conf))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama (4 query heads sharing 2 KV heads, untied head, llama3 rotary scaling) with 10 blocks
+    (12 units) and a Llama-3-style tokenizer (a begin-of-text and an end-of-text token)."""
+    d = tmp_path_factory.mktemp("llama") / "llama-10"
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    make_hf_llama("llama", num_hidden_layers=10, rope_scaling=rope, bos_token_id=256,
+                  eos_token_id=257).save_pretrained(d)
+    save_special_tokenizer(d, "<|begin_of_text|>", "<|end_of_text|>")
+    return d

@@ -18,7 +18,7 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 def test_there_are_configs() -> None:
     names = {p.name for p in CONFIGS}
     assert "demo.yaml" in names
-    for model in ("opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "gpt2-xl"):
+    for model in ("opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "gpt2-xl", "llama-3.1-8b", "qwen2.5-14b", "qwen3-32b"):
         assert f"finetune-{model}.yaml" in names
 
 
@@ -28,7 +28,7 @@ def test_every_config_loads(path: Path) -> None:
     assert isinstance(cfg, Config)
     from mobius.assemble import architecture
 
-    assert architecture(cfg).family in ("gpt2", "opt")
+    assert architecture(cfg).family in ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3")
 
 
 def test_placeholders_are_rejected_before_running() -> None:

@@ -55,6 +55,8 @@ def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidt
             hw.cpu_adam_half_grads_params_per_s, _ = cpu_update_rate_in_step(threads, precision, cache,
                                                                              settings.device, half_grads=True)
         hw.host_memory_bytes = available_host_bytes()
+    if cfg.partition.host_memory_gib is not None:
+        hw.host_memory_bytes = int(cfg.partition.host_memory_gib * 2**30)
     if settings.device == "cpu":  # a resident stage's "device" AdamW runs on the worker's CPU threads
         hw.device_adam_params_per_s = hw.cpu_adam_params_per_s
     return hw

@@ -36,6 +36,7 @@ from mobius.app.settings import Machine
 from mobius.assemble import planned_architecture
 from mobius.config import Config, load_config
 from mobius.errors import ConfigError, MobiusError
+from mobius.models import preset_names
 from partition import simulate
 from partition.gpus import GB, gpu_spec
 
@@ -49,7 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Profile (or estimate) the model's units and plan the run's mode: the pipeline's "
                                    "partition MIP, mapping and simulated step with baselines, zero's chunk search, "
                                    "or single's plain training; parallel.mode=auto compares them and picks one. Any "
-                                   "configuration key can be overridden with --section.key=value.")
+                                   "configuration key can be overridden with --section.key=value.",
+                       epilog="model.preset names an architecture before its checkpoint is at hand: "
+                              + ", ".join(preset_names()) + ".")
     p.add_argument("config", help="YAML run file (see configs/)")
     p.add_argument("--topology", metavar="FILE", help="saved topology: `mobius topo --json` output or "
                                                       "`nvidia-smi topo -m` text (default: topology.file, else detect)")

@@ -1,4 +1,5 @@
-"""Model families (GPT-2, OPT): configs, presets, builders and unit descriptions."""
+"""Model families (GPT-2, OPT, and the Llama architecture: Llama, Mistral, Qwen2, Qwen3): configs,
+presets, builders and unit descriptions."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from typing import Callable
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models import gpt2, opt
+from mobius.models import gpt2, llama, opt
 from mobius.models.base import CausalLM, UnitSpec, lm_loss
 
-ModelConfig = gpt2.GPT2Config | opt.OPTConfig
+ModelConfig = gpt2.GPT2Config | opt.OPTConfig | llama.LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -24,9 +25,11 @@ class Family:
     presets: dict
 
 
-FAMILIES: dict[str, Family] = {
+FAMILIES: dict[str, Family] = {  # by Hugging Face model_type; the Llama file serves four of them
     "gpt2": Family("gpt2", gpt2.GPT2Config, gpt2.GPT2, gpt2.unit_specs, gpt2.PRESETS),
     "opt": Family("opt", opt.OPTConfig, opt.OPT, opt.unit_specs, opt.PRESETS),
+    **{t: Family(t, llama.LlamaConfig, llama.Llama, llama.unit_specs,
+                 {k: v for k, v in llama.PRESETS.items() if v.model_type == t}) for t in llama.MODEL_TYPES},
 }
 
 
@@ -68,7 +71,7 @@ def dropout_active(cfg: ModelConfig) -> bool:
 
 def hidden_size(cfg: ModelConfig) -> int:
     """Width of the activations that cross stage boundaries."""
-    return cfg.n_embd if cfg.family == "gpt2" else cfg.hidden_size
+    return cfg.width
 
 
 def unit_specs(cfg: ModelConfig) -> list[UnitSpec]:
@@ -80,7 +83,7 @@ def tied_param_count(cfg: ModelConfig) -> int:
     """Parameters of the weight the embedding and the head share (0 when untied)."""
     if not cfg.tie_word_embeddings:
         return 0
-    return cfg.vocab_size * (cfg.word_embed_proj_dim if cfg.family == "opt" else cfg.n_embd)
+    return cfg.vocab_size * cfg.embedding_dim
 
 
 def param_count(cfg: ModelConfig) -> int:

@@ -10,7 +10,8 @@ A partitioner may cut between any two units. :class:`UnitSpec` describes a unit 
 it, so a profiler can build one unit of each kind at a time (a 13B model never has to fit whole)
 and an analytic estimate can count FLOPs and bytes.
 
-Tied weights (GPT-2 and OPT tie the input embedding to the output projection) are declared by
+Tied weights (GPT-2, OPT and the small Llama 3.2 / Qwen models tie the input embedding to the output
+projection) are declared by
 :meth:`CausalLM.tied_weights`; inside one process they are the same ``Parameter``, while a pipeline
 that puts the two ends on different stages keeps one copy per stage and sums their gradients.
 """
@@ -45,12 +46,35 @@ class UnitSpec:
     build: Callable[[], nn.Module]
     fwd_flops: Callable[[int, int], float]  # (batch, seq) -> forward FLOPs of one call
     out_numel: Callable[[int, int], int]  # (batch, seq) -> elements of the unit's output
+    memory: Callable[[int, int, int], tuple[int, int]]  # (batch, seq, bytes per element) -> (saved, working) bytes
 
     def make_input(self, batch: int, seq: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
         """A random input of the right shape for this unit (token ids for the embedding)."""
         if self.kind == "embed":
             return torch.randint(0, self.vocab_size, (batch, seq), device=device)  # [B, T]
         return torch.randn(batch, seq, self.hidden_size, device=device, dtype=dtype)  # [B, T, H]
+
+
+def check_positions(cfg: object, seq_len: int) -> None:
+    """Refuse a training length above the model's position limit (before any work starts)."""
+    from mobius.errors import ConfigError
+
+    if seq_len > cfg.max_positions:
+        raise ConfigError(f"data.seq_len ({seq_len}) exceeds the model's {cfg.max_positions} positions; set "
+                          f"data.seq_len to at most {cfg.max_positions}")
+
+
+def embed_memory(hidden: int, batch: int, seq: int, elem: int) -> tuple[int, int]:
+    """(saved, working) bytes of an embedding's forward: the int64 token ids; the output twice over."""
+    tokens = batch * seq
+    return tokens * 8, 2 * tokens * hidden * elem
+
+
+def head_memory(hidden: int, vocab: int, batch: int, seq: int, elem: int) -> tuple[int, int]:
+    """(saved, working) bytes of a head's forward and loss: the final norm's output and the loss's fp32
+    log-softmax [B, T, V] saved; the fp32 logits and their gradient at once."""
+    tokens = batch * seq
+    return tokens * (hidden * elem + vocab * 4), 2 * tokens * vocab * 4
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -113,7 +137,7 @@ def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int,
                residual_suffixes: tuple[str, ...] = ()) -> None:
     """GPT-style initialisation of one unit from a generator seeded by (seed, unit index):
     weights N(0, std), residual output projections N(0, std / sqrt(2 n_layer)), zero biases,
-    unit LayerNorm gains. Parameters in ``skip`` (a tied head weight: the embedding's, initialised
+    unit norm gains (LayerNorm and RMSNorm). Parameters in ``skip`` (a tied head weight: the embedding's, initialised
     with it) are left alone."""
     gen = torch.Generator().manual_seed(unit_seed(seed, -1, -1, index))
     with torch.no_grad():
@@ -121,7 +145,7 @@ def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int,
             if name in skip:
                 continue
             if p.dim() == 1:
-                p.fill_(1.0) if ("ln" in name or "layer_norm" in name) and name.endswith("weight") else p.zero_()
+                p.fill_(1.0) if ("ln" in name or "norm" in name) and name.endswith("weight") else p.zero_()
                 continue
             s = std / math.sqrt(2 * n_layer) if name.endswith(residual_suffixes) else std
             p.copy_(torch.randn(p.shape, generator=gen) * s)

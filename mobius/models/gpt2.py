@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import CausalLM, UnitSpec
+from mobius.models.base import CausalLM, UnitSpec, check_positions, embed_memory, head_memory
 
 ACTIVATIONS = {
     "gelu_new": partial(F.gelu, approximate="tanh"),
@@ -47,6 +47,7 @@ class GPT2Config:
     eos_token_id: int = 50256
 
     family = "gpt2"
+    ARCH_FIELDS = ("n_embd", "n_layer", "n_head", "n_inner")  # what a checkpoint must share with a preset of its name
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -69,6 +70,22 @@ class GPT2Config:
     @property
     def num_layers(self) -> int:
         return self.n_layer
+
+    @property
+    def width(self) -> int:
+        """Width of the hidden states between units."""
+        return self.n_embd
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.n_embd
+
+    @property
+    def max_positions(self) -> int:
+        return self.n_positions
+
+    def check_sequence(self, seq_len: int) -> None:
+        check_positions(self, seq_len)
 
     def set_dropout(self, p: float) -> None:
         """Use one dropout probability everywhere (fine-tuning runs often set 0)."""
@@ -180,14 +197,17 @@ def unit_specs(cfg: GPT2Config) -> list[UnitSpec]:
     common = dict(hidden_size=H, vocab_size=V, out_numel=lambda b, s: b * s * H)
     shape = f"gpt2:h{H}:f{F_}:nh{cfg.n_head}:v{V}:p{cfg.n_positions}:{cfg.activation_function}"
     specs = [UnitSpec(name="embed", kind="embed", signature=f"{shape}:embed", param_count=V * H + cfg.n_positions * H,
-                      build=lambda: GPT2Embedding(cfg), fwd_flops=lambda b, s: 2.0 * b * s * H, **common)]
+                      build=lambda: GPT2Embedding(cfg), fwd_flops=lambda b, s: 2.0 * b * s * H,
+                      memory=partial(embed_memory, H), **common)]
     for i in range(cfg.n_layer):
         specs.append(UnitSpec(
             name=f"block.{i}", kind="block", signature=f"{shape}:block", param_count=block_params,
-            build=partial(GPT2Block, cfg, i), fwd_flops=lambda b, s: transformer_block_flops(b, s, H, F_), **common))
+            build=partial(GPT2Block, cfg, i), fwd_flops=lambda b, s: transformer_block_flops(b, s, H, F_),
+            memory=partial(transformer_block_memory, H, F_), **common))
     specs.append(UnitSpec(
         name="head", kind="head", signature=f"{shape}:head", param_count=V * H + 2 * H, build=lambda: GPT2Head(cfg),
-        fwd_flops=lambda b, s: 2.0 * b * s * H * V, hidden_size=H, vocab_size=V, out_numel=lambda b, s: b * s * V))
+        fwd_flops=lambda b, s: 2.0 * b * s * H * V, memory=partial(head_memory, H, V), hidden_size=H, vocab_size=V,
+        out_numel=lambda b, s: b * s * V))
     return specs
 
 
@@ -197,6 +217,13 @@ def transformer_block_flops(batch: int, seq: int, hidden: int, ffn: int) -> floa
     matmuls = 2.0 * tokens * (4 * hidden * hidden + 2 * hidden * ffn)
     attention = 2.0 * batch * seq * seq * hidden  # QK^T and AV, each 2*B*T*T*H, halved by causality
     return matmuls + attention
+
+
+def transformer_block_memory(hidden: int, ffn: int, batch: int, seq: int, elem: int) -> tuple[int, int]:
+    """(saved, working) bytes of one block's forward: norm inputs and outputs, q, k, v, the attention
+    output, the MLP's hidden layer before and after its activation; the widest pair of transients."""
+    tokens = batch * seq
+    return tokens * (8 * hidden + 2 * ffn) * elem, tokens * (2 * max(ffn, 3 * hidden) + 2 * hidden) * elem
 
 
 PRESETS: dict[str, GPT2Config] = {

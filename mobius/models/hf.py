@@ -19,8 +19,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from mobius.errors import CheckpointError
-from mobius.models import FAMILIES, ModelConfig, build_model, gpt2, opt
+from mobius.errors import CheckpointError, ConfigError
+from mobius.models import FAMILIES, ModelConfig, build_model, gpt2, llama, opt
 from mobius.models.base import CausalLM
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,33 @@ def opt_key_map(cfg: opt.OPTConfig) -> KeyMap:
     return KeyMap(rules, "model.", tied)
 
 
-KEY_MAPS: dict[str, Callable[..., KeyMap]] = {"gpt2": gpt2_key_map, "opt": opt_key_map}
-HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM"}
+def llama_key_map(cfg: llama.LlamaConfig) -> KeyMap:
+    """LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM <-> mobius Llama
+    (the same names below ``model.layers.{i}``; which biases and norms exist follows the config)."""
+    rules = [KeyRule("model.embed_tokens.weight", "embed.embed_tokens.weight")]
+    attention = [("q_proj", cfg.qkv_bias), ("k_proj", cfg.qkv_bias), ("v_proj", cfg.qkv_bias),
+                 ("o_proj", cfg.attention_bias)]
+    for i in range(cfg.num_hidden_layers):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        for proj, bias in attention:
+            names += [f"self_attn.{proj}.weight"] + ([f"self_attn.{proj}.bias"] if bias else [])
+        if cfg.qk_norm:
+            names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names += [f"mlp.{proj}.weight"] + ([f"mlp.{proj}.bias"] if cfg.mlp_bias else [])
+        rules += [KeyRule(h + n, b + n) for n in names]
+    rules.append(KeyRule("model.norm.weight", "head.norm.weight"))
+    tied = ("lm_head.weight", "embed.embed_tokens.weight") if cfg.tie_word_embeddings else None
+    if not cfg.tie_word_embeddings:
+        rules.append(KeyRule("lm_head.weight", "head.lm_head.weight"))
+    return KeyMap(rules, "model.", tied, ignored_suffixes=(".rotary_emb.inv_freq",))
+
+
+KEY_MAPS: dict[str, Callable[..., KeyMap]] = {"gpt2": gpt2_key_map, "opt": opt_key_map,
+                                              **{t: llama_key_map for t in llama.MODEL_TYPES}}
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "llama": "LlamaForCausalLM",
+                    "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,17 +201,29 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, partial: bool = Fals
 UNSUPPORTED = {  # HF config fields whose non-default values this implementation does not model
     "gpt2": {"add_cross_attention": False, "scale_attn_weights": True},
     "opt": {"_remove_final_layer_norm": False, "layerdrop": 0.0},
+    **{t: {"pretraining_tp": 1, "partial_rotary_factor": 1.0, "quantization_config": None,
+           "is_encoder_decoder": False, "add_cross_attention": False} for t in llama.MODEL_TYPES},
 }
+NOT_IN_FAMILY = {  # fields a family's own config has no such thing as: present and set, they are errors
+    "mistral": ("attention_bias", "mlp_bias", "use_sliding_window", "max_window_layers"),
+    "qwen2": ("attention_bias", "mlp_bias"),
+    "qwen3": ("mlp_bias",),
+    "llama": ("use_sliding_window", "sliding_window", "max_window_layers"),
+}
+MOE_MARKS = ("expert", "moe", "router", "decoder_sparse_step", "mlp_only_layers")  # mixture-of-experts fields
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
-    """Build a mobius model config from a Hugging Face ``config.json`` dict."""
+    """Build a mobius model config from a Hugging Face ``config.json`` dict. A field this
+    implementation does not model (set to something other than its neutral value) is an error."""
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
     for key, default in UNSUPPORTED[model_type].items():
-        if hf.get(key, default) != default:
+        if hf.get(key) is not None and hf[key] != default:
             raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported (only {default!r})")
+    if model_type in llama.MODEL_TYPES:
+        return _llama_config_from_hf(hf, model_type, source)
     cls = FAMILIES[model_type].config_cls
     aliases = {"n_ctx": "n_positions"} if model_type == "gpt2" else {}
     kwargs = {}
@@ -198,6 +235,40 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     return cls(**kwargs)
 
 
+def _llama_config_from_hf(hf: dict, model_type: str, source: str) -> llama.LlamaConfig:
+    """Llama-family config.json (transformers 4's rope_theta / rope_scaling or 5's rope_parameters)."""
+    for key, value in hf.items():
+        if any(mark in key for mark in MOE_MARKS) and value not in (None, 0, False, [], {}):
+            raise CheckpointError(f"{source}: {key}={value!r} is not supported (mixture-of-experts models are not)")
+    for key in NOT_IN_FAMILY[model_type]:
+        if hf.get(key) not in (None, False):
+            raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported for model_type {model_type!r}")
+    kwargs = {f.name: hf[f.name] for f in fields(llama.LlamaConfig) if hf.get(f.name) is not None}
+    kwargs["model_type"] = model_type
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling")
+    if rope is not None:
+        if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+            raise CheckpointError(f"{source}: rope_parameters={rope!r} is not supported (one rotation for all layers)")
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope.pop("rope_theta")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise CheckpointError(f"{source}: partial_rotary_factor={rope['partial_rotary_factor']!r} is not "
+                                  f"supported (only 1.0)")
+        rope.pop("partial_rotary_factor", None)
+        kwargs["rope_scaling"] = rope
+    layer_types = hf.get("layer_types") or []
+    odd = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if odd:
+        raise CheckpointError(f"{source}: layer_types entry {odd[0]!r} is not supported")
+    if "sliding_attention" in layer_types and hf.get("sliding_window") is not None and model_type != "mistral":
+        kwargs.update(use_sliding_window=True, max_window_layers=layer_types.index("sliding_attention"))
+    try:
+        return llama.LlamaConfig(**kwargs)
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """A ``config.json`` dict that transformers reads back into the same architecture."""
     d = asdict(cfg)
@@ -205,6 +276,9 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
              torch_dtype=str(dtype).removeprefix("torch."))
     if cfg.family == "gpt2":
         d.update(n_ctx=cfg.n_positions, n_inner=cfg.n_inner)
+    if cfg.family in llama.MODEL_TYPES:
+        for key in NOT_IN_FAMILY[cfg.family]:
+            d.pop(key, None)
     return d
 
 

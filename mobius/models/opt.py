@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import CausalLM, UnitSpec
-from mobius.models.gpt2 import ACTIVATIONS, transformer_block_flops
+from mobius.models.base import CausalLM, UnitSpec, check_positions, embed_memory, head_memory
+from mobius.models.gpt2 import ACTIVATIONS, transformer_block_flops, transformer_block_memory
 
 POSITION_OFFSET = 2  # OPT's learned positions start at index 2 (a fairseq legacy)
 
@@ -45,6 +45,8 @@ class OPTConfig:
     eos_token_id: int = 2
 
     family = "opt"
+    ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "word_embed_proj_dim",
+                   "do_layer_norm_before")  # what a checkpoint must share with a preset of its name
 
     def __post_init__(self) -> None:
         if self.word_embed_proj_dim is None:
@@ -77,6 +79,22 @@ class OPTConfig:
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers
+
+    @property
+    def width(self) -> int:
+        """Width of the hidden states between units."""
+        return self.hidden_size
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.word_embed_proj_dim
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings
+
+    def check_sequence(self, seq_len: int) -> None:
+        check_positions(self, seq_len)
 
     def set_dropout(self, p: float) -> None:
         self.dropout = self.attention_dropout = p
@@ -197,15 +215,18 @@ def unit_specs(cfg: OPTConfig) -> list[UnitSpec]:
     common = dict(hidden_size=H, vocab_size=V, out_numel=lambda b, s: b * s * H)
     specs = [UnitSpec(name="embed", kind="embed", signature=f"{shape}:embed",
                       param_count=V * E + (cfg.max_position_embeddings + POSITION_OFFSET) * H + proj,
-                      build=lambda: OPTEmbedding(cfg), fwd_flops=lambda b, s: 2.0 * b * s * (H + proj), **common)]
+                      build=lambda: OPTEmbedding(cfg), fwd_flops=lambda b, s: 2.0 * b * s * (H + proj),
+                      memory=partial(embed_memory, H), **common)]
     for i in range(cfg.num_hidden_layers):
         specs.append(UnitSpec(name=f"block.{i}", kind="block", signature=f"{shape}:block", param_count=block_params,
                               build=partial(OPTBlock, cfg),
-                              fwd_flops=lambda b, s: transformer_block_flops(b, s, H, F_), **common))
+                              fwd_flops=lambda b, s: transformer_block_flops(b, s, H, F_),
+                              memory=partial(transformer_block_memory, H, F_), **common))
     specs.append(UnitSpec(
         name="head", kind="head", signature=f"{shape}:head",
         param_count=V * E + proj + (2 * H if cfg.has_final_layer_norm else 0), build=lambda: OPTHead(cfg),
-        fwd_flops=lambda b, s: 2.0 * b * s * (E * V + proj), hidden_size=H, vocab_size=V,
+        fwd_flops=lambda b, s: 2.0 * b * s * (E * V + proj), memory=partial(head_memory, H, V), hidden_size=H,
+        vocab_size=V,
         out_numel=lambda b, s: b * s * V))
     return specs
 
