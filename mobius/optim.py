@@ -81,6 +81,12 @@ class LossScaler:
         self.scale, self.clean_steps = state["scale"], state["clean_steps"]
 
 
+def waits_for_norm(cfg: TrainSection) -> bool:
+    """Whether a step's updates must wait for the global gradient norm (the *barrier*): clipping
+    scales every gradient by it, and fp16 loss scaling skips the step on overflow."""
+    return cfg.grad_clip > 0 or cfg.precision == "fp16"
+
+
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """Factor that scales gradients to ``max_norm`` (1.0 when clipping is off or not needed),
     computed exactly as ``torch.nn.utils.clip_grad_norm_`` does."""

@@ -18,12 +18,13 @@ Only ``partition.profile``'s measuring functions import torch.
 
 from partition.baselines import BASELINES, exhaustive_search, maximum_stage, minimum_stage, time_balanced
 from partition.costs import ModelProfile, StageCost, UnitCost, stage_cost, stage_costs
-from partition.evaluate import ModelEvaluator, PipelineOptions, model_step_time
+from partition.evaluate import ModelEvaluator, model_step_time
 from partition.gpus import GPU_CATALOGUE, GPUSpec, gpu_spec, lookup_gpu
 from partition.hardware import Hardware
 from partition.mip import MipResult, build_model, solve_partition, solve_stage_count
 from partition.plan import Plan, StagePlan, plan_model
 from partition.profile import estimate_units, get_profile, profile_units
+from partition.schedule import PipelineOptions
 from partition.simulate import SimResult, simulate
 
 __all__ = [

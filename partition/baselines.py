@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from partition.costs import ModelProfile, stage_cost
-from partition.evaluate import GB, ModelEvaluator, PipelineOptions, stage_exprs
+from partition.evaluate import GB, ModelEvaluator, stage_exprs
+from partition.schedule import PipelineOptions
 from partition.hardware import Hardware
 from partition.timing import phase_needs
 

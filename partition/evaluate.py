@@ -15,25 +15,10 @@ from typing import Callable
 
 from partition.costs import ModelProfile, StageCost, stage_cost
 from partition.hardware import Hardware
+from partition.schedule import PipelineOptions
 from partition.timing import Numbers, Rates, Shape, StageExprs, StepTimes, step_model
 
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """The runtime's settings a plan is evaluated under (see :class:`partition.timing.Shape`)."""
-
-    num_slots: int = 2
-    offload_inputs: bool = False
-    barrier: bool = False  # clipping or fp16: updates wait for the global norm
-    resident: frozenset[int] = frozenset()  # stages kept on their GPU (of one partition)
-    kept: frozenset[int] = frozenset()  # stages that keep their forward's activations
-    grad_dtype: str = "fp32"  # gradient downloads: fp32 sums, or "half" (the training dtype)
-
-    @property
-    def grad_bytes(self) -> float:
-        return 2.0 if self.grad_dtype == "half" else 4.0
 
 
 @dataclass
@@ -123,9 +108,7 @@ class ModelEvaluator:
         return self._rates[S]
 
     def shape(self, S: int, options: PipelineOptions | None = None) -> Shape:
-        o = options or self.options
-        return Shape(S, len(self.slots(S)), self.M, o.num_slots, o.offload_inputs, o.barrier,
-                     tied=self.profile.tied_params > 0, resident=o.resident, kept=o.kept, grad_bytes=o.grad_bytes)
+        return Shape(S, len(self.slots(S)), self.M, options or self.options, tied=self.profile.tied_params > 0)
 
     def exprs(self, boundaries: list[int]) -> list[StageExprs]:
         return [self._exprs.get((a, b)) or self._exprs.setdefault((a, b), stage_exprs(self.stage(a, b), self.half))

@@ -29,7 +29,8 @@ from typing import Callable, Literal
 
 from mobius.errors import MobiusError
 from partition.costs import ModelProfile, UnitCost, stage_cost
-from partition.evaluate import GB, ModelEvaluator, PipelineOptions, rates_for, slot_gb, stage_exprs, state_gb
+from partition.evaluate import GB, ModelEvaluator, rates_for, slot_gb, stage_exprs, state_gb
+from partition.schedule import PipelineOptions
 from partition.hardware import Hardware
 from partition.heuristic import find_incumbent
 from partition.lp import LinearModel, Lin, SolveResult, SolverName, solve
@@ -265,8 +266,7 @@ def build_model(profile: ModelProfile, hw: Hardware, slots: list[int], micro_bat
     else:
         st, decode = _cut_encoding(lm, profile, S)
     assert not options.resident and not options.kept, "residency is chosen after the partition (plan.py)"
-    shape = Shape(S, len(slots), micro_batches, options.num_slots, options.offload_inputs, options.barrier,
-                  tied=profile.tied_params > 0, grad_bytes=options.grad_bytes)
+    shape = Shape(S, len(slots), micro_batches, options, tied=profile.tied_params > 0)
     rates = rates_for(profile, hw, slots, S, bandwidth, options.grad_dtype == "half")
     times = step_model(Rows(lm), st, rates, shape, hw.gpu_memory_bytes / GB)
     lm.objective = times.step if isinstance(times.step, Lin) else Lin(const=times.step)

@@ -23,9 +23,10 @@ from partition.costs import ModelProfile, stage_costs
 from mobius.errors import ConfigError, MobiusError
 from mobius.optim import host_bytes_per_param
 from partition import residency
-from partition.evaluate import ModelEvaluator, PipelineOptions, stage_exprs
+from partition.evaluate import ModelEvaluator, stage_exprs
 from partition.gpus import GB, GiB
 from partition.hardware import Hardware
+from partition.schedule import PipelineOptions
 from partition.lp import SolverName
 from partition.mapping import MappingKind, SlotsFor, as_slots_function
 from partition.mip import (DEFAULT_REL_GAP, BandwidthView, MipResult, explain_infeasible, given_partition,
@@ -67,9 +68,7 @@ class Plan:
     micro_batch_size: int
     seq_len: int
     precision: str
-    num_slots: int  # device slots per worker: 2 = the next stage uploads while the current one computes
-    offload_inputs: bool  # boundary inputs wait for their backward in host memory
-    barrier: bool  # updates wait for the global gradient norm (clipping, fp16)
+    options: PipelineOptions  # the runtime's settings: slots, offload, barrier, resident / kept stages, downloads
     predicted_step_s: float  # the runtime's schedule simulated on the topology (contention included)
     model_step_s: float  # the MIP's own figure (no root-complex contention)
     solver: str
@@ -90,9 +89,6 @@ class Plan:
     param_count: int
     cpu_adam_params_per_s: float
     mip: dict[str, Any] = field(default_factory=dict)
-    resident: list[int] = field(default_factory=list)  # stages kept on their GPU for good
-    kept: list[int] = field(default_factory=list)  # stages that keep their forward's activations
-    grad_dtype: str = "fp32"  # gradient downloads: fp32 sums, or "half" (bf16)
     host_bytes: int = 0  # host memory of the swapped stages' stores (weights, AdamW, transfer buffers)
     host_memory_bytes: int | None = None  # what the stores may take on the host (None: not known)
     grad_choice: str = ""  # why this gradient dtype
@@ -104,14 +100,19 @@ class Plan:
     def gpu_of_stage(self, j: int) -> int:
         return self.slots[j % len(self.slots)]
 
-    @property
-    def options(self) -> PipelineOptions:
-        return PipelineOptions(self.num_slots, self.offload_inputs, self.barrier, frozenset(self.resident),
-                               frozenset(self.kept), self.grad_dtype)
+    num_slots = property(lambda self: self.options.num_slots)
+    offload_inputs = property(lambda self: self.options.offload_inputs)
+    barrier = property(lambda self: self.options.barrier)
+    resident = property(lambda self: sorted(self.options.resident))  # stages kept on their GPU for good
+    kept = property(lambda self: sorted(self.options.kept))  # stages that keep their forward's activations
+    grad_dtype = property(lambda self: self.options.grad_dtype)  # gradient downloads: fp32 sums, or "half"
 
     def to_json(self) -> dict:
-        """A JSON-ready dict (also what ``mobius plan --json`` prints)."""
+        """A JSON-ready dict (also what ``mobius plan --json`` prints); the options are top-level keys."""
         out = asdict(self)
+        out.pop("options")
+        out.update(num_slots=self.num_slots, offload_inputs=self.offload_inputs, barrier=self.barrier,
+                   resident=self.resident, kept=self.kept, grad_dtype=self.grad_dtype)
         out["num_stages"] = self.num_stages
         out["mapping"] = {"kind": self.mapping_kind, "slots": self.slots,
                           "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)]}
@@ -122,6 +123,9 @@ class Plan:
         known = {f for f in cls.__dataclass_fields__}
         kw = {k: v for k, v in data.items() if k in known}
         kw["stages"] = [StagePlan(**s) for s in data["stages"]]
+        kw["options"] = PipelineOptions(data["num_slots"], data["offload_inputs"], data["barrier"],
+                                        frozenset(data.get("resident", ())), frozenset(data.get("kept", ())),
+                                        data.get("grad_dtype", "fp32"))
         return cls(**kw)
 
     def runtime_settings(self) -> dict:
@@ -406,23 +410,20 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[i
                 "lower_bound_s": res.lower_bound, "per_stage_count": per_count}
     return Plan(boundaries=bounds, slots=slots, num_gpus=hw.num_gpus, micro_batches=M,
                 micro_batch_size=prof.micro_batch_size, seq_len=prof.seq_len, precision=prof.precision,
-                num_slots=options.num_slots, offload_inputs=options.offload_inputs, barrier=options.barrier,
-                predicted_step_s=sim.step_s, model_step_s=best.predicted_s, solver=res.solver, solve_s=res.solve_s,
+                options=options, predicted_step_s=sim.step_s, model_step_s=best.predicted_s, solver=res.solver, solve_s=res.solve_s,
                 gap=res.gap, status=res.status_text(), baselines=base, baseline_boundaries=base_bounds,
                 profile_source=prof.source, device_name=prof.device_name, stages=stages,
                 peak_bytes=list(sim.peak_bytes), traffic=traffic, unit_names=[u.name for u in prof.units],
                 mapping_kind=mapping, hardware=hw.describe(), gpu_memory_bytes=hw.gpu_memory_bytes,
                 param_count=prof.param_count(), cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half"),
-                mip=mip_info, resident=sorted(options.resident), kept=sorted(options.kept), grad_dtype=options.grad_dtype,
-                host_bytes=host, host_memory_bytes=hw.host_memory_bytes)
+                mip=mip_info, host_bytes=host, host_memory_bytes=hw.host_memory_bytes)
 
 
 def _stage_plans(prof: ModelProfile, bounds: list[int], slots: list[int], M: int, options: PipelineOptions,
                  sim: SimResult) -> list[StagePlan]:
     costs = stage_costs(prof, bounds)
     half = prof.precision != "fp32"
-    shape = Shape(len(costs), len(slots), M, options.num_slots, options.offload_inputs, options.barrier,
-                  prof.tied_params > 0 and len(costs) > 1, options.resident, options.kept, options.grad_bytes)
+    shape = Shape(len(costs), len(slots), M, options, prof.tied_params > 0 and len(costs) > 1)
     needs = {what: float(n) for per in worker_needs(Numbers(), [stage_exprs(c, half) for c in costs], shape).values()
              for what, n in per}
     names = [u.name for u in prof.units]

@@ -14,7 +14,10 @@ lists, so what is planned is what runs. They are built by small passes:
    two device slots the upload of a residency is issued when the one before it starts computing;
 3. :func:`add_transfers` -- receives before and sends after each compute action, for activations
    and their gradients between the workers of adjacent stages;
-4. :func:`add_updates` -- the gradient ``DOWNLOAD`` after a stage's last backward, its CPU
+4. :func:`add_offloads` -- with ``offload_inputs``, a stage that leaves its slot between its forward
+   and its backward (:func:`offloaded_stages`) sends each forward's input to host memory
+   (``OFFLOAD``) and takes them back right after its backward upload (``RELOAD``);
+5. :func:`add_updates` -- the gradient ``DOWNLOAD`` after a stage's last backward, its CPU
    ``UPDATE``, the exchange of a tied weight's two ends (``TIE``) and the step's ``REDUCE`` (loss,
    global gradient norm, fp16 overflow). Without clipping and fp16 a stage updates as soon as its
    gradients are down; with either, every update waits for the global norm (``REDUCE``) and the
@@ -26,9 +29,11 @@ lists, so what is planned is what runs. They are built by small passes:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
+
+from mobius.errors import MobiusError
 
 
 class Kind(enum.Enum):
@@ -41,6 +46,8 @@ class Kind(enum.Enum):
     SEND_ACT = "sa"
     RECV_GRAD = "rg"
     SEND_GRAD = "sg"
+    OFFLOAD = "H"  # a forward's boundary input to host memory
+    RELOAD = "L"  # a stage's boundary inputs back from host memory, after its backward upload
     DOWNLOAD = "D"
     UPDATE = "O"
     DEVICE_UPDATE = "Od"
@@ -56,7 +63,7 @@ Phase = Literal["f", "b"]
 class Action:
     kind: Kind
     stage: int = -1  # -1 for step-wide actions (TIE, REDUCE)
-    micro: int = -1  # -1 for per-stage actions (UPLOAD, FREE, DOWNLOAD, UPDATE)
+    micro: int = -1  # -1 for per-stage actions (UPLOAD, FREE, RELOAD, DOWNLOAD, UPDATE)
     phase: Phase = "f"  # which pass an UPLOAD / FREE belongs to
     peer: int = -1  # the other worker of a send / receive
 
@@ -68,6 +75,36 @@ class Action:
 
 
 @dataclass(frozen=True)
+class PipelineOptions:
+    """The pipeline runtime's settings of one plan: what the schedule's passes, the MIP's timing
+    model, the simulator and the executor all read (one value, never re-derived)."""
+
+    num_slots: int = 2  # device slots per worker (2: the next residency uploads while the current one computes)
+    offload_inputs: bool = False  # boundary inputs of stages that leave their slot wait in host memory
+    barrier: bool = False  # updates wait for the global gradient norm (clipping, fp16)
+    resident: frozenset[int] = frozenset()  # stages kept on their device: no upload, download or CPU update
+    kept: frozenset[int] = frozenset()  # stages whose backward uses the forward's graph (no recompute)
+    grad_dtype: str = "fp32"  # gradient downloads: fp32 sums, or "half" (the training dtype)
+
+    @property
+    def grad_bytes(self) -> float:
+        """Bytes per parameter of a gradient download."""
+        return 2.0 if self.grad_dtype == "half" else 4.0
+
+
+def offloaded_stages(gpu_of: tuple[int, ...], options: PipelineOptions) -> frozenset[int]:
+    """The stages whose boundary inputs wait for their backward in host memory: with
+    ``offload_inputs``, every stage that leaves its slot between its forward and its backward -- not
+    stage 0 (token ids), not a resident stage, not a kept one (its graph holds its input), not a
+    worker's last swapped stage (its backward follows its forward without a new upload)."""
+    if not options.offload_inputs:
+        return frozenset()
+    last_swapped = {w: j for j, w in enumerate(gpu_of) if j not in options.resident}
+    return frozenset(j for j in range(1, len(gpu_of)) if j not in options.resident | options.kept
+                     and last_swapped[gpu_of[j]] != j)
+
+
+@dataclass(frozen=True)
 class Schedule:
     """Per-worker action lists of one training (or evaluation) step, and the facts they assume."""
 
@@ -76,13 +113,15 @@ class Schedule:
     micro_batches: int
     gpu_of: tuple[int, ...]  # stage -> worker
     actions: tuple[tuple[Action, ...], ...]  # worker -> ordered actions
-    num_slots: int  # device slots per worker (2: the next residency uploads while the current one computes)
     train: bool
-    barrier: bool = False  # updates wait for the global gradient norm (clipping, fp16)
+    options: PipelineOptions = field(default_factory=PipelineOptions)
     tied: bool = False  # stage 0 and the last stage hold the two ends of one tied weight
-    offload_inputs: bool = False  # boundary inputs come back with the backward upload
-    resident: frozenset[int] = frozenset()  # stages kept on their device: no upload, download or CPU update
-    kept: frozenset[int] = frozenset()  # stages whose backward uses the forward's graph (no recompute)
+    offloaded: frozenset[int] = frozenset()  # stages with OFFLOAD / RELOAD actions (:func:`offloaded_stages`)
+
+    num_slots = property(lambda self: self.options.num_slots)
+    barrier = property(lambda self: self.options.barrier and self.train)
+    resident = property(lambda self: self.options.resident)
+    kept = property(lambda self: self.options.kept if self.train else frozenset())
 
     @cached_property
     def upload_order(self) -> dict[tuple[int, str], int]:
@@ -173,13 +212,30 @@ def add_transfers(actions: list[Action], num_stages: int, gpu_of: tuple[int, ...
     return out
 
 
+def add_offloads(actions: list[Action], offloaded: frozenset[int]) -> list[Action]:
+    """After each forward of an offloaded stage, its input to host memory; after the stage's
+    backward upload, its inputs back (the backward waits for them as for the upload)."""
+    out: list[Action] = []
+    for a in actions:
+        out.append(a)
+        if a.stage not in offloaded:
+            continue
+        if a.kind == Kind.FORWARD:
+            out.append(Action(Kind.OFFLOAD, a.stage, a.micro))
+        elif a.kind == Kind.UPLOAD and a.phase == "b":
+            out.append(Action(Kind.RELOAD, a.stage, phase="b"))
+    return out
+
+
 def add_updates(actions: list[Action], num_stages: int, barrier: bool, tied: bool,
                 resident: frozenset[int] = frozenset()) -> list[Action]:
     """Download a stage's gradients after its last backward; update it there (or after the step's
     REDUCE when ``barrier``); tied ends exchange their gradients (TIE) at the end. A resident stage
     downloads nothing and updates on its device."""
     ends = {0, num_stages - 1} if tied and num_stages > 1 else set()
-    assert not ends & resident, "a tied weight's ends are exchanged through host memory"
+    if ends & resident:
+        raise ScheduleError(f"stage(s) {sorted(ends & resident)} hold an end of the tied weight and cannot be "
+                            f"resident: the two ends exchange gradients through host memory")
     last_compute = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.BACKWARD, Kind.FB)}
     device_after: dict[int, int] = {}  # a device update runs on the compute stream: after the gradient's send
     for j, i in last_compute.items():
@@ -213,65 +269,84 @@ def _update(stage: int, resident: frozenset[int]) -> Action:
 
 
 def build_schedule(num_stages: int, num_workers: int, micro_batches: int, gpu_of: list[int] | None = None,
-                   num_slots: int = 2, barrier: bool = False, tied: bool = False, offload_inputs: bool = False,
-                   resident: frozenset[int] = frozenset(), kept: frozenset[int] = frozenset()) -> Schedule:
+                   options: PipelineOptions = PipelineOptions(), tied: bool = False) -> Schedule:
     """The per-worker action lists of one training step."""
     g = _gpu_of(num_stages, num_workers, gpu_of)
-    resident, kept = frozenset(resident), frozenset(kept)
+    offloaded = offloaded_stages(g, options)
     lists = []
     for w in range(num_workers):
         acts = compute_order(num_stages, g, micro_batches, w)
-        acts = add_swaps(acts, num_slots, resident)
-        acts = add_transfers(acts, num_stages, g)
-        lists.append(tuple(add_updates(acts, num_stages, barrier, tied, resident)))
-    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), num_slots, True, barrier, tied,
-                     offload_inputs, resident, kept)
+        acts = add_swaps(acts, options.num_slots, options.resident)
+        acts = add_offloads(add_transfers(acts, num_stages, g), offloaded)
+        lists.append(tuple(add_updates(acts, num_stages, options.barrier, tied, options.resident)))
+    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), True, options, tied, offloaded)
     check(sched)
     return sched
 
 
 def build_eval_schedule(num_stages: int, num_workers: int, micro_batches: int, gpu_of: list[int] | None = None,
-                        num_slots: int = 2, resident: frozenset[int] = frozenset()) -> Schedule:
-    """Forward only: the last stage's forward ends in the loss; the step ends in REDUCE (the loss)."""
+                        options: PipelineOptions = PipelineOptions()) -> Schedule:
+    """Forward only: the last stage's forward ends in the loss; the step ends in REDUCE (the loss).
+    Of the options only the slots and the resident stages matter."""
     g = _gpu_of(num_stages, num_workers, gpu_of)
     lists = []
     for w in range(num_workers):
         compute = compute_order(num_stages, g, micro_batches, w, train=False)
-        acts = add_transfers(add_swaps(compute, num_slots, frozenset(resident)), num_stages, g)
+        acts = add_transfers(add_swaps(compute, options.num_slots, options.resident), num_stages, g)
         lists.append(tuple(acts + [Action(Kind.REDUCE)]))
-    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), num_slots, False,
-                     resident=frozenset(resident))
+    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), False, options)
     check(sched)
     return sched
 
 
 def _gpu_of(num_stages: int, num_workers: int, gpu_of: list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
     g = tuple(gpu_of) if gpu_of is not None else tuple(j % num_workers for j in range(num_stages))
-    assert len(g) == num_stages and set(g) == set(range(num_workers)), (g, num_workers)
+    if len(g) != num_stages or set(g) != set(range(num_workers)):
+        raise ScheduleError(f"stage placement {list(g)} must give each of {num_stages} stages one of {num_workers} "
+                            f"workers and every worker a stage")
     return g
 
 
+class ScheduleError(MobiusError):
+    """A schedule that breaks an invariant the runtime relies on (a bug in a pass, or settings that
+    no pass can honour)."""
+
+
 def check(s: Schedule) -> None:
-    """Internal invariants: every compute happens while its stage is resident, at most
-    ``num_slots`` stages are resident at once, each stage is downloaded and updated exactly once
-    (training), and every list ends in (or, with a barrier, continues after) one REDUCE."""
+    """Every compute happens while its stage is on the device, at most ``num_slots`` stages are
+    uploaded at once, each stage is downloaded and updated exactly once (training), inputs offloaded
+    are reloaded, and every list ends in (or, with a barrier, continues after) one REDUCE."""
     for w, acts in enumerate(s.actions):
-        resident: set[int] = set()
-        for a in acts:
-            if a.kind == Kind.UPLOAD:
-                assert a.stage not in resident and a.stage not in s.resident, (w, str(a))
-                resident.add(a.stage)
-                assert len(resident) <= s.num_slots, (w, str(a), resident)
-            elif a.kind == Kind.FREE:
-                resident.remove(a.stage)
-            elif a.kind in COMPUTE:
-                assert a.stage in resident or a.stage in s.resident, (w, str(a))
-        assert not resident, (w, resident)
-        assert sum(a.kind == Kind.REDUCE for a in acts) == 1, w
+        _check_residency(s, w, acts)
+        if sum(a.kind == Kind.REDUCE for a in acts) != 1:
+            raise ScheduleError(f"worker {w}: {sum(a.kind == Kind.REDUCE for a in acts)} REDUCE actions, not one")
         for j in s.stages_of(w):
-            downloads = int(s.train and j not in s.resident)
-            assert sum(a.kind == Kind.DOWNLOAD and a.stage == j for a in acts) == downloads
-            assert sum(a.kind in (Kind.UPDATE, Kind.DEVICE_UPDATE) and a.stage == j for a in acts) == int(s.train)
+            counts = {k: sum(a.kind in k and a.stage == j for a in acts) for k in _ONCE}
+            want = {_ONCE[0]: int(s.train and j not in s.resident), _ONCE[1]: int(s.train),
+                    _ONCE[2]: int(j in s.offloaded), _ONCE[3]: s.micro_batches * int(j in s.offloaded)}
+            for kinds, n in counts.items():
+                if n != want[kinds]:
+                    raise ScheduleError(f"worker {w}, stage {j}: {n} {'/'.join(k.name for k in kinds)} action(s), "
+                                        f"expected {want[kinds]}")
+
+
+_ONCE = ((Kind.DOWNLOAD,), (Kind.UPDATE, Kind.DEVICE_UPDATE), (Kind.RELOAD,), (Kind.OFFLOAD,))
+
+
+def _check_residency(s: Schedule, w: int, acts: tuple[Action, ...]) -> None:
+    on_device: set[int] = set()  # stages uploaded and not yet freed
+    for a in acts:
+        if a.kind == Kind.UPLOAD:
+            if a.stage in on_device or a.stage in s.resident or len(on_device) >= s.num_slots:
+                raise ScheduleError(f"worker {w}: {a} while stages {sorted(on_device)} hold the "
+                                    f"{s.num_slots} slot(s)")
+            on_device.add(a.stage)
+        elif a.kind == Kind.FREE:
+            on_device.remove(a.stage)
+        elif a.kind in COMPUTE and a.stage not in on_device and a.stage not in s.resident:
+            raise ScheduleError(f"worker {w}: {a} computes a stage that is not on the device")
+    if on_device:
+        raise ScheduleError(f"worker {w}: stages {sorted(on_device)} are never freed")
 
 
 def timeline(s: Schedule, width: int = 6) -> str:
@@ -279,9 +354,10 @@ def timeline(s: Schedule, width: int = 6) -> str:
     rows = []
     for w, acts in enumerate(s.actions):
         rows.append(f"gpu{w} | " + "".join(str(a).ljust(width) for a in acts))
-    legend = ("U=upload X=free F=forward FB=forward+loss+backward B=backward(recompute) ra/sa=recv/send activation "
-              "rg/sg=recv/send gradient D=download grads O=CPU update Od=device update (resident stage) "
-              "T=tied-weight exchange R=step reduce; suffix f/b: pass, then stage[,micro-batch]")
+    legend = ("U=upload X=free F=forward FB=forward+loss+backward B=backward (recomputes the forward unless the "
+              "stage is kept) ra/sa=recv/send activation rg/sg=recv/send gradient H=input to host memory L=inputs "
+              "back D=download grads O=CPU update Od=device update (resident stage) T=tied-weight exchange "
+              "R=step reduce; suffix f/b: pass, then stage[,micro-batch]")
     return "\n".join(rows + [legend])
 
 

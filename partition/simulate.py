@@ -108,10 +108,8 @@ def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, s
     slots = list(range(hardware.num_gpus)) if slots is None else list(slots)
     slots = slots[:len(costs)]  # fewer stages than GPUs leave the last ones idle
     N, S = len(slots), len(costs)
-    sched = build_schedule(S, N, micro_batches, [j % N for j in range(S)], options.num_slots, options.barrier,
-                           profile.tied_params > 0 and S > 1, options.offload_inputs, options.resident, options.kept)
-    sim = _Sim(profile, costs, hardware, slots, sched, sharing, record, options.grad_bytes)
-    return sim.run(steps)
+    sched = build_schedule(S, N, micro_batches, [j % N for j in range(S)], options, profile.tied_params > 0 and S > 1)
+    return _Sim(profile, costs, hardware, slots, sched, sharing, record).run(steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,6 +144,7 @@ class _Task:
     phase: str = "f"
     occ: int = -1  # the occupancy (upload) it belongs to
     trigger: int = -1  # a d2h task: the compute task whose end produces its data
+    reload: bool = False  # an upload followed by the stage's offloaded inputs (RELOAD, on the same copy thread)
 
 
 class _Worker:
@@ -163,20 +162,19 @@ class _Worker:
     def _split(self, actions: tuple) -> None:
         """The list's actions per engine. Device updates that follow REDUCE (a barrier) run on the
         compute stream before the next step's first forward: they open the step's compute list."""
-        swapped = [j for j in self.sched.stages_of(self.w) if j not in self.sched.resident]
-        last_swapped = max(swapped, default=-1)
         occ_of = {(a.stage, a.phase): k for k, a in enumerate(x for x in actions if x.kind == Kind.UPLOAD)}
         opening: list[_Task] = []
         reduced = False
         for a in actions:
             if a.kind == Kind.UPLOAD:
                 self.uploads.append(_Task(a.kind, a.stage, phase=a.phase, occ=occ_of[(a.stage, a.phase)]))
+            elif a.kind == Kind.RELOAD:
+                self.uploads[-1].reload = True
             elif a.kind in COMPUTE:
                 phase = "b" if a.kind == Kind.BACKWARD and (a.stage, "b") in occ_of else "f"
                 self.compute.append(_Task(a.kind, a.stage, a.micro, occ=occ_of.get((a.stage, phase), -1)))
-                if self.sched.offload_inputs and a.kind == Kind.FORWARD and 0 < a.stage != last_swapped \
-                        and a.stage not in self.sched.resident and a.stage not in self.sched.kept:
-                    self.d2h.append(_Task(Kind.FORWARD, a.stage, a.micro, trigger=len(self.compute) - 1))
+            elif a.kind == Kind.OFFLOAD:
+                self.d2h.append(_Task(a.kind, a.stage, a.micro, trigger=len(self.compute) - 1))
             elif a.kind == Kind.DOWNLOAD:
                 self.d2h.append(_Task(a.kind, a.stage, occ=self.compute[-1].occ, trigger=len(self.compute) - 1))
             elif a.kind == Kind.UPDATE:
@@ -209,10 +207,10 @@ class _Sim:
     """The event loop: start what is ready, share bandwidth, jump to the next completion."""
 
     def __init__(self, profile: ModelProfile, costs: list[StageCost], hw: Hardware, slots: list[int],
-                 sched: Schedule, sharing: Sharing, record: bool, grad_bytes: float = 4.0):
+                 sched: Schedule, sharing: Sharing, record: bool):
         self.profile, self.costs, self.hw, self.sched = profile, costs, hw, sched
-        self.grad_bytes = grad_bytes
-        self.cpu_rate = hw.cpu_update_rate(half_grads=grad_bytes < 4)
+        self.grad_bytes = sched.options.grad_bytes
+        self.cpu_rate = hw.cpu_update_rate(half_grads=sched.options.grad_dtype == "half")
         self.sharing, self.record = sharing, record
         self.S, self.M, self.N = sched.num_stages, sched.micro_batches, len(slots)
         self.workers = [_Worker(w, slots[w], sched) for w in range(self.N)]
@@ -293,7 +291,7 @@ class _Sim:
         if task.occ >= K and task.occ - K not in w.released or self.updated[task.stage] is None:
             return False  # the slot it takes is still in use, or the stage's CPU update is pending
         nbytes = self.costs[task.stage].param_bytes
-        if task.phase == "b" and self.sched.offload_inputs and task.stage > 0:
+        if task.reload:
             nbytes += self.M * self.costs[task.stage].in_bytes
         order = self.step * 10**6 + self.sched.upload_order[(task.stage, task.phase)]
         w.uploading = True
@@ -585,8 +583,7 @@ class _Sim:
 
     def _peaks(self) -> list[int]:
         st: list[StageExprs] = [stage_exprs(c, self.half) for c in self.costs]
-        shape = Shape(self.S, self.N, self.M, self.sched.num_slots, self.sched.offload_inputs, self.sched.barrier,
-                      self.sched.tied, self.sched.resident, self.sched.kept, self.grad_bytes)
+        shape = Shape(self.S, self.N, self.M, self.sched.options, self.sched.tied)
         per_worker = memory_peaks(st, shape)
         out = [0] * self.hw.num_gpus
         for w in self.workers:

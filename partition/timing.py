@@ -47,9 +47,11 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol, Union
 
 from partition.lp import Lin, LinearModel
+from partition.schedule import PipelineOptions, offloaded_stages
 
 Expr = Union[float, Lin]
 
@@ -72,18 +74,25 @@ class StageExprs:
 
 @dataclass(frozen=True)
 class Shape:
-    """What the model assumes besides the stages: the runtime's settings."""
+    """What the model assumes besides the stages: their placement (stage j on worker j mod N) and
+    the runtime's settings (the one :class:`~partition.schedule.PipelineOptions` value)."""
 
     num_stages: int
     num_workers: int  # N: stage j runs on worker j mod N
     micro_batches: int
-    num_slots: int = 2  # K: 2 lets the next occupancy upload while the current one computes
-    offload_inputs: bool = False  # boundary inputs wait for their backward in host memory
-    barrier: bool = False  # updates wait for the global norm (clipping, fp16)
+    options: PipelineOptions = PipelineOptions()
     tied: bool = False  # stage 0 and the last stage hold the two ends of one weight
-    resident: frozenset[int] = frozenset()  # stages that live on their GPU for good
-    kept: frozenset[int] = frozenset()  # stages that keep their forward's activations for the backward
-    grad_bytes: float = 4.0  # bytes per parameter of a gradient download (fp32 sums, or half)
+
+    num_slots = property(lambda self: self.options.num_slots)  # K
+    barrier = property(lambda self: self.options.barrier)
+    resident = property(lambda self: self.options.resident)
+    kept = property(lambda self: self.options.kept)
+    grad_bytes = property(lambda self: self.options.grad_bytes)
+
+    @cached_property
+    def offloaded(self) -> frozenset[int]:
+        """Stages whose boundary inputs wait in host memory (the schedule's rule, not a second one)."""
+        return offloaded_stages(tuple(j % self.num_workers for j in range(self.num_stages)), self.options)
 
     def worker(self, j: int) -> int:
         return j % self.num_workers
@@ -238,7 +247,7 @@ class _Uploads:
         if kind != "B" and j in self.ready:
             terms.append(self.ready[j])
         s, nbytes = self.st[j], self.st[j].pbytes
-        if kind == "B" and self.shape.offload_inputs and j > 0:
+        if kind == "B" and j in self.shape.offloaded:  # the inputs come back right after the weights
             nbytes = nbytes + s.in_b * self.shape.micro_batches
         value = self.alg.max(("u" + key[0], j), terms) + nbytes * (1.0 / self.r.up[j])
         self.t.upload_done[key] = value
@@ -377,7 +386,7 @@ def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape) -> dict[int, 
             out[w] += [(f"stage {j} forward", fwd), (f"stage {j} backward", bwd)]
             if keeps:
                 kept = kept + (st[j].saved + st[j].in_b) * M
-            elif not shape.offload_inputs or shape.turns(j):
+            elif j not in shape.offloaded:
                 kept = kept + st[j].in_b * M
     return out
 

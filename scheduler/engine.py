@@ -24,7 +24,7 @@ from mobius.errors import CheckpointError, MobiusError
 from mobius.files import write_text_atomic
 from mobius.models import ModelConfig, dropout_active, hidden_size, init_unit, tied_weights, unit_specs
 from mobius.models.hf import LazyCheckpoint, from_hf
-from mobius.optim import LossScaler
+from mobius.optim import LossScaler, waits_for_norm
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
 from partition.profile import record_in_step_rate
@@ -71,18 +71,16 @@ class PipelineEngine:
         tied = self._tied_ranges()
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
         self.optimizer_step = 0
-        barrier = cfg.train.grad_clip > 0 or cfg.train.precision == "fp16"
+        barrier = waits_for_norm(cfg.train)
         if barrier != plan.barrier:
             raise MobiusError("the plan was made for a run " + ("without" if barrier else "with") + " clipping or "
                               "fp16 loss scaling; plan again for this configuration")
         self.train_sched = build_schedule(plan.num_stages, self.world, cfg.train.micro_batches, list(self.gpu_of),
-                                          plan.num_slots, barrier, bool(tied), plan.offload_inputs,
-                                          frozenset(plan.resident), frozenset(plan.kept))
+                                          plan.options, bool(tied))
         self.eval_scheds: dict[int, Schedule] = {}
-        options = ExecutorOptions(cfg.train.precision, self.dtype,
+        options = ExecutorOptions(plan.options, cfg.train.precision, self.dtype,
                                   (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg)),
-                                  plan.num_slots, plan.offload_inputs, cfg.train.grad_clip, tied, skip_updates,
-                                  half_grads)
+                                  cfg.train.grad_clip, tied, skip_updates)
         hosts = {j: s for j, s in self.stores.items() if j not in plan.resident}
         resident = {j: s for j, s in self.stores.items() if j in plan.resident}
         self.ex = Executor(self.rank, device, model_cfg, self.layouts, hosts, self._links(), self.arbiter,
@@ -233,7 +231,7 @@ class PipelineEngine:
         M = len(batches)
         if M not in self.eval_scheds:
             self.eval_scheds[M] = build_eval_schedule(self.plan.num_stages, self.world, M, list(self.gpu_of),
-                                                      self.plan.num_slots, frozenset(self.plan.resident))
+                                                      self.plan.options)
         io = StepIO([x for x, _ in batches], [y for _, y in batches], 0, 1.0, None)
         return self.ex.run(self.eval_scheds[M], io).loss
 

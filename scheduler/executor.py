@@ -38,7 +38,7 @@ from mobius.engine import autocast
 from mobius.models import ModelConfig
 from mobius.models.base import lm_loss, run_units
 from mobius.optim import LossScaler, clip_coefficient
-from partition.schedule import COMPUTE, Action, Kind, Schedule
+from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.comm import Counters, UploadArbiter
 from scheduler.stages import StageLayout, bind, build_units
 from scheduler.store import StageStore
@@ -51,17 +51,21 @@ ORDER_STRIDE = 1 << 20  # upload orders of consecutive steps never interleave
 
 @dataclass(frozen=True)
 class ExecutorOptions:
-    """Everything about how this worker runs that is fixed for the whole run."""
+    """Everything about how this worker runs that is fixed for the whole run: the plan's pipeline
+    settings (the schedules' own :class:`~partition.schedule.PipelineOptions`) and the runtime's."""
 
+    pipeline: PipelineOptions  # slots, resident / kept stages, gradient dtype, ... as planned
     precision: str  # fp32 | bf16 | fp16 (autocast)
     dtype: torch.dtype  # half-precision copy on the device (fp32 when precision is fp32)
     activation_shape: tuple[int, int, int]  # [B, T, H] of a boundary activation
-    num_slots: int = 2
-    offload_inputs: bool = False  # boundary inputs wait for their backward in pinned host memory
     grad_clip: float = 0.0
     tied: tuple[tuple[int, int, int], ...] = ()  # (stage, offset, numel) of a tied weight's ends on two stages
     skip_updates: bool = False  # benchmark ablation: no AdamW (the GPU side alone)
-    half_grads: bool = False  # gradients come down rounded to the half dtype, into the stage's half copy
+
+    @property
+    def half_grads(self) -> bool:
+        """Gradients come down rounded to the half dtype, into the stage's half copy."""
+        return self.pipeline.grad_dtype == "half"
 
 
 @dataclass
@@ -146,6 +150,7 @@ class StepState:
     stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
     wait_s: float = 0.0  # dispatch thread blocked on uploads (which wait for the stage's CPU update)
     uploads: list[Future] = field(default_factory=list)
+    reloads: dict[int, Future] = field(default_factory=dict)  # stage -> its offloaded inputs' way back
     stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     arrived: dict[int, torch.cuda.Event | None] = field(default_factory=dict)  # stage -> its gradients' download
     sumsq: list[torch.Tensor] = field(default_factory=list)  # per stage, on the device
@@ -172,7 +177,8 @@ class Executor:
         self.units = {j: build_units(model_cfg, layouts[j].first_unit, layouts[j].end_unit) for j in mine}
         acc = options.dtype != torch.float32
         numel = max((layouts[j].numel for j in hosts), default=0)
-        self.slots = [DeviceSlot(numel, options.dtype, device, acc) for _ in range(options.num_slots if hosts else 0)]
+        self.slots = [DeviceSlot(numel, options.dtype, device, acc)
+                      for _ in range(options.pipeline.num_slots if hosts else 0)]
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -180,7 +186,6 @@ class Executor:
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
         self.optim = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam")
         self.tied = {j: (o, n) for j, o, n in options.tied if j in hosts}
-        self.last_swapped = max(hosts, default=-1)  # its backward follows its forward without a new upload
         self.slot_of: dict[int, DeviceSlot] = {}
         for j, store in self.resident.items():  # permanent slots
             slot = DeviceSlot(layouts[j].numel, options.dtype, device, acc, params=store.half)
@@ -196,7 +201,8 @@ class Executor:
         self.handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.UPLOAD: self._upload, Kind.FREE: self._free, Kind.FORWARD: self._forward, Kind.FB: self._fb,
             Kind.BACKWARD: self._backward, Kind.RECV_ACT: self._recv, Kind.RECV_GRAD: self._recv,
-            Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send, Kind.DOWNLOAD: self._download,
+            Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send, Kind.OFFLOAD: self._offload,
+            Kind.RELOAD: self._reload, Kind.DOWNLOAD: self._download,
             Kind.UPDATE: self._update, Kind.DEVICE_UPDATE: self._device_update, Kind.TIE: self._tie,
             Kind.REDUCE: self._reduce}
 
@@ -243,15 +249,13 @@ class Executor:
         slot.ready.clear()
         self.slot_of[a.stage] = slot
         order = self.st.order_base + self.st.sched.upload_order[(a.stage, a.phase)]
-        self.st.uploads.append(self.copier.submit(self._upload_job, self.st, a.stage, slot, order, a.phase))
+        self.st.uploads.append(self.copier.submit(self._upload_job, self.st, a.stage, slot, order))
 
-    def _upload_job(self, st: StepState, j: int, slot: DeviceSlot, order: int, phase: str) -> None:
+    def _upload_job(self, st: StepState, j: int, slot: DeviceSlot, order: int) -> None:
         if self.cuda:
             torch.cuda.set_device(self.device)  # this thread's current device
         try:
             self._upload_copy(st, j, slot, order)
-            if phase == "b" and st.sched.offload_inputs:
-                self._reload_inputs(st, j, slot)
         except BaseException as e:  # surfaced by check() on the dispatch thread
             self.failure = self.failure or e
             self.arbiter.release()
@@ -288,11 +292,14 @@ class Executor:
         if trace is not None:
             trace.add("h2d", f"U{j}", start, trace.mark(self.copy_stream if self.cuda else None))
 
-    def _offload_input(self, x: torch.Tensor) -> tuple:
-        """A stage's boundary input goes to pinned host memory until its backward."""
+    def _offload(self, a: Action) -> None:
+        """A forward's boundary input to pinned host memory until the stage's backward."""
+        key = (a.stage, a.micro)
+        x = self.st.saved[key]
         self.counters.add(d2h=x.nbytes)
         if not self.cuda:
-            return ("host", x.clone(), None)
+            self.st.saved[key] = ("host", x.clone(), None)
+            return
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
@@ -302,15 +309,18 @@ class Executor:
             done = torch.cuda.Event()
             done.record(self.d2h_stream)
         x.record_stream(self.d2h_stream)  # its memory is reused only after the copy has read it
-        return ("host", host, done)
+        self.st.saved[key] = ("host", host, done)
 
-    def _reload_inputs(self, st: StepState, j: int, slot: DeviceSlot) -> None:
-        """(Upload thread) bring stage j's offloaded inputs back with its backward upload."""
+    def _reload(self, a: Action) -> None:
+        """Stage j's offloaded inputs back, on the upload thread right after its backward upload
+        (the backward waits for them as for the upload)."""
+        self.st.reloads[a.stage] = self.copier.submit(self._reload_job, self.st, a.stage)
+
+    def _reload_job(self, st: StepState, j: int) -> torch.cuda.Event | None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
         for m in range(st.sched.micro_batches):
-            entry = st.saved.get((j, m))
-            if not (isinstance(entry, tuple) and entry[0] == "host"):
-                continue
-            _, host, done = entry
+            _, host, done = st.saved[(j, m)]
             self.counters.add(h2d=host.nbytes)
             if self.cuda:
                 with torch.cuda.stream(self.copy_stream):
@@ -320,9 +330,22 @@ class Executor:
             else:
                 dev = host.clone()
             st.saved[(j, m)] = dev
-        if self.cuda:  # the compute stream waits for the inputs too
-            slot.ready_event = torch.cuda.Event()
-            slot.ready_event.record(self.copy_stream)
+        if not self.cuda:
+            return None
+        back = torch.cuda.Event()
+        back.record(self.copy_stream)
+        return back
+
+    def _inputs_back(self, j: int) -> None:
+        """Wait (the dispatch thread, then the compute stream) for stage j's reloaded inputs."""
+        job = self.st.reloads.pop(j, None)
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        back = job.result()
+        self.st.wait_s += time.perf_counter() - t0
+        if back is not None:
+            torch.cuda.current_stream(self.device).wait_event(back)
 
     def _free(self, a: Action) -> None:
         slot = self.slot_of.pop(a.stage)
@@ -387,8 +410,7 @@ class Executor:
                 self._count_loss(lm_loss(y, st.batches["targets"][m]))
                 return
         if st.sched.train:
-            offload = st.sched.offload_inputs and x.is_floating_point() and j in self.hosts and j != self.last_swapped
-            st.saved[(j, m)] = self._offload_input(x) if offload else x
+            st.saved[(j, m)] = x  # an OFFLOAD that follows moves it to host memory
         st.outputs[("a", j, m)] = y.to(self.opt.dtype)
 
     def _forward_kept(self, j: int, m: int) -> None:
@@ -446,6 +468,7 @@ class Executor:
         """Recompute the stage's forward from its saved input (or take its kept graph), then backpropagate."""
         j, m, st = a.stage, a.micro, self.st
         slot = self._resident(j, grads=True)
+        self._inputs_back(j)
         saved = st.saved.pop((j, m))
         g = st.waiting.pop(("g", j, m))()
         if isinstance(saved, Graph):
@@ -600,7 +623,7 @@ class Executor:
         st = self.st
         for link in self.links.values():
             link.flush()
-        for f in st.uploads:
+        for f in st.uploads + list(st.reloads.values()):
             f.result()
         if self.cuda:
             torch.cuda.synchronize(self.device)

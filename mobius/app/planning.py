@@ -15,6 +15,7 @@ from mobius.app.settings import Machine, mode_options, resolve, static_mode
 from mobius.config import Config
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import ModelConfig, tied_param_count, unit_specs
+from mobius.optim import waits_for_norm
 from mobius.parallel import Mode, ParallelSettings
 from partition import Hardware, ModelProfile, Plan, get_profile, lookup_gpu, plan_model
 from partition.gpus import gpu_spec
@@ -122,7 +123,7 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
         raise ConfigError(f"parallel.stages={cfg.parallel.stages} cannot keep {settings.workers} workers busy; "
                           f"set parallel.stages >= {settings.workers}")
     t, p = cfg.train, cfg.partition
-    barrier = t.grad_clip > 0 or t.precision == "fp16"  # updates wait for the global norm
+    barrier = waits_for_norm(t)
     plan = plan_model(prof, hw, micro_batches=t.micro_batches, mapping=cfg.parallel.mapping, solver=p.solver,
                       time_limit_s=p.time_limit_s, prefetch=cfg.parallel.prefetch, min_stages=settings.workers,
                       boundaries=forced, offload_inputs=cfg.parallel.offload_inputs, barrier=barrier,
@@ -173,7 +174,7 @@ def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, m
     t, z = cfg.train, cfg.zero
     plan = zero_plan(model_params(model_cfg), prof.num_units, prof, zhw, micro_batches=t.micro_batches,
                      checkpointing=cfg.model.activation_checkpointing,
-                     barrier=t.grad_clip > 0 or t.precision == "fp16", prefetch=cfg.parallel.prefetch,
+                     barrier=waits_for_norm(t), prefetch=cfg.parallel.prefetch,
                      chunk_size=z.chunk_size, cache_blocks=z.cache_blocks, gpu_chunks=z.gpu_chunks)
     if not plan.fits and cfg.parallel.mode == "zero":  # auto reports it in its comparison
         log.warning("the zero plan needs %.2f GiB per rank for chunks and rCache, more than the %.2f GiB usable",

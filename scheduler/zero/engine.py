@@ -35,7 +35,7 @@ from mobius.errors import CheckpointError, MobiusError
 from mobius.models import ModelConfig, dropout_active, unit_specs
 from mobius.models.base import lm_loss, run_units
 from mobius.models.hf import LazyCheckpoint, from_hf
-from mobius.optim import LossScaler, clip_coefficient
+from mobius.optim import LossScaler, clip_coefficient, waits_for_norm
 from mobius.parallel import ParallelSettings
 from partition.zero import OpKind, ZeroPlan, build_layout, eval_program, grad_flushes, train_program
 from scheduler.comm import all_gather_flat
@@ -93,7 +93,7 @@ class ZeroEngine:
         self.program, self.eval_ops = train_program(num_units), eval_program(num_units)
         self.flushes = grad_flushes(self.program, self.layout)
         self.runs = {c: sum(c in f for f in self.flushes) for c in range(self.layout.num_chunks)}
-        self.barrier = cfg.train.grad_clip > 0 or cfg.train.precision == "fp16"  # updates wait for the norm
+        self.barrier = waits_for_norm(cfg.train)  # updates wait for the global norm
         self._build_state(plan, device)
         self._load_weights(weights_from)
         self.streams = Streams(device)
