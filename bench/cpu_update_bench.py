@@ -53,7 +53,7 @@ def variants(n: int, cfg: TrainSection) -> dict:
         opt.step()
         half.copy_(master)
 
-    flat = FlatAdamW(master, half, n, cfg)
+    flat = FlatAdamW(master, half, [(0, n, True)], cfg)
     return {"torch-adamw": torch_adamw, "flat-fp32-grads": lambda: flat.step(grad, 1e-4, 0.5),
             "flat-half-grads": lambda: flat.step(grad_half, 1e-4, 0.5)}
 

@@ -95,6 +95,17 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
+def end_of_step(sumsq: float, scaler: LossScaler, grad_clip: float) -> tuple[float, bool, float]:
+    """The rule every engine ends a step with: from the sum of squares of the (loss-scaled)
+    gradients, the global norm (inf on overflow), whether the step is skipped (fp16 overflow; the
+    scaler learns of it), and the factor each gradient takes in its update (clipping, and the loss
+    scale removed): ``(norm, skipped, factor)``."""
+    scale = scaler.loss_factor()
+    norm = math.sqrt(sumsq) / scale if math.isfinite(sumsq) else math.inf
+    skipped = scaler.update(not math.isfinite(norm))
+    return norm, skipped, clip_coefficient(norm, grad_clip) / scale
+
+
 def host_bytes_per_param(precision: str, half_grads: bool) -> int:
     """Host bytes of a swapped pipeline stage's parameter: fp32 master (4) + AdamW moments (8) + the
     pinned half-precision upload copy (2; the master itself in fp32) + the pinned fp32 gradient the
@@ -105,52 +116,76 @@ def host_bytes_per_param(precision: str, half_grads: bool) -> int:
 
 
 UPDATE_BLOCK = 1 << 24  # elements per block of a host update (bounds the scratch of half gradients: 64 MB)
+Run = tuple[int, int, bool]  # [lo, hi) of a flat buffer whose elements all take weight decay, or all do not
 
 
 class FlatAdamW:
-    """AdamW over one flat fp32 master buffer, whose first ``decay_numel`` entries take weight decay,
-    with its moments beside it on the same device (host memory, or the GPU of a resident stage).
+    """AdamW over one flat fp32 master buffer whose ``runs`` say which elements take weight decay,
+    with its moments beside it on the same device (host memory, or a GPU); every host-side update of
+    both runtimes, and the GPU-side ones of resident stages and zero's GPU chunks.
 
-    One :meth:`step` is torch's fused AdamW kernel run block by block: each block reads its gradient
-    (fp32, or the half dtype converted into a small scratch buffer), updates master and moments, and
+    One :meth:`step` is torch's fused AdamW kernel run block by block (on a GPU: one block): each
+    block reads its gradient (fp32, or the half dtype converted into a small scratch buffer), updates
+    master and moments of its runs (one kernel call over the decayed runs, one over the others), and
     writes the block's half-precision copy while the block is still in cache. The gradient factor
     (clipping, loss scale) is folded into the kernel, not a separate pass over the gradients.
+    Elements outside every run are not touched.
     """
 
-    def __init__(self, master: torch.Tensor, half: torch.Tensor | None, decay_numel: int, cfg: TrainSection,
+    def __init__(self, master: torch.Tensor, half: torch.Tensor | None, runs: list[Run], cfg: TrainSection,
                  block: int = UPDATE_BLOCK):
-        self.master, self.half, self.decay_numel, self.cfg = master, half, decay_numel, cfg
-        self.block = block if master.device.type == "cpu" else master.numel()  # one kernel on a GPU
+        self.master, self.half, self.cfg = master, half, cfg
+        n = master.numel()
+        self.block = block if master.device.type == "cpu" else max(n, 1)  # one kernel call per group on a GPU
         self.m = torch.zeros_like(master)
         self.v = torch.zeros_like(master)
         self.steps = 0  # updates applied so far (AdamW's bias correction)
+        self._blocks = [(a, min(n, a + self.block), _pieces(runs, a, min(n, a + self.block)))
+                        for a in range(0, n, self.block)]
+        dev = master.device  # one step count per piece: the kernel counts each of them up by one per step
+        self._counts = [[torch.zeros((), device=dev) for _ in p] for _, _, groups in self._blocks for p in groups]
         self._scratch: torch.Tensor | None = None
 
     def step(self, grad: torch.Tensor, lr: float, grad_factor: float = 1.0) -> None:
         """One AdamW step with gradient ``grad * grad_factor`` (an fp32 ``grad`` is scaled in place)."""
         self.steps += 1
-        n, d = self.master.numel(), self.decay_numel
-        dev = self.master.device
-        scale = torch.tensor(1.0 / grad_factor, device=dev) if grad_factor != 1.0 else None
-        count = torch.zeros((), dtype=torch.float32, device=dev)
-        for lo, hi, wd in ((0, d, self.cfg.weight_decay), (d, n, 0.0)):
-            for a in range(lo, hi, self.block):
-                b = min(hi, a + self.block)
-                g = grad[a:b] if grad.dtype == torch.float32 else self._fp32(grad[a:b])
-                count.fill_(self.steps - 1)  # the kernel counts it up to this step
-                adamw_functional([self.master[a:b]], [g], [self.m[a:b]], [self.v[a:b]], [], [count], fused=True,
-                                 grad_scale=scale, amsgrad=False, beta1=self.cfg.beta1, beta2=self.cfg.beta2, lr=lr,
-                                 weight_decay=wd, eps=self.cfg.eps, maximize=False)
-                if self.half is not None:
-                    self.half[a:b].copy_(self.master[a:b])
+        scale = torch.tensor(1.0 / grad_factor, device=self.master.device) if grad_factor != 1.0 else None
+        counts = iter(self._counts)
+        for a, b, groups in self._blocks:
+            g = grad[a:b] if grad.dtype == torch.float32 else self._fp32(grad[a:b])  # [b - a]
+            for decay, pieces in zip((True, False), groups):
+                if not pieces:
+                    next(counts)
+                    continue
+                adamw_functional([self.master[lo:hi] for lo, hi in pieces], [g[lo - a:hi - a] for lo, hi in pieces],
+                                 [self.m[lo:hi] for lo, hi in pieces], [self.v[lo:hi] for lo, hi in pieces], [],
+                                 next(counts), fused=True, grad_scale=scale, amsgrad=False, beta1=self.cfg.beta1,
+                                 beta2=self.cfg.beta2, lr=lr, weight_decay=self.cfg.weight_decay if decay else 0.0,
+                                 eps=self.cfg.eps, maximize=False)
+            if self.half is not None:
+                self.half[a:b].copy_(self.master[a:b])
 
     def _fp32(self, g: torch.Tensor) -> torch.Tensor:
         if self._scratch is None or self._scratch.numel() < g.numel():
             self._scratch = torch.empty(min(self.block, self.master.numel()), device=self.master.device)
         return self._scratch[:g.numel()].copy_(g)
 
-    def load(self, m: torch.Tensor, v: torch.Tensor, steps: int) -> None:
-        """Set the moments (flat, like the master) and the number of updates applied."""
-        self.m.copy_(m)
-        self.v.copy_(v)
+    def load(self, m: torch.Tensor, v: torch.Tensor, steps: int, offset: int = 0) -> None:
+        """Set the moments of ``[offset, offset + len(m))`` and the number of updates applied."""
+        self.m[offset:offset + m.numel()].copy_(m)
+        self.v[offset:offset + v.numel()].copy_(v)
         self.steps = steps
+        for counts in self._counts:
+            for c in counts:
+                c.fill_(float(steps))
+
+
+def _pieces(runs: list[Run], a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The parts of ``runs`` inside ``[a, b)``: (the decayed ones, the others)."""
+    decayed: list[tuple[int, int]] = []
+    other: list[tuple[int, int]] = []
+    for lo, hi, decay in runs:
+        lo, hi = max(lo, a), min(hi, b)
+        if lo < hi:
+            (decayed if decay else other).append((lo, hi))
+    return decayed, other

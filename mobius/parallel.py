@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mobius.errors import ConfigError
+
 Mode = Literal["single", "pipeline", "zero"]
 
 
@@ -33,12 +35,18 @@ class ParallelSettings:
     nodes: int = 1  # machines the workers are spread over (torchrun's nodes), the same number on each
 
     def __post_init__(self) -> None:
-        assert self.nodes >= 1 and self.workers % self.nodes == 0, self
-        assert self.workers >= 1 and self.cpu_threads >= 1 and self.memory_bytes > 0, self
-        assert (self.device == "cpu") == (self.gpus == 0), self
-        assert self.mode != "single" or self.workers == 1, self
-        assert sorted(w for g in self.groups for w in g) == list(range(self.workers)), self
-        assert not self.p2p or (self.device == "cuda" and not self.shared_gpu), self
+        rules = [(self.nodes >= 1 and self.workers % self.nodes == 0, "the workers split evenly over the nodes"),
+                 (self.workers >= 1 and self.cpu_threads >= 1 and self.memory_bytes > 0,
+                  "at least one worker, one CPU thread and some device memory"),
+                 ((self.device == "cpu") == (self.gpus == 0), "GPUs in use exactly when the device is cuda"),
+                 (self.mode != "single" or self.workers == 1, "single mode runs one worker"),
+                 (sorted(w for g in self.groups for w in g) == list(range(self.workers)),
+                  "every worker in exactly one link group"),
+                 (not self.p2p or (self.device == "cuda" and not self.shared_gpu),
+                  "peer-to-peer only between GPUs of their own")]
+        broken = [what for ok, what in rules if not ok]
+        if broken:
+            raise ConfigError(f"inconsistent parallel settings ({'; '.join(broken)}): {self}")
 
     @property
     def local_workers(self) -> int:

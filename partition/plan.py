@@ -410,7 +410,8 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[i
                 "lower_bound_s": res.lower_bound, "per_stage_count": per_count}
     return Plan(boundaries=bounds, slots=slots, num_gpus=hw.num_gpus, micro_batches=M,
                 micro_batch_size=prof.micro_batch_size, seq_len=prof.seq_len, precision=prof.precision,
-                options=options, predicted_step_s=sim.step_s, model_step_s=best.predicted_s, solver=res.solver, solve_s=res.solve_s,
+                options=options, predicted_step_s=sim.step_s, model_step_s=best.predicted_s, solver=res.solver,
+                solve_s=res.solve_s,
                 gap=res.gap, status=res.status_text(), baselines=base, baseline_boundaries=base_bounds,
                 profile_source=prof.source, device_name=prof.device_name, stages=stages,
                 peak_bytes=list(sim.peak_bytes), traffic=traffic, unit_names=[u.name for u in prof.units],

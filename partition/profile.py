@@ -184,7 +184,7 @@ def measure_cpu_update(threads: int, precision: str, numel: int = CPU_UPDATE_NUM
         dtype = _dtype(precision)
         half = torch.empty(numel, dtype=dtype) if precision != "fp32" else None
         grad = torch.full((numel,), 1e-3, dtype=dtype if half_grads else torch.float32)
-        opt = FlatAdamW(torch.zeros(numel), half, numel, TrainSection(weight_decay=0.1))
+        opt = FlatAdamW(torch.zeros(numel), half, [(0, numel, True)], TrainSection(weight_decay=0.1))
         return numel / _time(lambda: opt.step(grad, 1e-4, 0.5), torch.device("cpu"), reps, 1)
     finally:
         torch.set_num_threads(before)

@@ -51,22 +51,24 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: "dist.Proc
 
 
 class Counters:
-    """Bytes moved by this worker in one step (host<->device and device<->device)."""
+    """Bytes this worker moved, by kind (``h2d``, ``d2h``, ``p2p``, ``allgather``, ``reduce_scatter``),
+    counted where each copy or collective is issued; :meth:`take` returns them and starts afresh."""
+
+    KINDS = ("h2d", "d2h", "p2p")  # always reported (0 when nothing moved)
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.h2d = self.d2h = self.p2p = 0
+        self.moved: dict[str, int] = {}
 
-    def add(self, h2d: int = 0, d2h: int = 0, p2p: int = 0) -> None:
+    def add(self, **nbytes: int) -> None:
         with self.lock:
-            self.h2d += h2d
-            self.d2h += d2h
-            self.p2p += p2p
+            for kind, n in nbytes.items():
+                self.moved[kind] = self.moved.get(kind, 0) + n
 
-    def take(self) -> tuple[int, int, int]:
+    def take(self) -> dict[str, int]:
         with self.lock:
-            out = (self.h2d, self.d2h, self.p2p)
-            self.h2d = self.d2h = self.p2p = 0
+            out = {**dict.fromkeys(self.KINDS, 0), **self.moved}
+            self.moved = {}
             return out
 
 

@@ -22,7 +22,7 @@ from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats
 from mobius.errors import CheckpointError, MobiusError
 from mobius.files import write_text_atomic
-from mobius.models import ModelConfig, dropout_active, hidden_size, init_unit, tied_weights, unit_specs
+from mobius.models import ModelConfig, dropout_active, hidden_size, initial_weights, tied_weights
 from mobius.models.hf import LazyCheckpoint, from_hf
 from mobius.optim import LossScaler, waits_for_norm
 from mobius.parallel import ParallelSettings
@@ -31,9 +31,10 @@ from partition.profile import record_in_step_rate
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
 from scheduler.comm import Counters, DirectLink, LocalLink, StagedLink, UploadArbiter, arbiter_name
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
-from scheduler.stages import stage_layouts, unit_prefix, views
+from scheduler.stages import stage_layouts, views
 from scheduler.store import StageStore, check_host_memory, host_bytes
 from scheduler.trace import StepTrace
+from scheduler.updater import sum_over_ranks
 
 log = logging.getLogger(__name__)
 TIE_TAG = 1 << 30  # gloo tag of the tied-weight exchange
@@ -84,7 +85,7 @@ class PipelineEngine:
         hosts = {j: s for j, s in self.stores.items() if j not in plan.resident}
         resident = {j: s for j, s in self.stores.items() if j in plan.resident}
         self.ex = Executor(self.rank, device, model_cfg, self.layouts, hosts, self._links(), self.arbiter,
-                           self.counters, Collectives(self._reduce, self._exchange), self.scaler, options, resident)
+                           self.counters, Collectives(sum_over_ranks, self._exchange), self.scaler, options, resident)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
         self.param_bytes = sum(lay.param_count for lay in self.layouts) * self.dtype.itemsize
         self._update_rate = [0, 0.0, 0.0]  # steps seen, CPU AdamW seconds and parameters (see _note_update_rate)
@@ -98,28 +99,13 @@ class PipelineEngine:
             if source is not None:
                 weights = from_hf(LazyCheckpoint(source), self.model_cfg, only=lambda k: k in names)
             else:
-                weights = self._init_weights(j, names)
+                units = set(range(self.layouts[j].first_unit, self.layouts[j].end_unit))
+                weights = initial_weights(self.model_cfg, units, self.cfg.train.seed)
             missing = names - set(weights)
             if missing:
                 raise CheckpointError(f"{source}: no weights for {sorted(missing)[:3]}")
             store.load(weights)
             del weights
-
-    def _init_weights(self, stage: int, names: set[str]) -> dict[str, torch.Tensor]:
-        specs, seed = unit_specs(self.model_cfg), self.cfg.train.seed
-        out: dict[str, torch.Tensor] = {}
-        units = set(range(self.layouts[stage].first_unit, self.layouts[stage].end_unit))
-        tied = tied_weights(self.model_cfg)
-        if any(head in names for _, head in tied):
-            units.add(0)  # the tied head starts as the embedding
-        for k in sorted(units):
-            unit = specs[k].build()
-            init_unit(self.model_cfg, unit, k, seed)
-            out.update({unit_prefix(k, len(specs)) + n: p.detach() for n, p in unit.named_parameters()})
-        for embed, head in tied:
-            if head in names:
-                out[head] = out[embed]
-        return out
 
     def _arbiter(self) -> UploadArbiter:
         group = next((g for g in self.settings.groups if self.rank in g), (self.rank,))
@@ -160,13 +146,6 @@ class PipelineEngine:
         return tuple(out)
 
     # ---- collectives (gloo, the default group) --------------------------------------------------
-    def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
-        """Sum named statistics over all workers (every worker reports the same names)."""
-        names = sorted(stats)
-        vec = torch.tensor([stats[k] for k in names], dtype=torch.float64)
-        dist.all_reduce(vec)
-        return dict(zip(names, vec.tolist()))
-
     def _exchange(self, mine: torch.Tensor, peer: int) -> torch.Tensor:
         other = torch.empty_like(mine)
         reqs = [dist.isend(mine.contiguous(), peer, tag=TIE_TAG), dist.irecv(other, peer, tag=TIE_TAG)]

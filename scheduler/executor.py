@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,12 +36,13 @@ import torch
 from mobius.engine import autocast
 from mobius.models import ModelConfig
 from mobius.models.base import lm_loss, run_units
-from mobius.optim import LossScaler, clip_coefficient
+from mobius.optim import LossScaler, end_of_step
 from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.comm import Counters, UploadArbiter
 from scheduler.stages import StageLayout, bind, build_units
 from scheduler.store import StageStore
 from scheduler.trace import StepTrace
+from scheduler.updater import CpuUpdater
 
 log = logging.getLogger(__name__)
 UPLOAD_CHUNK = 64 << 20  # bytes per arbitrated upload chunk
@@ -184,7 +184,7 @@ class Executor:
             self.copy_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
-        self.optim = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam")
+        self.updater = CpuUpdater()
         self.tied = {j: (o, n) for j, o, n in options.tied if j in hosts}
         self.slot_of: dict[int, DeviceSlot] = {}
         for j, store in self.resident.items():  # permanent slots
@@ -192,11 +192,7 @@ class Executor:
             slot.stage = j
             slot.ready.set()
             self.slot_of[j] = slot
-        self.failure: BaseException | None = None  # from a background thread, raised by check()
-        self._update_s = 0.0  # optimizer-thread seconds in AdamW since the last REDUCE (download waits excluded)
-        self._update_params = 0  # parameters those updates covered
-        self._update_lock = threading.Lock()
-        self._pending: list[Future] = []  # update jobs not yet known to be done
+        self.failure: BaseException | None = None  # from the upload thread, raised by check()
         self._runs = 0
         self.handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.UPLOAD: self._upload, Kind.FREE: self._free, Kind.FORWARD: self._forward, Kind.FB: self._fb,
@@ -225,9 +221,7 @@ class Executor:
 
     def sync(self) -> None:
         """Wait for every queued CPU update (and surface a failure of one)."""
-        for f in self._pending:
-            f.result()
-        self._pending.clear()
+        self.updater.sync()
         for host in self.hosts.values():
             host.updated.wait()
         self.check()
@@ -237,10 +231,11 @@ class Executor:
         if self.failure is not None:
             raise RuntimeError(f"a background task failed: {type(self.failure).__name__}: {self.failure}") \
                 from self.failure
+        self.updater.check()
 
     def close(self) -> None:
         self.copier.shutdown(wait=True)
-        self.optim.shutdown(wait=True)
+        self.updater.close()
 
     # ---- swaps ----------------------------------------------------------------------------------
     def _upload(self, a: Action) -> None:
@@ -354,7 +349,7 @@ class Executor:
             slot.released.record(torch.cuda.current_stream(self.device))
         slot.stage = None
 
-    def _resident(self, j: int, grads: bool, graph: bool = False) -> DeviceSlot:
+    def _on_device(self, j: int, grads: bool, graph: bool = False) -> DeviceSlot:
         """Wait for stage j's upload (counting the stall) and bind its modules to its slot: with
         gradients, or (``graph``) requiring them without buffers, or for inference."""
         slot = self.slot_of[j]
@@ -402,7 +397,7 @@ class Executor:
         j, m, st = a.stage, a.micro, self.st
         if st.sched.train and j in st.sched.kept:
             return self._forward_kept(j, m)
-        self._resident(j, grads=False)
+        self._on_device(j, grads=False)
         x = self._input(j, m)
         with torch.no_grad(), autocast(self.device, self.opt.precision):
             y = self._run(j, x, m)
@@ -418,7 +413,7 @@ class Executor:
         A swapped stage's graph holds its weights by position (:meth:`_weights_by_position`), so its
         slot may take other stages before the backward."""
         swapped = j not in self.resident
-        self._resident(j, grads=not swapped, graph=swapped)
+        self._on_device(j, grads=not swapped, graph=swapped)
         x = self._input(j, m)
         if x.is_floating_point():
             x = x.detach().requires_grad_()
@@ -452,7 +447,7 @@ class Executor:
     def _fb(self, a: Action) -> None:
         """Last stage: forward, loss and backward of one micro-batch (no recompute)."""
         j, m, st = a.stage, a.micro, self.st
-        slot = self._resident(j, grads=True)
+        slot = self._on_device(j, grads=True)
         x = self._input(j, m)
         if x.is_floating_point():
             x = x.detach().requires_grad_()
@@ -467,7 +462,7 @@ class Executor:
     def _backward(self, a: Action) -> None:
         """Recompute the stage's forward from its saved input (or take its kept graph), then backpropagate."""
         j, m, st = a.stage, a.micro, self.st
-        slot = self._resident(j, grads=True)
+        slot = self._on_device(j, grads=True)
         self._inputs_back(j)
         saved = st.saved.pop((j, m))
         g = st.waiting.pop(("g", j, m))()
@@ -565,31 +560,18 @@ class Executor:
     # ---- the CPU side ---------------------------------------------------------------------------
     def _update(self, a: Action) -> None:
         """Queue stage j's AdamW on the optimizer thread (it waits for the gradients' download)."""
-        st = self.st
-        job = self.optim.submit(self._update_job, a.stage, st.arrived.get(a.stage), st.io.lr, st.factor,
-                                st.skipped, st.trace)
-        self._pending = [f for f in self._pending if not f.done()] + [job]
+        j, st = a.stage, self.st
+        host, skip = self.hosts[j], st.skipped or self.opt.skip_updates
+        lr, factor, trace = st.io.lr, st.factor, st.trace
 
-    def _update_job(self, j: int, arrived: torch.cuda.Event | None, lr: float, factor: float, skipped: bool,
-                    trace: StepTrace | None) -> None:
-        t0 = time.perf_counter()
-        host, updated = self.hosts[j], 0
-        try:
-            if arrived is not None:
-                arrived.synchronize()
-            t0 = time.perf_counter()
-            if not (skipped or self.opt.skip_updates):
-                host.update(lr, factor)
-                updated = self.layouts[j].numel
-            if trace is not None:
-                trace.add("cpu", f"O{j}", t0, time.perf_counter())
-        except BaseException as e:
-            self.failure = self.failure or e
-        finally:
-            with self._update_lock:
-                self._update_s += time.perf_counter() - t0
-                self._update_params += updated
-            host.updated.set()
+        def update() -> int:
+            if skip:
+                return 0
+            host.update(lr, factor)
+            return self.layouts[j].numel
+
+        timed = (lambda t0, t1: trace.add("cpu", f"O{j}", t0, t1)) if trace is not None else None
+        self.updater.submit(update, st.arrived.get(j), host.updated, timed)
 
     def _device_update(self, a: Action) -> None:
         """A resident stage's AdamW on the compute stream, from its fp32 gradient sums."""
@@ -641,18 +623,13 @@ class Executor:
         if not st.sched.train:
             st.outcome = StepOutcome(loss, 0.0, False, total)
             return
-        scale = self.scaler.loss_factor()
-        norm = math.sqrt(total["sumsq"]) / scale if math.isfinite(total["sumsq"]) else math.inf
-        st.skipped = self.scaler.update(not math.isfinite(norm))
-        st.factor = clip_coefficient(norm, self.opt.grad_clip) / scale
+        norm, st.skipped, st.factor = end_of_step(total["sumsq"], self.scaler, self.opt.grad_clip)
         st.outcome = StepOutcome(loss, norm, st.skipped, total)
 
     def _local_stats(self, st: StepState) -> dict[str, float]:
-        h2d, d2h, p2p = self.counters.take()
-        with self._update_lock:
-            update_s, self._update_s = self._update_s, 0.0
-            update_params, self._update_params = self._update_params, 0
+        moved = self.counters.take()
+        update_s, update_params = self.updater.take()
         sumsq = sum(float(t) for t in st.sumsq) + st.tied_sumsq
-        return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "h2d_bytes": float(h2d),
-                "d2h_bytes": float(d2h), "p2p_bytes": float(p2p), "stall_s": st.stall_s, "upload_wait_s": st.wait_s,
-                "cpu_adam_s": update_s, "cpu_adam_params": float(update_params)}
+        return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "stall_s": st.stall_s,
+                "upload_wait_s": st.wait_s, "cpu_adam_s": update_s, "cpu_adam_params": float(update_params),
+                **{f"{kind}_bytes": float(n) for kind, n in moved.items()}}

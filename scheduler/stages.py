@@ -14,19 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mobius.models import ModelConfig, unit_specs
+from mobius.models import ModelConfig, unit_prefix, unit_specs
+from mobius.models.base import bind_parameters
 from mobius.optim import takes_decay
 
 ALIGN = 64  # elements; every parameter starts at a multiple of this (aligned vector loads and copies)
-
-
-def unit_prefix(index: int, num_units: int) -> str:
-    """State-dict prefix of unit ``index``: ``embed.``, ``blocks.{i}.`` or ``head.``."""
-    if index == 0:
-        return "embed."
-    if index == num_units - 1:
-        return "head."
-    return f"blocks.{index - 1}."
 
 
 @dataclass(frozen=True)
@@ -52,6 +44,11 @@ class StageLayout:
     @property
     def param_count(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def runs(self) -> list[tuple[int, int, bool]]:
+        """Which elements take weight decay: the decayed parameters first, then the others."""
+        return [(0, self.decay_numel, True), (self.decay_numel, self.numel, False)]
 
 
 def _align(n: int) -> int:
@@ -121,13 +118,7 @@ def bind(units: nn.ModuleList, layout: StageLayout, num_units: int, params: torc
     ``requires_grad`` defaults to whether ``grads`` are given."""
     requires_grad = grads is not None if requires_grad is None else requires_grad
     pv = views(params, layout)
-    gv = views(grads, layout) if grads is not None else {}
+    gv = views(grads, layout) if grads is not None else None
     for k, unit in zip(range(layout.first_unit, layout.end_unit), units):
-        prefix = unit_prefix(k, num_units)
-        for mod_name, mod in unit.named_modules():
-            for leaf in [n for n, p in mod._parameters.items() if p is not None]:
-                full = prefix + (f"{mod_name}." if mod_name else "") + leaf
-                param = nn.Parameter(pv[full], requires_grad=requires_grad)
-                if grads is not None:
-                    param.grad = gv[full]  # accumulated in place (a tied pair shares one gradient view)
-                mod._parameters[leaf] = param
+        bind_parameters(unit, unit_prefix(k, num_units), pv.__getitem__, requires_grad,
+                        gv.__getitem__ if gv is not None else None)

@@ -88,7 +88,7 @@ class StageStore:
             self.half = self.master if fp32 else torch.empty(n, dtype=train_dtype, device=device)
         assert not (half_grads and fp32), "half-precision downloads need a half-precision copy"
         self.grad = host_zeros(n, torch.float32, pin, self) if on_host and not half_grads else None
-        self.optimizer = FlatAdamW(self.master, None if fp32 else self.half, layout.decay_numel, cfg)
+        self.optimizer = FlatAdamW(self.master, None if fp32 else self.half, layout.runs, cfg)
         self.updated = threading.Event()  # set when master/half hold this step's weights
         self.updated.set()
 

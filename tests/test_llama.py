@@ -48,7 +48,7 @@ def test_logits_and_key_map_match_transformers(variant: str, tmp_path: Path) -> 
     cfg = config_from_hf(hf.config.to_dict())
     back = to_hf(from_hf(sd, cfg), cfg)
     if cfg.tie_word_embeddings:
-        sd = {k: v for k, v in sd.items() if k != "lm_head.weight"} | {"lm_head.weight": sd["model.embed_tokens.weight"]}
+        sd = {**{k: v for k, v in sd.items() if k != "lm_head.weight"}, "lm_head.weight": sd["model.embed_tokens.weight"]}
     assert set(back) == set(sd)
     for k in sd:
         assert torch.equal(back[k], sd[k]), k

@@ -47,7 +47,7 @@ def test_eval_schedule_is_forward_only() -> None:
 @pytest.mark.parametrize("S,N,M", [(4, 2, 2), (6, 2, 3), (12, 4, 2), (3, 1, 4), (1, 1, 2), (8, 4, 1)])
 @pytest.mark.parametrize("slots", [2, 1])
 def test_schedule_invariants(S: int, N: int, M: int, slots: int) -> None:
-    s = build_schedule(S, N, M, options=PipelineOptions(num_slots=slots))  # check() runs inside: residency, slots, one update
+    s = build_schedule(S, N, M, options=PipelineOptions(num_slots=slots))  # check() runs inside
     computes = [a for acts in s.actions for a in acts if a.kind in COMPUTE]
     assert sorted((a.stage, a.micro) for a in computes if a.kind != Kind.BACKWARD) == [(j, m) for j in range(S)
                                                                                         for m in range(M)]

@@ -65,3 +65,22 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
     assert measured["p2p_bytes"] == sum(sim.p2p_bytes) == 0
     if plan.offload_inputs:
         assert sim.bytes_by_kind.get("ckpt", 0) > 0  # inputs did go to host memory
+
+
+@pytest.mark.parametrize("zero", [{"chunk_size": 20_000, "gpu_chunks": 3, "cache_blocks": 4},
+                                  {"chunk_size": 50_000, "gpu_chunks": 0}])
+def test_zero_modes_counted_bytes_equal_its_plans(tmp_path: Path, aligned_checkpoint: Path, corpus: Path,
+                                                   zero: dict) -> None:
+    """Zero mode on two ranks: the bytes each rank counts where it gathers, uploads, reduce-scatters and
+    downloads equal the plan's per-rank traffic (its simulation of the same program and rCache)."""
+    raw = {"model": {"checkpoint": str(aligned_checkpoint)},
+           "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
+           "train": {"max_steps": 2, "micro_batch_size": 2, "micro_batches": 4, "eval_every": 0, "seed": 3},
+           "parallel": {"mode": "zero", "device": "cpu", "devices": 2}, "zero": zero,
+           "partition": {"cache_dir": str(tmp_path / "cache")}, "output": {"dir": str(tmp_path / "run"), "plot": False}}
+    train(config_from_dict(raw, "test.yaml"))
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    measured = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert plan["num_chunks"] > plan["gpu_chunks"]  # some chunks live in host memory
+    for kind, predicted in plan["traffic"].items():
+        assert measured[kind] == pytest.approx(predicted, rel=1e-9), kind

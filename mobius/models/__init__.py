@@ -7,6 +7,7 @@ import copy
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from mobius.errors import ConfigError
@@ -59,6 +60,34 @@ def init_unit(cfg: ModelConfig, unit: nn.Module, index: int, seed: int) -> None:
     family_of(cfg).model_cls.init_unit(cfg, unit, index, seed)
 
 
+def unit_prefix(index: int, num_units: int) -> str:
+    """State-dict prefix of unit ``index``: ``embed.``, ``blocks.{i}.`` or ``head.``."""
+    if index == 0:
+        return "embed."
+    if index == num_units - 1:
+        return "head."
+    return f"blocks.{index - 1}."
+
+
+def initial_weights(cfg: ModelConfig, units: set[int], seed: int) -> dict[str, torch.Tensor]:
+    """Freshly initialised weights of ``units`` by name, each unit built alone and initialised as the
+    whole model would (a pipeline stage or a zero rank never builds the model); a tied head weight
+    is the embedding's, so the embedding is initialised for it too."""
+    specs = unit_specs(cfg)
+    last = len(specs) - 1
+    tied = tied_weights(cfg)
+    todo = set(units) | ({0} if tied and last in units else set())
+    out: dict = {}
+    for k in sorted(todo):
+        unit = specs[k].build()
+        init_unit(cfg, unit, k, seed)
+        out.update({unit_prefix(k, len(specs)) + n: p.detach() for n, p in unit.named_parameters()})
+    for embed, head in tied:
+        if embed in out:
+            out[head] = out[embed]
+    return out
+
+
 def tied_weights(cfg: ModelConfig) -> list[tuple[str, str]]:
     """Tied parameter pairs (embedding name, head name) of a config, without building the model."""
     return cfg.tied_weights()
@@ -92,5 +121,6 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 __all__ = ["CausalLM", "UnitSpec", "lm_loss", "ModelConfig", "FAMILIES", "family_of", "get_preset",
-           "preset_names", "build_model", "init_unit", "tied_weights", "hidden_size", "dropout_active", "unit_specs", "param_count",
+           "preset_names", "build_model", "init_unit", "initial_weights", "unit_prefix", "tied_weights", "hidden_size",
+           "dropout_active", "unit_specs", "param_count",
            "tied_param_count"]

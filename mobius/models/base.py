@@ -151,6 +151,23 @@ def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int,
             p.copy_(torch.randn(p.shape, generator=gen) * s)
 
 
+def bind_parameters(unit: nn.Module, prefix: str, tensor_of: Callable[[str], torch.Tensor], requires_grad: bool,
+                    grad_of: Callable[[str], torch.Tensor] | None = None) -> list[tuple[str, nn.Parameter]]:
+    """Point a unit's parameters at memory the runtime owns (``tensor_of(full name)``: a view of a
+    flat buffer) through ``register_parameter``; with ``grad_of`` each one's ``.grad`` starts as that
+    view, so autograd accumulates into it in place. Returns the new parameters by full name."""
+    bound = []
+    for mod_name, mod in unit.named_modules():
+        for leaf, _ in list(mod.named_parameters(recurse=False)):
+            full = prefix + (f"{mod_name}." if mod_name else "") + leaf
+            param = nn.Parameter(tensor_of(full), requires_grad=requires_grad)
+            if grad_of is not None:
+                param.grad = grad_of(full)
+            mod.register_parameter(leaf, param)
+            bound.append((full, param))
+    return bound
+
+
 def unit_seed(seed: int, step: int, micro_batch: int, unit_index: int) -> int:
     """The dropout seed of one unit on one micro-batch: the same in every execution order,
     process and recomputation, so pipelined and single-device runs draw identical masks."""

@@ -101,8 +101,8 @@ class LlamaConfig:
             raise ConfigError(f"{where}: sliding_window must be positive or null, got {self.sliding_window}")
 
     family = property(lambda self: self.model_type)
-    ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                   "head_dim", "tie_word_embeddings")  # what a checkpoint must share with a preset of its name
+    ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "tie_word_embeddings")  # what a checkpoint shares with its preset
 
     @property
     def num_layers(self) -> int:

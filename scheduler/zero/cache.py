@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from partition.zero import CachePolicy, ChunkLayout
-from scheduler.comm import all_gather_flat, reduce_scatter_flat
+from scheduler.comm import Counters, all_gather_flat, reduce_scatter_flat
 
 
 class Streams:
@@ -66,8 +66,10 @@ class RCache:
     """``n_block`` blocks of one padded chunk each; replacement by :class:`~partition.zero.CachePolicy`."""
 
     def __init__(self, layout: ChunkLayout, n_block: int, dtype: torch.dtype, rank: int, world: int,
-                 group: Any, streams: Streams, fill: Callable[[int, torch.Tensor], None], prefetch: bool):
+                 group: Any, streams: Streams, fill: Callable[[int, torch.Tensor], None], prefetch: bool,
+                 counters: Counters):
         self.layout, self.rank, self.world, self.group = layout, rank, world, group
+        self.counters = counters
         self.streams, self.fill, self.prefetching = streams, fill, prefetch
         self.blocks = torch.zeros(n_block, layout.padded, dtype=dtype, device=streams.device)  # [n_block, P]
         # gathers write through an alias with its own autograd version counter: they refill blocks that no
@@ -137,7 +139,11 @@ class RCache:
         with self.streams.on(self.streams.gather):
             self.streams.wait(self.free_after[block], self.streams.gather)
             self.fill(chunk, mine)
-            work = all_gather_flat(buf, mine, self.group, async_op=True) if self.world > 1 else None
+            work = None
+            if self.world > 1:
+                work = all_gather_flat(buf, mine, self.group, async_op=True)
+                self.counters.add(allgather=(self.world - 1) * mine.nbytes)  # the other ranks' slices
+            self.counters.add(replaced=buf.nbytes)
             self.pending[chunk] = (work, self.streams.record(self.streams.gather))
 
     # ---- autograd's saved tensors (no activation checkpointing) ----------------------------------
@@ -162,9 +168,10 @@ class GradBuffers:
     """fp32 gradients of the chunks in backward use (at most ``limit`` buffers of one padded chunk),
     reduce-scattered into the owners' shards when a chunk's run of backward calls ends."""
 
-    def __init__(self, layout: ChunkLayout, limit: int, rank: int, world: int, group: Any, streams: Streams):
+    def __init__(self, layout: ChunkLayout, limit: int, rank: int, world: int, group: Any, streams: Streams,
+                 counters: Counters):
         self.layout, self.limit, self.rank, self.world, self.group = layout, limit, rank, world, group
-        self.streams = streams
+        self.streams, self.counters = streams, counters
         self.free: list[tuple[torch.Tensor, Any]] = []  # (buffer, event after which it may be reused)
         self.count = 0
         self.live: dict[int, torch.Tensor] = {}
@@ -196,6 +203,7 @@ class GradBuffers:
             if self.world > 1:
                 out = torch.empty(self.layout.shard, device=buf.device)  # [s]
                 reduce_scatter_flat(out, buf, self.group)
+                self.counters.add(reduce_scatter=(self.world - 1) * out.nbytes)  # the others' parts of my shard
             else:
                 out = buf
             if chunk in self.partial:

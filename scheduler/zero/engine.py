@@ -19,10 +19,6 @@ Micro-batches: rank ``r`` of ``N`` takes micro-batches ``r*M/N .. (r+1)*M/N - 1`
 from __future__ import annotations
 
 import logging
-import math
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -32,17 +28,18 @@ from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats, autocast
 from mobius.errors import CheckpointError, MobiusError
-from mobius.models import ModelConfig, dropout_active, unit_specs
-from mobius.models.base import lm_loss, run_units
+from mobius.models import ModelConfig, dropout_active, initial_weights, unit_prefix, unit_specs
+from mobius.models.base import bind_parameters, lm_loss, run_units
 from mobius.models.hf import LazyCheckpoint, from_hf
-from mobius.optim import LossScaler, clip_coefficient, waits_for_norm
+from mobius.optim import LossScaler, end_of_step, host_bytes_per_param, waits_for_norm
 from mobius.parallel import ParallelSettings
 from partition.zero import OpKind, ZeroPlan, build_layout, eval_program, grad_flushes, train_program
-from scheduler.comm import all_gather_flat
-from scheduler.stages import build_units, unit_prefix
+from scheduler.comm import Counters, all_gather_flat
+from scheduler.stages import build_units
 from scheduler.store import check_host_memory
 from scheduler.zero.cache import GradBuffers, RCache, Streams
-from scheduler.zero.params import bind, initial_tensors, model_params
+from scheduler.zero.params import model_params
+from scheduler.updater import CpuUpdater, sum_over_ranks
 from scheduler.zero.store import HostChunk, Shards
 
 log = logging.getLogger(__name__)
@@ -98,15 +95,13 @@ class ZeroEngine:
         self._load_weights(weights_from)
         self.streams = Streams(device)
         group = self._group(device)
+        self.counters = Counters()
         self.cache = RCache(self.layout, plan.cache_blocks, self.dtype, self.rank, self.world, group, self.streams,
-                            self._fill, plan.prefetch)
-        self.grads = GradBuffers(self.layout, self.layout.min_blocks + 1, self.rank, self.world, group, self.streams)
+                            self._fill, plan.prefetch, self.counters)
+        self.grads = GradBuffers(self.layout, self.layout.min_blocks + 1, self.rank, self.world, group, self.streams,
+                                 self.counters)
         self.units = build_units(model_cfg, 0, num_units)
-        self.optim = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam")
-        self.jobs: list[Future] = []
-        self.failure: BaseException | None = None
-        self.cpu_adam_s = 0.0  # optimizer-thread seconds since the last step's statistics
-        self._adam_lock = threading.Lock()
+        self.updater = CpuUpdater()
         self.updated: torch.cuda.Event | None = None  # the last GPU update (gathers of the next pass wait)
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
         self.optimizer_step = 0
@@ -119,8 +114,8 @@ class ZeroEngine:
     def _build_state(self, plan: ZeroPlan, device: torch.device) -> None:
         n, g = self.layout.num_chunks, min(plan.gpu_chunks, self.layout.num_chunks)
         offloaded = list(range(g, n))
-        half = 0 if self.dtype == torch.float32 else self.dtype.itemsize
-        check_host_memory(len(offloaded) * self.layout.shard * (16 + half), f"zero rank {self.rank}'s offloaded chunks")
+        per = host_bytes_per_param(self.cfg.train.precision, half_grads=False)  # as a swapped pipeline stage's
+        check_host_memory(len(offloaded) * self.layout.shard * per, f"zero rank {self.rank}'s offloaded chunks")
         self.gpu = Shards(self.layout, list(range(g)), self.rank, device, self.cfg.train)
         pin = device.type == "cuda"
         self.hosts = {c: HostChunk(self.layout, c, self.rank, self.dtype, self.cfg.train, pin) for c in offloaded}
@@ -152,7 +147,8 @@ class ZeroEngine:
         if source is not None:
             weights = from_hf(LazyCheckpoint(source), self.model_cfg, only=lambda k: k in names)
         else:
-            weights = initial_tensors(self.model_cfg, self.cfg.train.seed, {self.layout.params[p].units[0] for p in needed})
+            units = {self.layout.params[p].units[0] for p in needed}
+            weights = initial_weights(self.model_cfg, units, self.cfg.train.seed)
         missing = names - set(weights)
         if missing:
             raise CheckpointError(f"{source}: no weights for {sorted(missing)[:3]}")
@@ -174,6 +170,7 @@ class ZeroEngine:
             return
         host.ready.wait()
         mine.copy_(host.half, non_blocking=True)
+        self.counters.add(h2d=mine.nbytes)
 
     # ---- a step ---------------------------------------------------------------------------------
     def _begin(self, train: bool, step: int, batches: list[Batch], factor: float) -> _Pass:
@@ -208,12 +205,9 @@ class ZeroEngine:
         st.lr = lr
         self._run(st)
         gathers = list(self.cache.gathered)
-        total = self._reduce({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine)),
+        total = sum_over_ranks({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine)),
                               "sumsq": self.grads.take_sumsq()})
-        scale = self.scaler.loss_factor()
-        norm = math.sqrt(total["sumsq"]) / scale if math.isfinite(total["sumsq"]) else math.inf
-        skipped = self.scaler.update(not math.isfinite(norm))
-        factor = clip_coefficient(norm, self.cfg.train.grad_clip) / scale
+        norm, skipped, factor = end_of_step(total["sumsq"], self.scaler, self.cfg.train.grad_clip)
         if not skipped:
             self.gpu.step(lr, factor)
             self.optimizer_step += 1
@@ -226,15 +220,13 @@ class ZeroEngine:
                          self.scaler.scale if self.scaler.enabled else 1.0, self._counters(gathers))
 
     def _counters(self, gathers: list[int]) -> dict:
-        """Bytes this rank moved in the step (by the plan's accounting) and CPU AdamW seconds."""
-        s, e, N = self.layout.shard, self.dtype.itemsize, self.world
-        offloaded = sum(1 for c in gathers if c in self.hosts)
-        flushes = sum(len(f) for f in self.flushes)
-        with self._adam_lock:
-            adam, self.cpu_adam_s = self.cpu_adam_s, 0.0
-        return {"gathers": len(gathers), "replaced_bytes": len(gathers) * self.layout.padded * e,
-                "allgather_bytes": len(gathers) * (N - 1) * s * e, "reduce_scatter_bytes": flushes * (N - 1) * s * 4,
-                "h2d_bytes": offloaded * s * e, "d2h_bytes": len(self.hosts) * s * 4, "cpu_adam_s": round(adam, 4)}
+        """Bytes this rank moved in the step (counted where each copy and collective is issued) and
+        CPU AdamW seconds."""
+        moved = self.counters.take()
+        adam, _ = self.updater.take()
+        return {"gathers": len(gathers), "replaced_bytes": moved.get("replaced", 0),
+                "allgather_bytes": moved.get("allgather", 0), "reduce_scatter_bytes": moved.get("reduce_scatter", 0),
+                "h2d_bytes": moved["h2d"], "d2h_bytes": moved["d2h"], "cpu_adam_s": round(adam, 4)}
 
     # ---- operators ------------------------------------------------------------------------------
     def _bind(self, unit: int, grad: bool) -> list:
@@ -246,7 +238,7 @@ class ZeroEngine:
             parts = [self.cache.view(c)[seg.offset:seg.offset + seg.numel] for c, seg in pieces]
             return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
         prefix = unit_prefix(unit, len(self.units))
-        return [(self.index[n], p) for n, p in bind(self.units[unit], prefix, tensor_of, grad)]
+        return [(self.index[n], p) for n, p in bind_parameters(self.units[unit], prefix, tensor_of, grad)]
 
     def _call(self, unit: int, x: torch.Tensor, m: int, st: _Pass) -> torch.Tensor:
         seed = (self.dropout_seed, st.step, m) if self.dropout_seed is not None else None
@@ -324,54 +316,38 @@ class ZeroEngine:
         target = host.shards.grad if host is not None else self.gpu.grad_of(chunk)
         done = self.grads.flush(chunk, final, target)
         if host is not None and final:
+            self.counters.add(d2h=target.nbytes)
             st.arrived.append((chunk, done))
             if not self.barrier:  # the factor is 1: update as soon as the gradient is down
                 self._queue_update(chunk, done, st.lr, 1.0, False)
 
     def _queue_update(self, chunk: int, done: object, lr: float, factor: float, skip: bool) -> None:
-        self.jobs = [j for j in self.jobs if not j.done()]
-        self.jobs.append(self.optim.submit(self._cpu_update, chunk, done, lr, factor, skip))
-
-    def _cpu_update(self, chunk: int, done: object, lr: float, factor: float, skip: bool) -> None:
-        """(Optimizer thread) CPU AdamW of an offloaded chunk once its gradient shard is in host memory."""
-        t0 = time.perf_counter()
+        """CPU AdamW of an offloaded chunk on the optimizer thread, once its gradient shard is in host
+        memory (``done``); its half copy is rewritten in the same pass."""
         host = self.hosts[chunk]
-        try:
-            if done is not None:
-                done.synchronize()
-            if not skip:
-                host.update(lr, factor)
-        except BaseException as e:  # surfaced by check() on the dispatch thread
-            self.failure = self.failure or e
-        finally:
-            with self._adam_lock:
-                self.cpu_adam_s += time.perf_counter() - t0
-            host.ready.set()
 
-    def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
-        names = sorted(stats)
-        vec = torch.tensor([stats[k] for k in names], dtype=torch.float64)
-        if self.world > 1:
-            dist.all_reduce(vec)
-        return dict(zip(names, vec.tolist()))
+        def update() -> int:
+            if skip:
+                return 0
+            host.update(lr, factor)
+            return self.layout.shard
+
+        self.updater.submit(update, done, host.ready)
 
     def sync(self) -> None:
         """Wait for every queued CPU update (and surface a failure of one)."""
-        for j in self.jobs:
-            j.result()
-        self.jobs = []
-        self.check()
+        self.updater.sync()
 
     def check(self) -> None:
-        if self.failure is not None:
-            raise RuntimeError(f"a CPU update failed: {type(self.failure).__name__}: {self.failure}") from self.failure
+        self.updater.check()
 
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:
         st = self._begin(False, 0, batches, 1.0)
         self._run(st)
-        total = self._reduce({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine))})
+        self.counters.take()  # a training step reports its own bytes only
+        total = sum_over_ranks({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine))})
         return total["loss_sum"] / max(total["micro"], 1.0)
 
     # ---- state ----------------------------------------------------------------------------------
@@ -440,4 +416,4 @@ class ZeroEngine:
 
     def close(self) -> None:
         self.sync()
-        self.optim.shutdown(wait=True)
+        self.updater.close()

@@ -1,16 +1,11 @@
-"""The model's parameters as the chunk layout sees them, and the unit modules bound to chunk memory."""
+"""The model's parameters as the chunk layout sees them."""
 
 from __future__ import annotations
 
-from typing import Callable
-
-import torch
-from torch import nn
-
-from mobius.models import ModelConfig, init_unit, tied_weights, unit_specs
+from mobius.models import ModelConfig, tied_weights, unit_prefix, unit_specs
 from mobius.optim import takes_decay
 from partition.zero import ParamInfo
-from scheduler.stages import build_units, unit_prefix
+from scheduler.stages import build_units
 
 
 def model_params(cfg: ModelConfig) -> list[ParamInfo]:
@@ -32,31 +27,3 @@ def model_params(cfg: ModelConfig) -> list[ParamInfo]:
             index[full] = len(rows)
             rows.append([[full], tuple(p.shape), [k], takes_decay(p)])
     return [ParamInfo(tuple(n), shape, tuple(u), d) for n, shape, u, d in rows]
-
-
-def initial_tensors(cfg: ModelConfig, seed: int, units: set[int]) -> dict[str, torch.Tensor]:
-    """Freshly initialised weights of ``units`` (each built alone, as the whole model initialises it;
-    a tied head weight is the embedding's, so unit 0 must be among them for it)."""
-    specs = unit_specs(cfg)
-    out: dict[str, torch.Tensor] = {}
-    for k in sorted(units):
-        unit = specs[k].build()
-        init_unit(cfg, unit, k, seed)
-        out.update({unit_prefix(k, len(specs)) + n: p.detach() for n, p in unit.named_parameters()})
-    for embed, head in tied_weights(cfg):
-        if embed in out:
-            out[head] = out[embed]
-    return out
-
-
-def bind(unit: nn.Module, prefix: str, tensor_of: Callable[[str], torch.Tensor],
-         grad: bool) -> list[tuple[str, nn.Parameter]]:
-    """Point a unit's parameters at ``tensor_of(full name)``; returns the new parameters by name."""
-    bound = []
-    for mod_name, mod in unit.named_modules():
-        for leaf in [n for n, p in mod._parameters.items() if p is not None]:
-            full = prefix + (f"{mod_name}." if mod_name else "") + leaf
-            param = nn.Parameter(tensor_of(full), requires_grad=grad)
-            mod._parameters[leaf] = param
-            bound.append((full, param))
-    return bound

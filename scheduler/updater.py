@@ -1,0 +1,93 @@
+"""The host side of both runtimes: the optimizer thread, the end of a step, the statistics' sum.
+
+* :class:`CpuUpdater` -- one thread that runs host-side AdamW jobs (a pipeline stage's
+  :class:`~mobius.optim.FlatAdamW`, an offloaded zero chunk's) in the order they are queued, each
+  once its gradients are in host memory; it times them, keeps the first failure for the dispatch
+  thread to raise, and marks each job's store ready when done (or failed).
+* :func:`sum_over_ranks` -- the step's named statistics summed over the ranks of a process group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Waitable(Protocol):
+    """What a job waits for before it starts: a CUDA event of its gradients' copy."""
+
+    def synchronize(self) -> None: ...
+
+
+class CpuUpdater:
+    """One optimizer thread: jobs run one at a time, in the order :meth:`submit` queues them."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam")
+        self.jobs: list[Future] = []
+        self.failure: BaseException | None = None
+        self._lock = threading.Lock()
+        self._seconds = 0.0  # in updates since the last take(), waits for gradients excluded
+        self._params = 0  # parameters those updates covered
+
+    def submit(self, update: Callable[[], int], arrived: Waitable | None, done: threading.Event,
+               on_timed: Callable[[float, float], None] | None = None) -> None:
+        """Queue ``update`` (it returns how many parameters it updated) to run once ``arrived`` has
+        happened; ``done`` is set when it has finished or failed; ``on_timed(start, end)`` reports
+        its span (for a step trace)."""
+        self.jobs = [j for j in self.jobs if not j.done()]
+        self.jobs.append(self.pool.submit(self._run, update, arrived, done, on_timed))
+
+    def _run(self, update: Callable[[], int], arrived: Waitable | None, done: threading.Event,
+             on_timed: Callable[[float, float], None] | None) -> None:
+        t0, updated = time.perf_counter(), 0
+        try:
+            if arrived is not None:
+                arrived.synchronize()
+            t0 = time.perf_counter()
+            updated = update()
+            if on_timed is not None:
+                on_timed(t0, time.perf_counter())
+        except BaseException as e:  # raised by check() on the dispatch thread
+            self.failure = self.failure or e
+        finally:
+            with self._lock:
+                self._seconds += time.perf_counter() - t0
+                self._params += updated
+            done.set()
+
+    def sync(self) -> None:
+        """Wait for every queued job; raise the first failure."""
+        for j in self.jobs:
+            j.result()
+        self.jobs = []
+        self.check()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"a CPU update failed: {type(self.failure).__name__}: {self.failure}") \
+                from self.failure
+
+    def take(self) -> tuple[float, int]:
+        """Seconds spent in updates and parameters updated since the last call."""
+        with self._lock:
+            out = (self._seconds, self._params)
+            self._seconds, self._params = 0.0, 0
+            return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def sum_over_ranks(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Named statistics summed over the ranks (every rank reports the same names); one rank: as given."""
+    names = sorted(stats)
+    vec = torch.tensor([stats[k] for k in names], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(vec, group=group)
+    return dict(zip(names, vec.tolist()))
