@@ -77,7 +77,7 @@ def mip_vs_baselines(model: PaperModel, mbs: int, variant: str) -> dict:
     prof = profile_of(model, mbs)
     t0 = time.perf_counter()
     plan = plan_model(prof, hw, micro_batches=4, mapping="cross")
-    free = simulate(prof, plan.boundaries, uncontended(hw), plan.slots, 4, plan.options, record=False).step_s
+    free = simulate(prof, plan.boundaries, uncontended(hw), plan.worker_gpus, 4, plan.options, record=False).step_s
     row = {"model": model.name, "mbs": mbs, "variant": variant, "mip_s": plan.predicted_step_s,
            "mip_model_s": plan.model_step_s, "sim_uncontended_s": free, "mip_stages": plan.num_stages,
            "solver": plan.solver,
@@ -104,7 +104,7 @@ def cross_vs_sequential(model: PaperModel, mbs: int, variant: str, sharing: str 
                            prefetch=prefetch)
     return {"model": model.name, "mbs": mbs, "variant": variant, "sharing": sharing, "slots": cross.num_slots,
             "cross_s": cross.predicted_step_s, "sequential_s": seq,
-            "replanned_sequential_s": replanned.predicted_step_s, "cross_slots": cross.slots,
+            "replanned_sequential_s": replanned.predicted_step_s, "cross_worker_gpus": cross.worker_gpus,
             "stages": cross.num_stages, "reduction": 1 - cross.predicted_step_s / seq}
 
 
@@ -123,7 +123,7 @@ def regime(groups: list[list[int]], upload_x_fwd: float, slots: int, sharing: st
     hw = Hardware.uniform(n, 64 * 2**30, link, groups=groups, cpu_adam_params_per_s=1e15)
     bounds = [0, 2] + list(range(3, blocks + 1)) + [blocks + 2]
     options = PipelineOptions(num_slots=slots)
-    cross = cross_mapping(groups, len(bounds) - 1).slots
+    cross = cross_mapping(groups, len(bounds) - 1).worker_gpus
     t = {name: simulate(prof, bounds, hw, list(order), n, options, sharing, record=False).step_s
          for name, order in (("cross", cross), ("sequential", range(n)))}
     per_gpu_forward = sum(u.fwd_s for u in prof.units[1:-1]) / n * n  # its stages, every micro-batch
@@ -153,7 +153,7 @@ def print_tables(fig9: list[dict], fig10: list[dict]) -> None:
     for r in fig10:
         print(f"{r['variant']:<13}{r['model']:>5}{r['mbs']:>4}{r['sharing']:>10}{r['slots']:>6}{r['cross_s']:>9.3f}"
               f"{r['sequential_s']:>9.3f}{r['stages']:>4}  {_pct(r['reduction'])}     {r['replanned_sequential_s']:.3f}")
-    print("cross slots (GPU per slot):", fig10[0]["cross_slots"] if fig10 else "-")
+    print("cross mapping (GPU of each worker):", fig10[0]["cross_worker_gpus"] if fig10 else "-")
 
 
 def print_regimes(rows: list[dict]) -> None:

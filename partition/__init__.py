@@ -23,7 +23,9 @@ from partition.gpus import GPU_CATALOGUE, GPUSpec, gpu_spec, lookup_gpu
 from partition.hardware import Hardware
 from partition.mip import MipResult, build_model, solve_partition, solve_stage_count
 from partition.plan import Plan, StagePlan, plan_model
-from partition.profile import estimate_units, get_profile, profile_units
+from partition.estimate import estimate_units
+from partition.measure import profile_units
+from partition.profile import get_profile
 from partition.schedule import PipelineOptions
 from partition.simulate import SimResult, simulate
 

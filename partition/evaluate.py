@@ -60,11 +60,11 @@ def activation_seconds_per_byte(hw: Hardware, src: int, dst: int) -> float:
     return 1.0 / hw.uncontended_d2h(src) + 1.0 / hw.uncontended_h2d(dst)
 
 
-def rates_for(profile: ModelProfile, hw: Hardware, slots: list[int], num_stages: int,
+def rates_for(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], num_stages: int,
               bandwidth: str = "link", half_grads: bool = False) -> Rates:
-    """Per-stage rates of an S-stage pipeline whose stage j runs on GPU ``slots[j % N]``."""
-    N = len(slots)
-    gpu = [slots[j % N] for j in range(num_stages)]
+    """Per-stage rates of an S-stage pipeline whose stage j runs on GPU ``worker_gpus[j % N]``."""
+    N = len(worker_gpus)
+    gpu = [worker_gpus[j % N] for j in range(num_stages)]
     up = hw.uncontended_h2d if bandwidth == "link" else hw.shared_h2d
     down = hw.uncontended_d2h if bandwidth == "link" else hw.shared_d2h
     lat_in = [activation_seconds_per_byte(hw, gpu[j - 1], gpu[j]) * GB if j else 0.0 for j in range(num_stages)]
@@ -79,14 +79,14 @@ def rates_for(profile: ModelProfile, hw: Hardware, slots: list[int], num_stages:
 class ModelEvaluator:
     """Evaluates many partitions of one model on one machine, caching stage costs and rates."""
 
-    def __init__(self, profile: ModelProfile, hw: Hardware, slots_for: Callable[[int], list[int]],
+    def __init__(self, profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int], list[int]],
                  micro_batches: int, bandwidth: str = "link", options: PipelineOptions = PipelineOptions()):
-        self.profile, self.hw, self.slots_for, self.M = profile, hw, slots_for, micro_batches
+        self.profile, self.hw, self.gpus_for, self.M = profile, hw, gpus_for, micro_batches
         self.bandwidth, self.options = bandwidth, options
         self.half = profile.precision != "fp32"
         self._stage: dict[tuple[int, int], StageCost] = {}
         self._exprs: dict[tuple[int, int], StageExprs] = {}
-        self._slots: dict[int, list[int]] = {}
+        self._worker_gpus: dict[int, list[int]] = {}
         self._rates: dict[int, Rates] = {}
         self.evaluations = 0
 
@@ -96,19 +96,19 @@ class ModelEvaluator:
             sc = self._stage[(a, b)] = stage_cost(self.profile, a, b)
         return sc
 
-    def slots(self, S: int) -> list[int]:
-        if S not in self._slots:
-            self._slots[S] = list(self.slots_for(S))
-        return self._slots[S]
+    def worker_gpus(self, S: int) -> list[int]:
+        if S not in self._worker_gpus:
+            self._worker_gpus[S] = list(self.gpus_for(S))
+        return self._worker_gpus[S]
 
     def rates(self, S: int) -> Rates:
         if S not in self._rates:
-            self._rates[S] = rates_for(self.profile, self.hw, self.slots(S), S, self.bandwidth,
+            self._rates[S] = rates_for(self.profile, self.hw, self.worker_gpus(S), S, self.bandwidth,
                                        self.options.grad_dtype == "half")
         return self._rates[S]
 
     def shape(self, S: int, options: PipelineOptions | None = None) -> Shape:
-        return Shape(S, len(self.slots(S)), self.M, options or self.options, tied=self.profile.tied_params > 0)
+        return Shape(S, len(self.worker_gpus(S)), self.M, options or self.options, tied=self.profile.tied_params > 0)
 
     def exprs(self, boundaries: list[int]) -> list[StageExprs]:
         return [self._exprs.get((a, b)) or self._exprs.setdefault((a, b), stage_exprs(self.stage(a, b), self.half))
@@ -129,8 +129,8 @@ class ModelEvaluator:
         return self.evaluate(boundaries).T
 
 
-def model_step_time(profile: ModelProfile, hw: Hardware, slots: list[int], micro_batches: int,
+def model_step_time(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], micro_batches: int,
                     boundaries: list[int], bandwidth: str = "link",
                     options: PipelineOptions = PipelineOptions()) -> float:
     """The MIP's step time for one partition (``inf`` if it breaks a memory rule)."""
-    return ModelEvaluator(profile, hw, lambda S: slots, micro_batches, bandwidth, options).step_time(boundaries)
+    return ModelEvaluator(profile, hw, lambda S: worker_gpus, micro_batches, bandwidth, options).step_time(boundaries)

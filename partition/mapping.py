@@ -1,7 +1,7 @@
 """Stage-to-GPU slot orders for the planner, from ``topology``'s mapping search.
 
 The planner tries every stage count, and the best cross mapping may depend on it, so it takes a
-function ``slots_for(num_stages) -> slots``. :func:`slots_function` memoises one over
+function ``gpus_for(num_stages) -> worker_gpus``. :func:`gpus_function` memoises one over
 :func:`topology.cross_mapping` or :func:`topology.sequential_mapping` (imported lazily).
 """
 
@@ -12,11 +12,11 @@ from typing import Callable, Literal, Sequence
 from mobius.errors import ConfigError
 
 MappingKind = Literal["cross", "sequential"]
-SlotsFor = Callable[[int], list[int]]
+GpusFor = Callable[[int], list[int]]
 
 
-def slots_function(groups: Sequence[Sequence[int]], kind: MappingKind | str = "cross") -> SlotsFor:
-    """``num_stages -> slots`` for the root complexes ``groups`` (GPU indices 0..N-1)."""
+def gpus_function(groups: Sequence[Sequence[int]], kind: MappingKind | str = "cross") -> GpusFor:
+    """``num_stages -> worker_gpus`` for the root complexes ``groups`` (GPU indices 0..N-1)."""
     import topology
 
     if kind not in ("cross", "sequential"):
@@ -25,21 +25,21 @@ def slots_function(groups: Sequence[Sequence[int]], kind: MappingKind | str = "c
     cache: dict[int, list[int]] = {}
     groups = [list(g) for g in groups]
 
-    def slots_for(num_stages: int) -> list[int]:
+    def gpus_for(num_stages: int) -> list[int]:
         if num_stages not in cache:
-            cache[num_stages] = list(search(groups, max(1, num_stages)).slots)
+            cache[num_stages] = list(search(groups, max(1, num_stages)).worker_gpus)
         return cache[num_stages]
 
-    return slots_for
+    return gpus_for
 
 
-def as_slots_function(mapping: MappingKind | str | Sequence[int] | SlotsFor, groups: Sequence[Sequence[int]]) -> SlotsFor:
+def as_gpus_function(mapping: MappingKind | str | Sequence[int] | GpusFor, groups: Sequence[Sequence[int]]) -> GpusFor:
     """Accept a mapping kind, a fixed slot order, or a function, and return a function."""
     if callable(mapping):
         return mapping
     if isinstance(mapping, str):
-        return slots_function(groups, mapping)
+        return gpus_function(groups, mapping)
     fixed = [int(s) for s in mapping]
     if sorted(fixed) != list(range(len(fixed))):
-        raise ConfigError(f"slots {fixed} must be a permutation of the GPUs 0..{len(fixed) - 1}")
+        raise ConfigError(f"worker_gpus {fixed} must be a permutation of the GPUs 0..{len(fixed) - 1}")
     return lambda num_stages: fixed

@@ -1,6 +1,6 @@
 """The partition MIP: which contiguous units form each stage, minimising the step time.
 
-One model per stage count ``S`` (``S`` is enumerated; the stage-to-GPU slots may depend on it).
+One model per stage count ``S`` (``S`` is enumerated; the stage-to-GPU worker_gpus may depend on it).
 The timing and memory constraints are :mod:`partition.timing`'s statements emitted as rows (every
 start time is bounded *below* by what it waits for: the paper's constraints 8-11 with the signs
 the text implies), so for a fixed partition the MIP's optimum equals
@@ -251,7 +251,7 @@ def _cut_work(lm: LinearModel, units: list[UnitCost], z: list[list[Lin]], j: int
 
 
 # ---------------------------------------------------------------------------------- the model
-def build_model(profile: ModelProfile, hw: Hardware, slots: list[int], micro_batches: int, num_stages: int,
+def build_model(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], micro_batches: int, num_stages: int,
                 encoding: Encoding = "auto", bandwidth: BandwidthView = "link",
                 options: PipelineOptions = PipelineOptions()) -> BuiltModel:
     """The MIP for ``num_stages`` stages. ``bandwidth="link"`` gives each GPU its uncontended link
@@ -266,21 +266,21 @@ def build_model(profile: ModelProfile, hw: Hardware, slots: list[int], micro_bat
     else:
         st, decode = _cut_encoding(lm, profile, S)
     assert not options.resident and not options.kept, "residency is chosen after the partition (plan.py)"
-    shape = Shape(S, len(slots), micro_batches, options, tied=profile.tied_params > 0)
-    rates = rates_for(profile, hw, slots, S, bandwidth, options.grad_dtype == "half")
+    shape = Shape(S, len(worker_gpus), micro_batches, options, tied=profile.tied_params > 0)
+    rates = rates_for(profile, hw, worker_gpus, S, bandwidth, options.grad_dtype == "half")
     times = step_model(Rows(lm), st, rates, shape, hw.gpu_memory_bytes / GB)
     lm.objective = times.step if isinstance(times.step, Lin) else Lin(const=times.step)
     return BuiltModel(lm, S, encoding, decode)
 
 
 # ---------------------------------------------------------------------------------- search
-def solve_stage_count(profile: ModelProfile, hw: Hardware, slots: list[int], micro_batches: int, num_stages: int,
+def solve_stage_count(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], micro_batches: int, num_stages: int,
                       solver: SolverName = "auto", time_limit_s: float = 30.0, cutoff: float | None = None,
                       encoding: Encoding = "auto", bandwidth: BandwidthView = "link",
                       rel_gap: float = 1e-4, options: PipelineOptions = PipelineOptions()) -> StageCountResult:
     """Build and solve the model for one stage count (to ``rel_gap`` relative optimality gap). With a
     ``cutoff``, only a partition faster than it counts; status ``cutoff`` proves none exists."""
-    built = build_model(profile, hw, slots, micro_batches, num_stages, encoding, bandwidth, options)
+    built = build_model(profile, hw, worker_gpus, micro_batches, num_stages, encoding, bandwidth, options)
     lm = built.lm
     out = StageCountResult(num_stages, "infeasible", math.inf, math.inf, None, "", 0.0, lm.num_vars, lm.num_rows,
                            built.encoding)
@@ -304,7 +304,7 @@ def solve_stage_count(profile: ModelProfile, hw: Hardware, slots: list[int], mic
     return out
 
 
-def solve_partition(profile: ModelProfile, hw: Hardware, slots_for: Callable[[int], list[int]], micro_batches: int,
+def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int], list[int]], micro_batches: int,
                     solver: SolverName = "auto", time_limit_s: float = 30.0, stage_counts: list[int] | None = None,
                     encoding: Encoding = "auto", bandwidth: BandwidthView = "link",
                     seed: bool = True, rel_gap: float = DEFAULT_REL_GAP,
@@ -318,14 +318,14 @@ def solve_partition(profile: ModelProfile, hw: Hardware, slots_for: Callable[[in
     """
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))
-    ev = ModelEvaluator(profile, hw, slots_for, micro_batches, bandwidth, options)
+    ev = ModelEvaluator(profile, hw, gpus_for, micro_batches, bandwidth, options)
     best: StageCountResult | None = None
     ranking: dict[int, float] = {}
     if seed:
         inc = find_incumbent(ev, counts)
         ranking = inc.per_stage_count
         if inc.boundaries is not None:
-            best = _from_schedule(ev, inc.boundaries, slots_for)
+            best = _from_schedule(ev, inc.boundaries, gpus_for)
     order = sorted(counts, key=lambda S: (ranking.get(S, math.inf), S))
     results: list[StageCountResult] = []
     for S in order:
@@ -334,7 +334,7 @@ def solve_partition(profile: ModelProfile, hw: Hardware, slots_for: Callable[[in
             log.warning("partition time limit reached before trying %d stages", S)
             break
         cutoff = best.predicted_s * (1 - rel_gap) if best is not None else None  # only a real improvement counts
-        r = solve_stage_count(profile, hw, slots_for(S), micro_batches, S, solver, left, cutoff, encoding, bandwidth,
+        r = solve_stage_count(profile, hw, gpus_for(S), micro_batches, S, solver, left, cutoff, encoding, bandwidth,
                               rel_gap, options)
         results.append(r)
         if r.boundaries is not None and (best is None or r.predicted_s < best.predicted_s):
@@ -347,18 +347,18 @@ def solve_partition(profile: ModelProfile, hw: Hardware, slots_for: Callable[[in
     return MipResult(best, results, time.perf_counter() - t0, _lower_bound(results, counts), skipped)
 
 
-def given_partition(profile: ModelProfile, hw: Hardware, slots_for: Callable[[int], list[int]], micro_batches: int,
+def given_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int], list[int]], micro_batches: int,
                     boundaries: list[int], bandwidth: BandwidthView = "link",
                     options: PipelineOptions = PipelineOptions()) -> MipResult:
     """A result for a partition chosen by the user (``parallel.stages``), scored by the timing model."""
     t0 = time.perf_counter()
-    ev = ModelEvaluator(profile, hw, slots_for, micro_batches, bandwidth, options)
-    res = _from_schedule(ev, list(boundaries), slots_for)
+    ev = ModelEvaluator(profile, hw, gpus_for, micro_batches, bandwidth, options)
+    res = _from_schedule(ev, list(boundaries), gpus_for)
     res.status, res.encoding = "given", "given"
     return MipResult(res, [res], time.perf_counter() - t0, res.predicted_s)
 
 
-def _from_schedule(ev: ModelEvaluator, bounds: list[int], slots_for: Callable[[int], list[int]]) -> StageCountResult:
+def _from_schedule(ev: ModelEvaluator, bounds: list[int], gpus_for: Callable[[int], list[int]]) -> StageCountResult:
     """A result for a partition the local search (or the user) chose; its time is the model's."""
     return StageCountResult(len(bounds) - 1, "local search", ev.step_time(bounds), 0.0, bounds, "", 0.0, 0, 0,
                             "local search")

@@ -28,7 +28,7 @@ from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
 from partition.lp import SolverName
-from partition.mapping import MappingKind, SlotsFor, as_slots_function
+from partition.mapping import MappingKind, GpusFor, as_gpus_function
 from partition.mip import (DEFAULT_REL_GAP, BandwidthView, MipResult, explain_infeasible, given_partition,
                            solve_partition)
 from partition.simulate import SimResult, Sharing, simulate
@@ -62,13 +62,13 @@ class Plan:
     """A partition of the model into stages mapped to GPUs, the runtime's settings and the predicted cost."""
 
     boundaries: list[int]
-    slots: list[int]
+    worker_gpus: list[int]
     num_gpus: int
     micro_batches: int
     micro_batch_size: int
     seq_len: int
     precision: str
-    options: PipelineOptions  # the runtime's settings: slots, offload, barrier, resident / kept stages, downloads
+    options: PipelineOptions  # the runtime's settings: device slots, offload, barrier, resident / kept stages, downloads
     predicted_step_s: float  # the runtime's schedule simulated on the topology (contention included)
     model_step_s: float  # the MIP's own figure (no root-complex contention)
     solver: str
@@ -98,7 +98,7 @@ class Plan:
         return len(self.boundaries) - 1
 
     def gpu_of_stage(self, j: int) -> int:
-        return self.slots[j % len(self.slots)]
+        return self.worker_gpus[j % len(self.worker_gpus)]
 
     num_slots = property(lambda self: self.options.num_slots)
     offload_inputs = property(lambda self: self.options.offload_inputs)
@@ -114,7 +114,7 @@ class Plan:
         out.update(num_slots=self.num_slots, offload_inputs=self.offload_inputs, barrier=self.barrier,
                    resident=self.resident, kept=self.kept, grad_dtype=self.grad_dtype)
         out["num_stages"] = self.num_stages
-        out["mapping"] = {"kind": self.mapping_kind, "slots": self.slots,
+        out["mapping"] = {"kind": self.mapping_kind, "worker_gpus": self.worker_gpus,
                           "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)]}
         return _finite(out)
 
@@ -159,8 +159,8 @@ def _stage_list(stages: list[int]) -> str:
 
 
 def _summary_lines(p: Plan) -> list[str]:
-    lines = [f"stages: {p.num_stages} on {p.num_gpus} GPU(s), {p.mapping_kind} mapping, slots {p.slots} "
-             f"(stage j runs on GPU slots[j % {len(p.slots)}])",
+    lines = [f"stages: {p.num_stages} on {p.num_gpus} GPU(s), {p.mapping_kind} mapping, worker GPUs {p.worker_gpus} "
+             f"(stage j runs on GPU worker_gpus[j % {len(p.worker_gpus)}])",
              f"  {'stage':>5}  {'units':<22} {'gpu':>3}  {'where':<8} {'params':>9}  {'fwd/mb':>8}  {'bwd/mb':>8}  "
              f"{'upload wait':>11}  {'peak fwd':>9}  {'peak bwd':>9}"]
     for s in p.stages:
@@ -199,7 +199,7 @@ def _summary_lines(p: Plan) -> list[str]:
 # ---------------------------------------------------------------------------------- entry point
 def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardware, *, micro_batches: int,
                micro_batch_size: int = 1, seq_len: int = 512, precision: str = "bf16",
-               mapping: MappingKind | str | Sequence[int] | SlotsFor = "cross", solver: SolverName = "auto",
+               mapping: MappingKind | str | Sequence[int] | GpusFor = "cross", solver: SolverName = "auto",
                time_limit_s: float = 30.0, profile: str = "auto", gpu: Any = None, cache_dir: str | None = None,
                bandwidth_view: BandwidthView = "link", sharing: Sharing = "priority",
                with_baselines: bool = True, rel_gap: float = DEFAULT_REL_GAP, prefetch: bool = True,
@@ -222,31 +222,31 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
     """
     prof = _profile(specs_or_profile, micro_batch_size, seq_len, precision, profile, gpu, cache_dir)
     _check_grad_download(grad_download, prof.precision)
-    slots_for = as_slots_function(mapping, hardware.groups)
+    gpus_for = as_gpus_function(mapping, hardware.groups)
     t0 = time.perf_counter()
-    res, options = _search(prof, hardware, slots_for, micro_batches, solver, time_limit_s, bandwidth_view, rel_gap,
+    res, options = _search(prof, hardware, gpus_for, micro_batches, solver, time_limit_s, bandwidth_view, rel_gap,
                            prefetch, min_stages, boundaries, offload_inputs, barrier,
                            "half" if grad_download == "half" else "fp32")
     bounds = res.best.boundaries
-    slots = slots_for(len(bounds) - 1)
+    worker_gpus = gpus_for(len(bounds) - 1)
     want = (None if resident is None else frozenset(resident), None if kept is None else frozenset(kept))
-    options, sim = _residency(prof, hardware, slots_for, micro_batches, bounds, options, bandwidth_view, sharing, *want)
-    options, sim, choice = _grad_dtype(prof, hardware, slots, micro_batches, bounds, options, sharing, grad_download,
+    options, sim = _residency(prof, hardware, gpus_for, micro_batches, bounds, options, bandwidth_view, sharing, *want)
+    options, sim, choice = _grad_dtype(prof, hardware, worker_gpus, micro_batches, bounds, options, sharing, grad_download,
                                        sim)
     _check_host_memory(prof, hardware, bounds, options)
     base, base_bounds = {}, {}
     if with_baselines:
         swapped = dataclasses.replace(options, resident=frozenset(), kept=frozenset())
         for name, fn in BASELINES.items():
-            b = fn(prof, hardware, len(slots), micro_batches, swapped)
+            b = fn(prof, hardware, len(worker_gpus), micro_batches, swapped)
             base_bounds[name] = b
-            base[name] = _baseline_time(prof, hardware, slots_for, micro_batches, b, options, bandwidth_view, sharing,
+            base[name] = _baseline_time(prof, hardware, gpus_for, micro_batches, b, options, bandwidth_view, sharing,
                                         want) if b else None
     res.solve_s = time.perf_counter() - t0
     label = mapping if isinstance(mapping, str) else "given"
-    plan = _assemble(prof, hardware, bounds, slots, micro_batches, options, sim, res, base, base_bounds, label)
+    plan = _assemble(prof, hardware, bounds, worker_gpus, micro_batches, options, sim, res, base, base_bounds, label)
     plan.grad_choice = choice
-    plan.model_step_s = ModelEvaluator(prof, hardware, slots_for, micro_batches, bandwidth_view, options).step_time(bounds)
+    plan.model_step_s = ModelEvaluator(prof, hardware, gpus_for, micro_batches, bandwidth_view, options).step_time(bounds)
     return plan
 
 
@@ -262,13 +262,13 @@ RESIDENCY_RESERVE = 0.06  # of the usable GPU memory, kept free by the automatic
 # model's error and the allocator's fragmentation (an H100 capped at 24 GiB ran out with 23.9 GiB planned)
 
 
-def _residency(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, bounds: list[int],
+def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
                options: PipelineOptions, view: BandwidthView, sharing: Sharing, resident: frozenset[int] | None,
                kept: frozenset[int] | None) -> tuple[PipelineOptions, SimResult]:
     """The partition's resident and kept stages (given, or chosen by the second pass) and its
     simulation; an automatic choice the simulator finds slower than none is dropped."""
-    ev = ModelEvaluator(prof, hw, slots_for, M, view, options)
-    slots = slots_for(len(bounds) - 1)
+    ev = ModelEvaluator(prof, hw, gpus_for, M, view, options)
+    worker_gpus = gpus_for(len(bounds) - 1)
     if resident or kept:
         wrong = residency.check_choice(ev, bounds, resident or frozenset(), kept or frozenset())
         if wrong:
@@ -276,7 +276,7 @@ def _residency(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, bo
     res, kp, t = frozenset(), frozenset(), math.inf
     if resident is None or kept is None:  # what the planner adds leaves RESIDENCY_RESERVE of the GPU free
         spare = dataclasses.replace(hw, gpu_memory_bytes=int(hw.gpu_memory_bytes * (1 - RESIDENCY_RESERVE)))
-        res, kp, t = residency.choose(ModelEvaluator(prof, spare, slots_for, M, view, options), bounds, resident, kept)
+        res, kp, t = residency.choose(ModelEvaluator(prof, spare, gpus_for, M, view, options), bounds, resident, kept)
     if not math.isfinite(t):  # or what the config forces does not fit that way
         res, kp, t = residency.choose(ev, bounds, resident, kept)
     chosen = dataclasses.replace(options, resident=res, kept=kp)
@@ -284,9 +284,9 @@ def _residency(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, bo
         broken = ev.evaluate(bounds, chosen).violations[0]
         raise MobiusError(f"resident stages {sorted(res)} and kept stages {sorted(kp)} do not fit: {broken[0]} needs "
                           f"{broken[1]:.2f} GB of the {broken[2]:.2f} GB usable per GPU")
-    sim = simulate(prof, bounds, hw, slots, M, chosen, sharing)
+    sim = simulate(prof, bounds, hw, worker_gpus, M, chosen, sharing)
     if (res or kp) and (resident is None or kept is None) and not (resident or kept):
-        plain = simulate(prof, bounds, hw, slots, M, options, sharing)
+        plain = simulate(prof, bounds, hw, worker_gpus, M, options, sharing)
         if plain.step_s <= sim.step_s:
             log.info("the resident/kept choice %s/%s simulates slower (%.3f s) than none (%.3f s): dropped",
                      sorted(res), sorted(kp), sim.step_s, plain.step_s)
@@ -297,7 +297,7 @@ def _residency(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, bo
 GRAD_HALF_GAIN = 0.05  # auto downloads half-precision gradients when the simulated step is this much shorter
 
 
-def _grad_dtype(prof: ModelProfile, hw: Hardware, slots: list[int], M: int, bounds: list[int],
+def _grad_dtype(prof: ModelProfile, hw: Hardware, worker_gpus: list[int], M: int, bounds: list[int],
                 options: PipelineOptions, sharing: Sharing, grad_download: str,
                 sim: SimResult) -> tuple[PipelineOptions, SimResult, str]:
     """The gradient download dtype: as asked, or (auto) half when the host memory needs it or the
@@ -309,12 +309,12 @@ def _grad_dtype(prof: ModelProfile, hw: Hardware, slots: list[int], M: int, boun
     half = dataclasses.replace(options, grad_dtype="half")
     need = _host_bytes(prof, bounds, options)
     if hw.host_memory_bytes is not None and need > hw.host_memory_bytes:
-        return half, simulate(prof, bounds, hw, slots, M, half, sharing), (
+        return half, simulate(prof, bounds, hw, worker_gpus, M, half, sharing), (
             f"fp32 gradient buffers would need {need / GiB:.1f} GiB of host memory, {hw.host_memory_bytes / GiB:.1f} "
             f"GiB is available")
     if not sim.bytes_by_kind.get("grad"):
         return options, sim, "no gradient downloads"
-    fast = simulate(prof, bounds, hw, slots, M, half, sharing)
+    fast = simulate(prof, bounds, hw, worker_gpus, M, half, sharing)
     gain = 1 - fast.step_s / sim.step_s
     if gain >= GRAD_HALF_GAIN:
         return half, fast, f"simulated {100 * gain:.1f}% faster than fp32"
@@ -337,14 +337,14 @@ def _host_bytes(prof: ModelProfile, bounds: list[int], options: PipelineOptions)
     return sum(sc.param_count for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident) * per
 
 
-def _baseline_time(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, bounds: list[int],
+def _baseline_time(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
                    options: PipelineOptions, view: BandwidthView, sharing: Sharing,
                    want: tuple[frozenset[int] | None, frozenset[int] | None]) -> float:
     """A baseline partition simulated the same way (with its own automatic residency choice)."""
     base = dataclasses.replace(options, resident=frozenset(), kept=frozenset())
     auto = tuple(None if w is None else frozenset() for w in want)
     try:
-        _, sim = _residency(prof, hw, slots_for, M, bounds, base, view, sharing, *auto)
+        _, sim = _residency(prof, hw, gpus_for, M, bounds, base, view, sharing, *auto)
     except MobiusError:
         return math.inf
     return sim.step_s
@@ -359,7 +359,7 @@ def _option_sets(prefetch: bool, offload_inputs: str, barrier: bool,
     return tiers
 
 
-def _search(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, solver: SolverName, time_limit_s: float,
+def _search(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, solver: SolverName, time_limit_s: float,
             view: BandwidthView, rel_gap: float, prefetch: bool, min_stages: int, boundaries: list[int] | None,
             offload_inputs: str, barrier: bool, grad_dtype: str) -> tuple[MipResult, PipelineOptions]:
     """The best partition under the best runtime settings (the MIP's model decides)."""
@@ -369,10 +369,10 @@ def _search(prof: ModelProfile, hw: Hardware, slots_for: SlotsFor, M: int, solve
     for tier in _option_sets(prefetch, offload_inputs, barrier, grad_dtype):
         for options in tier:
             if boundaries is not None:
-                res = given_partition(prof, hw, slots_for, M, boundaries, view, options)
+                res = given_partition(prof, hw, gpus_for, M, boundaries, view, options)
             else:
                 left = max(1.0, time_limit_s - (time.perf_counter() - t0))
-                res = solve_partition(prof, hw, slots_for, M, solver, left, stage_counts=counts, bandwidth=view,
+                res = solve_partition(prof, hw, gpus_for, M, solver, left, stage_counts=counts, bandwidth=view,
                                       rel_gap=rel_gap, options=options)
             if res.best is not None and res.best.boundaries is not None and math.isfinite(res.best.predicted_s):
                 if best is None or res.best.predicted_s < best[0].best.predicted_s:
@@ -391,10 +391,10 @@ def _profile(specs_or_profile: Any, mbs: int, seq: int, precision: str, mode: st
     return get_profile(list(specs_or_profile), mbs, seq, precision, mode, gpu, cache_dir=cache_dir)
 
 
-def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[int], M: int,
+def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], worker_gpus: list[int], M: int,
               options: PipelineOptions, sim: SimResult, res: MipResult, base: dict, base_bounds: dict,
               mapping: str) -> Plan:
-    stages = _stage_plans(prof, bounds, slots, M, options, sim)
+    stages = _stage_plans(prof, bounds, worker_gpus, M, options, sim)
     host = _host_bytes(prof, bounds, options)
     total = sim.total_bytes()
     traffic = {"total_bytes": total, "h2d_bytes": sum(sim.h2d_bytes), "d2h_bytes": sum(sim.d2h_bytes),
@@ -408,7 +408,7 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[i
                 "stage_counts_tried": len(res.per_stage_count), "stage_counts_skipped": res.stage_counts_skipped,
                 "max_variables": res.max_size[0], "max_constraints": res.max_size[1],
                 "lower_bound_s": res.lower_bound, "per_stage_count": per_count}
-    return Plan(boundaries=bounds, slots=slots, num_gpus=hw.num_gpus, micro_batches=M,
+    return Plan(boundaries=bounds, worker_gpus=worker_gpus, num_gpus=hw.num_gpus, micro_batches=M,
                 micro_batch_size=prof.micro_batch_size, seq_len=prof.seq_len, precision=prof.precision,
                 options=options, predicted_step_s=sim.step_s, model_step_s=best.predicted_s, solver=res.solver,
                 solve_s=res.solve_s,
@@ -420,18 +420,18 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], slots: list[i
                 mip=mip_info, host_bytes=host, host_memory_bytes=hw.host_memory_bytes)
 
 
-def _stage_plans(prof: ModelProfile, bounds: list[int], slots: list[int], M: int, options: PipelineOptions,
+def _stage_plans(prof: ModelProfile, bounds: list[int], worker_gpus: list[int], M: int, options: PipelineOptions,
                  sim: SimResult) -> list[StagePlan]:
     costs = stage_costs(prof, bounds)
     half = prof.precision != "fp32"
-    shape = Shape(len(costs), len(slots), M, options, prof.tied_params > 0 and len(costs) > 1)
+    shape = Shape(len(costs), len(worker_gpus), M, options, prof.tied_params > 0 and len(costs) > 1)
     needs = {what: float(n) for per in worker_needs(Numbers(), [stage_exprs(c, half) for c in costs], shape).values()
              for what, n in per}
     names = [u.name for u in prof.units]
     out = []
     for j, sc in enumerate(costs):
         units = names[sc.first] if sc.end - sc.first == 1 else f"{names[sc.first]}..{names[sc.end - 1]}"
-        out.append(StagePlan(index=j, first_unit=sc.first, end_unit=sc.end, units=units, gpu=slots[j % len(slots)],
+        out.append(StagePlan(index=j, first_unit=sc.first, end_unit=sc.end, units=units, gpu=worker_gpus[j % len(worker_gpus)],
                              param_bytes=sc.param_bytes, fwd_s=sc.fwd_s,
                              bwd_s=sc.bwd_s + sc.acc_s - (sc.fwd_s if j in options.kept else 0.0),
                              fwd_peak_bytes=int(needs[f"stage {j} forward"] * GB),

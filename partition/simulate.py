@@ -96,20 +96,20 @@ class SimResult:
             json.dump(self.to_chrome_trace(), f)
 
 
-def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, slots: list[int] | None = None,
+def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, worker_gpus: list[int] | None = None,
              micro_batches: int = 4, options: PipelineOptions = PipelineOptions(), sharing: Sharing = "priority",
              record: bool = True, steps: int = 3) -> SimResult:
     """Simulate ``steps`` training steps of the partition ``boundaries``; report the last one.
 
-    ``slots[s]`` is the physical GPU of worker ``s``; stage ``j`` runs on worker ``j % len(slots)``
+    ``worker_gpus[s]`` is the physical GPU of worker ``s``; stage ``j`` runs on worker ``j % len(worker_gpus)``
     (default: GPUs 0..N-1 in order).
     """
     costs = stage_costs(profile, boundaries)
-    slots = list(range(hardware.num_gpus)) if slots is None else list(slots)
-    slots = slots[:len(costs)]  # fewer stages than GPUs leave the last ones idle
-    N, S = len(slots), len(costs)
+    worker_gpus = list(range(hardware.num_gpus)) if worker_gpus is None else list(worker_gpus)
+    worker_gpus = worker_gpus[:len(costs)]  # fewer stages than GPUs leave the last ones idle
+    N, S = len(worker_gpus), len(costs)
     sched = build_schedule(S, N, micro_batches, [j % N for j in range(S)], options, profile.tied_params > 0 and S > 1)
-    return _Sim(profile, costs, hardware, slots, sched, sharing, record).run(steps)
+    return _Sim(profile, costs, hardware, worker_gpus, sched, sharing, record).run(steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,14 +206,14 @@ class _Worker:
 class _Sim:
     """The event loop: start what is ready, share bandwidth, jump to the next completion."""
 
-    def __init__(self, profile: ModelProfile, costs: list[StageCost], hw: Hardware, slots: list[int],
+    def __init__(self, profile: ModelProfile, costs: list[StageCost], hw: Hardware, worker_gpus: list[int],
                  sched: Schedule, sharing: Sharing, record: bool):
         self.profile, self.costs, self.hw, self.sched = profile, costs, hw, sched
         self.grad_bytes = sched.options.grad_bytes
         self.cpu_rate = hw.cpu_update_rate(half_grads=sched.options.grad_dtype == "half")
         self.sharing, self.record = sharing, record
-        self.S, self.M, self.N = sched.num_stages, sched.micro_batches, len(slots)
-        self.workers = [_Worker(w, slots[w], sched) for w in range(self.N)]
+        self.S, self.M, self.N = sched.num_stages, sched.micro_batches, len(worker_gpus)
+        self.workers = [_Worker(w, worker_gpus[w], sched) for w in range(self.N)]
         self.half = profile.precision != "fp32"
         self.t = 0.0
         self.flows: list[_Flow] = []
@@ -225,7 +225,7 @@ class _Sim:
         self.opt_busy: list[float | None] = [None] * self.N
         self.opt_running: list[tuple[int, int] | None] = [None] * self.N
         self.tie_at: float | None = None
-        self.tie_s = _tie_seconds(profile, hw, slots, self.S)
+        self.tie_s = _tie_seconds(profile, hw, worker_gpus, self.S)
         self._new_step_state()
 
     # ---- steps -------------------------------------------------------------------------------
@@ -591,8 +591,8 @@ class _Sim:
         return out
 
 
-def _tie_seconds(profile: ModelProfile, hw: Hardware, slots: list[int], S: int) -> float:
-    split = S > 1 and slots[0] != slots[(S - 1) % len(slots)]
+def _tie_seconds(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], S: int) -> float:
+    split = S > 1 and worker_gpus[0] != worker_gpus[(S - 1) % len(worker_gpus)]
     return 4 * profile.tied_params / hw.host_copy_Bps if profile.tied_params and split else 0.0
 
 

@@ -5,7 +5,7 @@ Plain training keeps the whole model on the device: fp32 weights, their fp32 gra
 two moments (16 bytes per parameter, a tied weight counted once), plus one micro-batch's activations
 at a time (micro-batches run one after another, their gradients accumulating). It fits when those
 states stay within Appendix A.1's usable memory, the rule zero mode plans with
-(:func:`partition.zero.search.usable_bytes`: 95% of the device after 1.25 x the activations).
+(:func:`partition.zero.memory.usable_bytes`: 95% of the device after 1.25 x the activations).
 
 Time per micro-batch: every unit's forward with autograd and its backward without recompute -- the
 profile's ``bwd_s`` (recompute + backward) is exactly that -- and, with activation checkpointing, the
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from partition.costs import ModelProfile
-from partition.zero.search import Workload, activation_bytes, usable_bytes
+from partition.zero.memory import Workload, activation_bytes, usable_bytes
 
 GiB = 2**30
 STATE_BYTES = 16  # per parameter: fp32 weight, fp32 gradient, AdamW exp_avg and exp_avg_sq

@@ -27,9 +27,11 @@ from mobius.models.hf import LazyCheckpoint, from_hf
 from mobius.optim import LossScaler, waits_for_norm
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
-from partition.profile import record_in_step_rate
+from partition.cpu_rate import record_in_step_rate
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
-from scheduler.comm import Counters, DirectLink, LocalLink, StagedLink, UploadArbiter, arbiter_name
+from scheduler.arbiter import UploadArbiter, arbiter_name
+from scheduler.counters import Counters
+from scheduler.links import DirectLink, LocalLink, StagedLink
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
 from scheduler.stages import stage_layouts, views
 from scheduler.store import StageStore, check_host_memory, host_bytes
@@ -52,7 +54,7 @@ class PipelineEngine:
         self.is_main = self.rank == 0
         self.dtype = DTYPES[cfg.train.precision]
         self.gpu_of = tuple(plan.gpu_of_stage(j) for j in range(plan.num_stages))
-        self.layouts = stage_layouts(model_cfg, list(plan.boundaries), tied_weights(model_cfg))
+        self.layouts = stage_layouts(model_cfg, list(plan.boundaries))
         mine = [j for j in range(plan.num_stages) if self.gpu_of[j] == self.rank]
         if not mine:
             raise MobiusError(f"worker {self.rank} has no stage: {plan.num_stages} stages for {self.world} workers")
@@ -141,7 +143,7 @@ class PipelineEngine:
             first, last = self.layouts[0], self.layouts[-1]
             if first.index == last.index:
                 continue  # one stage holds both ends: they share one buffer range
-            a, b = first.slot_of(embed), last.slot_of(head)
+            a, b = first.place_of(embed), last.place_of(head)
             out += [(first.index, a.offset, a.numel), (last.index, b.offset, b.numel)]
         return tuple(out)
 

@@ -7,7 +7,7 @@ Threads and streams (see scheduler/README.md for who owns which buffer and event
   be present (a residency's upload, a received activation);
 * the **upload thread** copies a stage's half-precision weights from its pinned host copy into a
   device slot on the copy stream, in chunks served in stage order per root complex
-  (:class:`~scheduler.comm.UploadArbiter`);
+  (:class:`~scheduler.arbiter.UploadArbiter`);
 * the **download stream** brings each stage's gradient sums (fp32, or rounded to the half dtype)
   to its pinned host buffer;
 * the **optimizer thread** runs each stage's CPU AdamW (``UPDATE``) once its gradients are down.
@@ -38,8 +38,10 @@ from mobius.models import ModelConfig
 from mobius.models.base import lm_loss, run_units
 from mobius.optim import LossScaler, end_of_step
 from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
-from scheduler.comm import Counters, UploadArbiter
-from scheduler.stages import StageLayout, bind, build_units
+from scheduler.arbiter import UploadArbiter
+from scheduler.counters import Counters
+from mobius.models.params import build_units
+from scheduler.stages import StageLayout, bind
 from scheduler.store import StageStore
 from scheduler.trace import StepTrace
 from scheduler.updater import CpuUpdater

@@ -31,6 +31,7 @@ from mobius.errors import MobiusError
 from mobius.optim import FlatAdamW, host_bytes_per_param
 from scheduler.pinned import host_zeros
 from scheduler.stages import StageLayout
+from topology.host import HOST_USABLE_FRACTION, available_host_bytes
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +40,6 @@ def host_bytes(layouts: list[StageLayout], train_dtype: torch.dtype, half_grads:
     """Host memory the stores of these swapped stages need (see the module docstring)."""
     precision = "fp32" if train_dtype == torch.float32 else "half"
     return sum(lay.numel for lay in layouts) * host_bytes_per_param(precision, half_grads)
-
-
-HOST_USABLE_FRACTION = 0.85  # of MemAvailable: the rest for the process itself (a stage's fp32 weights at start,
-# CUDA and Python) and the page cache; pinned memory cannot be swapped out, so overshooting is fatal
-
-
-def available_host_bytes() -> int | None:
-    """What the stores may take: ``HOST_USABLE_FRACTION`` of MemAvailable from /proc/meminfo (None
-    where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(HOST_USABLE_FRACTION * int(line.split()[1]) * 1024)
-    except OSError:
-        return None
-    return None
 
 
 def check_host_memory(needed: int, what: str) -> None:

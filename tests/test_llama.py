@@ -196,7 +196,8 @@ def test_estimated_activation_memory_matches_autograd(model_type: str, extra: di
     """The estimate's saved bytes of a GQA block and of a large-vocabulary head against what autograd
     saves on the CPU (saved-tensor hooks; the input counted as the memory model counts it)."""
     from mobius.models.llama import LlamaConfig
-    from partition.profile import estimate_units, profile_units
+    from partition.estimate import estimate_units
+    from partition.measure import profile_units
 
     cfg = LlamaConfig(model_type=model_type, vocab_size=16384, hidden_size=256, intermediate_size=688,
                       num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, **extra)

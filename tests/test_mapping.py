@@ -11,7 +11,7 @@ import pytest
 
 from mobius.errors import MobiusError
 from topology import Mapping, Topology, contention, cross_mapping, load_topology, sequential_mapping
-from topology.mapping import EXACT_LIMIT, _cost, _Labels, _sequences, _share_matrix, as_groups, slot_weights
+from topology.mapping import EXACT_LIMIT, _cost, _Labels, _sequences, _share_matrix, as_groups, worker_weights
 from topology.sysfs import topology_from_sysfs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "topology"
@@ -32,11 +32,11 @@ def _fixture_groups() -> dict[str, list[list[int]]]:
     return out
 
 
-def _direct(slots: tuple[int, ...], groups: list[list[int]], num_stages: int) -> float:
+def _direct(worker_gpus: tuple[int, ...], groups: list[list[int]], num_stages: int) -> float:
     """Eq. 12-13 written out independently of the library: sum shared(i, j) / |i - j|."""
     rc = {g: k for k, grp in enumerate(groups) for g in grp}
     size = {g: len(grp) for grp in groups for g in grp}
-    gpu = [slots[s % len(slots)] for s in range(num_stages)]
+    gpu = [worker_gpus[s % len(worker_gpus)] for s in range(num_stages)]
     return sum(size[gpu[i]] / (j - i) for i in range(num_stages) for j in range(i + 1, num_stages)
                if gpu[i] != gpu[j] and rc[gpu[i]] == rc[gpu[j]])
 
@@ -74,10 +74,10 @@ def test_slot_weights_match_direct_sum() -> None:
     for groups in ([[0, 1], [2, 3]], [[0, 2, 5], [1], [3, 4]], [[0, 1, 2, 3], [4, 5, 6, 7]]):
         n = sum(len(g) for g in groups)
         for stages in (1, 4, 7, 30):
-            slots = tuple(int(x) for x in rng.permutation(n))
-            expected = _direct(slots, groups, stages)
-            assert contention(slots, groups, stages) == pytest.approx(expected, abs=1e-12)
-            assert _cost(slot_weights(n, stages), _share_matrix(groups), slots) == pytest.approx(expected, abs=1e-9)
+            worker_gpus = tuple(int(x) for x in rng.permutation(n))
+            expected = _direct(worker_gpus, groups, stages)
+            assert contention(worker_gpus, groups, stages) == pytest.approx(expected, abs=1e-12)
+            assert _cost(worker_weights(n, stages), _share_matrix(groups), worker_gpus) == pytest.approx(expected, abs=1e-9)
 
 
 def test_oracle_agrees_with_the_written_out_sum() -> None:
@@ -108,10 +108,10 @@ def test_exact_matches_brute_force_on_fixtures(name: str, groups: list[list[int]
     for stages in STAGE_COUNTS:
         m = cross_mapping(groups, stages)
         assert m.method == "exact"
-        assert sorted(m.slots) == list(range(sum(len(g) for g in groups)))
+        assert sorted(m.worker_gpus) == list(range(sum(len(g) for g in groups)))
         assert m.contention == pytest.approx(_brute_force(groups, stages), abs=1e-9), (name, stages)
-        assert m.contention == pytest.approx(_direct(m.slots, groups, stages), abs=1e-9)
-        assert m.sequential_contention == pytest.approx(_direct(tuple(range(len(m.slots))), groups, stages), abs=1e-9)
+        assert m.contention == pytest.approx(_direct(m.worker_gpus, groups, stages), abs=1e-9)
+        assert m.sequential_contention == pytest.approx(_direct(tuple(range(len(m.worker_gpus))), groups, stages), abs=1e-9)
         assert m.contention <= m.sequential_contention + 1e-9
 
 
@@ -140,8 +140,8 @@ def test_exact_search_on_every_8_gpu_layout(capsys: pytest.CaptureFixture[str]) 
         t0 = time.perf_counter()
         m = cross_mapping(sizes, 48)
         dt = time.perf_counter() - t0
-        assert m.method == "exact" and sorted(m.slots) == list(range(8)), sizes
-        assert m.contention == pytest.approx(_direct(m.slots, as_groups(sizes), 48), abs=1e-9)
+        assert m.method == "exact" and sorted(m.worker_gpus) == list(range(8)), sizes
+        assert m.contention == pytest.approx(_direct(m.worker_gpus, as_groups(sizes), 48), abs=1e-9)
         assert m.contention <= m.sequential_contention + 1e-9
         if dt > worst:
             worst, worst_sizes = dt, sizes
@@ -158,15 +158,15 @@ def test_paper_2x2_crosses_adjacent_stages() -> None:
     m = cross_mapping(topo, 8)
     rc = [topo.gpus[m.gpu_of_stage(j)].root_complex for j in range(8)]
     assert all(rc[j] != rc[j + 1] for j in range(7)), rc
-    assert m.slots == (0, 2, 1, 3) and m.contention < m.sequential_contention
+    assert m.worker_gpus == (0, 2, 1, 3) and m.contention < m.sequential_contention
     assert m.stage_gpus() == [0, 2, 1, 3, 0, 2, 1, 3]
 
 
 def test_one_root_complex_keeps_sequential_order() -> None:
     m = cross_mapping(Topology.synthetic([4]), 8)
-    assert m.slots == (0, 1, 2, 3) and m.contention == pytest.approx(m.sequential_contention)
+    assert m.worker_gpus == (0, 1, 2, 3) and m.contention == pytest.approx(m.sequential_contention)
     single = cross_mapping(load_topology(FIXTURES / "single_gpu.txt"), 5)
-    assert single.slots == (0,) and single.contention == 0.0 and single.gpu_of_stage(4) == 0
+    assert single.worker_gpus == (0,) and single.contention == 0.0 and single.gpu_of_stage(4) == 0
 
 
 def test_paper_1x3_and_4x4() -> None:
@@ -184,8 +184,8 @@ def test_heuristic_close_to_exact(n: int) -> None:
         for stages in (n, 2 * n + 1, 48):
             exact = cross_mapping(sizes, stages, method="exact")
             heur = cross_mapping(sizes, stages, method="heuristic")
-            assert heur.method == "heuristic" and sorted(heur.slots) == list(range(n))
-            assert heur.contention == pytest.approx(_direct(heur.slots, as_groups(sizes), stages), abs=1e-9)
+            assert heur.method == "heuristic" and sorted(heur.worker_gpus) == list(range(n))
+            assert heur.contention == pytest.approx(_direct(heur.worker_gpus, as_groups(sizes), stages), abs=1e-9)
             assert heur.contention <= exact.contention * 1.03 + 1e-9, (sizes, stages, heur, exact)
 
 
@@ -206,10 +206,10 @@ def test_large_boxes_use_heuristic(capsys: pytest.CaptureFixture[str]) -> None:
 # ------------------------------------------------------------------------------------ API
 def test_mapping_api_and_errors() -> None:
     m = cross_mapping([[0, 2], [1, 3]], 6)
-    assert isinstance(m, Mapping) and m.num_stages == 6 and m.slots == (0, 1, 2, 3)  # already crossed
+    assert isinstance(m, Mapping) and m.num_stages == 6 and m.worker_gpus == (0, 1, 2, 3)  # already crossed
     assert m.reduction == pytest.approx(0.0)
     seq = sequential_mapping([2, 2], 6)
-    assert seq.method == "sequential" and seq.slots == (0, 1, 2, 3) and seq.contention == seq.sequential_contention
+    assert seq.method == "sequential" and seq.worker_gpus == (0, 1, 2, 3) and seq.contention == seq.sequential_contention
     assert cross_mapping([2, 2], 6).reduction > 0.3
     for bad in (0, -2, 2.5, True):
         with pytest.raises(MobiusError, match="number of stages"):

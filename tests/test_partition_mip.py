@@ -131,9 +131,9 @@ def test_count_and_cut_encodings_agree_on_identical_blocks() -> None:
 def test_gurobi_and_highs_find_the_same_optimum() -> None:
     pytest.importorskip("gurobipy")
     prof, hw, M = random_case(5)
-    slots = _sequential(hw.num_gpus)
-    g = solve_partition(prof, hw, slots, M, solver="gurobi", seed=False, rel_gap=1e-6)
-    h = solve_partition(prof, hw, slots, M, solver="highs", seed=False, rel_gap=1e-6)
+    worker_gpus = _sequential(hw.num_gpus)
+    g = solve_partition(prof, hw, worker_gpus, M, solver="gurobi", seed=False, rel_gap=1e-6)
+    h = solve_partition(prof, hw, worker_gpus, M, solver="highs", seed=False, rel_gap=1e-6)
     assert g.solver == "gurobi" and h.solver == "highs"
     assert g.best.predicted_s == pytest.approx(h.best.predicted_s, rel=1e-4)
 
@@ -271,7 +271,7 @@ def test_the_residency_pass_uses_free_memory_and_stops_at_the_budget() -> None:
 
 
 def test_the_residency_pass_keeps_the_activations_of_swapped_stages() -> None:
-    """With room on the GPUs the pass keeps the activations of swapped stages whose slots take other
+    """With room on the GPUs the pass keeps the activations of swapped stages whose worker_gpus take other
     stages before their backward (no longer only resident or turning stages); the choice fits."""
     from partition import residency
 

@@ -118,7 +118,7 @@ def test_mobius_plan_for_opt_13b_on_the_papers_2x2_box_from_a_saved_file(opt13b_
     out = json.loads(capsys.readouterr().out)
     for key in ("stages", "mapping", "predicted_step_s", "baselines", "solver", "solve_s"):
         assert key in out
-    assert out["boundaries"][-1] == 42 and out["mapping"]["slots"] == [0, 2, 1, 3]
+    assert out["boundaries"][-1] == 42 and out["mapping"]["worker_gpus"] == [0, 2, 1, 3]
     assert out["solve_s"] < 10 and out["profile"]["source"] == "estimated"
     assert all(isinstance(v, float) or v is None for v in out["baselines"].values())
     assert "traceEvents" in json.loads(trace.read_text())
@@ -128,7 +128,7 @@ def test_mobius_plan_prints_the_report(opt13b_yaml: Path, capsys: pytest.Capture
     assert _run_plan([str(opt13b_yaml), "--topology", str(SMI_2X2), "--bandwidth", str(BENCH_2X2),
                       '--parallel.p2p="off"', "--timeline"]) == 0
     text = capsys.readouterr().out
-    for part in ("profile: estimated", "stages:", "slots [0, 2, 1, 3]", "predicted step time", "peak GPU memory",
+    for part in ("profile: estimated", "stages:", "worker GPUs [0, 2, 1, 3]", "predicted step time", "peak GPU memory",
                  "traffic per step", "x the parameter bytes", "minimum-stage", "GPU0 compute"):
         assert part in text
 

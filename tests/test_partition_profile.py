@@ -93,18 +93,18 @@ def test_half_precision_profiles_charge_the_fp32_gradient_sums() -> None:
 
 
 def test_the_cpu_update_rate_is_measured_once_and_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from partition import profile
+    from partition import cpu_rate
 
     calls = []
-    real = profile.measure_cpu_update
-    monkeypatch.setattr(profile, "measure_cpu_update", lambda t, p, half_grads=False: calls.append((t, p, half_grads))
+    real = cpu_rate.measure_cpu_update
+    monkeypatch.setattr(cpu_rate, "measure_cpu_update", lambda t, p, half_grads=False: calls.append((t, p, half_grads))
                         or real(t, p, 1 << 20, 2, half_grads))
-    rate = profile.cpu_update_rate(1, "bf16", tmp_path)
+    rate = cpu_rate.cpu_update_rate(1, "bf16", tmp_path)
     assert rate > 1e6 and calls == [(1, "bf16", False)]
-    assert profile.cpu_update_rate(1, "bf16", tmp_path) == rate and len(calls) == 1  # from the cache
-    profile.cpu_update_rate(2, "bf16", tmp_path)
+    assert cpu_rate.cpu_update_rate(1, "bf16", tmp_path) == rate and len(calls) == 1  # from the cache
+    cpu_rate.cpu_update_rate(2, "bf16", tmp_path)
     assert len(calls) == 2  # another thread count is another measurement
-    assert profile.cpu_update_rate(1, "bf16", tmp_path, half_grads=True) > 1e6 and calls[-1] == (1, "bf16", True)
+    assert cpu_rate.cpu_update_rate(1, "bf16", tmp_path, half_grads=True) > 1e6 and calls[-1] == (1, "bf16", True)
 
 
 def test_estimated_profile_needs_a_gpu_model() -> None:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from mobius.config import TrainSection
-from mobius.models import tied_weights
 from mobius.models.gpt2 import GPT2Config
 from scheduler import pinned
 from scheduler.stages import stage_layouts
@@ -95,7 +94,7 @@ def test_a_refused_registration_falls_back_to_torch_pinned_memory_once_and_says_
 
 def _layout(numel_blocks: int = 2):
     cfg = GPT2Config(vocab_size=320, n_positions=64, n_embd=64, n_layer=numel_blocks, n_head=2)
-    return stage_layouts(cfg, [0, 1 + numel_blocks, 2 + numel_blocks], tied_weights(cfg))[0]
+    return stage_layouts(cfg, [0, 1 + numel_blocks, 2 + numel_blocks])[0]
 
 
 @pytest.mark.parametrize("dtype,half_grads,locked", [(torch.bfloat16, False, 6), (torch.bfloat16, True, 2),
@@ -115,7 +114,7 @@ def test_a_stage_store_locks_exactly_what_the_host_memory_check_counts(cudart: F
 
 
 def test_an_offloaded_zero_chunk_locks_its_gradient_shard_and_half_copy(cudart: FakeCudart) -> None:
-    from partition.zero import ParamInfo, build_layout
+    from mobius.layout import ParamInfo, build_layout
     from scheduler.zero.store import HostChunk
 
     params = [ParamInfo((f"u{u}.w",), (1000, 3), (u,), decay=True) for u in range(2)]

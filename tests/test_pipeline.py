@@ -24,7 +24,7 @@ def test_upload_arbiter_serves_the_earlier_stage_first(tmp_path: Path) -> None:
     """Two workers of one root complex: a later-ordered upload waits while an earlier one is pending."""
     import threading
 
-    from scheduler.comm import UploadArbiter
+    from scheduler.arbiter import UploadArbiter
 
     name = f"mobius-test-{os.getpid()}"
     a = UploadArbiter(name, 0, 2, [0, 1], create=True)
@@ -173,12 +173,12 @@ def test_pipeline_fp16_with_loss_scaling(tmp_path: Path, deep_checkpoint: Path, 
 
 def test_host_memory_is_checked_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
     from mobius.errors import MobiusError
-    from mobius.models import get_preset, tied_weights
+    from mobius.models import get_preset
     from scheduler import store
     from scheduler.stages import stage_layouts
 
     cfg = get_preset("opt-1.3b")
-    layouts = stage_layouts(cfg, [0, 13, 26], tied_weights(cfg))
+    layouts = stage_layouts(cfg, [0, 13, 26])
     need = store.host_bytes(layouts, torch.bfloat16)
     assert need == sum(lay.numel for lay in layouts) * 18  # fp32 master + AdamW + bf16 copy + fp32 grads
     monkeypatch.setattr(store, "available_host_bytes", lambda: 8 * 2**30)
@@ -304,7 +304,7 @@ def test_a_run_measures_its_cpu_adamw_rate_for_the_next_plan(tmp_path: Path, dee
     this machine uses it instead of a fixed share of the rate measured alone."""
     from mobius.app.planning import hardware
     from mobius.app.settings import Machine, resolve
-    from partition.profile import CPU_UPDATE_IN_STEP, cpu_update_rate, cpu_update_rate_in_step
+    from partition.cpu_rate import CPU_UPDATE_IN_STEP, cpu_update_rate, cpu_update_rate_in_step
     from scheduler.engine import IN_STEP_STEPS, IN_STEP_WARMUP
 
     cache = tmp_path / "plan-cache"

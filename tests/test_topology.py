@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import functools
 import importlib.util
 import json
@@ -458,23 +457,11 @@ def test_graph_view() -> None:
 
 
 def _topology_imports() -> dict[str, set[str]]:
-    """Module -> the topology modules it imports anywhere: top level, function bodies, TYPE_CHECKING blocks."""
-    pkg = Path(topology.__file__).parent
-    graph: dict[str, set[str]] = {}
-    for f in sorted(pkg.glob("*.py")):
-        name = "topology" if f.stem == "__init__" else f"topology.{f.stem}"
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom):
-                module = "topology" + (f".{node.module}" if node.module else "") if node.level else node.module or ""
-                if module == "topology":  # `from topology import x`: the package, or its submodule x
-                    deps |= {f"topology.{a.name}" if (pkg / f"{a.name}.py").exists() else "topology" for a in node.names}
-                elif module.startswith("topology."):
-                    deps.add(module)
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name == "topology" or a.name.startswith("topology.")}
-        graph[name] = deps - {name}
-    return graph
+    """Module -> the topology modules it imports anywhere (test_imports's walker, one for the suite)."""
+    from test_imports import graph
+
+    g = graph()
+    return {m: {d for d in g.successors(m) if d.split(".")[0] == "topology"} for m in g if m.split(".")[0] == "topology"}
 
 
 def test_topology_imports_form_a_dag() -> None:
@@ -694,7 +681,7 @@ def test_cli_from_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     assert "RC0 rc0  NUMA 0  GPUs 0, 1" in out and "RC1 rc1  NUMA 1  GPUs 2, 3" in out
     assert "GPU0  X     PIX   SYS   SYS" in out and "Peer access" in out
-    assert "slot -> GPU: 0->0  1->2  2->1  3->3" in out and "sequential mapping: 10.133" in out
+    assert "worker -> GPU: 0->0  1->2  2->1  3->3" in out and "sequential mapping: 10.133" in out
 
 
 def test_cli_json_round_trip(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from mobius.models import unit_specs
 from mobius.models.hf import read_config
 from partition.hardware import Hardware
 from partition.plan import Plan
-from partition.profile import estimate_units
+from partition.estimate import estimate_units
 from partition.simulate import simulate
 
 PLANS = {  # name -> (workers, stages, parallel settings); 12 units: embed, 10 blocks, head
@@ -59,7 +59,7 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
     measured = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     prof = estimate_units(unit_specs(read_config(aligned_checkpoint)), 2, 16, "fp32", "h100")
     hw = Hardware.uniform(workers, 2**34, 1e9)  # no peer access: activations take two host hops, as over gloo
-    sim = simulate(prof, plan.boundaries, hw, plan.slots, 3, plan.options)
+    sim = simulate(prof, plan.boundaries, hw, plan.worker_gpus, 3, plan.options)
     assert measured["h2d_bytes"] == pytest.approx(sum(sim.h2d_bytes), rel=1e-9), sim.bytes_by_kind
     assert measured["d2h_bytes"] == pytest.approx(sum(sim.d2h_bytes), rel=1e-9), sim.bytes_by_kind
     assert measured["p2p_bytes"] == sum(sim.p2p_bytes) == 0

@@ -25,8 +25,8 @@ from mobius.config import config_from_dict
 from mobius.errors import ConfigError
 from mobius.models import unit_specs
 from mobius.models.hf import read_config
-from partition.zero import build_layout
-from scheduler.zero.params import model_params
+from mobius.layout import build_layout
+from mobius.models.params import model_params
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 4999  # prime: no world divides it; the token embedding (300 x 32) spans two chunks; blocks straddle chunks
@@ -84,7 +84,7 @@ def _reference(ck: Path, case: dict) -> dict:
 
 def _zero_plan(cfg, mc, world: int, blocks: int, gpu: int, prefetch: bool = True):
     """The plan as configured (an estimated profile: no measuring in the workers)."""
-    from partition.profile import estimate_units
+    from partition.estimate import estimate_units
     from partition.zero import ZeroHardware, plan
 
     prof = estimate_units(unit_specs(mc), 2, 16, cfg.train.precision, "h100")
@@ -98,7 +98,8 @@ def _zero_plan(cfg, mc, world: int, blocks: int, gpu: int, prefetch: bool = True
 def _run_case(ck: Path, case: dict, world: int) -> dict:
     """(In a worker) one configuration: 3 steps, an evaluation, this rank's weights and the cache's record."""
     from mobius.optim import lr_at
-    from partition.zero import chunk_trace, simulate_cache, train_program
+    from partition.schedule.zero import chunk_trace, train_program
+    from partition.zero import simulate_cache
     from scheduler.zero import ZeroEngine
 
     cfg, mc = _cfg(ck, case), _model_cfg(ck, case)

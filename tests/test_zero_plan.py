@@ -10,11 +10,12 @@ import pytest
 from mobius.errors import ConfigError
 from mobius.models import get_preset, unit_specs
 from partition.costs import ModelProfile, UnitCost
-from partition.zero import (CachePolicy, ParamInfo, Setting, Workload, ZeroHardware, ZeroPlan, build_layout,
-                            chunk_trace, eval_program, grad_flushes, plan, predict, simulate_cache, train_program)
-from partition.zero.search import (STATE_BYTES, activation_bytes, choose_setting, gpu_benefit, model_state_bytes,
-                                   rcache_benefit, usable_bytes)
-from scheduler.zero.params import model_params
+from mobius.layout import ParamInfo, build_layout
+from mobius.models.params import model_params
+from partition.schedule.zero import chunk_trace, eval_program, grad_flushes, train_program
+from partition.zero import CachePolicy, Setting, Workload, ZeroHardware, ZeroPlan, plan, predict, simulate_cache
+from partition.zero.choice import choose_setting, gpu_benefit, rcache_benefit
+from partition.zero.memory import STATE_BYTES, activation_bytes, model_state_bytes, usable_bytes
 
 GiB = 2**30
 

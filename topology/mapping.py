@@ -1,8 +1,8 @@
 """Cross mapping: which physical GPU runs which pipeline stage (Mobius paper §3.3, eq. 12-13).
 
-Stages are dealt to N GPU *slots* round-robin: stage j runs in slot ``j mod N``. A :class:`Mapping`
-says which physical GPU sits in each slot (``slots[k]``), so stage j runs on GPU
-``slots[j % N]``. The sequential mapping puts GPU k in slot k.
+Stages are dealt to N pipeline *workers* round-robin: stage j runs on worker ``j mod N``. A
+:class:`Mapping` says which physical GPU each worker runs on (``worker_gpus[k]``), so stage j runs on
+GPU ``worker_gpus[j % N]``. The sequential mapping puts worker k on GPU k.
 
 Contention (eq. 12-13) of a mapping for S stages::
 
@@ -14,10 +14,10 @@ GPU is in the same root complex, and 0 otherwise. Choices made where the paper i
 * pairs of stages on the *same* GPU are left out: their cost does not depend on the mapping, and
   one GPU's uploads are serialised anyway (the paper's shared(i, j) counts GPUs, not stages);
 * ``shared`` is the size of the root complex among the GPUs of the topology (the GPUs in use);
-* with fewer stages than GPUs only the first S slots carry stages; the rest still get a GPU.
+* with fewer stages than GPUs only the first S worker_gpus carry stages; the rest still get a GPU.
 
-Search. Contention depends only on slot pairs, so ``w[a][b]`` = sum over stage pairs with one
-stage in slot a and the other in slot b of ``1/|i-j|`` is computed once and a mapping costs
+Search. Contention depends only on worker pairs, so ``w[a][b]`` = sum over stage pairs with one
+stage on worker a and the other on worker b of ``1/|i-j|`` is computed once and a mapping costs
 ``sum_{a<b} w[a][b] * share[g_a][g_b]`` (a quadratic assignment problem). The exact search walks
 root-complex *label sequences* instead of GPU permutations: GPUs of one root complex are
 interchangeable, GPUs alone on their root complex never contend (one label for all of them), and
@@ -25,7 +25,7 @@ root complexes of equal size may swap labels. A 4+4 box has 35 sequences instead
 every 8-GPU layout has at most a few hundred. Larger boxes (more than ``EXACT_LIMIT`` sequences)
 use a heuristic: deal root complexes alternately (the paper's idea), then improve by pairwise
 swaps, from that start, the sequential mapping and a few seeded random orders. Ties are broken
-towards the lexicographically smallest ``slots``, so a layout where the order does not matter (all
+towards the lexicographically smallest ``worker_gpus``, so a layout where the order does not matter (all
 GPUs on one root complex) gets the sequential mapping.
 """
 
@@ -49,9 +49,9 @@ _TIE = 1e-9
 
 @dataclass(frozen=True)
 class Mapping:
-    """GPU order in slots and its contention; ``sequential_contention`` is that of slots 0..N-1."""
+    """The GPU of each worker and its contention; ``sequential_contention`` is that of GPUs 0..N-1 in order."""
 
-    slots: tuple[int, ...]
+    worker_gpus: tuple[int, ...]
     contention: float
     sequential_contention: float
     method: str  # "exact", "heuristic" or "sequential"
@@ -59,7 +59,7 @@ class Mapping:
 
     def gpu_of_stage(self, j: int) -> int:
         """The physical GPU index that runs stage j."""
-        return self.slots[j % len(self.slots)]
+        return self.worker_gpus[j % len(self.worker_gpus)]
 
     def stage_gpus(self, num_stages: int | None = None) -> list[int]:
         """GPU of each stage 0..S-1 (S defaults to the stage count the mapping was made for)."""
@@ -100,31 +100,31 @@ def _share_matrix(groups: list[list[int]]) -> np.ndarray:
     return share
 
 
-def slot_weights(n_slots: int, num_stages: int) -> np.ndarray:
-    """w[a][b] = sum of 1/|i-j| over stage pairs with one stage in slot a, the other in slot b.
+def worker_weights(n_workers: int, num_stages: int) -> np.ndarray:
+    """w[a][b] = sum of 1/|i-j| over stage pairs with one stage on worker a, the other on worker b.
 
-    Symmetric, zero diagonal (pairs on one slot run on one GPU and are left out).
+    Symmetric, zero diagonal (pairs on one worker run on one GPU and are left out).
     """
-    w = np.zeros((n_slots, n_slots))
+    w = np.zeros((n_workers, n_workers))
     for d in range(1, num_stages):
         i = np.arange(num_stages - d)
-        np.add.at(w, (i % n_slots, (i + d) % n_slots), 1.0 / d)
+        np.add.at(w, (i % n_workers, (i + d) % n_workers), 1.0 / d)
     w = w + w.T
     np.fill_diagonal(w, 0.0)
     return w
 
 
-def _cost(w: np.ndarray, share: np.ndarray, slots: Sequence[int]) -> float:
-    p = np.asarray(slots)
+def _cost(w: np.ndarray, share: np.ndarray, worker_gpus: Sequence[int]) -> float:
+    p = np.asarray(worker_gpus)
     return float(np.triu(w * share[np.ix_(p, p)], 1).sum())
 
 
-def contention(slots: Sequence[int], groups: "Topology | Sequence[Sequence[int]] | Sequence[int]", num_stages: int) -> float:
+def contention(worker_gpus: Sequence[int], groups: "Topology | Sequence[Sequence[int]] | Sequence[int]", num_stages: int) -> float:
     """Eq. 12-13 summed directly over stage pairs (i < j on different GPUs of one root complex)."""
     rcs = as_groups(groups)
     size = {i: len(g) for g in rcs for i in g}
     rc = {i: k for k, g in enumerate(rcs) for i in g}
-    gpu = [slots[j % len(slots)] for j in range(num_stages)]
+    gpu = [worker_gpus[j % len(worker_gpus)] for j in range(num_stages)]
     total = 0.0
     for i in range(num_stages):
         for j in range(i + 1, num_stages):
@@ -167,7 +167,7 @@ class _Labels:
             m[l, l] = self.counts[l]
         return m
 
-    def slots(self, seq: Sequence[int]) -> tuple[int, ...]:
+    def worker_gpus(self, seq: Sequence[int]) -> tuple[int, ...]:
         """GPU order for a label sequence: each label's GPUs in ascending order."""
         nxt = [0] * len(self.counts)
         out = []
@@ -223,8 +223,8 @@ def _exact(groups: list[list[int]], w: np.ndarray) -> tuple[tuple[int, ...], flo
                 costs += w[a, b] * lshare[seqs[:, a], seqs[:, b]]
     best = costs.min()
     tied = np.flatnonzero(costs <= best + _TIE * max(1.0, best))
-    slots = min(labels.slots(seqs[k]) for k in tied)
-    return slots, float(best)
+    worker_gpus = min(labels.worker_gpus(seqs[k]) for k in tied)
+    return worker_gpus, float(best)
 
 
 # ------------------------------------------------------------------------------ heuristic
@@ -242,7 +242,7 @@ def _alternating(groups: list[list[int]]) -> list[int]:
 
 
 def _local_search(w: np.ndarray, share: np.ndarray, start: Sequence[int]) -> tuple[list[int], float]:
-    """Best-improvement pairwise slot swaps until none helps (QAP swap deltas, all pairs at once)."""
+    """Best-improvement pairwise worker swaps until none helps (QAP swap deltas, all pairs at once)."""
     p = np.array(start, dtype=np.intp)
     while True:
         x = share[np.ix_(p, p)]
@@ -272,13 +272,13 @@ def _check_stages(num_stages: int) -> None:
 
 
 def sequential_mapping(topo_or_groups: "Topology | Sequence[Sequence[int]] | Sequence[int]", num_stages: int) -> Mapping:
-    """GPU k in slot k: the naive mapping of existing pipeline systems."""
+    """Worker k on GPU k: the naive mapping of existing pipeline systems."""
     _check_stages(num_stages)
     groups = as_groups(topo_or_groups)
     n = sum(len(g) for g in groups)
-    slots = tuple(range(n))
-    c = _cost(slot_weights(n, num_stages), _share_matrix(groups), slots)
-    return Mapping(slots, c, c, "sequential", int(num_stages))
+    worker_gpus = tuple(range(n))
+    c = _cost(worker_weights(n, num_stages), _share_matrix(groups), worker_gpus)
+    return Mapping(worker_gpus, c, c, "sequential", int(num_stages))
 
 
 def cross_mapping(
@@ -297,8 +297,8 @@ def cross_mapping(
         raise MobiusError(f"unknown mapping method {method!r} (auto, exact or heuristic)")
     groups = as_groups(topo_or_groups)
     n = sum(len(g) for g in groups)
-    w, share = slot_weights(n, num_stages), _share_matrix(groups)
+    w, share = worker_weights(n, num_stages), _share_matrix(groups)
     seq_cost = _cost(w, share, range(n))
     exact = method == "exact" or (method == "auto" and _Labels.of(groups).sequence_count() <= EXACT_LIMIT)
-    slots, cost = _exact(groups, w) if exact else _heuristic(groups, w, share)
-    return Mapping(tuple(int(s) for s in slots), cost, seq_cost, "exact" if exact else "heuristic", int(num_stages))
+    worker_gpus, cost = _exact(groups, w) if exact else _heuristic(groups, w, share)
+    return Mapping(tuple(int(s) for s in worker_gpus), cost, seq_cost, "exact" if exact else "heuristic", int(num_stages))

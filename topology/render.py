@@ -78,9 +78,9 @@ def format_topology(topo: Topology) -> str:
 
 
 def format_mapping(m: Mapping) -> str:
-    """Cross mapping: GPU of each slot and stage, contention beside the sequential mapping's."""
-    lines = [f"Cross mapping of {m.num_stages} stage(s) onto {len(m.slots)} GPU(s) ({m.method} search):",
-             "  slot -> GPU: " + "  ".join(f"{k}->{g}" for k, g in enumerate(m.slots)),
+    """Cross mapping: GPU of each worker and stage, contention beside the sequential mapping's."""
+    lines = [f"Cross mapping of {m.num_stages} stage(s) onto {len(m.worker_gpus)} GPU(s) ({m.method} search):",
+             "  worker -> GPU: " + "  ".join(f"{k}->{g}" for k, g in enumerate(m.worker_gpus)),
              "  stage -> GPU: " + " ".join(f"{j}:{g}" for j, g in enumerate(m.stage_gpus()))]
     change = f" ({m.reduction:.0%} less)" if m.sequential_contention > 0 else ""
     lines.append(f"  contention (eq. 13): {m.contention:.3f}; sequential mapping: {m.sequential_contention:.3f}{change}")

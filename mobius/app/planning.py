@@ -19,14 +19,14 @@ from mobius.optim import waits_for_norm
 from mobius.parallel import Mode, ParallelSettings
 from partition import Hardware, ModelProfile, Plan, get_profile, lookup_gpu, plan_model
 from partition.gpus import gpu_spec
-from partition.profile import cpu_update_rate_in_step
+from partition.cpu_rate import cpu_update_rate_in_step
 from partition.single import SinglePlan
 from partition.single import plan_single as single_plan
 from partition.zero import ZeroHardware, ZeroPlan
 from partition.zero import plan as zero_plan
-from partition.zero.search import ADAM_BYTES
-from scheduler.store import available_host_bytes
-from scheduler.zero.params import model_params
+from partition.zero.memory import ADAM_BYTES
+from topology.host import available_host_bytes
+from mobius.models.params import model_params
 
 log = logging.getLogger(__name__)
 CPU_COPY_Bps = 5e9  # memcpy between the "host" and "device" buffers of a CPU worker

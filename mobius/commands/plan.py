@@ -17,10 +17,10 @@ whether it fits). With ``parallel.mode: auto`` it first prints auto's comparison
 predicted step, whether it fits, the choice and why -- then the chosen mode's plan, exactly what
 ``mobius train`` would run.
 
-Config keys used: model.checkpoint / model.preset, data.seq_len, train.micro_batch_size,
-train.micro_batches, train.precision, train.grad_clip, model.activation_checkpointing, parallel.mode /
-devices / mapping / prefetch / p2p / offload_inputs / stages, partition.*, zero.* and topology.file /
-topology.bandwidth_file.
+Config keys used: model.checkpoint / model.preset, model.activation_checkpointing, data.seq_len,
+data.tokenizer, train.micro_batch_size, train.micro_batches, train.precision, train.grad_clip,
+parallel.mode / devices / device / mapping / prefetch / p2p / offload_inputs / stages / resident_stages /
+kept_stages / grad_download, partition.*, zero.* and topology.file / topology.bandwidth_file.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     sim = None
     if args.trace or args.timeline:
         plan = chosen.plan
-        sim = simulate(chosen.profile, plan.boundaries, chosen.hardware, plan.slots, plan.micro_batches, plan.options)
+        sim = simulate(chosen.profile, plan.boundaries, chosen.hardware, plan.worker_gpus, plan.micro_batches, plan.options)
     if args.trace:
         sim.write_chrome_trace(args.trace)
     if args.json:

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = topo.to_json()
         if mapping is not None:
-            doc["mapping"] = {"num_stages": mapping.num_stages, "slots": list(mapping.slots), "method": mapping.method,
+            doc["mapping"] = {"num_stages": mapping.num_stages, "worker_gpus": list(mapping.worker_gpus), "method": mapping.method,
                               "contention": mapping.contention, "sequential_contention": mapping.sequential_contention,
                               "stage_gpus": mapping.stage_gpus()}
         print(json.dumps(doc, indent=2))

@@ -55,6 +55,21 @@ class UnitSpec:
         return torch.randn(batch, seq, self.hidden_size, device=device, dtype=dtype)  # [B, T, H]
 
 
+class ArchConfig:
+    """What every family's config says in its own field names: ``FIELDS`` maps the common words
+    (``layers``, ``width`` between units, ``embedding`` width, ``positions``) to the family's names."""
+
+    FIELDS: dict[str, str] = {}
+
+    num_layers = property(lambda self: getattr(self, self.FIELDS["layers"]))
+    width = property(lambda self: getattr(self, self.FIELDS["width"]))  # hidden states between units
+    embedding_dim = property(lambda self: getattr(self, self.FIELDS["embedding"]))
+    max_positions = property(lambda self: getattr(self, self.FIELDS["positions"]))
+
+    def check_sequence(self, seq_len: int) -> None:
+        check_positions(self, seq_len)
+
+
 def check_positions(cfg: object, seq_len: int) -> None:
     """Refuse a training length above the model's position limit (before any work starts)."""
     from mobius.errors import ConfigError

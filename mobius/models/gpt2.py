@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import CausalLM, UnitSpec, check_positions, embed_memory, head_memory
+from mobius.models.base import ArchConfig, CausalLM, UnitSpec, embed_memory, head_memory
 
 ACTIVATIONS = {
     "gelu_new": partial(F.gelu, approximate="tanh"),
@@ -27,7 +27,7 @@ ACTIVATIONS = {
 
 
 @dataclass
-class GPT2Config:
+class GPT2Config(ArchConfig):
     """Architecture of a GPT-2 model (names as in Hugging Face's GPT2Config)."""
 
     vocab_size: int = 50257
@@ -47,6 +47,7 @@ class GPT2Config:
     eos_token_id: int = 50256
 
     family = "gpt2"
+    FIELDS = {"layers": "n_layer", "width": "n_embd", "embedding": "n_embd", "positions": "n_positions"}
     ARCH_FIELDS = ("n_embd", "n_layer", "n_head", "n_inner")  # what a checkpoint must share with a preset of its name
 
     def __post_init__(self) -> None:
@@ -66,26 +67,6 @@ class GPT2Config:
     @property
     def ffn_dim(self) -> int:
         return self.n_inner or 4 * self.n_embd
-
-    @property
-    def num_layers(self) -> int:
-        return self.n_layer
-
-    @property
-    def width(self) -> int:
-        """Width of the hidden states between units."""
-        return self.n_embd
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.n_embd
-
-    @property
-    def max_positions(self) -> int:
-        return self.n_positions
-
-    def check_sequence(self, seq_len: int) -> None:
-        check_positions(self, seq_len)
 
     def set_dropout(self, p: float) -> None:
         """Use one dropout probability everywhere (fine-tuning runs often set 0)."""

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import CausalLM, UnitSpec, check_positions, embed_memory, head_memory
+from mobius.models.base import ArchConfig, CausalLM, UnitSpec, check_positions, embed_memory, head_memory
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -41,7 +41,7 @@ _GQA_IN_SDPA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(ArchConfig):
     """Architecture of a Llama-family model (names as in Hugging Face's config.json)."""
 
     model_type: str = "llama"
@@ -101,25 +101,10 @@ class LlamaConfig:
             raise ConfigError(f"{where}: sliding_window must be positive or null, got {self.sliding_window}")
 
     family = property(lambda self: self.model_type)
+    FIELDS = {"layers": "num_hidden_layers", "width": "hidden_size", "embedding": "hidden_size",
+              "positions": "max_position_embeddings"}
     ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "tie_word_embeddings")  # what a checkpoint shares with its preset
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
-    def width(self) -> int:
-        """Width of the hidden states between units."""
-        return self.hidden_size
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.hidden_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.max_position_embeddings
 
     @property
     def qkv_bias(self) -> bool:

@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import CausalLM, UnitSpec, check_positions, embed_memory, head_memory
+from mobius.models.base import ArchConfig, CausalLM, UnitSpec, embed_memory, head_memory
 from mobius.models.gpt2 import ACTIVATIONS, transformer_block_flops, transformer_block_memory
 
 POSITION_OFFSET = 2  # OPT's learned positions start at index 2 (a fairseq legacy)
 
 
 @dataclass
-class OPTConfig:
+class OPTConfig(ArchConfig):
     """Architecture of an OPT model (names as in Hugging Face's OPTConfig)."""
 
     vocab_size: int = 50272
@@ -45,6 +45,8 @@ class OPTConfig:
     eos_token_id: int = 2
 
     family = "opt"
+    FIELDS = {"layers": "num_hidden_layers", "width": "hidden_size", "embedding": "word_embed_proj_dim",
+              "positions": "max_position_embeddings"}
     ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "word_embed_proj_dim",
                    "do_layer_norm_before")  # what a checkpoint must share with a preset of its name
 
@@ -75,26 +77,6 @@ class OPTConfig:
     @property
     def has_final_layer_norm(self) -> bool:
         return self.do_layer_norm_before
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
-    def width(self) -> int:
-        """Width of the hidden states between units."""
-        return self.hidden_size
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.word_embed_proj_dim
-
-    @property
-    def max_positions(self) -> int:
-        return self.max_position_embeddings
-
-    def check_sequence(self, seq_len: int) -> None:
-        check_positions(self, seq_len)
 
     def set_dropout(self, p: float) -> None:
         self.dropout = self.attention_dropout = p

@@ -1,20 +1,23 @@
 """partition.zero: the plan of ``parallel.mode: zero`` (chunked, sharded model states with rCache; Elixir).
 
-Numbers in, a plan out; no torch:
+Numbers in, a plan out; no torch. The chunk layout itself is :mod:`mobius.layout` (shared with the
+pipeline's stages) and the step's program :mod:`partition.schedule.zero` (beside the pipeline's
+schedule); here:
 
-* :mod:`partition.zero.layout` -- parameters into chunks in forward-use order; the step's operators
-  and the chunks each one calls (the trace), and where gradients are reduced;
+* :mod:`partition.zero.memory` -- the cost model's vocabulary (hardware, workload, setting) and memory;
+* :mod:`partition.zero.choice` -- eq. 1-2 and the choice of rCache blocks and GPU chunks;
 * :mod:`partition.zero.cache` -- rCache replacement (Belady's rule on the trace, LRU while recording,
   prefetch of the next operator), shared by the planner's simulation and the runtime;
-* :mod:`partition.zero.search` -- memory model, eq. 1-2, the step-time simulation, the search over
-  chunk sizes and settings, and :class:`ZeroPlan`.
+* :mod:`partition.zero.simulate` -- the step-time simulation and each rank's traffic;
+* :mod:`partition.zero.plan` -- :class:`ZeroPlan` and its report;
+* :mod:`partition.zero.search` -- the search over chunk sizes, and :func:`plan`.
 """
 
 from partition.zero.cache import CachePolicy, CacheRun, CacheTooSmall, simulate_cache
-from partition.zero.layout import (ALIGN, ChunkLayout, Op, OpKind, ParamInfo, build_layout, chunk_trace, eval_program,
-                                   grad_flushes, train_program)
-from partition.zero.search import Prediction, Setting, Workload, ZeroHardware, ZeroPlan, plan, predict
+from partition.zero.memory import Setting, Workload, ZeroHardware
+from partition.zero.plan import ZeroPlan
+from partition.zero.search import plan
+from partition.zero.simulate import Prediction, predict
 
-__all__ = ["ALIGN", "CachePolicy", "CacheRun", "CacheTooSmall", "ChunkLayout", "Op", "OpKind", "ParamInfo", "Prediction",
-           "Setting", "Workload", "ZeroHardware", "ZeroPlan", "build_layout", "chunk_trace", "eval_program",
-           "grad_flushes", "plan", "predict", "simulate_cache", "train_program"]
+__all__ = ["CachePolicy", "CacheRun", "CacheTooSmall", "Prediction", "Setting", "Workload", "ZeroHardware", "ZeroPlan",
+           "plan", "predict", "simulate_cache"]

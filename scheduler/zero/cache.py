@@ -24,8 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-from partition.zero import CachePolicy, ChunkLayout
-from scheduler.comm import Counters, all_gather_flat, reduce_scatter_flat
+from mobius.layout import ChunkLayout
+from partition.zero import CachePolicy
+from scheduler.collectives import all_gather_flat, reduce_scatter_flat
+from scheduler.counters import Counters
 
 
 class Streams:

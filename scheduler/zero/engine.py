@@ -1,7 +1,7 @@
 """The zero-mode engine: data parallelism over chunked, sharded model states with rCache (Elixir).
 
 One per rank of the default process group; the same interface as the reference ``SingleEngine``.
-A step runs the unit-major program of :mod:`partition.zero.layout`: each unit's forward for all of
+A step runs the unit-major program of :mod:`partition.schedule.zero`: each unit's forward for all of
 this rank's micro-batches, the last unit's loss and backward, then each unit's backward in reverse
 (recomputing its forward from the saved input with activation checkpointing; otherwise through the
 graph kept since the forward). Before an operator runs, rCache holds the chunks its unit uses
@@ -30,15 +30,17 @@ from mobius.engine import DTYPES, Batch, StepStats, autocast
 from mobius.errors import CheckpointError, MobiusError
 from mobius.models import ModelConfig, dropout_active, initial_weights, unit_prefix, unit_specs
 from mobius.models.base import bind_parameters, lm_loss, run_units
+from mobius.models.params import build_units, model_params
 from mobius.models.hf import LazyCheckpoint, from_hf
 from mobius.optim import LossScaler, end_of_step, host_bytes_per_param, waits_for_norm
 from mobius.parallel import ParallelSettings
-from partition.zero import OpKind, ZeroPlan, build_layout, eval_program, grad_flushes, train_program
-from scheduler.comm import Counters, all_gather_flat
-from scheduler.stages import build_units
+from mobius.layout import build_layout
+from partition.schedule.zero import OpKind, eval_program, grad_flushes, train_program
+from partition.zero import ZeroPlan
+from scheduler.collectives import all_gather_flat
+from scheduler.counters import Counters
 from scheduler.store import check_host_memory
 from scheduler.zero.cache import GradBuffers, RCache, Streams
-from scheduler.zero.params import model_params
 from scheduler.updater import CpuUpdater, sum_over_ranks
 from scheduler.zero.store import HostChunk, Shards
 

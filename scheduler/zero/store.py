@@ -21,7 +21,7 @@ import torch
 
 from mobius.config import TrainSection
 from mobius.optim import FlatAdamW
-from partition.zero import ChunkLayout
+from mobius.layout import ChunkLayout
 from scheduler.pinned import host_zeros
 
 

@@ -1,11 +1,21 @@
-"""The model's parameters as the chunk layout sees them."""
+"""The model's parameters as the flat layouts see them (:class:`mobius.layout.ParamInfo`), and unit
+modules built without memory for the runtimes to bind to their buffers."""
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
+from mobius.layout import ParamInfo
 from mobius.models import ModelConfig, tied_weights, unit_prefix, unit_specs
 from mobius.optim import takes_decay
-from partition.zero import ParamInfo
-from scheduler.stages import build_units
+
+
+def build_units(cfg: ModelConfig, first: int, end: int) -> nn.ModuleList:
+    """Units ``[first, end)`` on the meta device (no memory): parameters are bound later."""
+    specs = unit_specs(cfg)
+    with torch.device("meta"):
+        return nn.ModuleList(specs[k].build() for k in range(first, end))
 
 
 def model_params(cfg: ModelConfig) -> list[ParamInfo]:
@@ -27,3 +37,14 @@ def model_params(cfg: ModelConfig) -> list[ParamInfo]:
             index[full] = len(rows)
             rows.append([[full], tuple(p.shape), [k], takes_decay(p)])
     return [ParamInfo(tuple(n), shape, tuple(u), d) for n, shape, u, d in rows]
+
+
+def stage_params(params: list[ParamInfo], first: int, end: int) -> list[ParamInfo]:
+    """The parameters units ``[first, end)`` use, each under the names those units give it (a tied
+    weight whose two ends are both there keeps both names)."""
+    out = []
+    for p in params:
+        mine = [(n, u) for n, u in zip(p.names, p.units) if first <= u < end]
+        if mine:
+            out.append(ParamInfo(tuple(n for n, _ in mine), p.shape, tuple(u for _, u in mine), p.decay))
+    return out

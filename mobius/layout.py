@@ -1,34 +1,30 @@
-"""Chunks: parameters grouped, in the order the forward uses them, into flat buffers of one length.
+"""Flat buffers: where every parameter sits. One layout for both runtimes.
 
-Elixir Appendix A.2: walk the parameters in forward-use order and put each into the current chunk;
-when it does not fit, close the chunk and open a new one. Two cases the paper leaves out:
+Parameters are placed, in the order the forward uses them, at multiples of :data:`ALIGN` in flat
+buffers (*chunks*) of one length; each knows its names (two for a weight tied between the embedding
+and the head), shape, the units that use it and whether it takes weight decay. The decay *runs* of
+a buffer drive the one AdamW (:class:`~mobius.optim.FlatAdamW`).
 
-* a parameter **used twice** (the embedding tied to the head) is laid out once, at its first use; both
-  units list its chunks, so the call trace shows the second use and the cache treats it like any
-  other chunk (Belady keeps it or not); its gradient is reduced after each of its backward runs and
-  the parts add up in the owners' gradient shards;
-* a parameter **larger than a chunk** starts a fresh chunk and continues over as many consecutive
-  chunks as it needs (the last one stays open for the next parameters); its unit needs all of them at
-  once (the runtime assembles the pieces into one tensor for the computation).
+* Zero mode (Elixir Appendix A.2) cuts the model into chunks of ``chunk_size`` elements: walk the
+  parameters in forward-use order and put each into the current chunk; when it does not fit, close
+  the chunk and open a new one. A parameter **used twice** (the embedding tied to the head) is laid
+  out once, at its first use; both units list its chunks. A parameter **larger than a chunk** starts
+  a fresh chunk and continues over as many consecutive chunks as it needs (the last one stays open);
+  its unit needs all of them at once. Every chunk buffer has the same length
+  :attr:`ChunkLayout.padded`: the chunk size rounded up so that it splits into ``world`` equal shards
+  of a multiple of ``align`` elements (``world`` need not divide the chunk size).
+* A pipeline stage is one buffer: the same placement with no chunk limit
+  (:func:`single_buffer`).
 
-Every chunk buffer has the same length :attr:`ChunkLayout.padded`: the chunk size rounded up so that
-it splits into ``world`` equal shards of a multiple of ``align`` elements (``world`` need not divide
-the chunk size). Parameters start at multiples of ``align`` inside a chunk.
-
-The step as the runtime runs it (:func:`train_program`): the forward of each unit for all of a
-rank's micro-batches, in model order; the last unit's forward, loss and backward; then each unit's
-backward in reverse order. With activation checkpointing a unit is one checkpointed function, so
-every operator is one unit and each chunk is called once in the forward and once in the backward
-(Elixir §5.1's "common computation graph").
+No torch here: the planner lays out models it never builds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from functools import cached_property
 
-ALIGN = 16  # elements: parameter offsets and shard lengths are multiples of this
+ALIGN = 64  # elements: parameter offsets and shard lengths are multiples of this (aligned vector loads and copies)
 
 
 @dataclass(frozen=True)
@@ -186,55 +182,7 @@ def build_layout(params: list[ParamInfo] | tuple[ParamInfo, ...], num_units: int
     return ChunkLayout(tuple(params), num_units, chunk_size, world, align, built)
 
 
-# ---------------------------------------------------------------------------------------------
-# The step's operators and their chunk calls
-# ---------------------------------------------------------------------------------------------
-class OpKind(str, Enum):
-    FORWARD = "F"  # a unit's forward for all of the rank's micro-batches
-    LOSS = "L"  # the last unit: forward, loss and backward (training)
-    BACKWARD = "B"  # a unit's backward (recomputing its forward with activation checkpointing)
-    EVAL = "E"  # the last unit: forward and loss (evaluation)
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: OpKind
-    unit: int
-
-    @property
-    def makes_grads(self) -> bool:
-        return self.kind in (OpKind.LOSS, OpKind.BACKWARD)
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}{self.unit}"
-
-
-def train_program(num_units: int) -> tuple[Op, ...]:
-    """Forward in model order, the last unit's loss, backward in reverse order."""
-    last = num_units - 1
-    return (tuple(Op(OpKind.FORWARD, u) for u in range(last)) + (Op(OpKind.LOSS, last),)
-            + tuple(Op(OpKind.BACKWARD, u) for u in reversed(range(last))))
-
-
-def eval_program(num_units: int) -> tuple[Op, ...]:
-    last = num_units - 1
-    return tuple(Op(OpKind.FORWARD, u) for u in range(last)) + (Op(OpKind.EVAL, last),)
-
-
-def chunk_trace(program: tuple[Op, ...], layout: ChunkLayout) -> list[tuple[int, ...]]:
-    """The chunks each operator calls, in order (what the runtime records on its warm-up step)."""
-    return [layout.unit_chunks[op.unit] for op in program]
-
-
-def grad_flushes(program: tuple[Op, ...], layout: ChunkLayout) -> list[tuple[int, ...]]:
-    """Per operator: the chunks whose run of consecutive gradient-making calls ends with it (their
-    gradient is reduce-scattered then). A chunk used by two separate runs (a tied weight) flushes twice."""
-    trace = chunk_trace(program, layout)
-    out = []
-    for t, op in enumerate(program):
-        if not op.makes_grads:
-            out.append(())
-            continue
-        following = set(trace[t + 1]) if t + 1 < len(program) and program[t + 1].makes_grads else set()
-        out.append(tuple(c for c in trace[t] if c not in following))
-    return out
+def single_buffer(params: list[ParamInfo] | tuple[ParamInfo, ...], num_units: int, align: int = ALIGN) -> ChunkLayout:
+    """``params`` placed one after another in one buffer (a pipeline stage's flat buffers)."""
+    total = sum(_round_up(p.numel, align) for p in params)
+    return build_layout(params, num_units, max(total, 1), 1, align)

@@ -1,0 +1,117 @@
+"""The CPU AdamW rate the planner plans with: measured alone on this machine (the runtime's own
+:class:`~mobius.optim.FlatAdamW`), or as a run measured it inside its training steps, cached per CPU
+model, thread count, precision and gradient dtype."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from mobius.files import write_text_atomic
+from partition.measure import _dtype, _time
+
+log = logging.getLogger(__name__)
+
+
+CPU_UPDATE_NUMEL = 1 << 24  # parameters in the timed AdamW step (large enough to leave the caches)
+
+
+def measure_cpu_update(threads: int, precision: str, numel: int = CPU_UPDATE_NUMEL, reps: int = 3,
+                       half_grads: bool = False) -> float:
+    """Parameters per second of the pipeline's CPU update on this machine with ``threads`` threads:
+    the runtime's own :class:`~mobius.optim.FlatAdamW` on a flat fp32 master copy, writing the
+    half-precision copy (bf16/fp16) in the same pass, from fp32 gradients or (``half_grads``)
+    half-precision ones -- what each pipeline worker's optimizer thread runs."""
+    import torch
+
+    from mobius.config import TrainSection
+    from mobius.optim import FlatAdamW
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        dtype = _dtype(precision)
+        half = torch.empty(numel, dtype=dtype) if precision != "fp32" else None
+        grad = torch.full((numel,), 1e-3, dtype=dtype if half_grads else torch.float32)
+        opt = FlatAdamW(torch.zeros(numel), half, [(0, numel, True)], TrainSection(weight_decay=0.1))
+        return numel / _time(lambda: opt.step(grad, 1e-4, 0.5), torch.device("cpu"), reps, 1)
+    finally:
+        torch.set_num_threads(before)
+
+
+CPU_UPDATE_IN_STEP = 0.68  # the CPU AdamW's rate inside a training step / its rate measured alone, until a run
+# on this machine has measured it (:func:`record_in_step_rate`): with uploads, downloads and kernel dispatch
+# sharing the host's memory bandwidth and cores, an H100 box ran 0.71 (1.42B) and 0.66 (3.94B) of the
+# isolated rate in clipped steps
+IN_STEP = "in-step"
+
+
+def _update_cache(cache_dir: str | Path | None, threads: int, precision: str, half_grads: bool,
+                  kind: str) -> Path | None:
+    import platform
+
+    key = hashlib.sha1(json.dumps([_cpu_name(), platform.machine(), threads, precision, half_grads,
+                                   kind]).encode()).hexdigest()[:16]
+    return Path(cache_dir) / "cpu_update" / f"{key}.json" if cache_dir is not None else None
+
+
+def _read_rate(path: Path | None) -> float | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return float(json.loads(path.read_text())["params_per_s"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _write_rate(path: Path, rate: float, **about: Any) -> None:
+    write_text_atomic(path, json.dumps({"params_per_s": rate, "cpu": _cpu_name(), **about}))
+
+
+def cpu_update_rate(threads: int, precision: str, cache_dir: str | Path | None = None,
+                    half_grads: bool = False) -> float:
+    """:func:`measure_cpu_update`, cached per CPU model, thread count, precision and gradient dtype."""
+    path = _update_cache(cache_dir, threads, precision, half_grads, "flat-v2")
+    rate = _read_rate(path)
+    if rate is not None:
+        return rate
+    rate = measure_cpu_update(threads, precision, half_grads=half_grads)
+    log.info("CPU AdamW%s%s: %.2f G params/s with %d thread(s)", "" if precision == "fp32" else " + half copy",
+             " from half gradients" if half_grads else "", rate / 1e9, threads)
+    if path is not None:
+        _write_rate(path, rate, threads=threads, precision=precision, half_grads=half_grads)
+    return rate
+
+
+def record_in_step_rate(threads: int, precision: str, cache_dir: str | Path, device: str, half_grads: bool,
+                        rate: float) -> None:
+    """Keep the CPU AdamW rate a run measured inside its training steps (``device``: its workers'
+    device type), for the next plan on this machine."""
+    _write_rate(_update_cache(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"), rate,
+                threads=threads, precision=precision, half_grads=half_grads, device=device)
+
+
+def cpu_update_rate_in_step(threads: int, precision: str, cache_dir: str | Path | None, device: str,
+                            half_grads: bool = False) -> tuple[float, str]:
+    """The CPU AdamW rate to plan with, and where it comes from: what a run on this machine measured
+    inside its steps, or ``CPU_UPDATE_IN_STEP`` times the rate measured alone."""
+    rate = _read_rate(_update_cache(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"))
+    if rate is not None:
+        return rate, "measured inside training steps on this machine"
+    alone = cpu_update_rate(threads, precision, cache_dir, half_grads)
+    return CPU_UPDATE_IN_STEP * alone, f"{CPU_UPDATE_IN_STEP} x {alone / 1e9:.2f} G/s measured alone"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"

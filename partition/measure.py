@@ -1,0 +1,180 @@
+"""Unit costs measured on this machine, one unit at a time.
+
+:func:`profile_units` builds each *distinct* unit once (units with equal ``signature`` are identical:
+the paper's layer similarity), runs its forward and its recompute+backward on one micro-batch, and
+takes the median of several timed repetitions (CUDA events on a GPU, ``perf_counter`` on the CPU).
+Saved activations are counted with autograd's saved-tensor hooks; peak working memory is measured
+with ``torch.cuda.max_memory_allocated`` on a GPU and estimated on the CPU (twice the output plus the
+largest saved tensor). A 13B-shaped model has three distinct units, so it profiles in seconds without
+ever being built whole. torch is imported inside the functions only (the solver side stays torch-free).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any, Sequence
+
+from mobius.errors import NotAvailableError
+from partition.costs import ModelProfile, UnitCost
+from partition.estimate import precision_bytes
+
+log = logging.getLogger(__name__)
+
+
+def _dtype(precision: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def profile_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str,
+                  device: str = "auto", reps: int = 5, warmup: int = 2) -> ModelProfile:
+    """Measure every distinct unit once (one at a time) and expand to all units."""
+    import torch
+
+    dev = _resolve_device(device)
+    dtype = _dtype(precision)
+    t0 = time.perf_counter()
+    by_sig: dict[str, UnitCost] = {}
+    distinct = list({s.signature: s for s in specs}.values())
+    for k, spec in enumerate(distinct, 1):
+        log.info("profiling unit %d/%d: %s (%s, %.0fM parameters) on %s", k, len(distinct), spec.name, spec.kind,
+                 spec.param_count / 1e6, dev)
+        by_sig[spec.signature] = _measure(spec, micro_batch_size, seq_len, precision, dtype, dev, reps, warmup)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    units = [_rename(by_sig[s.signature], s) for s in specs]
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    notes = {"reps": reps, "warmup": warmup, "distinct_units": len(distinct)}
+    return ModelProfile(units, micro_batch_size, seq_len, precision, name, "measured", time.perf_counter() - t0, notes)
+
+
+def _resolve_device(device: str):
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise NotAvailableError("profiling on cuda was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def _rename(cost: UnitCost, spec: Any) -> UnitCost:
+    from dataclasses import replace
+
+    return replace(cost, name=spec.name, param_count=spec.param_count)
+
+
+def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: int, warmup: int) -> UnitCost:
+    """Time forward and recompute+backward of one unit; count its saved and working memory."""
+    import torch
+
+    elem = precision_bytes(precision)
+    module = spec.build().to(device=dev, dtype=dtype).train()
+    x = spec.make_input(mbs, seq, dev, dtype)
+    targets = torch.randint(0, spec.vocab_size, (mbs, seq), device=dev) if spec.kind == "head" else None
+    step = _unit_step(spec.kind, module, x, targets)
+    fwd = _time(lambda: step(False), dev, reps, warmup)
+    bwd = _time(lambda: step(True), dev, reps, warmup)
+    saved, largest = _saved_bytes(module, x, step)
+    work = _peak_work(step, dev, saved, spec.param_count * elem) if dev.type == "cuda" else None
+    out_bytes = int(spec.out_numel(mbs, seq)) * elem
+    # at least the output and its gradient; on the CPU also the largest saved tensor (its gradient)
+    work = max(work or 0, 2 * out_bytes + (largest if dev.type != "cuda" else 0))
+    del module
+    acc = _accumulate_s(spec.param_count, dtype, dev, reps, warmup) if elem < 4 else 0.0
+    return UnitCost(name=spec.name, kind=spec.kind, signature=spec.signature, param_count=spec.param_count,
+                    fwd_s=fwd, bwd_s=bwd, param_bytes=spec.param_count * elem, grad_bytes=spec.param_count * elem,
+                    in_bytes=x.numel() * x.element_size(), act_bytes=out_bytes, saved_bytes=saved, work_bytes=work,
+                    acc_s=acc)
+
+
+def _accumulate_s(numel: int, dtype, dev, reps: int, warmup: int) -> float:
+    """Seconds to add one micro-batch's half-precision gradients into fp32 sums and zero them (what
+    the pipeline does after every backward in bf16/fp16)."""
+    import torch
+
+    grads = torch.zeros(numel, dtype=dtype, device=dev)
+    acc = torch.zeros(numel, dtype=torch.float32, device=dev)
+    return _time(lambda: (acc.add_(grads), grads.zero_()), dev, reps, warmup)
+
+
+def _unit_step(kind: str, module, x, targets):
+    """A closure running the unit's forward (no grad) or its forward with grad plus backward."""
+    import torch
+
+    from mobius.models.base import lm_loss
+
+    def step(backward: bool) -> None:
+        if not backward:
+            with torch.no_grad():
+                out = module(x)
+                if targets is not None:
+                    lm_loss(out, targets)
+            return
+        inp = x if kind == "embed" else x.detach().requires_grad_(True)
+        out = module(inp)
+        if targets is not None:
+            lm_loss(out, targets).backward()
+        else:
+            out.backward(torch.ones_like(out))
+        module.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _time(fn, dev, reps: int, warmup: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs after ``warmup`` runs."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _saved_bytes(module, x, step) -> tuple[int, int]:
+    """Bytes autograd saves during the unit's forward (parameters and the input excluded), and
+    the largest single saved tensor."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(True)
+    return sum(seen.values()), max(seen.values(), default=0)
+
+
+def _peak_work(step, dev, saved: int, grad_bytes: int) -> int:
+    """Peak CUDA memory of forward+backward beyond what was allocated, the saved activations and
+    the parameter gradients."""
+    import torch
+
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    step(True)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    return max(0, peak - base - saved - grad_bytes)

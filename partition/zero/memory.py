@@ -1,0 +1,110 @@
+"""Zero mode's cost model, its vocabulary and its memory (Elixir Appendix A.1).
+
+Memory per rank (bytes; ``P`` padded chunk length, ``s = P / N`` one rank's shard, ``L_c`` the
+compute precision's bytes):
+
+* rCache: ``n_block x P x L_c`` -- the only data duplicated across ranks;
+* gradient buffers: ``(min_blocks + 1) x P x 4`` -- fp32 gradients of the chunks in backward use;
+* reduce-scatter staging: ``2 x s x 4``;
+* a chunk kept on the GPU: ``16 s`` (fp32 master, AdamW m and v, fp32 gradient shard); an offloaded
+  chunk keeps these (and a pinned half-precision copy) in host memory and costs the GPU nothing;
+* activations from the profile (checkpointed: every unit's input for each of the rank's
+  micro-batches, plus one unit's recompute; otherwise every unit's saved activations).
+
+The usable part is Appendix A.1's ``U_allowed = F_alloc (capacity - F_frag x activations)``
+(``capacity`` already excludes the CUDA context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mobius.layout import ChunkLayout
+from mobius.optim import host_bytes_per_param
+from partition.costs import PRECISION_BYTES, ModelProfile
+
+GiB = 2**30
+GB = 1e9
+F_ALLOC = 0.95  # Appendix A.1: share of the device Elixir can use
+F_FRAG = 1.25  # Appendix A.1: activations reserved with this factor for fragmentation
+STATE_BYTES = 16  # per shard element of a chunk on the GPU: fp32 master, AdamW m and v, fp32 gradient
+GRAD_BYTES = 4  # gradient buffers, reduce-scatters and downloads are fp32
+ADAM_BYTES = 28  # device bytes per parameter of a fused AdamW step (read p, g, m, v; write p, m, v)
+
+
+@dataclass(frozen=True)
+class ZeroHardware:
+    """Per-rank rates the cost model uses (the paper's B(n), V(n) are ``ranks`` times these)."""
+
+    ranks: int
+    memory_bytes: int  # usable device memory per rank (the CUDA context already excluded)
+    c2g_Bps: float  # host -> device, per rank, all ranks uploading at once
+    g2c_Bps: float  # device -> host, per rank
+    g2g_Bps: float  # all-gather / reduce-scatter bus bandwidth per rank (NVLink); unused for one rank
+    device_Bps: float  # device memory bandwidth (casts, gradient sums)
+    cpu_adam_params_per_s: float  # CPU AdamW (with the half-copy refresh) of one rank's thread share
+    gpu_adam_params_per_s: float
+    collective_s: float = 30e-6  # fixed cost of one copy or collective
+    name: str = ""
+
+    def describe(self) -> str:
+        g2g = f", collectives {self.g2g_Bps / GB:.0f} GB/s per rank" if self.ranks > 1 else ""
+        return (f"{self.name}: {self.ranks} rank(s), {self.memory_bytes / GiB:.1f} GiB usable each; per rank: "
+                f"host->GPU {self.c2g_Bps / GB:.1f} GB/s, GPU->host {self.g2c_Bps / GB:.1f} GB/s{g2g}, "
+                f"CPU AdamW {self.cpu_adam_params_per_s / 1e9:.2f} G params/s, GPU AdamW "
+                f"{self.gpu_adam_params_per_s / 1e9:.1f} G params/s")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step runs, for the cost model."""
+
+    micro_batches: int  # this rank's share of the step
+    precision: str
+    checkpointing: bool
+    barrier: bool  # updates wait for the global norm (clipping, fp16 loss scaling)
+    prefetch: bool = True
+
+    @property
+    def elem(self) -> int:
+        return PRECISION_BYTES[self.precision]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration: rCache blocks and how many chunks (from the front) stay on the GPU."""
+
+    cache_blocks: int
+    gpu_chunks: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+def activation_bytes(prof: ModelProfile, w: Workload) -> int:
+    """Activation memory of a step under the unit-major order (profile figures per micro-batch)."""
+    units = prof.units
+    M = w.micro_batches
+    if w.checkpointing:  # every unit's input waits for its backward; one unit recomputes at a time
+        return M * sum(u.act_bytes for u in units[:-1]) + max(u.saved_bytes + u.work_bytes + 2 * u.act_bytes
+                                                              for u in units)
+    return M * sum(u.saved_bytes + u.act_bytes for u in units) + max(u.work_bytes + u.act_bytes for u in units)
+
+
+def usable_bytes(capacity: int, activations: int) -> int:
+    """Appendix A.1: what chunks, rCache and gradient buffers may take."""
+    return int(F_ALLOC * (capacity - F_FRAG * activations))
+
+
+def model_state_bytes(layout: ChunkLayout, s: Setting, elem: int) -> dict[str, int]:
+    """GPU bytes per rank of rCache, gradient buffers, staging and the GPU chunks' shards."""
+    return {"rcache": s.cache_blocks * layout.padded * elem,
+            "grad_buffers": (layout.min_blocks + 1) * layout.padded * GRAD_BYTES,
+            "staging": 2 * layout.shard * GRAD_BYTES,
+            "gpu_shards": s.gpu_chunks * layout.shard * STATE_BYTES}
+
+
+def host_bytes(layout: ChunkLayout, s: Setting, precision: str) -> int:
+    """Host bytes per rank of the offloaded chunks' shards: fp32 master, AdamW moments, fp32 gradient
+    and (bf16/fp16) the pinned half copy -- as a swapped pipeline stage's with fp32 downloads."""
+    return (layout.num_chunks - s.gpu_chunks) * layout.shard * host_bytes_per_param(precision, half_grads=False)

@@ -1,0 +1,148 @@
+"""Zero mode's step time: an event simulation of the runtime's streams (compute, gathers,
+collectives, downloads, the CPU optimizer thread) over two steps, so that the CPU updates that run
+into the next step are counted; and the bytes each rank moves per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mobius.layout import ChunkLayout
+from partition.costs import ModelProfile
+from partition.schedule.zero import OpKind, chunk_trace, grad_flushes, train_program
+from partition.zero.cache import simulate_cache
+from partition.zero.memory import GRAD_BYTES, Setting, Workload, ZeroHardware
+
+
+@dataclass
+class Prediction:
+    """A simulated step (the second of two, so CPU updates running into it are counted)."""
+
+    step_s: float
+    compute_s: float
+    stall_s: float  # compute waiting for gathers
+    cpu_adam_s: float
+    gathers: int
+    traffic: dict[str, float]  # bytes per rank per step
+
+
+@dataclass
+class _Lanes:
+    gather: float = 0.0  # the gather stream (uploads, casts)
+    g2g: float = 0.0  # the collectives (one communicator: all-gathers and reduce-scatters in issue order)
+    d2h: float = 0.0
+    cpu: float = 0.0  # the CPU optimizer thread
+    compute: float = 0.0
+
+
+def _op_seconds(prof: ModelProfile, op: Any, w: Workload) -> float:
+    u = prof.units[op.unit]
+    if op.kind in (OpKind.FORWARD, OpKind.EVAL):
+        return w.micro_batches * u.fwd_s
+    if op.kind == OpKind.LOSS or w.checkpointing:
+        return w.micro_batches * u.bwd_s  # forward (or recompute) and backward
+    return w.micro_batches * max(u.bwd_s - u.fwd_s, 0.0)
+
+
+def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload) -> Prediction:
+    """Predicted steady-state step time and per-step traffic of one setting."""
+    sim = _StepSim(layout, prof, hw, s, w)
+    ends, stats = [], {}
+    for _ in range(2):
+        stats = sim.step()
+        ends.append(sim.lanes.compute)
+    N, P, sh, e, run = hw.ranks, layout.padded, layout.shard, w.elem, sim.run
+    off = [c for c in run.gathered_chunks() if c >= s.gpu_chunks]
+    flush_count = sum(len(f) for f in sim.flushes)
+    traffic = {"replaced_bytes": run.gathers * P * e, "allgather_bytes": run.gathers * (N - 1) * sh * e,
+               "reduce_scatter_bytes": flush_count * (N - 1) * sh * GRAD_BYTES,
+               "h2d_bytes": len(off) * sh * e, "d2h_bytes": (layout.num_chunks - s.gpu_chunks) * sh * GRAD_BYTES}
+    return Prediction(ends[1] - ends[0], stats["compute"], stats["stall"], stats["cpu"], run.gathers, traffic)
+
+
+class _StepSim:
+    """Steps of the runtime on its lanes (carried from step to step, as are the CPU updates' ends)."""
+
+    def __init__(self, layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload):
+        self.layout, self.prof, self.hw, self.s, self.w = layout, prof, hw, s, w
+        self.program = train_program(layout.num_units)
+        self.trace = chunk_trace(self.program, layout)
+        self.flushes = grad_flushes(self.program, layout)
+        self.run = simulate_cache(self.trace, s.cache_blocks, w.prefetch)
+        self.runs = {c: sum(c in f for f in self.flushes) for c in range(layout.num_chunks)}
+        sh, e, N, lat = layout.shard, w.elem, hw.ranks, hw.collective_s
+        self.cost = {"upload": lat + sh * e / hw.c2g_Bps, "cast": lat + sh * (4 + e) / hw.device_Bps,
+                     "allgather": lat + (N - 1) * sh * e / hw.g2g_Bps if N > 1 else 0.0,
+                     "reduce": lat + ((N - 1) * sh * GRAD_BYTES / hw.g2g_Bps if N > 1
+                                      else 2 * sh * GRAD_BYTES / hw.device_Bps),
+                     "download": lat + sh * GRAD_BYTES / hw.g2c_Bps, "cpu_adam": sh / hw.cpu_adam_params_per_s}
+        self.fold_s = w.micro_batches * (e + 8) / hw.device_Bps  # per parameter: its gradient into the fp32 sums
+        self.lanes, self.cpu_ready = _Lanes(), [0.0] * layout.num_chunks
+        self.stats: dict[str, float] = {}
+        self.block_free: list[float] = []  # per step: when each block's last reader ends
+        self.ready: dict[int, float] = {}  # per step: when each gathered chunk is complete
+        self.where: dict[int, int] = {}
+        self.seen: dict[int, int] = {}  # per step: flushes so far per chunk
+        self.barrier_jobs: list[tuple[int, float]] = []  # CPU updates that wait for the norm
+        self.flush_end = 0.0
+
+    def step(self) -> dict[str, float]:
+        """One step from the end of the previous one; returns its compute, stall and CPU seconds."""
+        start = self.lanes.compute
+        self.block_free, self.ready, self.where = [start] * self.s.cache_blocks, {}, {}
+        self.seen, self.barrier_jobs, self.flush_end = dict.fromkeys(self.runs, 0), [], start
+        self.stats = {"compute": 0.0, "stall": 0.0, "cpu": 0.0}
+        for t, op in enumerate(self.program):
+            self._operator(t, op)
+        lanes = self.lanes
+        lanes.compute = max(lanes.compute, self.flush_end) + self.hw.collective_s  # the step's statistics
+        for c, done in self.barrier_jobs:
+            self._cpu_update(c, max(done, lanes.compute))
+        lanes.compute += self.s.gpu_chunks * self.layout.shard / self.hw.gpu_adam_params_per_s
+        return self.stats
+
+    def _operator(self, t: int, op: Any) -> None:
+        for c, b in self.run.demand[t] + self.run.prefetched[t]:
+            self._gather(c, b)
+        lanes = self.lanes
+        begin = max([lanes.compute] + [self.ready[c] for c in self.trace[t]])
+        dt = _op_seconds(self.prof, op, self.w) + (self.fold_s * _unit_numel(self.layout, op.unit)
+                                                  if op.makes_grads else 0.0)
+        self.stats["stall"] += begin - lanes.compute
+        self.stats["compute"] += dt
+        lanes.compute = begin + dt
+        for c in self.trace[t]:
+            self.block_free[self.where[c]] = lanes.compute
+        for c in self.flushes[t]:
+            self._flush(c)
+
+    def _gather(self, c: int, b: int) -> None:
+        lanes, offloaded = self.lanes, c >= self.s.gpu_chunks
+        begin = max(lanes.gather, self.block_free[b], self.cpu_ready[c] if offloaded else 0.0)
+        lanes.gather = begin + (self.cost["upload"] if offloaded else self.cost["cast"])
+        lanes.g2g = max(lanes.g2g, lanes.gather) + self.cost["allgather"]
+        self.ready[c] = lanes.g2g if self.hw.ranks > 1 else lanes.gather
+        self.where[c] = b
+
+    def _flush(self, c: int) -> None:
+        lanes = self.lanes
+        lanes.g2g = max(lanes.g2g, lanes.compute) + self.cost["reduce"]
+        self.seen[c] += 1
+        done = lanes.g2g
+        if self.seen[c] == self.runs[c] and c >= self.s.gpu_chunks:
+            lanes.d2h = max(lanes.d2h, done) + self.cost["download"]
+            done = lanes.d2h
+            if self.w.barrier:
+                self.barrier_jobs.append((c, done))
+            else:
+                self._cpu_update(c, done)
+        self.flush_end = max(self.flush_end, done)
+
+    def _cpu_update(self, c: int, arrived: float) -> None:
+        self.lanes.cpu = max(self.lanes.cpu, arrived) + self.cost["cpu_adam"]
+        self.cpu_ready[c] = self.lanes.cpu
+        self.stats["cpu"] += self.cost["cpu_adam"]
+
+
+def _unit_numel(layout: ChunkLayout, unit: int) -> int:
+    return sum(p.numel for p in layout.params if unit in p.units)

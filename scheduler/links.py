@@ -1,0 +1,123 @@
+"""Activations and their gradients between the workers of adjacent pipeline stages.
+
+* :class:`LocalLink` -- both stages on this worker: the tensor is handed over in memory;
+* :class:`DirectLink` -- CPU workers (tests, the demo): gloo send/recv of CPU tensors; or CUDA
+  workers with peer-to-peer: NCCL send/recv, GPU to GPU;
+* :class:`StagedLink` -- CUDA workers without peer-to-peer (consumer GPUs, or two workers sharing one
+  GPU): GPU -> pinned host buffer -> gloo -> pinned host buffer -> GPU, on side streams and threads.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from scheduler.counters import Counters
+
+Waiter = Callable[[], torch.Tensor]
+
+
+class LocalLink:
+    """Adjacent stages on the same worker: nothing moves."""
+
+    def __init__(self) -> None:
+        self.box: dict[int, torch.Tensor] = {}
+
+    def send(self, t: torch.Tensor, tag: int) -> None:
+        self.box[tag] = t
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
+        return lambda: self.box.pop(tag)
+
+    def flush(self) -> None:
+        self.box.clear()
+
+
+class DirectLink:
+    """Point-to-point sends of tensors already where they must go: CPU tensors through gloo (CPU
+    workers standing in for GPUs, tagged), or GPU tensors through NCCL (peer-to-peer, in order)."""
+
+    def __init__(self, peer: int, counters: Counters, device: torch.device | None = None,
+                 group: dist.ProcessGroup | None = None):
+        self.peer, self.counters, self.group = peer, counters, group
+        self.device = device or torch.device("cpu")
+        self.nccl = self.device.type == "cuda"  # NCCL matches sends and receives by order, not tag
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, t: torch.Tensor, tag: int) -> None:
+        t = t.detach().contiguous()
+        self.pending.append((dist.isend(t, self.peer, group=self.group, tag=0 if self.nccl else tag), t))
+        self.counters.add(**({"p2p": t.nbytes} if self.nccl else {"d2h": t.nbytes}))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buf, self.peer, group=self.group, tag=0 if self.nccl else tag)
+        if not self.nccl:
+            self.counters.add(h2d=buf.nbytes)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return buf
+        return wait
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+class StagedLink:
+    """GPU tensors through pinned host memory and gloo, for GPUs without peer-to-peer access."""
+
+    def __init__(self, peer: int, device: torch.device, counters: Counters):
+        self.peer, self.device, self.counters = peer, device, counters
+        self.d2h_stream = torch.cuda.Stream(device)
+        self.h2d_stream = torch.cuda.Stream(device)
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix=f"send{peer}")
+        self.receiver = ThreadPoolExecutor(1, thread_name_prefix=f"recv{peer}")
+        self.sends: list[Future] = []
+
+    def send(self, t: torch.Tensor, tag: int) -> None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        t = t.detach()
+
+        def job() -> None:
+            torch.cuda.set_device(self.device)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(ready)
+                host.copy_(t, non_blocking=True)
+            self.d2h_stream.synchronize()
+            dist.send(host, self.peer, tag=tag)
+        self.sends.append(self.sender.submit(job))
+        self.counters.add(d2h=t.nbytes)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
+        def job() -> tuple[torch.Tensor, torch.cuda.Event]:
+            torch.cuda.set_device(self.device)
+            host = torch.empty(shape, dtype=dtype, pin_memory=True)
+            dist.recv(host, self.peer, tag=tag)
+            with torch.cuda.stream(self.h2d_stream):
+                dev = host.to(self.device, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.h2d_stream)
+            dev.record_stream(torch.cuda.current_stream(self.device))
+            return dev, done
+        fut = self.receiver.submit(job)
+        self.counters.add(h2d=int(np.prod(shape)) * dtype.itemsize)
+
+        def wait() -> torch.Tensor:
+            dev, done = fut.result()
+            torch.cuda.current_stream(self.device).wait_event(done)
+            return dev
+        return wait
+
+    def flush(self) -> None:
+        for f in self.sends:
+            f.result()
+        self.sends.clear()
