@@ -137,3 +137,17 @@ def test_broken_settings_are_errors_even_under_python_O() -> None:
         build_schedule(4, 2, 2, options=PipelineOptions(resident=frozenset({0})), tied=True)
     with pytest.raises(ScheduleError, match="every worker a stage"):
         build_schedule(4, 2, 2, gpu_of=[0, 0, 0, 0])
+
+
+def test_zero_program_is_printable_like_the_pipelines() -> None:
+    """Zero mode's program (beside the pipeline's schedule): unit-major forwards, the last unit's loss
+    and backward, backwards in reverse; a tied weight's chunk is reduced after each of its runs."""
+    from mobius.layout import ParamInfo, build_layout
+    from partition.schedule import program_timeline, train_program
+
+    params = [ParamInfo(("embed.w", "head.w"), (64,), (0, 3), True)] + \
+        [ParamInfo((f"blocks.{i}.w",), (64,), (i + 1,), True) for i in range(2)]
+    layout = build_layout(params, 4, 64)
+    lines = program_timeline(train_program(4), layout).splitlines()
+    assert lines[:-1] == ["   F0  chunks [0]", "   F1  chunks [1]", "   F2  chunks [2]", "   L3  chunks [0]  reduce [0]",
+                          "   B2  chunks [2]  reduce [2]", "   B1  chunks [1]  reduce [1]", "   B0  chunks [0]  reduce [0]"]

@@ -65,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "all of them, like torchrun's world size)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--trace", metavar="FILE", help="write the simulated step as Chrome-trace JSON (Perfetto)")
-    p.add_argument("--timeline", action="store_true", help="also print the simulated step as a text grid")
+    p.add_argument("--timeline", action="store_true", help="also print the step: the pipeline's simulated step as a "
+                                                           "text grid, or zero mode's program of operators and chunks")
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -106,11 +107,11 @@ def run(args: argparse.Namespace) -> int:
                           + (f" per node ({args.nodes} nodes)" if args.nodes > 1 else ""))
     choice = plan_run(cfg, planned_architecture(cfg), machine, args.bandwidth, plan_single=True)
     chosen = choice.chosen
-    if (args.trace or args.timeline) and choice.mode != "pipeline":
-        raise ConfigError(f"--trace and --timeline draw the pipeline's simulated step; the run's mode is {choice.mode} "
-                          f"(set --parallel.mode=pipeline to see the pipeline's)")
+    if args.trace and choice.mode != "pipeline" or args.timeline and choice.mode == "single":
+        raise ConfigError(f"--trace draws the pipeline's simulated step and --timeline the pipeline's or zero mode's "
+                          f"step; the run's mode is {choice.mode} (set --parallel.mode=pipeline or zero)")
     sim = None
-    if args.trace or args.timeline:
+    if choice.mode == "pipeline" and (args.trace or args.timeline):
         plan = chosen.plan
         sim = simulate(chosen.profile, plan.boundaries, chosen.hardware, plan.worker_gpus, plan.micro_batches, plan.options)
     if args.trace:
@@ -122,10 +123,21 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_report(cfg, choice))
         if args.timeline:
-            print(sim.to_ascii(110))
+            print(sim.to_ascii(110) if sim is not None else _zero_program(chosen.plan, planned_architecture(cfg)))
         if args.trace:
             print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
     return 0
+
+
+def _zero_program(plan: Any, model_cfg: Any) -> str:
+    """Zero mode's step as its runtime runs it: each operator, the chunks it calls and reduces."""
+    from mobius.layout import build_layout
+    from mobius.models import unit_specs
+    from mobius.models.params import model_params
+    from partition.schedule.zero import program_timeline, train_program
+
+    layout = build_layout(model_params(model_cfg), len(unit_specs(model_cfg)), plan.chunk_size, plan.world, plan.align)
+    return program_timeline(train_program(layout.num_units), layout)
 
 
 def _model_name(cfg: Config) -> str:
