@@ -15,6 +15,9 @@ opt        OPT-6.7B pipeline, as planned (the host-memory row)
 llama      Llama-3.2-1B all-in-GPU vs the pipeline; Llama-3.1-8B's widths in 20 of its 32 blocks (5.4B: the 8B's
            states, 113-135 GiB, do not fit a 128 GB host; all-in-GPU needs 128 GB of GPU memory), through the pipeline;
            both at 8 micro-batches of 1 x 2048 tokens, clipped, as the shipped Llama configs
+lora       Llama-3.1-8B LoRA (rank 16, all linear layers) on one GPU capped at 24 GiB: transformers + PEFT all in
+           the GPU (plain and with gradient checkpointing) vs the pipeline (frozen weights swapped from host
+           memory in bf16), beside mobius's uncapped all-in-GPU LoRA; 8 micro-batches of 1 x 2048, clipped
 peers      FSDP2 CPU offload (its best setting, 1 x 16 with activation checkpointing) and DeepSpeed ZeRO-3
            offload, both clip settings
 =========  ==================================================================================================
@@ -64,6 +67,8 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
                420),
               ("pipeline-llama-3.1-8b", _pipe("--what", "mobius", *LLAMA, "--preset", "llama-3.1-8b", "--layers", "20",
                                               "--steps", "2", "--warmup", "1"), 560)],
+    "lora": [("lora-llama-3.1-8b", _pipe("--what", "ref,peft,peft:gc,mobius", *LLAMA, "--preset", "llama-3.1-8b",
+                                         "--lora-rank", "16", "--steps", "3", "--warmup", "1"), 540)],
     "peers": [("fsdp2", ["bench/peers.py", "--what", "fsdp2", "--fsdp-settings", "1x16:ac", *CLIPS, "--steps", "3"],
                300),
               ("deepspeed", ["bench/peers.py", "--what", "deepspeed", *CLIPS, "--steps", "3"], 300)],
@@ -117,6 +122,8 @@ def collect(folder: Path) -> list[dict]:
         preset = data.get("args", {}).get("preset", "?")
         if data.get("args", {}).get("layers"):
             preset += f" ({data['args']['layers']} blocks)"
+        if data.get("args", {}).get("lora_rank"):
+            preset += f" LoRA r{data['args']['lora_rank']}"
         for r in data["rows"]:
             rows.append({**r, "preset": preset, "clip": float(r.get("grad_clip", data["args"].get("grad_clip", 0)))})
     return rows

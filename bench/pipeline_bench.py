@@ -15,6 +15,15 @@ stages, gradient download dtype, device slots), and host memory: the plan's figu
 beside what the engine's process grew by (``host_rss_gib``, page-locked buffers included). ``--grad-clip`` takes a comma list (``0,1.0``): every
 system runs at each clip setting, and "vs all-in-GPU" compares with the reference row of the same
 setting. ``--smoke`` runs a tiny model on the CPU to check the script itself.
+
+``--lora-rank R`` trains rank-R adapters on every linear layer of the blocks (alpha 2R) with the base
+weights frozen, in every system; ``peft`` (in ``--what``) is the peer for it: Hugging Face transformers
++ PEFT with the whole model on the GPU in bf16 (fp32 adapters, PEFT's default), capped at
+``--cap-gib``, plain and with gradient checkpointing (``peft:gc``). TFLOPs count 4 N per token for a
+LoRA run (no weight gradients for the frozen base) and 6 N otherwise.
+
+    python bench/pipeline_bench.py --what ref,peft,peft:gc,mobius --preset llama-3.1-8b --lora-rank 16 \
+        --seq 2048 --mbs 1 --micro-batches 8 --grad-clip 1.0 --cap-gib 24 --steps 3 --warmup 1
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mobius.assemble import with_adapters  # noqa: E402
 from mobius.config import Config, config_from_dict  # noqa: E402
 from mobius.errors import MobiusError  # noqa: E402
 from mobius.models import build_model, get_preset, param_count  # noqa: E402
@@ -46,17 +56,25 @@ def make_cfg(args: argparse.Namespace, mode: str) -> Config:
                         "prefetch": not args.no_prefetch, "resident_stages": stage_list(args.resident),
                         "kept_stages": stage_list(args.kept)},
            "partition": {"gpu_memory_gib": args.cap_gib, "time_limit_s": 20},
+           "lora": {"rank": args.lora_rank, "alpha": 2.0 * max(args.lora_rank, 1), "targets": ["all-linear"]},
            "output": {"dir": str(Path(args.out) / mode), "plot": False}}
     return config_from_dict(raw, "pipeline_bench")
 
 
-def bench_model(args: argparse.Namespace):
+def bench_model(args: argparse.Namespace, cfg: Config | None = None):
     """The workload's architecture: the preset, with ``--layers`` blocks when given (the same widths and
-    per-block costs in fewer blocks, for a host whose memory cannot take the whole model's states)."""
+    per-block costs in fewer blocks, for a host whose memory cannot take the whole model's states), and
+    the run's LoRA adapters when ``cfg`` has them."""
     mc = get_preset(args.preset)
     if getattr(args, "layers", 0):
         mc = dataclasses.replace(mc, **{"n_layer" if mc.family == "gpt2" else "num_hidden_layers": args.layers})
-    return mc
+    return with_adapters(mc, cfg) if cfg is not None else mc
+
+
+def flops_per_token(args: argparse.Namespace, n_params: int) -> float:
+    """Model FLOPs per token: 6 N (forward, input and weight gradients), 4 N under LoRA (the frozen
+    base computes no weight gradients; the adapters' are negligible)."""
+    return (4 if getattr(args, "lora_rank", 0) else 6) * n_params
 
 
 def stage_list(text: str) -> list[int] | None:
@@ -99,9 +117,11 @@ def time_engine(engine, args: argparse.Namespace, vocab: int) -> tuple[float, li
     return (time.perf_counter() - t0) / args.steps, stats
 
 
-def result_row(name: str, t: float, n_params: int, tokens: int, stats: list, **extra) -> dict:
+def result_row(name: str, t: float, n_params: int, tokens: int, stats: list, flops_per_param: float = 6,
+               **extra) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    row = {"name": name, "step_s": round(t, 4), "tokens_per_s": round(tokens / t), "tflops": round(6 * n_params * tokens / t / 1e12, 1),
+    row = {"name": name, "step_s": round(t, 4), "tokens_per_s": round(tokens / t),
+           "tflops": round(flops_per_param * n_params * tokens / t / 1e12, 1),
            "peak_gib": round(peak, 2), "loss": round(stats[-1].loss, 4)}
     if stats and stats[-1].extra:
         keys = ("h2d_bytes", "d2h_bytes", "p2p_bytes", "traffic_x_params", "stall_s", "upload_wait_s", "cpu_adam_s")
@@ -132,7 +152,7 @@ def run_ref(args: argparse.Namespace) -> dict:
     from mobius.engine import SingleEngine
 
     cfg = make_cfg(args, "single")
-    mc = bench_model(args)
+    mc = bench_model(args, cfg)
     device = torch.device("cpu" if args.smoke else "cuda")
     if torch.cuda.is_available():
         torch.cuda.set_per_process_memory_fraction(1.0)  # a pipeline run before this one capped the process
@@ -147,8 +167,81 @@ def run_ref(args: argparse.Namespace) -> dict:
                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
     else:
         tokens = args.mbs * args.micro_batches * args.seq
-        row = result_row(name, t, param_count(mc), tokens, stats, grad_clip=args.grad_clip)
+        row = result_row(name, t, param_count(mc), tokens, stats, flops_per_token(args, 1), grad_clip=args.grad_clip)
     del engine
+    free_gpu()
+    return row
+
+
+class PeftSteps:
+    """A transformers + PEFT model's training step, as the engines' ``train_step``: micro-batches
+    accumulated, the gradients clipped by mobius's rule, AdamW."""
+
+    def __init__(self, model, opt: torch.optim.Optimizer, device: torch.device, grad_clip: float):
+        self.model, self.opt, self.device, self.grad_clip = model, opt, device, grad_clip
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def train_step(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]], lr: float):
+        from mobius.engine import StepStats, global_norm
+        from mobius.optim import clip_coefficient
+
+        total = 0.0
+        for x, y in micro:
+            logits = self.model(input_ids=x.to(self.device)).logits  # [B, T, V]
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.to(self.device).flatten())
+            (loss / len(micro)).backward()
+            total += float(loss.detach())
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        norm = global_norm(grads)
+        coef = clip_coefficient(norm, self.grad_clip)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return StepStats(total / len(micro), norm, False, 1.0)
+
+
+def run_peft(args: argparse.Namespace, checkpointing: bool) -> dict:
+    """The LoRA peer: transformers + PEFT, the whole model on the device in the training dtype (fp32
+    adapters), AdamW on the adapters, micro-batches accumulated, clipped as the others; capped at
+    ``--cap-gib`` as a 24 GB card would be."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from transformers import AutoConfig
+
+    from mobius.models.hf import config_to_hf
+
+    if not args.lora_rank:
+        raise SystemExit("--what peft needs --lora-rank")
+    cfg = make_cfg(args, "single")
+    mc = bench_model(args)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    name = f"PEFT all-in-GPU, {args.cap_gib:g} GiB cap{', grad. ckpt' if checkpointing else ''}" + clip_tag(args)
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+        torch.cuda.reset_peak_memory_stats()
+    model = opt = None
+    try:
+        hf_cfg = config_to_hf(mc, dtype)
+        with device:
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_cfg), dtype=dtype)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora_rank, lora_alpha=2.0 * args.lora_rank,
+                                                           target_modules="all-linear", lora_dropout=0.0))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
+
+        t, stats = time_engine(PeftSteps(model, opt, device, args.grad_clip), args, mc.vocab_size)
+    except torch.OutOfMemoryError:
+        row = {"name": name, "step_s": None, "error": "out of GPU memory", "grad_clip": args.grad_clip,
+               "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    else:
+        tokens = args.mbs * args.micro_batches * args.seq
+        row = result_row(name, t, param_count(mc), tokens, stats, flops_per_token(args, 1), grad_clip=args.grad_clip)
+    del model, opt
     free_gpu()
     return row
 
@@ -164,7 +257,7 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     cfg = make_cfg(args, "pipeline")
-    mc = bench_model(args)
+    mc = bench_model(args, cfg)
     t_plan = time.perf_counter()
     machine = Machine.detect(cfg)
     settings = resolve(cfg, machine)
@@ -204,7 +297,7 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
         free_gpu()
         return row
     tokens = args.mbs * args.micro_batches * args.seq
-    row = result_row(name, t, param_count(mc), tokens, stats, grad_clip=args.grad_clip,
+    row = result_row(name, t, param_count(mc), tokens, stats, flops_per_token(args, 1), grad_clip=args.grad_clip,
                      stages=plan.num_stages, boundaries=list(plan.boundaries), plan_s=round(plan_s, 2),
                      predicted_step_s=round(plan.predicted_step_s, 4), model_step_s=round(plan.model_step_s, 4),
                      resident=sorted(plan.resident), kept=sorted(plan.kept), grad_dtype=plan.grad_dtype,
@@ -238,6 +331,7 @@ def add_workload_args(p: argparse.ArgumentParser, clip_default: str, steps_defau
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on every linear layer (0: full fine-tuning)")
 
 
 def smoke_workload(args: argparse.Namespace) -> None:
@@ -270,7 +364,8 @@ def main() -> None:
     for clip in clip_list(args):
         a = argparse.Namespace(**{**vars(args), "grad_clip": clip})
         for what in args.what.split(","):
-            rows.append({"ref": run_ref, "mobius": run_mobius}[what](a))
+            rows.append(run_peft(a, what == "peft:gc") if what.startswith("peft")
+                        else {"ref": run_ref, "mobius": run_mobius}[what](a))
             print(json.dumps(rows[-1]), flush=True)
             report(rows, args, quiet=True)  # what has run so far survives a later failure
         for variant in filter(None, args.variants.split(",")):

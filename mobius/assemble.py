@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,14 +17,16 @@ from mobius.config import PLACEHOLDER, Config
 from mobius.data import (BUILTIN_STDLIB, TextTokenizer, TrainData, build_data, load_tokenizer, source_files,
                          tokenize_to_cache)
 from mobius.errors import CheckpointError, ConfigError
-from mobius.models import CausalLM, ModelConfig, build_model, get_preset
-from mobius.models.hf import LazyCheckpoint, load_checkpoint, read_config
+from mobius.models import CausalLM, ModelConfig, build_model, get_preset, initial_weights
+from mobius.models.hf import LazyCheckpoint, from_hf, load_into, read_config
+from mobius.models.lora import ADAPTER, LoraSpec, block_targets
+from mobius.models.peft import read_adapter
 from mobius.trainer import step_checkpoints
 
 log = logging.getLogger(__name__)
 
 
-RUN_FILES = ("metrics.jsonl", "plan.json", "final", "checkpoints", "loss.png")  # what a run writes in output.dir
+RUN_FILES = ("metrics.jsonl", "plan.json", "final", "merged", "checkpoints", "loss.png")  # what a run writes in output.dir
 
 
 def check_inputs(cfg: Config) -> None:
@@ -107,7 +110,7 @@ def planned_architecture(cfg: Config) -> ModelConfig:
     tokenizer decides a from-scratch vocabulary), or the preset when the checkpoint is not at hand."""
     ck, tok = cfg.model.checkpoint, cfg.data.tokenizer
     if ck and (ck.startswith(PLACEHOLDER) or not Path(ck).exists()) or (tok and tok.startswith(PLACEHOLDER)):
-        return architecture(cfg)
+        return with_adapters(architecture(cfg), cfg)
     tokenizer = load_tokenizer(tok, ck or None)
     return run_model_config(cfg, tokenizer, None)[0]
 
@@ -150,7 +153,7 @@ def run_model_config(cfg: Config, tokenizer: TextTokenizer,
         mc = _fresh_model_config(cfg, tokenizer)
     mc.check_sequence(cfg.data.seq_len)
     ck_dtype = _checkpoint_dtype(Path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
-    return mc, ck_dtype
+    return with_adapters(mc, cfg), ck_dtype
 
 
 def _checkpoint_dtype(path: Path) -> torch.dtype | None:
@@ -159,12 +162,59 @@ def _checkpoint_dtype(path: Path) -> torch.dtype | None:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
 
 
-def weights_source(cfg: Config, resume_from: Path | None) -> str | None:
-    """Where the initial weights come from: the checkpoint resumed, the one fine-tuned, or nowhere."""
-    return str(resume_from) if resume_from is not None else cfg.model.checkpoint
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a run's initial weights come from (every engine reads its parameters through :meth:`load`):
+    a Hugging Face checkpoint (the one fine-tuned, or the full fine-tuning resumed) or the seed; under
+    LoRA the frozen weights always from the fine-tuned checkpoint, and what trains from the LoRA
+    checkpoint resumed (its ``adapter_model.safetensors``) or, at the start, the checkpoint and the
+    seed (adapters)."""
+
+    base: str | None
+    adapters: str | None
+    seed: int
+
+    def load(self, cfg: ModelConfig, names: set[str], units: set[int]) -> dict[str, torch.Tensor]:
+        """The tensors of ``names`` (the parameters of ``units``), by mobius name."""
+        out: dict[str, torch.Tensor] = {}
+        if self.adapters is not None:
+            out.update({k: v for k, v in read_adapter(self.adapters, cfg).items() if k in names})
+        base = {n for n in names - set(out) if ADAPTER not in n}
+        if self.base is not None and base:
+            out.update(from_hf(LazyCheckpoint(self.base), cfg, only=lambda k: k in base))
+        rest = names - set(out)
+        if rest:
+            out.update({k: v for k, v in initial_weights(cfg, units, self.seed).items() if k in rest})
+        return out
+
+
+def weights_source(cfg: Config, resume_from: Path | None) -> WeightSource:
+    """Where the initial weights come from: the checkpoint resumed, the one fine-tuned, or the seed."""
+    if cfg.lora.rank > 0:
+        return WeightSource(cfg.model.checkpoint, str(resume_from) if resume_from else None, cfg.train.seed)
+    return WeightSource(str(resume_from) if resume_from is not None else cfg.model.checkpoint, None, cfg.train.seed)
 
 
 def initial_model(cfg: Config, model_cfg: ModelConfig, resume_from: Path | None) -> CausalLM:
     """The whole model on the CPU: resumed, fine-tuned, or freshly initialised from the seed."""
+    model = build_model(model_cfg, cfg.train.seed)
     source = weights_source(cfg, resume_from)
-    return load_checkpoint(source, model_cfg) if source else build_model(model_cfg, cfg.train.seed)
+    if source.base is None and source.adapters is None:
+        return model
+    names = set(model.state_dict())
+    load_into(model, source.load(model_cfg, names, set(range(len(model.units())))), source=str(source.base))
+    return model
+
+
+def adapters(cfg: Config) -> LoraSpec | None:
+    """The run's LoRA adapters (``lora.rank`` > 0), or None for full fine-tuning."""
+    lo = cfg.lora
+    return LoraSpec(lo.rank, lo.alpha, lo.dropout, tuple(lo.targets), tuple(lo.train)) if lo.rank > 0 else None
+
+
+def with_adapters(mc: ModelConfig, cfg: Config) -> ModelConfig:
+    """The architecture with the run's adapters attached (checked against its layers)."""
+    mc.lora = adapters(cfg)
+    if mc.lora is not None:
+        block_targets(mc, mc.lora)
+    return mc

@@ -104,8 +104,10 @@ def canonical_name(name: str, model_cfg: ModelConfig) -> str:
 # ---------------------------------------------------------------------------------------------
 def save(path: str | os.PathLike, model_cfg: ModelConfig, dtype: torch.dtype, state: RankState,
          comm: Collective | None = None, resumable: bool = False,
-         extra: Callable[[Path], None] | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write a Hugging Face checkpoint (and, if ``resumable``, the optimizer moments) atomically.
+         extra: Callable[[Path], None] | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+         base: str | None = None) -> Path:
+    """Write a Hugging Face checkpoint (and, if ``resumable``, the optimizer moments) atomically;
+    under LoRA the adapter (and whatever else trains) in PEFT's format, for the base model ``base``.
 
     Called by every rank of ``comm`` with its own ``state``; ``extra(tmp_dir)`` runs on rank 0
     before the rename (tokenizer, trainer state).
@@ -114,7 +116,10 @@ def save(path: str | os.PathLike, model_cfg: ModelConfig, dtype: torch.dtype, st
     path = Path(path)
     tmp = _shared_tmp_dir(path, comm)
     try:
-        index = _write_weights(tmp, model_cfg, dtype, state.weights, comm, max_shard_bytes)
+        if model_cfg.lora is not None:  # what trains, in PEFT's format; the frozen weights stay where they were
+            index = _write_adapter(tmp, model_cfg, dtype, state.weights, comm, base)
+        else:
+            index = _write_weights(tmp, model_cfg, dtype, state.weights, comm, max_shard_bytes)
         if resumable:
             _write_moments(tmp, model_cfg, state, comm)
         comm.barrier()
@@ -191,6 +196,30 @@ def _write_weights(tmp: Path, model_cfg: ModelConfig, dtype: torch.dtype, weight
         return None
     weight_map = {key: name for name, keys, _ in everything for key in keys}
     return {"metadata": {"total_size": sum(size for _, _, size in everything)}, "weight_map": weight_map}
+
+
+def _write_adapter(tmp: Path, model_cfg: ModelConfig, dtype: torch.dtype, weights: dict[str, torch.Tensor],
+                   comm: Collective, base: str | None) -> None:
+    """Every rank writes what trains of its weights; rank 0 joins them into one adapter file."""
+    from safetensors.torch import load_file, save_file
+
+    from mobius.models.lora import trains
+    from mobius.models.peft import to_peft, write_adapter
+
+    mine = {k: v for k, v in weights.items() if trains(model_cfg, k)}
+    part = tmp / f".adapter-part-{comm.rank:05d}.safetensors"
+    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in to_peft(mine, model_cfg).items()},
+              str(part))
+    comm.barrier()
+    if comm.rank == 0:
+        from mobius.models.peft import from_peft
+
+        joined: dict[str, torch.Tensor] = {}
+        for f in sorted(tmp.glob(".adapter-part-*.safetensors")):
+            joined.update(from_peft(load_file(str(f)), model_cfg))
+            f.unlink()
+        write_adapter(tmp, model_cfg, joined, dtype, base)
+    return None
 
 
 def _write_moments(tmp: Path, model_cfg: ModelConfig, state: RankState, comm: Collective) -> None:

@@ -30,7 +30,10 @@ def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = N
     """A config field: its default, its documentation and, for numbers, its domain (every float
     must also be finite); :class:`_Section` checks the domain wherever the section is built."""
     domain = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-    return field(default=default, metadata={"help": help, "domain": domain, **kw})
+    meta = {"help": help, "domain": domain, **kw}
+    if isinstance(default, list):  # a fresh list for every section built
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 _BOUNDS = {"ge": (">=", lambda x, b: x >= b), "gt": (">", lambda x, b: x > b), "le": ("<=", lambda x, b: x <= b),
@@ -180,6 +183,36 @@ class ZeroSection(_Section):
                          ge=-1)
 
 
+LORA_TRAINABLE = ("embeddings", "norms", "head")  # what lora.train may name besides the adapters
+
+
+@dataclass
+class LoraSection(_Section):
+    _name = "lora"
+    rank: int = _f(0, "LoRA rank: 0 trains every weight (full fine-tuning); r > 0 freezes the checkpoint's weights "
+                   "and trains rank-r adapters beside the target layers (PEFT's LoRA: out += B(A(dropout(x))) x "
+                   "alpha / rank, B starting at zero).", ge=0)
+    alpha: float = _f(16.0, "LoRA alpha: the adapters' output is scaled by alpha / rank.", gt=0)
+    dropout: float = _f(0.0, "Dropout on the adapters' input (training only).", ge=0, lt=1)
+    targets: list[str] = _f(["all-linear"], "Layers that get adapters, by their Hugging Face names: q_proj k_proj "
+                            "v_proj o_proj gate_proj up_proj down_proj (Llama, Mistral, Qwen), q_proj k_proj v_proj "
+                            "out_proj fc1 fc2 (OPT), c_attn c_proj c_fc (GPT-2); or all-linear (every linear layer "
+                            "of the blocks).")
+    train: list[str] = _f([], "What trains fully besides the adapters: any of embeddings, norms, head "
+                          "(PEFT's modules_to_save).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in self.train:
+            if name not in LORA_TRAINABLE:
+                raise ConfigError(f"lora.train: {name!r} is not one of {', '.join(LORA_TRAINABLE)}")
+        if not self.targets:
+            raise ConfigError("lora.targets is empty: name the layers that get adapters, or all-linear")
+        if "all-linear" in self.targets and len(self.targets) > 1:
+            raise ConfigError(f"lora.targets: all-linear already names every linear layer; drop the others "
+                              f"({', '.join(t for t in self.targets if t != 'all-linear')})")
+
+
 @dataclass
 class TopologySection(_Section):
     _name = "topology"
@@ -196,6 +229,8 @@ class OutputSection(_Section):
     save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Checkpoint dtype; auto: the dtype of the "
                                                              "checkpoint fine-tuned, fp32 from scratch.")
     plot: bool = _f(True, "Draw loss.png at the end when matplotlib is installed.")
+    save_merged: bool = _f(False, "LoRA runs: also write the base model with the adapters merged into it, a plain "
+                           "Hugging Face checkpoint in save_dtype, to output.dir/merged.")
 
 
 @dataclass
@@ -206,6 +241,7 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     partition: PartitionSection = field(default_factory=PartitionSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     topology: TopologySection = field(default_factory=TopologySection)
     output: OutputSection = field(default_factory=OutputSection)
     source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
@@ -357,7 +393,7 @@ def describe_fields() -> str:
     for sec in _sections():
         lines.append(f"{sec.name}:")
         for f in dataclasses.fields(typing.get_type_hints(Config)[sec.name]):
-            default = f.default if f.default is not dataclasses.MISSING else None
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             domain = f", {domain_text(f)}" if f.metadata.get("domain") else ""
             lines.append(f"  {sec.name}.{f.name} (default {default!r}{domain}): {f.metadata['help']}")
     return "\n".join(lines)

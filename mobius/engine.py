@@ -69,8 +69,12 @@ class SingleEngine:
     def __init__(self, model: CausalLM, cfg: Config, device: torch.device):
         self.model = model.to(device)
         self.cfg, self.device = cfg, device
+        for p in self.model.parameters():  # a frozen weight (LoRA's base) is one copy in the training dtype
+            if not p.requires_grad:
+                p.data = p.data.to(DTYPES[cfg.train.precision])
         self.comm = SingleProcess()
-        self.named = list(dict((id(p), (n, p)) for n, p in model.named_parameters()).values())  # tied weights once
+        self.named = [(n, p) for n, p in dict((id(p), (n, p)) for n, p in model.named_parameters()).values()
+                      if p.requires_grad]  # tied weights once; what trains (LoRA freezes the base weights)
         self.params = [p for _, p in self.named]
         self.optimizer = make_adamw(self.named, cfg.train, fused=device.type == "cuda")
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")

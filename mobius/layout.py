@@ -35,6 +35,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     units: tuple[int, ...]  # the units that use it, ascending
     decay: bool  # takes weight decay
+    trains: bool = True  # False: frozen (LoRA's base weights): no master, moments or gradient
 
     @property
     def numel(self) -> int:
@@ -127,6 +128,10 @@ class ChunkLayout:
         """Share of the chunk buffers that holds no parameter (alignment, unfilled tails, shard padding)."""
         return 1.0 - self.param_numel / max(1, self.num_chunks * self.padded)
 
+    def trains(self, chunk: int) -> bool:
+        """Whether a chunk holds trainable parameters (else frozen ones)."""
+        return self.params[self.chunks[chunk].segments[0].param].trains
+
     def decay_runs(self, chunk: int) -> list[tuple[int, int, bool]]:
         """``(lo, hi, decay)`` runs covering ``[0, used)`` of a chunk: consecutive elements that all
         take weight decay or all do not (alignment gaps join the run before them)."""
@@ -153,13 +158,20 @@ class ChunkLayout:
 
 
 def build_layout(params: list[ParamInfo] | tuple[ParamInfo, ...], num_units: int, chunk_size: int, world: int = 1,
-                 align: int = ALIGN) -> ChunkLayout:
-    """Group ``params`` (in forward-use order) into chunks of ``chunk_size`` elements (module docstring)."""
+                 align: int = ALIGN, frozen_apart: bool = True) -> ChunkLayout:
+    """Group ``params`` (in forward-use order) into chunks of ``chunk_size`` elements (module docstring).
+    What trains comes first and frozen parameters after, in chunks of their own: a chunk is all
+    trainable (master, moments, gradients) or all frozen (one copy in the training dtype), unless not
+    ``frozen_apart``."""
     assert chunk_size >= 1 and world >= 1 and align >= 1, (chunk_size, world, align)
+    params = tuple([p for p in params if p.trains] + [p for p in params if not p.trains])
     chunks: list[list[Segment]] = [[]]
     pos = 0
     for i, p in enumerate(params):
         n = p.numel
+        if frozen_apart and chunks[-1] and not p.trains and params[chunks[-1][-1].param].trains:
+            chunks.append([])  # the first frozen parameter opens a chunk
+            pos = 0
         if n <= chunk_size:
             start = _round_up(pos, align)
             if chunks[-1] and start + n > chunk_size:
@@ -183,6 +195,8 @@ def build_layout(params: list[ParamInfo] | tuple[ParamInfo, ...], num_units: int
 
 
 def single_buffer(params: list[ParamInfo] | tuple[ParamInfo, ...], num_units: int, align: int = ALIGN) -> ChunkLayout:
-    """``params`` placed one after another in one buffer (a pipeline stage's flat buffers)."""
+    """``params`` placed one after another in one buffer (a pipeline stage's flat buffers): what trains
+    first, then the frozen ones, each in forward-use order."""
+    params = [p for p in params if p.trains] + [p for p in params if not p.trains]
     total = sum(_round_up(p.numel, align) for p in params)
-    return build_layout(params, num_units, max(total, 1), 1, align)
+    return build_layout(params, num_units, max(total, 1), 1, align, frozen_apart=False)

@@ -47,6 +47,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     final_dir: Path | None = None
+    merged_dir: Path | None = None  # LoRA with output.save_merged: the adapters folded into the base model
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -139,7 +140,19 @@ class Trainer:
                 (tmp / STATE_FILE).write_text(json.dumps(state) + "\n")
             (tmp / "mobius.json").write_text(json.dumps({"step": self.step, "config": self.cfg.to_dict()}, indent=2))
 
-        return checkpoint.save(path, self.model_cfg, dtype, rank_state, self.engine.comm, resumable, extra)
+        return checkpoint.save(path, self.model_cfg, dtype, rank_state, self.engine.comm, resumable, extra,
+                               base=self.cfg.model.checkpoint)
+
+    def save_merged(self, path: Path, dtype: torch.dtype) -> Path:
+        """The base model with the adapters merged in, as a plain Hugging Face checkpoint."""
+        import dataclasses
+
+        from mobius.models.lora import merge
+
+        weights = merge(self.engine.rank_state(with_moments=False).weights, self.model_cfg)
+        plain = dataclasses.replace(self.model_cfg, lora=None)
+        return checkpoint.save(path, plain, dtype, checkpoint.RankState(weights), self.engine.comm,
+                               extra=self.tokenizer.save)
 
     def _save_step(self) -> None:
         self.save(self.out / "checkpoints" / f"step-{self.step:06d}", torch.float32, resumable=True)
@@ -210,6 +223,8 @@ class Trainer:
         """Write the final checkpoint (and the loss plot) after :meth:`run`."""
         self.result.steps = self.step
         self.result.final_dir = self.save(self.out / "final", self.save_dtype, resumable=self.save_dtype == torch.float32)
+        if self.model_cfg.lora is not None and self.cfg.output.save_merged:
+            self.result.merged_dir = self.save_merged(self.out / "merged", self.save_dtype)
         if self.cfg.output.plot and self.main:
             plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
         return self.result

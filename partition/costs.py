@@ -33,6 +33,12 @@ class UnitCost:
     saved_bytes: int  # activations autograd keeps for one micro-batch during the recompute
     work_bytes: int  # transient working memory of one micro-batch beyond params, grads and saved
     acc_s: float = 0.0  # adding one micro-batch's gradients into the fp32 sums (half precision only)
+    frozen_count: int = 0  # of param_count, parameters that do not train (LoRA's base weights)
+
+    @property
+    def trainable_count(self) -> int:
+        """Parameters with a master copy, moments, gradients and an update."""
+        return self.param_count - self.frozen_count
 
 
 @dataclass
@@ -97,6 +103,11 @@ class StageCost:
     saved_bytes: int
     work_bytes: int
     acc_s: float = 0.0
+    frozen_count: int = 0
+
+    @property
+    def trainable_count(self) -> int:
+        return self.param_count - self.frozen_count
 
 
 def stage_cost(profile: ModelProfile, first: int, end: int) -> StageCost:
@@ -110,7 +121,7 @@ def stage_cost(profile: ModelProfile, first: int, end: int) -> StageCost:
         param_bytes=sum(u.param_bytes for u in units), grad_bytes=sum(u.grad_bytes for u in units),
         in_bytes=units[0].in_bytes, out_bytes=units[-1].act_bytes,
         saved_bytes=sum(u.saved_bytes for u in units), work_bytes=max(u.work_bytes for u in units),
-        acc_s=sum(u.acc_s for u in units),
+        acc_s=sum(u.acc_s for u in units), frozen_count=sum(u.frozen_count for u in units),
     )
 
 

@@ -3,7 +3,8 @@
 Matrix multiplies run at ``compute_efficiency`` of the datasheet rate (or weight reads at
 ``memory_efficiency`` of its bandwidth, whichever is slower), plus the element-wise passes over
 activations at that bandwidth, plus kernel launches; backward = recompute + twice the matrix
-multiplies + the element-wise passes once more. Activation memory is the family's own count
+multiplies (one, for the input gradients, where the weights are frozen) + the element-wise passes
+once more. Activation memory is the family's own count
 (``UnitSpec.memory``). Checked against measurements on an H100 (OPT-13B and a 1.4B GPT, bf16,
 sequence 512-1024): blocks and heads within 25%, over-estimated.
 """
@@ -58,8 +59,11 @@ def _estimate_unit(s: Any, mbs: int, seq: int, precision: str, gpu: GPUSpec, ce:
     matmul_s = max(flops / (gpu.tflops(precision) * 1e12 * ce), param_bytes / bandwidth)
     launches = KERNELS.get(s.kind, 10) * LAUNCH_S
     fwd = matmul_s + elementwise / bandwidth + launches
-    bwd = fwd + 2 * matmul_s + elementwise / bandwidth + 2 * launches  # recompute, then backward
-    acc = s.param_count * ACC_BYTES_PER_PARAM / bandwidth + 2 * LAUNCH_S if elem < 4 else 0.0
+    trainable = s.param_count - s.frozen_count
+    weight_grads = trainable / max(s.param_count, 1)  # frozen weights (LoRA) need input gradients only
+    bwd = fwd + (1 + weight_grads) * matmul_s + elementwise / bandwidth + 2 * launches  # recompute, then backward
+    acc = trainable * ACC_BYTES_PER_PARAM / bandwidth + 2 * LAUNCH_S if elem < 4 else 0.0
     return UnitCost(name=s.name, kind=s.kind, signature=s.signature, param_count=s.param_count, fwd_s=fwd,
-                    bwd_s=bwd, param_bytes=param_bytes, grad_bytes=param_bytes, in_bytes=in_bytes,
+                    bwd_s=bwd, param_bytes=param_bytes, grad_bytes=trainable * elem, in_bytes=in_bytes,
+                    frozen_count=s.frozen_count,
                     act_bytes=act_bytes, saved_bytes=saved, work_bytes=work, acc_s=acc)

@@ -31,7 +31,8 @@ class Evaluation:
 
 
 def slot_gb(param_bytes: float, grad_bytes: float, param_count: float, half: bool) -> float:
-    """GB of a device slot: half-precision parameters and gradients, and fp32 sums when half."""
+    """GB of a device slot: half-precision parameters and gradients, and fp32 sums when half
+    (``grad_bytes`` and ``param_count``: of what trains)."""
     return (param_bytes + grad_bytes + (4 * param_count if half else 0)) / GB
 
 
@@ -43,9 +44,9 @@ def state_gb(param_bytes: float, grad_bytes: float, param_count: float, half: bo
 
 def stage_exprs(sc: StageCost, half: bool) -> StageExprs:
     """A stage's quantities in the model's units (seconds, GB, G parameters)."""
-    return StageExprs(fwd=sc.fwd_s, bwd=sc.bwd_s + sc.acc_s, params=sc.param_count / GB, pbytes=sc.param_bytes / GB,
-                      slot=slot_gb(sc.param_bytes, sc.grad_bytes, sc.param_count, half),
-                      state=state_gb(sc.param_bytes, sc.grad_bytes, sc.param_count, half),
+    t = sc.trainable_count  # updates, downloads, fp32 sums and masters: what trains (LoRA: the adapters)
+    return StageExprs(fwd=sc.fwd_s, bwd=sc.bwd_s + sc.acc_s, params=t / GB, pbytes=sc.param_bytes / GB,
+                      slot=slot_gb(sc.param_bytes, sc.grad_bytes, t, half), state=state_gb(sc.param_bytes, sc.grad_bytes, t, half),
                       in_b=sc.in_bytes / GB, out_b=sc.out_bytes / GB, saved=sc.saved_bytes / GB,
                       work=sc.work_bytes / GB)
 

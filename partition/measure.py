@@ -64,7 +64,7 @@ def _resolve_device(device: str):
 def _rename(cost: UnitCost, spec: Any) -> UnitCost:
     from dataclasses import replace
 
-    return replace(cost, name=spec.name, param_count=spec.param_count)
+    return replace(cost, name=spec.name, param_count=spec.param_count, frozen_count=spec.frozen_count)
 
 
 def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: int, warmup: int) -> UnitCost:
@@ -84,9 +84,11 @@ def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: in
     # at least the output and its gradient; on the CPU also the largest saved tensor (its gradient)
     work = max(work or 0, 2 * out_bytes + (largest if dev.type != "cuda" else 0))
     del module
-    acc = _accumulate_s(spec.param_count, dtype, dev, reps, warmup) if elem < 4 else 0.0
+    trainable = spec.param_count - spec.frozen_count
+    acc = _accumulate_s(trainable, dtype, dev, reps, warmup) if elem < 4 and trainable else 0.0
     return UnitCost(name=spec.name, kind=spec.kind, signature=spec.signature, param_count=spec.param_count,
-                    fwd_s=fwd, bwd_s=bwd, param_bytes=spec.param_count * elem, grad_bytes=spec.param_count * elem,
+                    fwd_s=fwd, bwd_s=bwd, param_bytes=spec.param_count * elem, grad_bytes=trainable * elem,
+                    frozen_count=spec.frozen_count,
                     in_bytes=x.numel() * x.element_size(), act_bytes=out_bytes, saved_bytes=saved, work_bytes=work,
                     acc_s=acc)
 

@@ -120,10 +120,10 @@ class MipResult:
 # ---------------------------------------------------------------------------------- encodings
 def _unit_lin(u: UnitCost, half: bool) -> dict[str, float]:
     """A unit's additive quantities in the model's units (its stage's work and boundaries are not)."""
-    params = u.param_count / GB
-    return {"fwd": u.fwd_s, "bwd": u.bwd_s + u.acc_s, "params": params, "pbytes": u.param_bytes / GB,
-            "slot": slot_gb(u.param_bytes, u.grad_bytes, u.param_count, half),
-            "state": state_gb(u.param_bytes, u.grad_bytes, u.param_count, half), "saved": u.saved_bytes / GB}
+    t = u.trainable_count
+    return {"fwd": u.fwd_s, "bwd": u.bwd_s + u.acc_s, "params": t / GB, "pbytes": u.param_bytes / GB,
+            "slot": slot_gb(u.param_bytes, u.grad_bytes, t, half),
+            "state": state_gb(u.param_bytes, u.grad_bytes, t, half), "saved": u.saved_bytes / GB}
 
 
 def _count_encoding(lm: LinearModel, profile: ModelProfile, S: int) -> tuple[list[StageExprs], Callable]:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from partition.baselines import BASELINES
-from partition.costs import ModelProfile, stage_costs
+from partition.costs import PRECISION_BYTES, ModelProfile, stage_costs
 from mobius.errors import ConfigError, MobiusError
 from mobius.optim import host_bytes_per_param
 from partition import residency
@@ -92,6 +92,7 @@ class Plan:
     host_bytes: int = 0  # host memory of the swapped stages' stores (weights, AdamW, transfer buffers)
     host_memory_bytes: int | None = None  # what the stores may take on the host (None: not known)
     grad_choice: str = ""  # why this gradient dtype
+    time_split: dict[str, float] = field(default_factory=dict)  # SimResult.time_split of the predicted step
 
     @property
     def num_stages(self) -> int:
@@ -158,6 +159,16 @@ def _stage_list(stages: list[int]) -> str:
     return ", ".join(map(str, sorted(stages))) if stages else "none"
 
 
+def _time_split_line(split: dict[str, float], step_s: float) -> str:
+    """"where the time goes": the simulated step's seconds per GPU by what fills them."""
+    names = {"forward": "forward", "backward": "backward (recompute and the last stage's forward included)", "device_adamw": "device AdamW",
+             "upload_wait": "waiting for uploads", "idle": "idle (pipeline fill and drain, activations)"}
+    parts = [f"{label} {split[k]:.3f} s ({100 * split[k] / step_s:.0f}%)" for k, label in names.items()
+             if split.get(k, 0.0) > 0.0005 * step_s or k in ("forward", "backward", "upload_wait")]
+    return (f"where the time goes (per GPU, mean): {', '.join(parts)}; after the last backward "
+            f"{split.get('tail', 0.0):.3f} s (global norm, CPU AdamW, reduce)")
+
+
 def _summary_lines(p: Plan) -> list[str]:
     lines = [f"stages: {p.num_stages} on {p.num_gpus} GPU(s), {p.mapping_kind} mapping, worker GPUs {p.worker_gpus} "
              f"(stage j runs on GPU worker_gpus[j % {len(p.worker_gpus)}])",
@@ -183,6 +194,8 @@ def _summary_lines(p: Plan) -> list[str]:
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
                  f"contention; the MIP's contention-free model says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
+    if p.time_split:
+        lines.append(_time_split_line(p.time_split, p.predicted_step_s))
     mem = ", ".join(f"GPU{g} {b / GiB:.1f}" for g, b in enumerate(p.peak_bytes))
     lines.append(f"peak GPU memory (GiB, budget {p.gpu_memory_bytes / GiB:.1f}): {mem}")
     t = p.traffic
@@ -326,15 +339,19 @@ def _check_host_memory(prof: ModelProfile, hw: Hardware, bounds: list[int], opti
     need = _host_bytes(prof, bounds, options)
     if hw.host_memory_bytes is not None and need > hw.host_memory_bytes:
         per = host_bytes_per_param(prof.precision, options.grad_dtype == "half")
+        frozen = f" ({PRECISION_BYTES[prof.precision]} per frozen one)" if any(u.frozen_count for u in prof.units) else ""
         raise MobiusError(f"host memory does not suffice: the swapped stages need {need / GiB:.1f} GiB ({per} bytes "
-                          f"per parameter, {options.grad_dtype} gradient downloads), {hw.host_memory_bytes / GiB:.1f} "
-                          f"GiB is available (partition.host_memory_gib, or 85% of the free memory of this machine)")
+                          f"per parameter{frozen}, {options.grad_dtype} gradient downloads), "
+                          f"{hw.host_memory_bytes / GiB:.1f} GiB is available (partition.host_memory_gib, or 85% of the "
+                          f"free memory of this machine)")
 
 
 def _host_bytes(prof: ModelProfile, bounds: list[int], options: PipelineOptions) -> int:
     """Host memory of the swapped stages' stores (:func:`mobius.optim.host_bytes_per_param`)."""
     per = host_bytes_per_param(prof.precision, options.grad_dtype == "half")
-    return sum(sc.param_count for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident) * per
+    frozen = PRECISION_BYTES[prof.precision]  # LoRA's base weights: one copy in the training dtype
+    return sum(sc.trainable_count * per + sc.frozen_count * frozen
+               for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident)
 
 
 def _baseline_time(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
@@ -417,7 +434,7 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], worker_gpus: 
                 peak_bytes=list(sim.peak_bytes), traffic=traffic, unit_names=[u.name for u in prof.units],
                 mapping_kind=mapping, hardware=hw.describe(), gpu_memory_bytes=hw.gpu_memory_bytes,
                 param_count=prof.param_count(), cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half"),
-                mip=mip_info, host_bytes=host, host_memory_bytes=hw.host_memory_bytes)
+                mip=mip_info, host_bytes=host, host_memory_bytes=hw.host_memory_bytes, time_split=sim.time_split())
 
 
 def _stage_plans(prof: ModelProfile, bounds: list[int], worker_gpus: list[int], M: int, options: PipelineOptions,

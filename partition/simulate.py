@@ -83,6 +83,23 @@ class SimResult:
         """All bytes moved over host links (P2P counted once)."""
         return sum(self.h2d_bytes) + sum(self.d2h_bytes) + sum(self.p2p_bytes)
 
+    def time_split(self) -> dict[str, float]:
+        """Where the reported step's time goes, in seconds per GPU averaged over the GPUs that compute:
+        forward, backward (recompute included), device AdamW, waiting for uploads, and idle (pipeline
+        fill and drain, waiting for activations); ``tail``: the step's end after the last compute
+        (global norm, CPU AdamW, reduce). Needs the recorded events (``record=True``)."""
+        busy: dict[str, float] = {"fwd": 0.0, "bwd": 0.0, "dadam": 0.0}
+        gpus = {e.gpu for e in self.events if e.track == "compute"}
+        for e in self.events:
+            if e.track == "compute":
+                busy[e.cat] += e.end - e.start
+        n = max(len(gpus), 1)
+        split = {"forward": busy["fwd"] / n, "backward": busy["bwd"] / n, "device_adamw": busy["dadam"] / n,
+                 "upload_wait": sum(t.upload_wait_s for t in self.stages) / n}
+        split["idle"] = max(0.0, self.compute_end_s - sum(split.values()))
+        split["tail"] = max(0.0, self.step_s - self.compute_end_s)
+        return split
+
     def to_ascii(self, width: int = 100) -> str:
         """The timeline as a text grid: per GPU a compute row and its two link rows, then the CPU."""
         return _ascii(self, width)
@@ -344,7 +361,7 @@ class _Sim:
         if task.kind == Kind.FORWARD:
             return sc.fwd_s
         if task.kind == Kind.DEVICE_UPDATE:
-            return sc.param_count / self.hw.device_adam_params_per_s
+            return sc.trainable_count / self.hw.device_adam_params_per_s
         if task.kind == Kind.BACKWARD and task.stage in self.sched.kept:
             return sc.bwd_s + sc.acc_s - sc.fwd_s  # the forward's graph was kept: no recompute
         return sc.bwd_s + sc.acc_s  # recompute + backward, or FB (no recompute); fp32 sums
@@ -359,7 +376,7 @@ class _Sim:
         w.di += 1
         if task.kind == Kind.DOWNLOAD:
             self.updated[task.stage] = None
-            nbytes = self.grad_bytes * self.costs[task.stage].param_count  # fp32 sums or half
+            nbytes = self.grad_bytes * self.costs[task.stage].trainable_count  # fp32 sums or half
             self._d2h_flow(w.gpu, f"G{task.stage}", "grad", nbytes, (2, self.S - task.stage),
                            lambda t, w=w, task=task: self._downloaded(w, task, t))
         else:
@@ -398,7 +415,7 @@ class _Sim:
                     (self.tie_at is None or self.tie_at > self.t + _EPS_T):
                 continue
             self.opt_queue[w].pop(0)
-            dur = self.costs[j].param_count / self.cpu_rate
+            dur = self.costs[j].trainable_count / self.cpu_rate
             self.opt_busy[w], self.opt_running[w] = self.t + dur, (step, j)
             self._event(-1, "cpu", f"adam{j}", self.t, self.t + dur, "adam")
             started = True

@@ -2,7 +2,8 @@
 that the pipeline and zero planners use, so that ``parallel.mode: auto`` can compare the three.
 
 Plain training keeps the whole model on the device: fp32 weights, their fp32 gradients and AdamW's
-two moments (16 bytes per parameter, a tied weight counted once), plus one micro-batch's activations
+two moments (16 bytes per parameter, a tied weight counted once; a frozen parameter -- LoRA's base
+weights -- one copy in the training dtype, 2 bytes in bf16/fp16), plus one micro-batch's activations
 at a time (micro-batches run one after another, their gradients accumulating). It fits when those
 states stay within Appendix A.1's usable memory, the rule zero mode plans with
 (:func:`partition.zero.memory.usable_bytes`: 95% of the device after 1.25 x the activations).
@@ -22,6 +23,7 @@ from partition.zero.memory import Workload, activation_bytes, usable_bytes
 
 GiB = 2**30
 STATE_BYTES = 16  # per parameter: fp32 weight, fp32 gradient, AdamW exp_avg and exp_avg_sq
+FROZEN_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # per frozen parameter: its weight in the training dtype
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class SinglePlan:
     fits: bool
     memory: dict[str, int]  # states, activations, usable (for the states), capacity
     param_count: int  # a tied weight counted once
+    frozen_count: int  # of param_count, parameters that do not train
     micro_batches: int
     micro_batch_size: int
     seq_len: int
@@ -64,7 +67,9 @@ class SinglePlan:
             f"predicted step time: {self.predicted_step_s:.3f} s (forward and backward {self.compute_s:.3f} s, "
             f"AdamW {self.update_s:.3f} s)",
             f"memory: {m['states'] / GiB:.2f} GiB of model states ({STATE_BYTES} bytes x "
-            f"{self.param_count / 1e6:.1f}M parameters) + {m['activations'] / GiB:.2f} GiB of activations; the "
+            f"{(self.param_count - self.frozen_count) / 1e6:.1f}M parameters"
+            + (f" + {FROZEN_BYTES[self.precision]} x {self.frozen_count / 1e6:.1f}M frozen" if self.frozen_count else "")
+            + f") + {m['activations'] / GiB:.2f} GiB of activations; the "
             f"states may use {m['usable'] / GiB:.2f} GiB of {m['capacity'] / GiB:.2f} GiB"
             + ("" if self.fits else " -- DOES NOT FIT"),
         ])
@@ -81,14 +86,16 @@ def plan_single(prof: ModelProfile, memory_bytes: int, *, micro_batches: int, ch
     """Predict a step of plain training with ``memory_bytes`` of device memory (context excluded) and
     an AdamW pass at ``adam_params_per_s`` parameters per second on the device."""
     params = prof.param_count() - prof.tied_params
+    frozen = sum(u.frozen_count for u in prof.units)
     activations = activation_bytes(prof, Workload(1, prof.precision, checkpointing, barrier=False))
-    states = STATE_BYTES * params
+    states = STATE_BYTES * (params - frozen) + FROZEN_BYTES[prof.precision] * frozen
     usable = usable_bytes(memory_bytes, activations)
     compute = micro_batches * micro_batch_seconds(prof, checkpointing)
-    update = params / adam_params_per_s
+    update = (params - frozen) / adam_params_per_s
     return SinglePlan(predicted_step_s=compute + update, compute_s=compute, update_s=update, fits=states <= usable,
                       memory={"states": states, "activations": activations, "usable": max(usable, 0),
                               "capacity": memory_bytes},
-                      param_count=params, micro_batches=micro_batches, micro_batch_size=prof.micro_batch_size,
+                      param_count=params, frozen_count=frozen, micro_batches=micro_batches,
+                      micro_batch_size=prof.micro_batch_size,
                       seq_len=prof.seq_len, precision=prof.precision, checkpointing=checkpointing,
                       device_name=prof.device_name, profile_source=prof.source)

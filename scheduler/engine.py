@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mobius.assemble import WeightSource
 from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats
 from mobius.errors import CheckpointError, MobiusError
 from mobius.files import write_text_atomic
-from mobius.models import ModelConfig, dropout_active, hidden_size, initial_weights, tied_weights
-from mobius.models.hf import LazyCheckpoint, from_hf
+from mobius.models import ModelConfig, dropout_active, hidden_size, tied_weights
 from mobius.optim import LossScaler, waits_for_norm
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
@@ -33,7 +33,7 @@ from scheduler.arbiter import UploadArbiter, arbiter_name
 from scheduler.counters import Counters
 from scheduler.links import DirectLink, LocalLink, StagedLink
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
-from scheduler.stages import stage_layouts, views
+from scheduler.stages import stage_layouts
 from scheduler.store import StageStore, check_host_memory, host_bytes
 from scheduler.trace import StepTrace
 from scheduler.updater import sum_over_ranks
@@ -47,7 +47,7 @@ class PipelineEngine:
     """The swapped pipeline on this worker (rank) of the default process group."""
 
     def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: Plan, settings: ParallelSettings,
-                 device: torch.device, weights_from: str | None = None, skip_updates: bool = False):
+                 device: torch.device, weights_from: WeightSource | None = None, skip_updates: bool = False):
         self.cfg, self.model_cfg, self.plan, self.settings, self.device = cfg, model_cfg, plan, settings, device
         self.comm = ProcessGroup()
         self.rank, self.world = self.comm.rank, self.comm.world
@@ -93,19 +93,17 @@ class PipelineEngine:
         self._update_rate = [0, 0.0, 0.0]  # steps seen, CPU AdamW seconds and parameters (see _note_update_rate)
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _load_weights(self, source: str | None) -> None:
+    def _load_weights(self, source: WeightSource | None) -> None:
         """Each worker reads only its stages (a checkpoint) or initialises only them (from scratch), one
         stage at a time, so that at most one stage's fp32 weights exist beside the stores."""
+        source = source or WeightSource(None, None, self.cfg.train.seed)
         for j, store in self.stores.items():
             names = {n for p in self.layouts[j].params for n in p.names}
-            if source is not None:
-                weights = from_hf(LazyCheckpoint(source), self.model_cfg, only=lambda k: k in names)
-            else:
-                units = set(range(self.layouts[j].first_unit, self.layouts[j].end_unit))
-                weights = initial_weights(self.model_cfg, units, self.cfg.train.seed)
+            units = set(range(self.layouts[j].first_unit, self.layouts[j].end_unit))
+            weights = source.load(self.model_cfg, names, units)
             missing = names - set(weights)
             if missing:
-                raise CheckpointError(f"{source}: no weights for {sorted(missing)[:3]}")
+                raise CheckpointError(f"{source.base}: no weights for {sorted(missing)[:3]}")
             store.load(weights)
             del weights
 
@@ -141,8 +139,8 @@ class PipelineEngine:
         out = []
         for embed, head in tied_weights(self.model_cfg):
             first, last = self.layouts[0], self.layouts[-1]
-            if first.index == last.index:
-                continue  # one stage holds both ends: they share one buffer range
+            if first.index == last.index or not first.trains(embed):
+                continue  # one stage holds both ends (they share one buffer range), or the weight is frozen
             a, b = first.place_of(embed), last.place_of(head)
             out += [(first.index, a.offset, a.numel), (last.index, b.offset, b.numel)]
         return tuple(out)
@@ -223,7 +221,7 @@ class PipelineEngine:
         weights: dict[str, torch.Tensor] = {}
         moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for j, host in self.stores.items():
-            weights.update(views(host.master.cpu(), self.layouts[j]))
+            weights.update(host.weights())
             if with_moments:
                 moments.update(host.moments())
         return RankState(weights, moments, self.optimizer_step, self.scaler.state_dict())
@@ -233,7 +231,7 @@ class PipelineEngine:
         self.optimizer_step = resume.optimizer_step
         self.scaler.load_state_dict(resume.scaler)
         for j, host in self.stores.items():
-            names = [p.names[0] for p in self.layouts[j].params]
+            names = [p.names[0] for p in self.layouts[j].params if p.offset < self.layouts[j].trainable_numel]
             host.load_moments(resume.moments(names, self.model_cfg), self.optimizer_step)
 
     def close(self) -> None:

@@ -119,14 +119,15 @@ class SlotView:
 
 
 class DeviceSlot:
-    """One stage's worth of device memory: parameters, gradients (and an fp32 accumulator). A
-    resident stage's slot computes on its store's half copy (``params``) and is never freed."""
+    """One stage's worth of device memory: parameters, gradients of what trains (and their fp32
+    accumulator). A resident stage's slot computes on its store's half copy (``params``) and is never
+    freed."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, accumulate_fp32: bool,
+    def __init__(self, numel: int, grad_numel: int, dtype: torch.dtype, device: torch.device, accumulate_fp32: bool,
                  params: torch.Tensor | None = None):
         self.params = torch.empty(numel, dtype=dtype, device=device) if params is None else params
-        self.grads = torch.zeros(numel, dtype=dtype, device=device)
-        self.acc = torch.zeros(numel, dtype=torch.float32, device=device) if accumulate_fp32 else None
+        self.grads = torch.zeros(grad_numel, dtype=dtype, device=device)
+        self.acc = torch.zeros(grad_numel, dtype=torch.float32, device=device) if accumulate_fp32 else None
         self.stage: int | None = None
         self.ready = threading.Event()  # set by the upload thread once the copy is enqueued (or done, on the CPU)
         self.ready_event: torch.cuda.Event | None = None  # upload finished (CUDA)
@@ -179,7 +180,8 @@ class Executor:
         self.units = {j: build_units(model_cfg, layouts[j].first_unit, layouts[j].end_unit) for j in mine}
         acc = options.dtype != torch.float32
         numel = max((layouts[j].numel for j in hosts), default=0)
-        self.slots = [DeviceSlot(numel, options.dtype, device, acc)
+        grad_numel = max((layouts[j].trainable_numel for j in hosts), default=0)
+        self.slots = [DeviceSlot(numel, grad_numel, options.dtype, device, acc)
                       for _ in range(options.pipeline.num_slots if hosts else 0)]
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -190,7 +192,7 @@ class Executor:
         self.tied = {j: (o, n) for j, o, n in options.tied if j in hosts}
         self.slot_of: dict[int, DeviceSlot] = {}
         for j, store in self.resident.items():  # permanent slots
-            slot = DeviceSlot(layouts[j].numel, options.dtype, device, acc, params=store.half)
+            slot = DeviceSlot(layouts[j].numel, layouts[j].trainable_numel, options.dtype, device, acc, params=store.half)
             slot.stage = j
             slot.ready.set()
             self.slot_of[j] = slot
@@ -371,15 +373,15 @@ class Executor:
             self.st.stall_events.append((before, after))
             slot.ready_event = None
             slot.released = None
-        n = self.layouts[j].numel
+        n, t = self.layouts[j].numel, self.layouts[j].trainable_numel
         if grads and not slot.grads_live:
-            slot.grads[:n].zero_()
+            slot.grads[:t].zero_()
             if slot.acc is not None:
-                slot.acc[:n].zero_()
+                slot.acc[:t].zero_()
             slot.grads_live = True
         mode = "grads" if grads else "graph" if graph else "infer"
         if slot.bound != (j, mode):
-            bind(self.units[j], self.layouts[j], self.num_units, slot.params[:n], slot.grads[:n] if grads else None,
+            bind(self.units[j], self.layouts[j], self.num_units, slot.params[:n], slot.grads[:t] if grads else None,
                  requires_grad=grads or graph)
             slot.bound = (j, mode)
         return slot
@@ -477,16 +479,17 @@ class Executor:
             x = saved.detach().requires_grad_() if saved.is_floating_point() else saved
             with autocast(self.device, self.opt.precision):
                 y = self._run(j, x, m)
-        torch.autograd.backward(y, g.to(y.dtype))
+        if y.requires_grad:  # a stage of frozen weights over token ids (LoRA's embedding) has nothing to do
+            torch.autograd.backward(y, g.to(y.dtype))
         self._accumulate(slot, j)
         if j > 0:
             st.outputs[("g", j, m)] = x.grad
 
     def _accumulate(self, slot: DeviceSlot, j: int) -> None:
         if slot.acc is not None:
-            n = self.layouts[j].numel
-            slot.acc[:n].add_(slot.grads[:n])
-            slot.grads[:n].zero_()
+            t = self.layouts[j].trainable_numel
+            slot.acc[:t].add_(slot.grads[:t])
+            slot.grads[:t].zero_()
 
     def _count_loss(self, loss: torch.Tensor) -> None:
         self.st.loss_sum = self.st.loss_sum + loss.detach().float()
@@ -523,7 +526,7 @@ class Executor:
         """Gradients of a finished stage to its host buffer (fp32, or rounded to the half dtype into
         the half copy); the CPU update takes them from there."""
         j, st = a.stage, self.st
-        slot, host, n = self.slot_of[j], self.hosts[j], self.layouts[j].numel
+        slot, host, n = self.slot_of[j], self.hosts[j], self.layouts[j].trainable_numel  # what trains comes down
         host.updated.clear()
         src = slot.acc[:n] if slot.acc is not None else slot.grads[:n]  # fp32 either way
         st.sumsq.append(self._sumsq(src, self.tied.get(j)))  # the exact norm, before any rounding
@@ -570,7 +573,7 @@ class Executor:
             if skip:
                 return 0
             host.update(lr, factor)
-            return self.layouts[j].numel
+            return self.layouts[j].trainable_numel
 
         timed = (lambda t0, t1: trace.add("cpu", f"O{j}", t0, t1)) if trace is not None else None
         self.updater.submit(update, st.arrived.get(j), host.updated, timed)
@@ -578,7 +581,7 @@ class Executor:
     def _device_update(self, a: Action) -> None:
         """A resident stage's AdamW on the compute stream, from its fp32 gradient sums."""
         j, st = a.stage, self.st
-        slot, n = self.slot_of[j], self.layouts[j].numel
+        slot, n = self.slot_of[j], self.layouts[j].trainable_numel
         if not (st.skipped or self.opt.skip_updates):
             self.resident[j].update(st.io.lr, st.factor, slot.acc[:n] if slot.acc is not None else slot.grads[:n])
         slot.grads_live = False  # zeroed before the next backward
@@ -616,7 +619,7 @@ class Executor:
             self.sync()  # without a barrier a step ends when its updates have
         if st.sched.train:  # resident gradients are still on the device (an update without a factor leaves them)
             for j in self.resident:
-                slot, n = self.slot_of[j], self.layouts[j].numel
+                slot, n = self.slot_of[j], self.layouts[j].trainable_numel
                 st.sumsq.append(self._sumsq(slot.acc[:n] if slot.acc is not None else slot.grads[:n], None))
         self.check()
         stats = self._local_stats(st)

@@ -54,9 +54,27 @@ class StageLayout:
         return self.flat.param_numel
 
     @property
+    def trainable_numel(self) -> int:
+        """Elements ``[0, trainable_numel)`` train (master, moments, gradients); the rest are frozen."""
+        frozen = [p.offset for p, info in zip(self.params, self._infos()) if not info.trains]
+        return min(frozen) if frozen else self.numel
+
+    @property
+    def frozen_count(self) -> int:
+        return sum(p.numel for p, info in zip(self.params, self._infos()) if not info.trains)
+
+    def trains(self, name: str) -> bool:
+        return next(info.trains for info in self.flat.params if name in info.names)
+
+    def _infos(self) -> list[ParamInfo]:
+        return [self.flat.params[s.param] for s in self.flat.chunks[0].segments] if self.flat.chunks else []
+
+    @property
     def runs(self) -> list[tuple[int, int, bool]]:
-        """Which elements take weight decay (``[lo, hi)``, alignment gaps joined to the run before)."""
-        return self.flat.decay_runs(0) if self.flat.chunks else []
+        """Which trainable elements take weight decay (``[lo, hi)``, alignment gaps joined to the run
+        before); frozen elements are in no run."""
+        t = self.trainable_numel
+        return [(lo, min(hi, t), d) for lo, hi, d in (self.flat.decay_runs(0) if self.flat.chunks else []) if lo < t]
 
     def place_of(self, name: str) -> Placement | None:
         return next((p for p in self.params if name in p.names), None)
@@ -73,10 +91,13 @@ def stage_layouts(cfg: ModelConfig, boundaries: list[int]) -> list[StageLayout]:
     return [stage_layout(params, j, boundaries[j], boundaries[j + 1]) for j in range(len(boundaries) - 1)]
 
 
-def views(buf: torch.Tensor, layout: StageLayout) -> dict[str, torch.Tensor]:
-    """Every parameter name -> its view into a stage's flat buffer."""
+def views(buf: torch.Tensor, layout: StageLayout, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter name (``trainable_only``: of those that train) -> its view into a stage's flat
+    buffer."""
     out = {}
     for p in layout.params:
+        if trainable_only and p.offset >= layout.trainable_numel:
+            continue
         v = buf[p.offset:p.offset + p.numel].view(p.shape)
         for n in p.names:
             out[n] = v
@@ -85,12 +106,13 @@ def views(buf: torch.Tensor, layout: StageLayout) -> dict[str, torch.Tensor]:
 
 def bind(units: nn.ModuleList, layout: StageLayout, num_units: int, params: torch.Tensor,
          grads: torch.Tensor | None, requires_grad: bool | None = None) -> None:
-    """Point the stage's unit modules at views of ``params`` (and their ``.grad`` at ``grads``);
-    ``requires_grad`` defaults to whether ``grads`` are given."""
+    """Point the stage's unit modules at views of ``params`` (and their ``.grad`` at ``grads``, which
+    holds the trainable elements only); ``requires_grad`` (default: whether ``grads`` are given)
+    applies to what trains, frozen parameters never require gradients."""
     requires_grad = grads is not None if requires_grad is None else requires_grad
     pv = views(params, layout)
-    gv = views(grads, layout) if grads is not None else None
+    gv = views(grads, layout, trainable_only=True) if grads is not None else {}
     for k, unit in zip(range(layout.first_unit, layout.end_unit), units):
-        bind_parameters(unit, unit_prefix(k, num_units), pv.__getitem__, requires_grad,
-                        gv.__getitem__ if gv is not None else None)
+        bind_parameters(unit, unit_prefix(k, num_units), pv.__getitem__,
+                        lambda name: requires_grad and layout.trains(name), gv.get)
 

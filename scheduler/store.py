@@ -37,9 +37,11 @@ log = logging.getLogger(__name__)
 
 
 def host_bytes(layouts: list[StageLayout], train_dtype: torch.dtype, half_grads: bool = False) -> int:
-    """Host memory the stores of these swapped stages need (see the module docstring)."""
+    """Host memory the stores of these swapped stages need (see the module docstring): what trains at
+    its bytes per parameter, a frozen parameter only its copy in the training dtype."""
     precision = "fp32" if train_dtype == torch.float32 else "half"
-    return sum(lay.numel for lay in layouts) * host_bytes_per_param(precision, half_grads)
+    per = host_bytes_per_param(precision, half_grads)
+    return sum(lay.trainable_numel * per + (lay.numel - lay.trainable_numel) * train_dtype.itemsize for lay in layouts)
 
 
 def check_host_memory(needed: int, what: str) -> None:
@@ -61,32 +63,34 @@ class StageStore:
     def __init__(self, layout: StageLayout, train_dtype: torch.dtype, cfg: TrainSection, pin: bool = False,
                  half_grads: bool = False, device: torch.device | str = "cpu"):
         self.layout, self.dtype = layout, train_dtype
-        n, device = layout.numel, torch.device(device)
+        n, t, device = layout.numel, layout.trainable_numel, torch.device(device)
         on_host = device.type == "cpu"
         fp32 = train_dtype == torch.float32
         if on_host:  # page-locked at the exact size (scheduler/pinned.py): what host_bytes counts
-            self.master = host_zeros(n, torch.float32, pin and fp32, self)
-            self.half = self.master if fp32 else host_zeros(n, train_dtype, pin, self)
+            self.half = host_zeros(n, train_dtype, pin, self)
+            self.master = self.half[:t] if fp32 else host_zeros(t, torch.float32, False, self)
         else:
-            self.master = torch.zeros(n, dtype=torch.float32, device=device)
-            self.half = self.master if fp32 else torch.empty(n, dtype=train_dtype, device=device)
+            self.half = torch.zeros(n, dtype=train_dtype, device=device)
+            self.master = self.half[:t] if fp32 else torch.zeros(t, dtype=torch.float32, device=device)
         assert not (half_grads and fp32), "half-precision downloads need a half-precision copy"
-        self.grad = host_zeros(n, torch.float32, pin, self) if on_host and not half_grads else None
-        self.optimizer = FlatAdamW(self.master, None if fp32 else self.half, layout.runs, cfg)
+        self.grad = host_zeros(t, torch.float32, pin, self) if on_host and not half_grads else None
+        self.optimizer = FlatAdamW(self.master, None if fp32 else self.half[:t], layout.runs, cfg)
         self.updated = threading.Event()  # set when master/half hold this step's weights
         self.updated.set()
 
     @property
     def grads_in(self) -> torch.Tensor:
-        """Where a download puts the stage's gradients (host stores)."""
-        return self.grad if self.grad is not None else self.half
+        """Where a download puts the stage's gradients (host stores): the trainable elements."""
+        return self.grad if self.grad is not None else self.half[:self.layout.trainable_numel]
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
-        """Fill the master (and half) copy from full-precision tensors by name."""
+        """Fill the master copy (what trains) and the half copy (everything) from tensors by name."""
+        t = self.layout.trainable_numel
         for p in self.layout.params:
-            self.master[p.offset:p.offset + p.numel].copy_(weights[p.names[0]].reshape(-1))
-        if self.half is not self.master:
-            self.half.copy_(self.master)
+            dst = self.master if p.offset < t else self.half
+            dst[p.offset:p.offset + p.numel].copy_(weights[p.names[0]].reshape(-1))
+        if self.half.data_ptr() != self.master.data_ptr():
+            self.half[:t].copy_(self.master)
 
     def update(self, lr: float, grad_factor: float, grad: torch.Tensor | None = None) -> None:
         """AdamW with gradient ``grad * grad_factor`` (default: the downloaded gradients); the half
@@ -100,14 +104,29 @@ class StageStore:
             return {}
         m, v = self.optimizer.m.cpu(), self.optimizer.v.cpu()
         return {p.names[0]: (m[p.offset:p.offset + p.numel].view(p.shape), v[p.offset:p.offset + p.numel].view(p.shape))
-                for p in self.layout.params}
+                for p in self.layout.params if p.offset < self.layout.trainable_numel}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter by name, in fp32 on the CPU (the master for what trains, the half copy for
+        what is frozen)."""
+        t = self.layout.trainable_numel
+        master, half = self.master.cpu(), self.half.cpu()
+        out = {}
+        for p in self.layout.params:
+            src = master if p.offset < t else half
+            v = src[p.offset:p.offset + p.numel].float().view(p.shape)
+            out.update({n: v for n in p.names})
+        return out
 
     def load_moments(self, moments: dict[str, tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
         """Set the AdamW state from moments by parameter name (every parameter of the stage)."""
         if not moments:
             return
-        m, v = torch.zeros(self.layout.numel), torch.zeros(self.layout.numel)
+        t = self.layout.trainable_numel
+        m, v = torch.zeros(t), torch.zeros(t)
         for p in self.layout.params:
+            if p.offset >= t:
+                continue
             m[p.offset:p.offset + p.numel] = moments[p.names[0]][0].reshape(-1)
             v[p.offset:p.offset + p.numel] = moments[p.names[0]][1].reshape(-1)
         self.optimizer.load(m, v, step)

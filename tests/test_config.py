@@ -112,3 +112,4 @@ def test_cli_version_and_help() -> None:
     assert r.returncode == 0 and __version__ in r.stdout
     r = _cli("train", "--help", cwd=ROOT)
     assert r.returncode == 0 and "train.micro_batch_size" in r.stdout
+    assert "lora.rank (default 0, >= 0)" in r.stdout and "lora.targets (default ['all-linear'])" in r.stdout

@@ -97,6 +97,7 @@ def _zero_plan(cfg, mc, world: int, blocks: int, gpu: int, prefetch: bool = True
 
 def _run_case(ck: Path, case: dict, world: int) -> dict:
     """(In a worker) one configuration: 3 steps, an evaluation, this rank's weights and the cache's record."""
+    from mobius.assemble import WeightSource
     from mobius.optim import lr_at
     from partition.schedule.zero import chunk_trace, train_program
     from partition.zero import simulate_cache
@@ -104,7 +105,7 @@ def _run_case(ck: Path, case: dict, world: int) -> dict:
 
     cfg, mc = _cfg(ck, case), _model_cfg(ck, case)
     p = _zero_plan(cfg, mc, world, case["blocks"], case["gpu"], case.get("prefetch", True))
-    engine = ZeroEngine(cfg, mc, p, None, torch.device("cpu"), str(ck))
+    engine = ZeroEngine(cfg, mc, p, None, torch.device("cpu"), WeightSource(str(ck), None, cfg.train.seed))
     try:
         stats = [engine.train_step(s, _batches(s), lr_at(s, cfg.train)) for s in range(STEPS)]
         ev = engine.evaluate(_batches(99, 3))  # 3 batches: an uneven split

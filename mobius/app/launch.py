@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mobius.app.supervise import run_workers
-from mobius.assemble import prepare_data, run_model_config, weights_source
+from mobius.assemble import WeightSource, prepare_data, run_model_config, weights_source
 from mobius.checkpoint import ResumeState
 from mobius.config import Config, config_from_dict
 from mobius.engine import Engine
@@ -55,7 +55,7 @@ def open_device(settings: ParallelSettings, local_rank: int) -> torch.device:
 
 
 def make_engine(cfg: Config, model_cfg: ModelConfig, plan: Plan | ZeroPlan, settings: ParallelSettings,
-                device: torch.device, weights_from: str | None) -> Engine:
+                device: torch.device, weights_from: WeightSource) -> Engine:
     """This worker's engine for ``settings.mode`` (pipeline or zero)."""
     engine = ZeroEngine if settings.mode == "zero" else PipelineEngine
     return engine(cfg, model_cfg, plan, settings, device, weights_from)

@@ -14,7 +14,8 @@ from typing import Any, Callable
 from mobius.app.settings import Machine, mode_options, resolve, static_mode
 from mobius.config import Config
 from mobius.errors import ConfigError, MobiusError
-from mobius.models import ModelConfig, tied_param_count, unit_specs
+from mobius.models import ModelConfig, tied_param_count, tied_weights, unit_specs
+from mobius.models.lora import trains
 from mobius.optim import waits_for_norm
 from mobius.parallel import Mode, ParallelSettings
 from partition import Hardware, ModelProfile, Plan, get_profile, lookup_gpu, plan_model
@@ -102,7 +103,8 @@ def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, mac
         gpu = cfg.partition.gpu or (lookup_gpu(names[0]).name if names and lookup_gpu(names[0]) else None)
         mode = cfg.partition.profile if machine.local else "estimated"
         prof = get_profile(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, mode, gpu, cache_dir=cache)
-    prof.tied_params = tied_param_count(model_cfg)
+    tied = tied_weights(model_cfg)
+    prof.tied_params = tied_param_count(model_cfg) if tied and trains(model_cfg, tied[0][0]) else 0  # frozen: no exchange
     return prof
 
 

@@ -38,6 +38,7 @@ from mobius.config import Config, load_config
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import preset_names
 from partition import simulate
+from partition.costs import ModelProfile
 from partition.gpus import GB, gpu_spec
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,16 @@ def _amount(n: float, unit: str = "") -> str:
     return f"{n:.0f}{' ' if unit else ''}{unit}"
 
 
+def _lora_part(cfg: Config, prof: ModelProfile) -> str:
+    """", LoRA rank r on ...: N trainable (x%), M frozen" when the run trains adapters."""
+    if not cfg.lora.rank:
+        return ""
+    frozen = sum(u.frozen_count for u in prof.units)
+    total = prof.param_count()
+    return (f", LoRA rank {cfg.lora.rank} on {' '.join(cfg.lora.targets)}: {_amount(total - frozen)} trainable "
+            f"({100 * (total - frozen) / total:.2f}%), {_amount(frozen)} frozen")
+
+
 def _report(cfg: Config, choice: ModeChoice) -> str:
     chosen = choice.chosen
     prof, hw, plan = chosen.profile, chosen.hardware, chosen.plan
@@ -181,7 +192,8 @@ def _report(cfg: Config, choice: ModeChoice) -> str:
            else f"measured on {prof.device_name} in {prof.profile_s:.1f} s")
     lines = [choice.line() if choice.explicit else choice.table(),
              f"model: {_model_name(cfg)}: {prof.num_units} units, {_amount(prof.param_count())} parameters "
-             f"({_amount(prof.param_bytes(), 'B')} in {prof.precision}); micro-batch {prof.micro_batch_size} x "
+             f"({_amount(prof.param_bytes(), 'B')} in {prof.precision}){_lora_part(cfg, prof)}; micro-batch "
+             f"{prof.micro_batch_size} x "
              f"{prof.seq_len} tokens, {plan.micro_batches} micro-batches",
              f"hardware: {hw.describe()}",
              f"profile: {how}; per micro-batch:"]

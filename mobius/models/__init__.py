@@ -4,6 +4,7 @@ presets, builders and unit descriptions."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models import gpt2, llama, opt
+from mobius.models import gpt2, llama, lora, opt
 from mobius.models.base import CausalLM, UnitSpec, lm_loss
 
 ModelConfig = gpt2.GPT2Config | opt.OPTConfig | llama.LlamaConfig
@@ -94,8 +95,9 @@ def tied_weights(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 def dropout_active(cfg: ModelConfig) -> bool:
-    """True when any dropout probability of the config is non-zero (the one place that says so)."""
-    return cfg.dropout_active()
+    """True when any dropout probability of the config is non-zero, the adapters' included (the one
+    place that says so)."""
+    return cfg.dropout_active() or (cfg.lora is not None and cfg.lora.dropout > 0)
 
 
 def hidden_size(cfg: ModelConfig) -> int:
@@ -104,8 +106,34 @@ def hidden_size(cfg: ModelConfig) -> int:
 
 
 def unit_specs(cfg: ModelConfig) -> list[UnitSpec]:
-    """Describe the model's units (embed, blocks, head) without building them."""
-    return family_of(cfg).unit_specs(cfg)
+    """Describe the model's units (embed, blocks, head) without building them (adapted, with their
+    frozen parameters counted, under ``cfg.lora``)."""
+    specs = family_of(cfg).unit_specs(cfg)
+    if cfg.lora is None:
+        return specs
+    counted: dict[str, tuple[int, int]] = {}
+    out = []
+    for k, s in enumerate(specs):
+        build = _adapted_build(s, cfg)
+        if s.signature not in counted:  # every block alike: build one (on the meta device) to count
+            with torch.device("meta"):
+                unit = build()
+            prefix = unit_prefix(k, len(specs))
+            named = list(unit.named_parameters())
+            counted[s.signature] = (sum(p.numel() for _, p in named),
+                                    sum(p.numel() for n, p in named if not lora.trains(cfg, prefix + n)))
+        total, frozen = counted[s.signature]
+        out.append(dataclasses.replace(s, build=build, param_count=total, frozen_count=frozen,
+                                       signature=f"{s.signature}:{_lora_tag(cfg.lora)}"))
+    return out
+
+
+def _adapted_build(spec: UnitSpec, cfg: ModelConfig) -> Callable[[], nn.Module]:
+    return lambda: lora.adapt(spec.build(), spec.kind, cfg)
+
+
+def _lora_tag(spec: "lora.LoraSpec") -> str:
+    return f"lora{spec.rank}:{'+'.join(spec.targets)}:{'+'.join(spec.train)}"
 
 
 def tied_param_count(cfg: ModelConfig) -> int:

@@ -47,6 +47,7 @@ class UnitSpec:
     fwd_flops: Callable[[int, int], float]  # (batch, seq) -> forward FLOPs of one call
     out_numel: Callable[[int, int], int]  # (batch, seq) -> elements of the unit's output
     memory: Callable[[int, int, int], tuple[int, int]]  # (batch, seq, bytes per element) -> (saved, working) bytes
+    frozen_count: int = 0  # of param_count, what does not train (LoRA's base weights)
 
     def make_input(self, batch: int, seq: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
         """A random input of the right shape for this unit (token ids for the embedding)."""
@@ -115,6 +116,19 @@ class CausalLM(nn.Module):
         """Pairs of parameter names (``unit_name.param_name``) that share one tensor."""
         return self.config.tied_weights()
 
+    def finish(self, seed: int) -> None:
+        """After the units are built: adapters into them (``config.lora``), the tie, the initial weights,
+        and everything that does not train frozen."""
+        from mobius.models import lora
+
+        if self.config.lora is not None:
+            for k, unit in enumerate(self.units()):
+                lora.adapt(unit, "embed" if k == 0 else "head" if k == len(self.blocks) + 1 else "block", self.config)
+        self.tie_weights()
+        self.init_weights(seed)
+        for name, p in self.named_parameters():
+            p.requires_grad_(lora.trains(self.config, name))
+
     def tie_weights(self) -> None:
         """Make the second name of every tied pair the first one's Parameter."""
         for a, b in self.tied_weights():
@@ -139,6 +153,10 @@ class CausalLM(nn.Module):
         is_head = index == cfg.num_layers + 1
         skip = {head.split(".", 1)[1] for _, head in cfg.tied_weights()} if is_head else set()
         init_unit_(unit, index, seed, cls.INIT_STD, cfg.num_layers, skip, cls.RESIDUAL_SUFFIXES)
+        if cfg.lora is not None:
+            from mobius.models.lora import init_adapters
+
+            init_adapters(unit, unit_seed(seed, -2, -2, index))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V]."""
@@ -157,7 +175,7 @@ def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int,
     gen = torch.Generator().manual_seed(unit_seed(seed, -1, -1, index))
     with torch.no_grad():
         for name, p in unit.named_parameters():
-            if name in skip:
+            if name in skip or ".lora_" in f".{name}":  # adapters: their own draws (mobius.models.lora)
                 continue
             if p.dim() == 1:
                 p.fill_(1.0) if ("ln" in name or "norm" in name) and name.endswith("weight") else p.zero_()
@@ -166,16 +184,19 @@ def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int,
             p.copy_(torch.randn(p.shape, generator=gen) * s)
 
 
-def bind_parameters(unit: nn.Module, prefix: str, tensor_of: Callable[[str], torch.Tensor], requires_grad: bool,
-                    grad_of: Callable[[str], torch.Tensor] | None = None) -> list[tuple[str, nn.Parameter]]:
+def bind_parameters(unit: nn.Module, prefix: str, tensor_of: Callable[[str], torch.Tensor],
+                    requires_grad: bool | Callable[[str], bool],
+                    grad_of: Callable[[str], torch.Tensor | None] | None = None) -> list[tuple[str, nn.Parameter]]:
     """Point a unit's parameters at memory the runtime owns (``tensor_of(full name)``: a view of a
-    flat buffer) through ``register_parameter``; with ``grad_of`` each one's ``.grad`` starts as that
-    view, so autograd accumulates into it in place. Returns the new parameters by full name."""
+    flat buffer) through ``register_parameter``; ``requires_grad`` is one flag or one per name; with
+    ``grad_of`` each one's ``.grad`` starts as that view (None: no buffer), so autograd accumulates
+    into it in place. Returns the new parameters by full name."""
+    wants = requires_grad if callable(requires_grad) else (lambda _: requires_grad)
     bound = []
     for mod_name, mod in unit.named_modules():
         for leaf, _ in list(mod.named_parameters(recurse=False)):
             full = prefix + (f"{mod_name}." if mod_name else "") + leaf
-            param = nn.Parameter(tensor_of(full), requires_grad=requires_grad)
+            param = nn.Parameter(tensor_of(full), requires_grad=wants(full))
             if grad_of is not None:
                 param.grad = grad_of(full)
             mod.register_parameter(leaf, param)

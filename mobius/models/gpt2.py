@@ -17,6 +17,7 @@ from torch import nn
 
 from mobius.errors import ConfigError
 from mobius.models.base import ArchConfig, CausalLM, UnitSpec, embed_memory, head_memory
+from mobius.models.lora import LoraSpec
 
 ACTIVATIONS = {
     "gelu_new": partial(F.gelu, approximate="tanh"),
@@ -45,8 +46,10 @@ class GPT2Config(ArchConfig):
     tie_word_embeddings: bool = True
     bos_token_id: int = 50256
     eos_token_id: int = 50256
+    lora: LoraSpec | None = None  # adapters (lora.*): the base weights freeze
 
     family = "gpt2"
+    LORA_TARGETS = {"c_attn": ("attn.qkv",), "c_proj": ("attn.proj", "mlp.proj"), "c_fc": ("mlp.fc",)}  # HF names
     FIELDS = {"layers": "n_layer", "width": "n_embd", "embedding": "n_embd", "positions": "n_positions"}
     ARCH_FIELDS = ("n_embd", "n_layer", "n_head", "n_inner")  # what a checkpoint must share with a preset of its name
 
@@ -165,8 +168,7 @@ class GPT2(CausalLM):
         self.embed = GPT2Embedding(cfg)
         self.blocks = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
         self.head = GPT2Head(cfg)
-        self.tie_weights()
-        self.init_weights(seed)
+        self.finish(seed)
 
     RESIDUAL_SUFFIXES = ("attn.proj.weight", "mlp.proj.weight")  # GPT-2's N(0, 0.02 / sqrt(2 * n_layer))
 

@@ -274,6 +274,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     d = asdict(cfg)
     d.update(model_type=cfg.family, architectures=[HF_ARCHITECTURES[cfg.family]],
              torch_dtype=str(dtype).removeprefix("torch."))
+    d.pop("lora")  # adapters are not part of the architecture (they are saved in PEFT's format)
     if cfg.family == "gpt2":
         d.update(n_ctx=cfg.n_positions, n_inner=cfg.n_inner)
     if cfg.family in llama.MODEL_TYPES:
@@ -388,7 +389,10 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None,
     """Load a Hugging Face checkpoint directory into a new mobius model on the CPU (in eval mode)."""
     cfg = cfg or read_config(path)
     model = build_model(cfg)
-    load_into(model, from_hf(LazyCheckpoint(path), cfg), source=str(path))
+    state = from_hf(LazyCheckpoint(path), cfg)
+    if cfg.lora is not None:  # the checkpoint is the base model: the adapters keep their initial values
+        state = {**{k: v for k, v in model.state_dict().items() if ".lora_" in k}, **state}
+    load_into(model, state, source=str(path))
     return model.to(dtype).eval()
 
 

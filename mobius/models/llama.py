@@ -33,6 +33,7 @@ from torch import nn
 
 from mobius.errors import ConfigError
 from mobius.models.base import ArchConfig, CausalLM, UnitSpec, check_positions, embed_memory, head_memory
+from mobius.models.lora import LoraSpec
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -67,6 +68,7 @@ class LlamaConfig(ArchConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
+    lora: LoraSpec | None = None  # adapters (lora.*): the base weights freeze
 
     def __post_init__(self) -> None:
         where = f"{self.model_type} config"
@@ -101,6 +103,8 @@ class LlamaConfig(ArchConfig):
             raise ConfigError(f"{where}: sliding_window must be positive or null, got {self.sliding_window}")
 
     family = property(lambda self: self.model_type)
+    LORA_TARGETS = {**{p: (f"self_attn.{p}",) for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                    **{p: (f"mlp.{p}",) for p in ("gate_proj", "up_proj", "down_proj")}}  # HF names -> our modules
     FIELDS = {"layers": "num_hidden_layers", "width": "hidden_size", "embedding": "hidden_size",
               "positions": "max_position_embeddings"}
     ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -342,8 +346,7 @@ class Llama(CausalLM):
         self.embed = LlamaEmbedding(cfg)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.head = LlamaHead(cfg)
-        self.tie_weights()
-        self.init_weights(seed)  # N(0, 0.02) matrices (transformers' initializer_range), zero biases, unit norms
+        self.finish(seed)  # N(0, 0.02) matrices (transformers' initializer_range), zero biases, unit norms
 
 
 # ---------------------------------------------------------------------------------------------

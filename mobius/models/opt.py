@@ -17,6 +17,7 @@ from torch import nn
 
 from mobius.errors import ConfigError
 from mobius.models.base import ArchConfig, CausalLM, UnitSpec, embed_memory, head_memory
+from mobius.models.lora import LoraSpec
 from mobius.models.gpt2 import ACTIVATIONS, transformer_block_flops, transformer_block_memory
 
 POSITION_OFFSET = 2  # OPT's learned positions start at index 2 (a fairseq legacy)
@@ -43,8 +44,11 @@ class OPTConfig(ArchConfig):
     pad_token_id: int = 1
     bos_token_id: int = 2
     eos_token_id: int = 2
+    lora: LoraSpec | None = None  # adapters (lora.*): the base weights freeze
 
     family = "opt"
+    LORA_TARGETS = {"q_proj": ("attn.q_proj",), "k_proj": ("attn.k_proj",), "v_proj": ("attn.v_proj",),
+                    "out_proj": ("attn.out_proj",), "fc1": ("fc1",), "fc2": ("fc2",)}  # HF names -> our modules
     FIELDS = {"layers": "num_hidden_layers", "width": "hidden_size", "embedding": "word_embed_proj_dim",
               "positions": "max_position_embeddings"}
     ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "word_embed_proj_dim",
@@ -182,8 +186,7 @@ class OPT(CausalLM):
         self.embed = OPTEmbedding(cfg)
         self.blocks = nn.ModuleList(OPTBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.head = OPTHead(cfg)
-        self.tie_weights()
-        self.init_weights(seed)  # N(0, 0.02) weights (metaseq's init_std), zero biases, unit norms
+        self.finish(seed)  # N(0, 0.02) weights (metaseq's init_std), zero biases, unit norms
 
 
 def unit_specs(cfg: OPTConfig) -> list[UnitSpec]:

@@ -8,6 +8,7 @@ from torch import nn
 
 from mobius.layout import ParamInfo
 from mobius.models import ModelConfig, tied_weights, unit_prefix, unit_specs
+from mobius.models.lora import trains
 from mobius.optim import takes_decay
 
 
@@ -36,7 +37,7 @@ def model_params(cfg: ModelConfig) -> list[ParamInfo]:
                 continue
             index[full] = len(rows)
             rows.append([[full], tuple(p.shape), [k], takes_decay(p)])
-    return [ParamInfo(tuple(n), shape, tuple(u), d) for n, shape, u, d in rows]
+    return [ParamInfo(tuple(n), shape, tuple(u), d, trains(cfg, n[0])) for n, shape, u, d in rows]
 
 
 def stage_params(params: list[ParamInfo], first: int, end: int) -> list[ParamInfo]:
@@ -46,5 +47,5 @@ def stage_params(params: list[ParamInfo], first: int, end: int) -> list[ParamInf
     for p in params:
         mine = [(n, u) for n, u in zip(p.names, p.units) if first <= u < end]
         if mine:
-            out.append(ParamInfo(tuple(n for n, _ in mine), p.shape, tuple(u for _, u in mine), p.decay))
+            out.append(ParamInfo(tuple(n for n, _ in mine), p.shape, tuple(u for _, u in mine), p.decay, p.trains))
     return out

@@ -54,8 +54,9 @@ def chunk_trace(program: tuple[Op, ...], layout: ChunkLayout) -> list[tuple[int,
 
 
 def grad_flushes(program: tuple[Op, ...], layout: ChunkLayout) -> list[tuple[int, ...]]:
-    """Per operator: the chunks whose run of consecutive gradient-making calls ends with it (their
-    gradient is reduce-scattered then). A chunk used by two separate runs (a tied weight) flushes twice."""
+    """Per operator: the trainable chunks whose run of consecutive gradient-making calls ends with it
+    (their gradient is reduce-scattered then). A chunk used by two separate runs (a tied weight)
+    flushes twice; frozen chunks never do."""
     trace = chunk_trace(program, layout)
     out = []
     for t, op in enumerate(program):
@@ -63,7 +64,7 @@ def grad_flushes(program: tuple[Op, ...], layout: ChunkLayout) -> list[tuple[int
             out.append(())
             continue
         following = set(trace[t + 1]) if t + 1 < len(program) and program[t + 1].makes_grads else set()
-        out.append(tuple(c for c in trace[t] if c not in following))
+        out.append(tuple(c for c in trace[t] if c not in following and layout.trains(c)))
     return out
 
 

@@ -101,10 +101,13 @@ def model_state_bytes(layout: ChunkLayout, s: Setting, elem: int) -> dict[str, i
     return {"rcache": s.cache_blocks * layout.padded * elem,
             "grad_buffers": (layout.min_blocks + 1) * layout.padded * GRAD_BYTES,
             "staging": 2 * layout.shard * GRAD_BYTES,
-            "gpu_shards": s.gpu_chunks * layout.shard * STATE_BYTES}
+            "gpu_shards": sum(STATE_BYTES if layout.trains(c) else elem
+                              for c in range(min(s.gpu_chunks, layout.num_chunks))) * layout.shard}
 
 
 def host_bytes(layout: ChunkLayout, s: Setting, precision: str) -> int:
     """Host bytes per rank of the offloaded chunks' shards: fp32 master, AdamW moments, fp32 gradient
     and (bf16/fp16) the pinned half copy -- as a swapped pipeline stage's with fp32 downloads."""
-    return (layout.num_chunks - s.gpu_chunks) * layout.shard * host_bytes_per_param(precision, half_grads=False)
+    per = host_bytes_per_param(precision, half_grads=False)
+    frozen = PRECISION_BYTES[precision]  # LoRA's base weights: one copy in the training dtype
+    return sum(per if layout.trains(c) else frozen for c in range(s.gpu_chunks, layout.num_chunks)) * layout.shard

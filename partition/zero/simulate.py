@@ -56,7 +56,7 @@ def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Settin
     flush_count = sum(len(f) for f in sim.flushes)
     traffic = {"replaced_bytes": run.gathers * P * e, "allgather_bytes": run.gathers * (N - 1) * sh * e,
                "reduce_scatter_bytes": flush_count * (N - 1) * sh * GRAD_BYTES,
-               "h2d_bytes": len(off) * sh * e, "d2h_bytes": (layout.num_chunks - s.gpu_chunks) * sh * GRAD_BYTES}
+               "h2d_bytes": len(off) * sh * e, "d2h_bytes": sum(layout.trains(c) for c in range(s.gpu_chunks, layout.num_chunks)) * sh * GRAD_BYTES}
     return Prediction(ends[1] - ends[0], stats["compute"], stats["stall"], stats["cpu"], run.gathers, traffic)
 
 
@@ -98,7 +98,8 @@ class _StepSim:
         lanes.compute = max(lanes.compute, self.flush_end) + self.hw.collective_s  # the step's statistics
         for c, done in self.barrier_jobs:
             self._cpu_update(c, max(done, lanes.compute))
-        lanes.compute += self.s.gpu_chunks * self.layout.shard / self.hw.gpu_adam_params_per_s
+        gpu_trainable = sum(self.layout.trains(c) for c in range(min(self.s.gpu_chunks, self.layout.num_chunks)))
+        lanes.compute += gpu_trainable * self.layout.shard / self.hw.gpu_adam_params_per_s
         return self.stats
 
     def _operator(self, t: int, op: Any) -> None:

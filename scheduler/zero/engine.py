@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mobius.assemble import WeightSource
 from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats, autocast
 from mobius.errors import CheckpointError, MobiusError
-from mobius.models import ModelConfig, dropout_active, initial_weights, unit_prefix, unit_specs
+from mobius.models import ModelConfig, dropout_active, unit_prefix, unit_specs
 from mobius.models.base import bind_parameters, lm_loss, run_units
 from mobius.models.params import build_units, model_params
-from mobius.models.hf import LazyCheckpoint, from_hf
 from mobius.optim import LossScaler, end_of_step, host_bytes_per_param, waits_for_norm
 from mobius.parallel import ParallelSettings
 from mobius.layout import build_layout
@@ -39,6 +39,7 @@ from partition.schedule.zero import OpKind, eval_program, grad_flushes, train_pr
 from partition.zero import ZeroPlan
 from scheduler.collectives import all_gather_flat
 from scheduler.counters import Counters
+from scheduler.pinned import host_zeros
 from scheduler.store import check_host_memory
 from scheduler.zero.cache import GradBuffers, RCache, Streams
 from scheduler.updater import CpuUpdater, sum_over_ranks
@@ -77,7 +78,7 @@ class ZeroEngine:
     engine signature; the plan carries everything zero mode needs from it."""
 
     def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: ZeroPlan, settings: ParallelSettings,
-                 device: torch.device, weights_from: str | None = None):
+                 device: torch.device, weights_from: WeightSource | None = None):
         self.cfg, self.model_cfg, self.plan, self.device = cfg, model_cfg, plan, device
         self.comm = ProcessGroup()
         self.rank, self.world = self.comm.rank, self.comm.world
@@ -114,13 +115,22 @@ class ZeroEngine:
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _build_state(self, plan: ZeroPlan, device: torch.device) -> None:
-        n, g = self.layout.num_chunks, min(plan.gpu_chunks, self.layout.num_chunks)
-        offloaded = list(range(g, n))
+        """The first ``gpu_chunks`` chunks on the GPU, the others in host memory; a trainable chunk
+        keeps its fp32 master, moments and gradient shard, a frozen one (LoRA's base weights) only its
+        shard in the training dtype."""
+        lay, s = self.layout, self.layout.shard
+        n, g = lay.num_chunks, min(plan.gpu_chunks, lay.num_chunks)
+        trainable = [c for c in range(n) if lay.trains(c)]
+        offloaded = [c for c in range(g, n) if lay.trains(c)]
         per = host_bytes_per_param(self.cfg.train.precision, half_grads=False)  # as a swapped pipeline stage's
-        check_host_memory(len(offloaded) * self.layout.shard * per, f"zero rank {self.rank}'s offloaded chunks")
-        self.gpu = Shards(self.layout, list(range(g)), self.rank, device, self.cfg.train)
+        frozen_host = sum(1 for c in range(g, n) if not lay.trains(c)) * s * self.dtype.itemsize
+        check_host_memory(len(offloaded) * s * per + frozen_host, f"zero rank {self.rank}'s offloaded chunks")
+        self.gpu = Shards(lay, [c for c in trainable if c < g], self.rank, device, self.cfg.train)
         pin = device.type == "cuda"
-        self.hosts = {c: HostChunk(self.layout, c, self.rank, self.dtype, self.cfg.train, pin) for c in offloaded}
+        self.hosts = {c: HostChunk(lay, c, self.rank, self.dtype, self.cfg.train, pin) for c in offloaded}
+        self.frozen = {c: (torch.zeros(s, dtype=self.dtype, device=device) if c < g else host_zeros(s, self.dtype, pin,
+                                                                                                     self))
+                       for c in range(n) if not lay.trains(c)}
 
     def _group(self, device: torch.device) -> object:
         """The chunks' collectives: NCCL between GPUs, gloo between CPU workers (none for one rank)."""
@@ -142,20 +152,17 @@ class ZeroEngine:
     def _shards_of(self, chunk: int) -> Shards:
         return self.hosts[chunk].shards if chunk in self.hosts else self.gpu
 
-    def _load_weights(self, source: str | None) -> None:
+    def _load_weights(self, source: WeightSource | None) -> None:
         """Fill this rank's master shards from a checkpoint (only the tensors they need) or the seed."""
+        source = source or WeightSource(None, None, self.cfg.train.seed)
         needed = {p for c in range(self.layout.num_chunks) for p, *_ in self._my_segments(c)}
         names = {self.layout.params[p].names[0] for p in needed}
-        if source is not None:
-            weights = from_hf(LazyCheckpoint(source), self.model_cfg, only=lambda k: k in names)
-        else:
-            units = {self.layout.params[p].units[0] for p in needed}
-            weights = initial_weights(self.model_cfg, units, self.cfg.train.seed)
+        weights = source.load(self.model_cfg, names, {self.layout.params[p].units[0] for p in needed})
         missing = names - set(weights)
         if missing:
-            raise CheckpointError(f"{source}: no weights for {sorted(missing)[:3]}")
+            raise CheckpointError(f"{source.base}: no weights for {sorted(missing)[:3]}")
         for c in range(self.layout.num_chunks):
-            dst = self._shards_of(c).master_of(c)
+            dst = self.frozen[c] if c in self.frozen else self._shards_of(c).master_of(c)
             for p, start, at, n in self._my_segments(c):
                 flat = weights[self.layout.params[p].names[0]].reshape(-1)
                 dst[at:at + n].copy_(flat[start:start + n])
@@ -166,6 +173,12 @@ class ZeroEngine:
     def _fill(self, chunk: int, mine: torch.Tensor) -> None:
         """This rank's slice of a gathered chunk: the GPU master shard cast to the compute dtype, or
         the offloaded chunk's half copy uploaded once its CPU update has written it."""
+        if chunk in self.frozen:  # LoRA's base weights: their one copy, uploaded when it lives on the host
+            src = self.frozen[chunk]
+            mine.copy_(src, non_blocking=True)
+            if chunk >= self.plan.gpu_chunks:  # offloaded
+                self.counters.add(h2d=mine.nbytes)
+            return
         host = self.hosts.get(chunk)
         if host is None:
             mine.copy_(self.gpu.master_of(chunk))
@@ -240,7 +253,8 @@ class ZeroEngine:
             parts = [self.cache.view(c)[seg.offset:seg.offset + seg.numel] for c, seg in pieces]
             return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
         prefix = unit_prefix(unit, len(self.units))
-        return [(self.index[n], p) for n, p in bind_parameters(self.units[unit], prefix, tensor_of, grad)]
+        wants = (lambda name: grad and self.layout.params[self.index[name]].trains)
+        return [(self.index[n], p) for n, p in bind_parameters(self.units[unit], prefix, tensor_of, wants)]
 
     def _call(self, unit: int, x: torch.Tensor, m: int, st: _Pass) -> torch.Tensor:
         seed = (self.dropout_seed, st.step, m) if self.dropout_seed is not None else None
@@ -293,7 +307,8 @@ class ZeroEngine:
                 y = self._call(unit, x, m, st)
             else:
                 x, y = st.graphs.pop((unit, m))
-            torch.autograd.backward(y, dy.to(y.dtype))
+            if y.requires_grad:  # frozen weights over token ids (LoRA's embedding): nothing to compute
+                torch.autograd.backward(y, dy.to(y.dtype))
             self._fold(bound)
             if unit > 0:
                 st.dys[m] = x.grad
@@ -354,11 +369,17 @@ class ZeroEngine:
 
     # ---- state ----------------------------------------------------------------------------------
     def _owners(self) -> list[int]:
-        """The rank that writes each parameter: contiguous runs of about equal size."""
+        """The rank that writes each parameter: contiguous runs of about equal size; a LoRA adapter goes
+        with its layer's weight (so that each rank can merge what it writes)."""
         total, acc, out = self.layout.param_numel, 0, []
         for p in self.layout.params:
             out.append(min(self.world - 1, acc * self.world // max(total, 1)))
             acc += p.numel
+        index = {n: i for i, p in enumerate(self.layout.params) for n in p.names}
+        for i, p in enumerate(self.layout.params):
+            layer, adapter, _ = p.names[0].partition(".lora_")
+            if adapter and f"{layer}.weight" in index:
+                out[i] = out[index[f"{layer}.weight"]]
         return out
 
     def rank_state(self, with_moments: bool) -> RankState:
@@ -379,17 +400,19 @@ class ZeroEngine:
             p = self.layout.params[i]
             for name in p.names:
                 weights[name] = full[i][0].view(p.shape)
-            if moments:
+            if moments and p.trains:
                 mom[p.names[0]] = (full[i][1].view(p.shape), full[i][2].view(p.shape))
         return RankState(weights, mom, self.optimizer_step, self.scaler.state_dict())
 
     def _gather_state(self, chunk: int, moments: bool) -> torch.Tensor:
-        """A whole chunk's fp32 master (and m, v) on every rank, on the CPU: [parts, P]."""
-        shards = self._shards_of(chunk)
-        rows = [shards.master_of(chunk)]
+        """A whole chunk's fp32 master (and m, v) on every rank, on the CPU: [parts, P] (a frozen chunk:
+        its weights, and zero moments)."""
+        frozen = self.frozen.get(chunk)
+        shards = self._shards_of(chunk) if frozen is None else None
+        rows = [shards.master_of(chunk) if frozen is None else frozen]
         if moments:
-            mv = shards.moments_of(chunk)
-            rows += list(mv) if mv is not None else [torch.zeros_like(rows[0])] * 2
+            mv = shards.moments_of(chunk) if shards is not None else None
+            rows += list(mv) if mv is not None else [torch.zeros(rows[0].shape)] * 2
         mine = torch.stack([r.detach().float().cpu() for r in rows])  # [parts, s]
         if self.world == 1:
             return mine
@@ -404,6 +427,8 @@ class ZeroEngine:
         self.scaler.load_state_dict(resume.scaler)
         s = self.layout.shard
         for c in range(self.layout.num_chunks):
+            if c in self.frozen:
+                continue
             segs = self._my_segments(c)
             names = sorted({self.layout.params[p].names[0] for p, *_ in segs})
             moments = resume.moments(names, self.model_cfg) if names else {}
