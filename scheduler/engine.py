@@ -211,7 +211,7 @@ class PipelineEngine:
         if M not in self.eval_scheds:
             self.eval_scheds[M] = build_eval_schedule(self.plan.num_stages, self.world, M, list(self.gpu_of),
                                                       self.plan.options)
-        io = StepIO([x for x, _ in batches], [y for _, y in batches], 0, 1.0, None)
+        io = StepIO([x for x, _ in batches], [y for _, y in batches], 0, 1.0, None, training=False)
         return self.ex.run(self.eval_scheds[M], io).loss
 
     # ---- state ----------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class StepIO:
     loss_factor: float  # loss scale / micro-batches
     dropout_seed: int | None  # the run's seed when dropout is active
     lr: float = 0.0
+    training: bool = True  # False: an evaluation (dropout off)
 
 
 @dataclass
@@ -211,6 +212,8 @@ class Executor:
         """Dispatch this worker's actions of ``sched``; returns after its REDUCE (updates that
         follow a barrier keep running on the optimizer thread)."""
         self._runs += 1
+        for units in self.units.values():
+            units.train(io.training)
         self.st = StepState(io, sched, self._stage_batches(sched, io), trace, self._runs * ORDER_STRIDE)
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         for action in sched.actions[self.rank]:

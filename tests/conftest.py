@@ -71,6 +71,33 @@ def gpt2_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One token cache for every test that trains the demo config (the standard library's docstrings
+    are tokenized once per session, not once per test)."""
+    return tmp_path_factory.mktemp("demo-data")
+
+
+DEMO_SHORT = ["--train.max_steps=4", "--train.eval_every=2"]  # the demo runs the exactness tests compare
+
+
+@pytest.fixture(scope="session")
+def demo_single(tmp_path_factory: pytest.TempPathFactory, demo_data_cache: Path) -> Path:
+    """The demo config, shortened (``DEMO_SHORT``), trained by plain training: the reference that the
+    demo's pipeline and zero runs are compared with."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("demo-single")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", str(root / "configs" / "demo.yaml"),
+                        f"--output.dir={out / 'run'}", f"--data.cache_dir={demo_data_cache}",
+                        f"--partition.cache_dir={out / 'cache'}", *DEMO_SHORT], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out / "run"
+
+
+@pytest.fixture(scope="session")
 def deep_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny GPT-2 with 10 blocks (12 units) so 4 workers can run 12 stages."""
     from mobius.data import byte_tokenizer

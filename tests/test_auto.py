@@ -113,12 +113,12 @@ def test_auto_asking_for_cuda_without_a_gpu_stops_before_planning() -> None:
         check_parallel(cfg, Machine.cpu_only())
 
 
-def test_mobius_train_and_plan_print_autos_choice_and_reason(tmp_path: Path) -> None:
+def test_mobius_train_and_plan_print_autos_choice_and_reason(tmp_path: Path, demo_data_cache: Path) -> None:
     import json
     import subprocess
     import sys
 
-    common = [f"--data.cache_dir={tmp_path / 'cache'}", f"--partition.cache_dir={tmp_path / 'cache'}",
+    common = [f"--data.cache_dir={demo_data_cache}", f"--partition.cache_dir={tmp_path / 'cache'}",
               "--parallel.mode=auto", "--parallel.devices=2"]
     r = subprocess.run([sys.executable, "-m", "mobius", "train", str(ROOT / "configs" / "demo.yaml"),
                         f"--output.dir={tmp_path / 'run'}", "--train.max_steps=2", "--train.eval_every=0", *common],

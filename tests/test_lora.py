@@ -257,7 +257,8 @@ cfg = config_from_dict({"model": {"preset": "qwen2.5-0.5b", "dropout": 0.0}, "da
                         "parallel": {"mode": "pipeline", "device": "cpu", "stages": 3, "resident_stages": [],
                                      "kept_stages": []},
                         "lora": {"rank": 8, "alpha": 16.0},
-                        "partition": {"cache_dir": sys.argv[2]}, "output": {"dir": sys.argv[2]}}, "probe")
+                        "partition": {"cache_dir": sys.argv[2], "profile": "estimated", "gpu": "h100"},
+                        "output": {"dir": sys.argv[2]}}, "probe")
 mc = with_adapters(dataclasses.replace(get_preset("qwen2.5-0.5b"), num_hidden_layers=4), cfg)
 settings = resolve(cfg, Machine.detect(cfg))
 plan, _, _ = plan_pipeline(cfg, mc, settings, Machine.detect(cfg))
@@ -292,7 +293,7 @@ def test_the_4x3090_lora_configs_fit_in_192_gib(config: str, frozen_b: float, ca
     from test_partition_plan import _run_plan
 
     argv = [str(ROOT / "configs" / f"{config}.yaml"), "--topology",
-            str(ROOT / "tests" / "fixtures" / "topology" / "topo2x2_sys.txt"), "--partition.time_limit_s=4", "--json"]
+            str(ROOT / "tests" / "fixtures" / "topology" / "topo2x2_sys.txt"), "--partition.time_limit_s=1", "--json"]
     assert _run_plan(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["num_gpus"] == 4 and max(plan["peak_bytes"]) <= plan["gpu_memory_bytes"] <= 24 * 2**30
@@ -319,3 +320,17 @@ def test_single_mode_plans_frozen_weights_in_the_training_dtype() -> None:
     assert 8.0e9 < frozen < 8.1e9 and 41e6 < trainable < 43e6
     assert plan.memory["states"] == 16 * trainable + 2 * frozen < 16 * 2**30
     assert "16 bytes x 41.9M parameters + 2 x 8030.3M frozen" in plan.summary()
+
+
+def test_the_one_gpu_lora_config_plans_the_pipeline(capsys: pytest.CaptureFixture) -> None:
+    """8B LoRA on one 24 GB card: plain training does not fit (bf16 base + activations), auto picks the
+    pipeline, whose frozen weights take 2 bytes each in host memory."""
+    from test_partition_plan import _run_plan
+
+    argv = [str(ROOT / "configs" / "lora-llama-3.1-8b.yaml"), "--topology",
+            str(ROOT / "tests" / "fixtures" / "topology" / "single_gpu.txt"), "--json"]
+    assert _run_plan(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    fits = {c["mode"]: c["fits"] for c in plan["mode"]["candidates"]}
+    assert plan["mode"]["chosen"] == "pipeline" and fits == {"single": False, "pipeline": True, "zero": False}
+    assert max(plan["peak_bytes"]) <= plan["gpu_memory_bytes"] and plan["host_bytes"] <= 2.1 * 8.03e9

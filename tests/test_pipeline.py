@@ -15,6 +15,7 @@ import torch
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
 from partition.plan import Plan
+from spawned import case_model, spawn_cases, token_batches
 from mobius.app.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,15 +79,12 @@ def _compare_weights(a: Path, b: Path, atol: float) -> None:
 
 SWAPPED = {"resident_stages": [], "kept_stages": []}  # the paper's pipeline: every stage swapped, recomputed
 
-
-@pytest.mark.parametrize("workers,stages", [(2, 4), (2, 6), (4, 8), (4, 12)])
-def test_pipeline_matches_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path, workers: int,
-                                    stages: int) -> None:
-    train(_cfg(tmp_path, deep_checkpoint, corpus, "ref"))
-    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe",
-               parallel={"mode": "pipeline", "devices": workers, "stages": stages, **SWAPPED}))
-    _compare(tmp_path / "ref", tmp_path / "pipe", atol=1e-5)
-
+# ---- exactness: every case against the single-device reference, batched per spawn ------------------
+# Each case is planned here (as `mobius train` plans it: the measured CPU profile, the forced stages)
+# and run by one engine after another inside one group of worker processes per world size, on the
+# same token batches as a single-device reference (cached per training setting): losses, the
+# evaluation loss and every parameter after 3 steps within 1e-5.
+STEPS, MICRO = 3, 3
 
 # 2 workers, 6 stages: worker 0 runs stages 0, 2, 4 and worker 1 runs 1, 3, 5; the tied embedding/head
 # (stages 0 and 5) stay swapped. Any stage but the last may keep its activations: a swapped kept stage's
@@ -102,31 +100,124 @@ MIXES = {
     "all-but-ends-offload": ({"resident_stages": [1, 2, 3, 4], "kept_stages": [1, 4], "offload_inputs": "on"}, {}),
     "worker-all-resident": ({"resident_stages": [1, 3], "kept_stages": [1, 3]}, {"grad_clip": 0.0}),
 }
+# 5 swapped stages on 2 workers: dropout masks seeded per unit (updates as gradients arrive); boundary
+# inputs waiting in host memory; one device slot, where every stage's backward upload reuses the slot
+# its forward had.
+VARIANTS = {
+    "dropout-no-clip": ({}, {"grad_clip": 0.0}, 0.1),
+    "dropout-kept": ({"kept_stages": [0, 1, 2, 3]}, {"grad_clip": 0.0}, 0.1),
+    "no-prefetch-sequential": ({"prefetch": False, "mapping": "sequential"}, {}, None),
+    "no-prefetch-kept": ({"prefetch": False, "mapping": "sequential", "kept_stages": [0, 2, 3]}, {}, None),
+    "offload-inputs": ({"offload_inputs": "on"}, {}, None),
+}
 
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
-def test_resident_and_kept_stages_match_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path,
-                                                  mix: str) -> None:
-    """Resident stages (device AdamW) and kept activations (no recompute) mixed with swapped stages."""
-    par, tr = MIXES[mix]
-    train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", train=tr))
-    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe", train=tr,
-               parallel={"mode": "pipeline", "devices": 2, "stages": 6, **par}))
-    plan = json.loads((tmp_path / "pipe" / "plan.json").read_text())
-    assert (plan["resident"], plan["kept"]) == (par["resident_stages"], par["kept_stages"])
-    _compare(tmp_path / "ref", tmp_path / "pipe", atol=1e-5)
+def _cases(deep: Path, untied: Path, world: int) -> list[dict]:
+    """The exactness matrix for ``world`` workers: name, checkpoint, parallel and train settings."""
+    case = lambda name, ck, par, tr=None, dropout=None: {"name": name, "ck": ck, "parallel": par,  # noqa: E731
+                                                          "train": tr or {}, "dropout": dropout}
+    stages = (4, 6) if world == 2 else (8, 12)
+    out = [case(f"swapped-{world}x{n}", deep, {"stages": n, **SWAPPED}) for n in stages]
+    if world == 2:
+        out += [case(name, deep, {"stages": 6, **par}, tr) for name, (par, tr) in MIXES.items()]
+        out += [case(f"{name}", deep, {"stages": 5, **SWAPPED, **par}, tr, dropout)
+                for name, (par, tr, dropout) in VARIANTS.items()]
+        # an untied head lets the ends stay on the GPU: token ids and targets go to resident stages
+        out += [case(f"resident-ends-clip-{clip:g}", untied, {"stages": 6, "resident_stages": [0, 1, 5],
+                                                             "kept_stages": [0, 1]}, {"grad_clip": clip})
+                for clip in (1.0, 0.0)]
+    return out
 
 
-@pytest.mark.parametrize("clip", [1.0, 0.0])
-def test_resident_first_and_last_stages_match_reference(tmp_path: Path, untied_checkpoint: Path, corpus: Path,
-                                                         clip: float) -> None:
-    """An untied head lets the planner keep the ends on the GPU: the token ids and targets then go to
-    resident stages (the benchmark models' usual plan)."""
-    tr = {"grad_clip": clip}
-    train(_cfg(tmp_path, untied_checkpoint, corpus, "ref", train=tr))
-    par = {"mode": "pipeline", "devices": 2, "stages": 6, "resident_stages": [0, 1, 5], "kept_stages": [0, 1]}
-    train(_cfg(tmp_path, untied_checkpoint, corpus, "pipe", train=tr, parallel=par))
-    _compare(tmp_path / "ref", tmp_path / "pipe", atol=1e-5)
+def _exact_cfg(case: dict, world: int, tmp: Path):
+    raw = {"model": {"checkpoint": str(case["ck"]), "dropout": case["dropout"]},
+           "data": {"seq_len": 16},
+           "train": {"max_steps": STEPS, "micro_batch_size": 2, "micro_batches": MICRO, "lr": 1e-2,
+                     "warmup_steps": 1, "weight_decay": 0.1, "seed": 3, **case["train"]},
+           "parallel": {"mode": "pipeline" if world else "single", "device": "cpu", "devices": max(world, 1),
+                        **(case["parallel"] if world else {})},
+           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / "out")}}
+    return config_from_dict(raw, case["name"])
+
+
+def _model_cfg(case: dict):
+    return case_model(case["ck"], case["dropout"])
+
+
+def _batches(step: int, count: int = MICRO) -> list:
+    return token_batches(step, count, 300)
+
+
+def _train(engine, cfg) -> dict:
+    from mobius.optim import lr_at
+
+    losses = [engine.train_step(s, _batches(s), lr_at(s, cfg.train)).loss for s in range(STEPS)]
+    return {"losses": losses, "eval": engine.evaluate(_batches(99, 2)), "weights": engine.rank_state(False).weights}
+
+
+def _run_pipeline_case(case: dict, world: int) -> dict:
+    """(In a worker) one planned case through the engine `mobius train` builds."""
+    from mobius.app.launch import make_engine, open_device
+    from mobius.assemble import WeightSource
+
+    cfg = case["cfg"]
+    engine = make_engine(cfg, _model_cfg(case), case["plan"], case["settings"],
+                         open_device(case["settings"], int(os.environ["LOCAL_RANK"])),
+                         WeightSource(str(case["ck"]), None, cfg.train.seed))
+    try:
+        out = _train(engine, cfg)
+    finally:
+        engine.close()
+    out["weights"] = {k: v.numpy().copy() for k, v in out["weights"].items()}
+    return out
+
+
+def _reference(case: dict, tmp: Path) -> dict:
+    from mobius.engine import SingleEngine
+    from mobius.models.hf import load_checkpoint
+
+    cfg = _exact_cfg(case, 0, tmp)
+    return _train(SingleEngine(load_checkpoint(case["ck"], _model_cfg(case)), cfg, torch.device("cpu")), cfg)
+
+
+def _planned(case: dict, world: int, tmp: Path) -> dict:
+    from mobius.app.planning import plan_pipeline
+    from mobius.app.settings import Machine, resolve
+
+    cfg = _exact_cfg(case, world, tmp)
+    machine = Machine.detect(cfg)
+    settings = resolve(cfg, machine)
+    plan, _, _ = plan_pipeline(cfg, _model_cfg(case), settings, machine)
+    par = case["parallel"]
+    for key in ("resident", "kept"):
+        if f"{key}_stages" in par:
+            assert getattr(plan, key) == par[f"{key}_stages"], case["name"]
+    return {**case, "cfg": cfg, "settings": settings, "plan": plan}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_matches_the_reference(tmp_path: Path, deep_checkpoint: Path, untied_checkpoint: Path,
+                                        world: int) -> None:
+    """Every stage swapped (4 and 6 stages on 2 workers, 8 and 12 on 4); on 2 workers also resident
+    stages (device AdamW) and kept activations mixed with swapped stages, resident first and last
+    stages, dropout, offloaded boundary inputs and a single device slot."""
+    cases = [_planned(c, world, tmp_path) for c in _cases(deep_checkpoint, untied_checkpoint, world)]
+    refs: dict[str, dict] = {}
+    for case, ranks in zip(cases, spawn_cases(_run_pipeline_case, cases, world)):
+        key = json.dumps({"ck": str(case["ck"]), "train": case["train"], "dropout": case["dropout"]}, sort_keys=True)
+        ref = refs.setdefault(key, _reference(case, tmp_path))
+        where = case["name"]
+        torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=1e-5,
+                                   msg=where)
+        got: dict = {}
+        for part in ranks:
+            for name, w in part["weights"].items():  # a tied weight comes from both of its stages' workers
+                assert name not in got or (got[name] == w).all(), f"{where}: {name} differs between ranks"
+                got[name] = w
+        assert set(got) == set(ref["weights"]), where
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(torch.from_numpy(got[name]), w, rtol=0, atol=1e-5, msg=f"{where}: {name}")
+        assert abs(ranks[0]["eval"] - ref["eval"]) <= 1e-5, where
 
 
 def test_impossible_resident_or_kept_stages_are_config_errors(tmp_path: Path, deep_checkpoint: Path,
@@ -139,24 +230,6 @@ def test_impossible_resident_or_kept_stages_are_config_errors(tmp_path: Path, de
                          ({"kept_stages": [5]}, r"stage\(s\) \[5\] cannot keep activations: the last stage")):
         with pytest.raises(ConfigError, match=match):
             train(_cfg(tmp_path, deep_checkpoint, corpus, "x", parallel={**base, **extra}), overwrite=True)
-
-
-@pytest.mark.parametrize("variant", ["dropout-no-clip", "dropout-kept", "no-prefetch-sequential", "no-prefetch-kept",
-                                     "offload-inputs"])
-def test_pipeline_variants_match_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path, variant: str) -> None:
-    if variant.startswith("dropout"):  # dropout masks seeded per unit; updates as gradients arrive
-        extra = dict(model={"dropout": 0.1}, train={"grad_clip": 0.0})
-        par = {"kept_stages": [0, 1, 2, 3]} if variant == "dropout-kept" else {}
-    elif variant == "offload-inputs":  # boundary inputs wait in host memory, come back with the upload
-        extra, par = {}, {"offload_inputs": "on"}
-    else:  # one device slot: every stage's backward upload reuses the slot its forward had
-        extra, par = {}, {"prefetch": False, "mapping": "sequential"}
-        if variant == "no-prefetch-kept":
-            par["kept_stages"] = [0, 2, 3]
-    train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", **extra))
-    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe",
-               parallel={"mode": "pipeline", "devices": 2, "stages": 5, **SWAPPED, **par}, **extra))
-    _compare(tmp_path / "ref", tmp_path / "pipe", atol=1e-5)
 
 
 def test_pipeline_fp16_with_loss_scaling(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
@@ -274,18 +347,18 @@ def test_resume_single_then_pipeline_then_single_matches_the_uninterrupted_run(t
     _compare_weights(tmp_path / "straight", tmp_path / "c", atol=1e-5)
 
 
-def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path) -> None:
+def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path, demo_single: Path, demo_data_cache: Path) -> None:
     """The issue's check: the demo config, planned by partition/, on 2 CPU workers == single."""
-    common = [f"--data.cache_dir={tmp_path / 'cache'}", "--train.max_steps=4", "--train.eval_every=2",
-              f"--partition.cache_dir={tmp_path / 'cache'}"]
+    from conftest import DEMO_SHORT
+
+    common = [f"--data.cache_dir={demo_data_cache}", *DEMO_SHORT, f"--partition.cache_dir={tmp_path / 'cache'}"]
     pipe = ["--parallel.mode=pipeline", "--parallel.devices=2", "--parallel.trace_step=2"]
-    for name, extra in (("single", []), ("pipe", pipe)):
-        r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", str(ROOT / "configs" / "demo.yaml"),
-                            f"--output.dir={tmp_path / name}", *common, *extra], capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", str(ROOT / "configs" / "demo.yaml"),
+                        f"--output.dir={tmp_path / 'pipe'}", *common, *pipe], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
     assert "predicted step time" in r.stderr  # the plan summary is shown before training
-    _compare(tmp_path / "single", tmp_path / "pipe", atol=1e-5)
+    _compare(demo_single, tmp_path / "pipe", atol=1e-5)
     shown = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--json",
                             *common, *pipe], capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0, shown.stderr[-3000:]

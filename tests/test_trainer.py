@@ -112,7 +112,7 @@ def test_fine_tune_checkpoint_round_trips_through_transformers(tmp_path: Path, t
     assert not torch.equal(start.embed.wte.weight, ours.embed.wte.weight)
 
 
-def test_demo_config_end_to_end_through_the_cli(tmp_path: Path) -> None:
+def test_demo_config_end_to_end_through_the_cli(tmp_path: Path, demo_data_cache: Path) -> None:
     """The embedded default, shortened: trains, evaluates, writes a checkpoint transformers loads."""
     import subprocess
     import sys
@@ -124,7 +124,7 @@ def test_demo_config_end_to_end_through_the_cli(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", str(root / "configs" / "demo.yaml"),
                         f"--output.dir={tmp_path / 'demo'}", "--train.max_steps=12", "--train.eval_every=6",
-                        f"--data.cache_dir={tmp_path / 'cache'}"], capture_output=True, text=True, timeout=300)
+                        f"--data.cache_dir={demo_data_cache}"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done: 12 steps" in r.stdout
     final = tmp_path / "demo" / "final"

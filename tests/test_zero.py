@@ -10,11 +10,9 @@ that the 9600-element token embedding exceeds. fp32, 3 steps, losses and every p
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,12 +25,12 @@ from mobius.models import unit_specs
 from mobius.models.hf import read_config
 from mobius.layout import build_layout
 from mobius.models.params import model_params
+from spawned import case_model, spawn_cases, token_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 4999  # prime: no world divides it; the token embedding (300 x 32) spans two chunks; blocks straddle chunks
 MICRO = 4
 STEPS = 3
-SPAWN_TIMEOUT_S = 600  # a hung worker fails the test instead of the suite
 MATRIX = [{"ac": ac, "cache": cache, "offload": off} for ac in (True, False) for cache in ("min", "mid", "max")
           for off in ("all", "none", "mix")]
 EXTRA = [  # two workers also run these
@@ -54,16 +52,11 @@ def _cfg(ck: Path, case: dict, tmp: Path | None = None):
 
 
 def _model_cfg(ck: Path, case: dict):
-    mc = read_config(ck)
-    if case.get("dropout") is not None:
-        mc.set_dropout(case["dropout"])
-    return mc
+    return case_model(ck, case.get("dropout"))
 
 
 def _batches(step: int, count: int = MICRO) -> list:
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = [torch.randint(0, 257, (2, 17), generator=g) for _ in range(count)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    return token_batches(step, count, 257)
 
 
 def _reference(ck: Path, case: dict) -> dict:
@@ -119,44 +112,22 @@ def _run_case(ck: Path, case: dict, world: int) -> dict:
             "gathers": [s.extra["gathers"] for s in stats], "expected_gathers": expected}
 
 
-def _worker(rank: int, world: int, port: int, ck: Path, cases: list[dict], results) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for k, case in enumerate(cases):
-            results.put((k, rank, _run_case(ck, case, world)))
-    finally:
-        dist.destroy_process_group()
+def _run_ranked(case: dict, world: int) -> dict:
+    """(In a worker) :func:`_run_case` on the case's checkpoint."""
+    return _run_case(case["ck"], case, world)
 
 
 def _spawn(ck: Path, cases: list[dict], world: int) -> list[dict]:
     """Run ``cases`` on ``world`` worker processes; per case the ranks' results merged."""
-    import torch.multiprocessing as mp
-
-    from mobius.app.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(world, free_port(), ck, cases, results), nprocs=world, join=False,
-                               start_method="spawn")
-    merged: list[dict] = [{} for _ in cases]
-    deadline, done = time.monotonic() + SPAWN_TIMEOUT_S, False
-    while not done:  # read while the workers run (a full pipe would block them); join raises a worker's error
-        if time.monotonic() > deadline:
-            for proc in procs.processes:
-                proc.kill()
-            pytest.fail(f"{world} zero workers did not finish {len(cases)} cases in {SPAWN_TIMEOUT_S} s")
-        done = procs.join(timeout=0.2)
-        while not results.empty():
-            k, rank, out = results.get()
-            weights = merged[k].setdefault("weights", {})
-            assert not set(weights) & set(out["weights"]), "a parameter written by two ranks"
-            weights.update(out.pop("weights"))
+    merged: list[dict] = []
+    for ranks in spawn_cases(_run_ranked, [{**c, "ck": ck} for c in cases], world):
+        out: dict = {"weights": {}}
+        for rank, part in enumerate(ranks):
+            assert not set(out["weights"]) & set(part["weights"]), "a parameter written by two ranks"
+            out["weights"].update(part.pop("weights"))
             if rank == 0:
-                merged[k].update(out)
+                out.update(part)
+        merged.append(out)
     return merged
 
 
@@ -240,18 +211,19 @@ def test_a_run_resumes_across_modes_single_zero_pipeline_and_back(tmp_path: Path
     assert (plan["world"], plan["chunk_size"], plan["gpu_chunks"]) == (2, 3000, 20)
 
 
-def test_demo_in_zero_mode_on_two_workers_matches_single(tmp_path: Path) -> None:
+def test_demo_in_zero_mode_on_two_workers_matches_single(tmp_path: Path, demo_single: Path,
+                                                          demo_data_cache: Path) -> None:
     """The issue's check: `mobius train configs/demo.yaml --parallel.mode=zero --parallel.devices=2`."""
-    common = [f"--data.cache_dir={tmp_path / 'cache'}", "--train.max_steps=4", "--train.eval_every=2",
-              f"--partition.cache_dir={tmp_path / 'cache'}"]
-    for name, extra in (("single", []), ("zero", ["--parallel.mode=zero", "--parallel.devices=2"])):
-        r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", str(ROOT / "configs" / "demo.yaml"),
-                            f"--output.dir={tmp_path / name}", *common, *extra], capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+    from conftest import DEMO_SHORT
+
+    r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", str(ROOT / "configs" / "demo.yaml"),
+                        f"--output.dir={tmp_path / 'zero'}", f"--data.cache_dir={demo_data_cache}", *DEMO_SHORT,
+                        f"--partition.cache_dir={tmp_path / 'cache'}", "--parallel.mode=zero",
+                        "--parallel.devices=2"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
     assert "rCache:" in r.stderr and "predicted step time" in r.stderr  # the zero plan is shown before training
-    rows = {n: [json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
-            for n in ("single", "zero")}
+    rows = {n: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            for n, d in (("single", demo_single), ("zero", tmp_path / "zero"))}
     torch.testing.assert_close(torch.tensor([r["loss"] for r in rows["zero"]]),
                                torch.tensor([r["loss"] for r in rows["single"]]), rtol=0, atol=1e-5)
     assert rows["zero"][-1]["eval_loss"] == pytest.approx(rows["single"][-1]["eval_loss"], abs=1e-5)

@@ -1,0 +1,72 @@
+"""Test cases run on ``world`` gloo worker processes in one spawn: process start-up and the process
+group are paid once for a whole list of cases (the pipeline and zero exactness matrices); and what
+those matrices share: a case's model and its token batches."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+
+SPAWN_TIMEOUT_S = 600  # a hung worker fails the test instead of the suite
+
+RunCase = Callable[[dict, int], dict]  # (case, world) -> this rank's result, in a worker
+
+
+def _worker(rank: int, world: int, port: int, run_case: RunCase, cases: list[dict], results: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for k, case in enumerate(cases):
+            results.put((k, rank, run_case(case, world)))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_cases(run_case: RunCase, cases: list[dict], world: int) -> list[list[dict]]:
+    """Run every case on ``world`` workers (in order, all ranks together); per case, the ranks'
+    results in rank order. ``run_case`` must be a module-level function (the workers import it)."""
+    import torch.multiprocessing as mp
+
+    from mobius.app.launch import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    procs = mp.start_processes(_worker, args=(world, free_port(), run_case, cases, results), nprocs=world,
+                               join=False, start_method="spawn")
+    got: list[list[dict | None]] = [[None] * world for _ in cases]
+    deadline, done = time.monotonic() + SPAWN_TIMEOUT_S, False
+    while not done:  # read while the workers run (a full pipe would block them); join raises a worker's error
+        if time.monotonic() > deadline:
+            for proc in procs.processes:
+                proc.kill()
+            pytest.fail(f"{world} workers did not finish {len(cases)} cases in {SPAWN_TIMEOUT_S} s")
+        done = procs.join(timeout=0.2)
+        while not results.empty():
+            k, rank, out = results.get()
+            got[k][rank] = out
+    assert all(r is not None for ranks in got for r in ranks), "a worker ended without its results"
+    return got  # type: ignore[return-value]
+
+
+def case_model(ck: Any, dropout: float | None):
+    """The checkpoint's architecture, with the case's dropout when it sets one."""
+    from mobius.models.hf import read_config
+
+    mc = read_config(ck)
+    if dropout is not None:
+        mc.set_dropout(dropout)
+    return mc
+
+
+def token_batches(step: int, count: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` micro-batches of 2 x 16 tokens (inputs, targets), the same for every engine at ``step``."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = [torch.randint(0, vocab, (2, 17), generator=g) for _ in range(count)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
