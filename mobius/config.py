@@ -158,8 +158,10 @@ class PartitionSection(_Section):
     solver: Literal["auto", "gurobi", "highs"] = _f("auto", "MIP solver: gurobi, highs, or auto (gurobi, then HiGHS "
                                                     "when the free licence cannot take the model).")
     time_limit_s: float = _f(30.0, "Solver time limit in seconds.", gt=0)
-    profile: Literal["auto", "measured", "estimated"] = _f("auto", "Unit costs measured on this machine's GPU, "
-                                                           "estimated from datasheets, or auto.")
+    profile: Literal["auto", "measured", "estimated"] = _f("auto", "Unit costs measured on this machine (its GPU; "
+                                                           "the CPU for CPU workers), estimated from the datasheet of "
+                                                           "partition.gpu, or auto (measured where the planned GPU or "
+                                                           "the CPU workers are here, else estimated).")
     gpu: str | None = _f(None, "GPU model for estimated profiles, e.g. rtx3090, rtx4090, a100-40gb, h100.")
     gpu_memory_gib: float | None = _f(None, "Usable GPU memory per device; null: the device's own.", gt=0)
     host_memory_gib: float | None = _f(None, "Host memory the pipeline's host stores may take (weights, AdamW "

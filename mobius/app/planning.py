@@ -92,10 +92,10 @@ def _nvlink_rates(nvlink: list[list[int]], hw: Hardware) -> list[list[float | No
 def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, machine: Machine,
             hw: Hardware) -> ModelProfile:
     """Unit costs: measured here (the CPU for CPU workers, this GPU when it is the one planned for),
-    or estimated for the planned GPU."""
+    or estimated for the planned GPU (always when ``partition.profile`` says estimated)."""
     cache = os.path.join(cfg.partition.cache_dir, "partition")
     specs, t = unit_specs(model_cfg), cfg.train
-    if settings.device == "cpu":
+    if settings.device == "cpu" and cfg.partition.profile != "estimated":
         prof = get_profile(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, "measured", None,
                            device="cpu", cache_dir=cache, threads=settings.cpu_threads)
     else:
