@@ -1,24 +1,26 @@
-"""The parts of a training run from a :class:`~mobius.config.Config`: the run directory to resume
-from, the tokenizer and data, the architecture, and the initial weights. Used by every mode (the
-single-process run and each worker process)."""
+"""The parts of a training run from a :class:`~mobius.config.Config`: the checkpoint to resume
+from, the tokenizer and data, the architecture, and the initial weights; and the checks that come
+before any work (the inputs, the weights' shapes against their config, what a resume continues).
+Used by every mode (the single-process run and each worker process)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mobius.checkpoint import stale_temporaries
+from mobius.checkpoint import ResumeState
 from mobius.config import PLACEHOLDER, Config
 from mobius.data import (BUILTIN_STDLIB, TextTokenizer, TrainData, build_data, load_tokenizer, source_files,
-                         tokenize_to_cache)
+                         token_cache)
 from mobius.errors import CheckpointError, ConfigError
 from mobius.models import CausalLM, ModelConfig, build_model, get_preset, initial_weights
-from mobius.models.hf import LazyCheckpoint, from_hf, load_into, read_config
+from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _normalise_key, from_hf, load_into, read_config
+from mobius.models.params import model_params
 from mobius.models.lora import ADAPTER, LoraSpec, block_targets
 from mobius.models.peft import read_adapter
 from mobius.trainer import step_checkpoints
@@ -26,41 +28,42 @@ from mobius.trainer import step_checkpoints
 log = logging.getLogger(__name__)
 
 
-RUN_FILES = ("metrics.jsonl", "plan.json", "final", "merged", "checkpoints", "loss.png")  # what a run writes in output.dir
-
-
 def check_inputs(cfg: Config) -> None:
-    """Every file the config names exists and is what it should be, before any work starts."""
+    """Every file the config names exists and is what it should be, before any work starts: the
+    checkpoint's config.json, and its weights' shapes against it (from the files' headers)."""
     ck = cfg.model.checkpoint
     if ck:
         path = Path(ck)
         if not path.is_dir():
             raise CheckpointError(f"model.checkpoint {ck}: no such directory")
-        read_config(path)  # config.json of a supported family
-        LazyCheckpoint(path)  # weights present and readable (headers only)
+        check_weight_shapes(path, read_config(path))  # config.json of a supported family; weights readable
     if cfg.data.path != BUILTIN_STDLIB:
         source_files(cfg.data.path)
     tok = cfg.data.tokenizer
     if tok and not Path(tok).exists():
         raise ConfigError(f"data.tokenizer {tok}: no such file or directory")
-
-
-def claim_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> None:
-    """Refuse an ``output.dir`` that holds a run unless resuming it or told to overwrite it; remove
-    what an interrupted checkpoint write left behind (only mobius's own temporary names)."""
     out = Path(cfg.output.dir)
-    held = [name for name in RUN_FILES if (out / name).exists()] + [p.name for p in out.glob("trace-step*.json")]
-    if resume is None and held:
-        if not overwrite:
-            raise ConfigError(f"output.dir {out} already holds a run ({', '.join(held)}); pass --resume to continue "
-                              f"it, --overwrite to replace it, or choose another output.dir")
-        for name in held:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        log.info("--overwrite: removed %s from %s", ", ".join(held), out)
-    for stale in stale_temporaries(out) + stale_temporaries(out / "checkpoints"):
-        shutil.rmtree(stale, ignore_errors=True)
-        log.info("removed %s, left by an interrupted checkpoint write", stale)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir {out} is a file, not a directory")
+
+
+def check_weight_shapes(path: Path, mc: ModelConfig) -> None:
+    """Every weight of the Hugging Face checkpoint at ``path`` has the shape its config ``mc`` gives it
+    (read from the files' headers: nothing is loaded)."""
+    base = dataclasses.replace(mc, lora=None) if getattr(mc, "lora", None) is not None else mc
+    expected = {name: p.shape for p in model_params(base) for name in p.names}
+    km = KEY_MAPS[base.family](base)
+    lazy = LazyCheckpoint(path)
+    present = {_normalise_key(k, km): k for k in lazy}
+    for rule in km.rules:
+        if rule.hf not in present or rule.ours not in expected:
+            continue  # a missing key is named when the weights load
+        want = expected[rule.ours][::-1] if rule.transform == "conv1d_to_linear" else expected[rule.ours]
+        got = lazy.shape(present[rule.hf])
+        if tuple(got) != tuple(want):
+            vocab = f" (config.json's vocab_size is {base.vocab_size})" if base.vocab_size in want else ""
+            raise CheckpointError(f"{path}: weight {present[rule.hf]} has shape {tuple(got)}, but config.json "
+                                  f"describes {tuple(want)}{vocab}; the checkpoint's weights and config disagree")
 
 
 def resume_dir(cfg: Config, resume: str | None) -> Path | None:
@@ -71,7 +74,8 @@ def resume_dir(cfg: Config, resume: str | None) -> Path | None:
     if resume == "auto":
         found = step_checkpoints(out)
         if not found:
-            raise ConfigError(f"--resume: no step checkpoint under {out / 'checkpoints'}")
+            raise ConfigError(f"--resume: no step checkpoint under {out / 'checkpoints'} (output.save_every=N writes "
+                              f"them; a run stopped before its first one starts again with --overwrite)")
         return found[-1]
     path = Path(resume)
     if not (path / "config.json").is_file():
@@ -79,14 +83,92 @@ def resume_dir(cfg: Config, resume: str | None) -> Path | None:
     return path
 
 
-def prepare_data(cfg: Config, resume_from: Path | None) -> tuple[TextTokenizer, TrainData]:
-    """The run's tokenizer and its packed, split, cached data."""
-    tokenizer = load_tokenizer(cfg.data.tokenizer, str(resume_from or cfg.model.checkpoint or "") or None)
-    tokens = tokenize_to_cache(cfg.data.path, cfg.data.text_field, tokenizer, cfg.data.cache_dir)
-    data = build_data(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed)
+def run_tokenizer(cfg: Config) -> TextTokenizer:
+    """The tokenizer the config gives: ``data.tokenizer``, else the checkpoint's own, else byte-level
+    (a resumed run checks it against the one its checkpoint trained with: :func:`check_resume`)."""
+    return load_tokenizer(cfg.data.tokenizer, cfg.model.checkpoint or None)
+
+
+def prepare_data(cfg: Config) -> tuple[TextTokenizer, TrainData]:
+    """The run's tokenizer and its packed, split, cached data (with its content fingerprint)."""
+    tokenizer = run_tokenizer(cfg)
+    tokens, fingerprint = token_cache(cfg.data.path, cfg.data.text_field, tokenizer, cfg.data.cache_dir)
+    data = build_data(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed, fingerprint=fingerprint)
     log.debug("data: %s tokens, %d training blocks of %d, %d held out", f"{len(tokens):,}", len(data.train),
               cfg.data.seq_len, len(data.val))
     return tokenizer, data
+
+
+def check_resume(cfg: Config, resume_from: Path, tokenizer: TextTokenizer, data: TrainData) -> ResumeState:
+    """What ``--resume`` continues is what the config trains: the architecture (every field that shapes
+    the weights), the tokenizer and the data's content (unless ``data.accept_new_data``); the trainer
+    state readable and well-formed. Checked before any work; a mismatch names what changed."""
+    state = ResumeState(resume_from)
+    saved = read_config(resume_from)
+    if cfg.lora.rank == 0:  # a LoRA checkpoint holds adapters, read (and checked) by name
+        check_weight_shapes(resume_from, saved)
+    _check_same_architecture(saved, _fresh_model_config(cfg, tokenizer), resume_from, cfg)
+    _check_same_adapters(cfg, state.trainer.get("config"), resume_from)
+    trained_with = state.trainer.get("tokenizer")
+    if trained_with is not None and trained_with != tokenizer.name:
+        raise CheckpointError(f"--resume {resume_from}: the checkpoint trained with another tokenizer than "
+                              f"{_tokenizer_source(cfg)} gives ({trained_with} then, {tokenizer.name} now); resume "
+                              f"with the tokenizer it trained with")
+    _check_same_data(cfg, state.trainer["data"], data, resume_from)
+    return state
+
+
+def _check_same_architecture(saved: ModelConfig, fresh: ModelConfig, where: Path, cfg: Config) -> None:
+    """The checkpoint's architecture against the config's: the family, the named fields, then every
+    parameter's shape."""
+    source = f"model.checkpoint {cfg.model.checkpoint}" if cfg.model.checkpoint else f"model.preset {cfg.model.preset}"
+    fields = ("family", "vocab_size", *saved.FIELDS.values(), *getattr(saved, "ARCH_FIELDS", ()))
+    for key in dict.fromkeys(fields):
+        a, b = getattr(saved, key, None), getattr(fresh, key, None)
+        if a != b:
+            raise CheckpointError(f"--resume {where}: the checkpoint's {key} is {a}, but the config ({source}) builds "
+                                  f"{b}; resume with the model the checkpoint trained")
+    mine = {n: p.shape for p in model_params(saved) for n in p.names}
+    theirs = {n: p.shape for p in model_params(fresh) for n in p.names}
+    for name in sorted(set(mine) | set(theirs)):
+        if mine.get(name) != theirs.get(name):
+            raise CheckpointError(f"--resume {where}: the checkpoint's weight {name} has shape {mine.get(name)}, but "
+                                  f"the config ({source}) builds {theirs.get(name)}; resume with the model the "
+                                  f"checkpoint trained")
+
+
+def _check_same_adapters(cfg: Config, trained: object, where: Path) -> None:
+    """The LoRA settings that shape what trains, against the checkpoint's run config."""
+    then = trained.get("lora") if isinstance(trained, dict) else None
+    if not isinstance(then, dict):
+        return
+    for key in ("rank", "targets", "train"):
+        if key in then and then[key] != getattr(cfg.lora, key):
+            raise CheckpointError(f"--resume {where}: lora.{key} is {getattr(cfg.lora, key)!r}, but the checkpoint "
+                                  f"trained with {then[key]!r}; resume with the adapters it trained")
+
+
+def _check_same_data(cfg: Config, saved: dict, data: TrainData, where: Path) -> None:
+    then = saved.get("fingerprint")
+    if then is not None and then != data.fingerprint:
+        change = (f"the content of data.path {cfg.data.path} differs from what it trained on (fingerprint "
+                  f"{data.fingerprint[:12]} now, {then[:12]} then)")
+    elif saved["train_blocks"] != len(data.train):
+        change = (f"data.path {cfg.data.path} gives {len(data.train)} training blocks of data.seq_len="
+                  f"{cfg.data.seq_len} now, {saved['train_blocks']} then (data.seq_len or data.val_fraction changed)")
+    else:
+        return
+    if not cfg.data.accept_new_data:
+        raise CheckpointError(f"--resume {where}: the data changed since the checkpoint: {change}; set "
+                              f"data.accept_new_data=true to continue on it from its start, or resume on the data "
+                              f"it trained on")
+    log.warning("data.accept_new_data: %s; the resumed run reads it from its start", change)
+
+
+def _tokenizer_source(cfg: Config) -> str:
+    if cfg.data.tokenizer:
+        return f"data.tokenizer {cfg.data.tokenizer}"
+    return f"model.checkpoint {cfg.model.checkpoint}" if cfg.model.checkpoint else "byte-level tokens (from scratch)"
 
 
 def architecture(cfg: Config) -> ModelConfig:
@@ -111,8 +193,7 @@ def planned_architecture(cfg: Config) -> ModelConfig:
     ck, tok = cfg.model.checkpoint, cfg.data.tokenizer
     if ck and (ck.startswith(PLACEHOLDER) or not Path(ck).exists()) or (tok and tok.startswith(PLACEHOLDER)):
         return with_adapters(architecture(cfg), cfg)
-    tokenizer = load_tokenizer(tok, ck or None)
-    return run_model_config(cfg, tokenizer, None)[0]
+    return run_model_config(cfg, run_tokenizer(cfg), None)[0]
 
 
 def _check_matches_preset(mc: ModelConfig, preset: str, where: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from mobius.errors import CheckpointError
+from mobius.files import write_failure
 from mobius.models import ModelConfig, tied_weights
 from mobius.models.hf import KEY_MAPS, config_to_hf, to_hf
 
@@ -131,11 +132,25 @@ def save(path: str | os.PathLike, model_cfg: ModelConfig, dtype: torch.dtype, st
                 extra(tmp)
             replace_dir(tmp, path)
         comm.barrier()
-    except BaseException:
+    except BaseException as e:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        reason = write_failure(e)
+        if reason is not None:  # a full disk, a quota, a read-only filesystem: one line, not a traceback
+            raise CheckpointError(f"cannot write checkpoint {path}: {reason}") from None
         raise
     return path
+
+
+def checkpoint_bytes(model_cfg: ModelConfig, dtype: torch.dtype, resumable: bool) -> int:
+    """About how many bytes one checkpoint of this model takes: the weights in ``dtype`` (under LoRA
+    only what trains) and, when ``resumable``, two fp32 AdamW moments of what trains."""
+    from mobius.models.params import model_params
+
+    params = model_params(model_cfg)
+    trains = sum(p.numel for p in params if p.trains)
+    saved = trains if model_cfg.lora is not None else sum(p.numel for p in params)
+    return saved * dtype.itemsize + (8 * trains if resumable else 0)
 
 
 def save_model(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -258,6 +273,46 @@ def stale_temporaries(directory: Path) -> list[Path]:
 # ---------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------
+STATE_FIELDS: dict[str, Any] = {  # what trainer_state.json holds: key -> type, or the fields of a nested object
+    "step": int, "losses": list, "rng": {"python": list, "numpy": list, "torch": str},
+    "data": {"position": int, "seed": int, "train_blocks": int},
+    "engine": {"optimizer_step": int, "scaler": dict}}
+OPTIONAL_FIELDS = {"tokenizer": str, "data.fingerprint": str}  # absent from checkpoints of older versions
+
+
+def _check_fields(state: dict, fields: dict[str, Any], file: Path, prefix: str) -> None:
+    """Every field of a trainer state present with its type (counts never negative), before any is used."""
+    for key, kind in fields.items():
+        name = prefix + key
+        if key not in state:
+            raise CheckpointError(f"{file}: incomplete trainer state: no {name}")
+        value = state[key]
+        if isinstance(kind, dict):
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{file}: {name} must be an object, got {value!r:.60}")
+            _check_fields(value, kind, file, name + ".")
+            continue
+        _check_value(value, kind, file, name)
+    for name, kind in OPTIONAL_FIELDS.items():
+        head, _, key = name.rpartition(".")
+        if head + ("." if head else "") == prefix and key in state:
+            _check_value(state[key], kind, file, name)
+
+
+def _check_value(value: Any, kind: type, file: Path, name: str) -> None:
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if ok and name == "losses":
+        ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+    if not ok:
+        words = "a list of numbers" if name == "losses" else _KIND_WORDS[kind]
+        raise CheckpointError(f"{file}: {name} must be {words}, got {value!r:.60}")
+    if kind is int and value < 0:
+        raise CheckpointError(f"{file}: {name} must be >= 0, got {value}")
+
+
+_KIND_WORDS = {int: "an integer", str: "a string", list: "a list", dict: "an object"}
+
+
 class ResumeState:
     """The resumable part of a checkpoint: trainer state (JSON) and optimizer moments by name."""
 
@@ -274,6 +329,7 @@ class ResumeState:
             raise CheckpointError(f"{file}: cannot be read as JSON ({e})") from None
         if not isinstance(self.trainer, dict) or self.trainer.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{file}: not a mobius trainer state (format {STATE_FORMAT} expected)")
+        _check_fields(self.trainer, STATE_FIELDS, file, "")
         self._files = sorted(self.path.glob("optimizer-*.safetensors"))
         if not self._files:
             raise CheckpointError(f"{self.path} is not a resumable checkpoint: no optimizer-*.safetensors files")

@@ -1,7 +1,9 @@
 """The ``mobius`` command: thin entry points over the library.
 
 Every user-facing failure is a :class:`mobius.errors.MobiusError`; it is printed as one line
-(``mobius: error: ...``) and the process exits with code 2, never with a traceback. Under ``torchrun``
+(``mobius: error: ...``) and the process exits with code 2, never with a traceback -- as is a write the
+machine refuses that no check foresaw (a full disk, a read-only filesystem). A stop signal ends the
+run with ``mobius: stopped by SIG...`` and exit code 128 + its number. Under ``torchrun``
 (``torchrun ... -m mobius train run.yaml``) each process logs with its rank (rank 0 at INFO, the others
 warnings only), any failure is also recorded for torchrun's report of the root cause (what
 ``torch.distributed.elastic``'s ``@record`` does) with its traceback, and the process leaves at once,
@@ -11,16 +13,19 @@ so that a thread blocked on a lost peer cannot keep it alive.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
+import signal
 import sys
 
 from mobius import __version__
 from mobius.app.settings import Torchrun
-from mobius.app.supervise import ECHOES, Interrupted
+from mobius.app.supervise import ECHOES, Interrupted, Signalled
 from mobius.errors import MobiusError
 
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR}
 # sub-command name -> module in mobius.commands exposing add_parser(subparsers) and run(args) -> int
 COMMANDS = {
     "train": "mobius.commands.train",
@@ -57,9 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except MobiusError as e:
         return _failed(e, f"mobius: error: {e}", 2)
+    except Signalled as e:
+        print(f"mobius: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("mobius: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in DISK_ERRNOS:  # the machine refused a write: the user can act on it
+            raise
+        return _failed(e, f"mobius: error: {e.strerror}" + (f": {e.filename}" if e.filename else ""), 2)
     except Exception as e:
         rank = _rank()
         if rank is None:

@@ -93,6 +93,10 @@ class DataSection(_Section):
                                "own, or byte-level tokens when training from scratch.")
     val_fraction: float = _f(0.02, "Fraction of the blocks held out for evaluation.", ge=0, lt=0.5)
     cache_dir: str = _f(".mobius_cache", "Where tokenized data is cached as memory-mapped arrays.")
+    accept_new_data: bool = _f(False, "--resume on data whose content differs from what the checkpoint trained on "
+                               "(files edited, added or removed; a content fingerprint is stored with every "
+                               "checkpoint): false stops, naming the change; true continues the checkpoint's weights, "
+                               "optimizer and step on the new data, read from its start in a fresh order.")
 
 
 @dataclass
@@ -167,7 +171,15 @@ class PartitionSection(_Section):
     host_memory_gib: float | None = _f(None, "Host memory the pipeline's host stores may take (weights, AdamW "
                                        "states, transfer buffers), in GiB; a plan that needs more stops with the "
                                        "two figures. null: 85% of this machine's available memory when planning on "
-                                       "it, not checked when planning from a saved topology.", gt=0)
+                                       "it; planning from a saved topology, not known: nothing is checked and no "
+                                       "choice spends host memory for speed (bf16 gradient downloads unless fp32 "
+                                       "is at least 5% faster).", gt=0)
+    cpu_update_rate: float | None = _f(None, "The host's CPU AdamW rate in G parameters per second, all of a run's "
+                                       "workers updating at once, in total, measured outside a training step "
+                                       "(python bench/cpu_update_bench.py --workers N on the server prints it); "
+                                       "the plan takes 0.68 of it inside a step and divides it among the workers "
+                                       "updating at the same time. null: measured on this machine when planning "
+                                       "on it; planning from a saved topology, 4.0 (a two-socket server's).", gt=0)
     cache_dir: str = _f(".mobius_cache", "Where measured profiles are cached.")
 
 
@@ -330,12 +342,49 @@ def parse_overrides(overrides: list[str]) -> dict:
         else:
             raise ConfigError(f"override {arg} has no value")
         section, _, name = key.partition(".")
-        try:
-            out.setdefault(section, {})[name] = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override --{key}: {raw!r} is not a valid YAML value ({str(e).splitlines()[0]})") from None
+        out.setdefault(section, {})[name] = _override_value(section, name, raw)
         i += 1
     return out
+
+
+NULLS = ("", "null", "Null", "NULL", "~")  # how an override sets an optional key to null
+
+
+def _override_value(section: str, name: str, raw: str) -> Any:
+    """The value an override's text stands for, read as the key's type says: text keys (paths, names,
+    choices) take the text literally, so ``#``, ``:`` or ``yes`` in a path stay part of it (an optional
+    one is null for empty text or ``null``; text in quotes is a YAML string, ``'null'`` included);
+    numbers, booleans and lists are read as YAML."""
+    hint = _field_type(section, name)
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] if _optional(hint) else [hint]
+    if len(kinds) == 1 and (kinds[0] is str or typing.get_origin(kinds[0]) is Literal):
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+            try:
+                quoted = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                quoted = None
+            if isinstance(quoted, str):
+                return quoted
+        return None if _optional(hint) and raw in NULLS else raw
+    if raw == "":
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override --{section}.{name}: {raw!r} is not a valid YAML value "
+                          f"({str(e).splitlines()[0]})") from None
+
+
+def _field_type(section: str, name: str) -> Any:
+    """The type hint of ``section.name`` (None for an unknown key, which the loader then names)."""
+    sections = typing.get_type_hints(Config)
+    if section not in sections or not dataclasses.is_dataclass(sections[section]):
+        return None
+    return typing.get_type_hints(sections[section]).get(name)
+
+
+def _optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> Config:

@@ -9,7 +9,8 @@
 * Documents are tokenized once, each followed by the end-of-text token (and preceded by the
   beginning-of-text token when the checkpoint's ``tokenizer_config.json`` names one apart from it,
   as Llama 3 and Mistral were trained), and cached as a memory-mapped array
-  keyed by the sources and the tokenizer; training reads blocks of ``seq_len + 1`` tokens in a
+  keyed by the sources and the tokenizer, with a fingerprint of the documents' content that
+  checkpoints keep (a resume checks it); training reads blocks of ``seq_len + 1`` tokens in a
   seeded, per-epoch shuffled order whose position is saved with checkpoints.
 """
 
@@ -20,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -267,27 +269,57 @@ def _source_key(path: str, text_field: str) -> str:
 # ---------------------------------------------------------------------------------------------
 def tokenize_to_cache(path: str, text_field: str, tokenizer: TextTokenizer, cache_dir: str) -> np.ndarray:
     """Token ids of all documents, each ``[bos] doc eos``, cached as a memory-mapped array."""
+    return token_cache(path, text_field, tokenizer, cache_dir)[0]
+
+
+def token_cache(path: str, text_field: str, tokenizer: TextTokenizer, cache_dir: str) -> tuple[np.ndarray, str]:
+    """The cached token ids (tokenized on a cache miss) and the data's fingerprint: a hash of the
+    documents' text, computed once while tokenizing and stored with the cache. The cache is found by
+    the files' names, sizes and times; the fingerprint says what they held."""
     key = hashlib.sha256(f"{_source_key(path, text_field)}|{tokenizer.name}".encode()).hexdigest()[:20]
     cache = Path(cache_dir)
     file, meta_file = cache / f"tokens-{key}.bin", cache / f"tokens-{key}.json"
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    if file.is_file() and meta_file.is_file():
+    meta = _read_meta(meta_file) if file.is_file() else None
+    if meta is not None:
+        return np.memmap(file, dtype=meta["dtype"], mode="r", shape=(meta["tokens"],)), meta["fingerprint"]
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        n, fingerprint = _write_tokens(documents(path, text_field), tokenizer, cache, file, dtype, _source_bytes(path))
+        if n == 0:
+            raise MobiusError(f"data.path {path} holds no text")
+        write_text_atomic(meta_file, json.dumps({"tokens": n, "dtype": np.dtype(dtype).name, "source": path,
+                                                  "tokenizer": tokenizer.name, "fingerprint": fingerprint}))
+    except OSError as e:  # a data file that cannot be read; a full disk, a read-only or missing cache directory
+        where = Path(e.filename).resolve() if e.filename else None
+        if where is not None and where != cache.resolve() and cache.resolve() not in where.parents:
+            raise DataError(f"data.path {e.filename}: cannot be read ({e.strerror or e})") from None
+        raise DataError(f"data.cache_dir {cache}: cannot write the token cache ({e.strerror or e})") from None
+    return np.memmap(file, dtype=dtype, mode="r", shape=(n,)), fingerprint
+
+
+def _read_meta(meta_file: Path) -> dict | None:
+    """A cache's description; None when it is missing or from before fingerprints (tokenized again)."""
+    try:
         meta = json.loads(meta_file.read_text())
-        return np.memmap(file, dtype=meta["dtype"], mode="r", shape=(meta["tokens"],))
-    cache.mkdir(parents=True, exist_ok=True)
-    n = _write_tokens(documents(path, text_field), tokenizer, cache, file, dtype)
-    if n == 0:
-        raise MobiusError(f"data.path {path} holds no text")
-    write_text_atomic(meta_file, json.dumps({"tokens": n, "dtype": np.dtype(dtype).name, "source": path,
-                                              "tokenizer": tokenizer.name}))
-    return np.memmap(file, dtype=dtype, mode="r", shape=(n,))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and {"tokens", "dtype", "fingerprint"} <= set(meta) else None
 
 
-def _write_tokens(docs: Iterator[str], tokenizer: TextTokenizer, cache: Path, file: Path, dtype: type) -> int:
+def _source_bytes(path: str) -> int | None:
+    """The size of a data source's files (None for the built-in text)."""
+    return None if path == BUILTIN_STDLIB else sum(f.stat().st_size for f in source_files(path))
+
+
+def _write_tokens(docs: Iterator[str], tokenizer: TextTokenizer, cache: Path, file: Path, dtype: type,
+                  total_bytes: int | None) -> tuple[int, str]:
+    """Tokenize ``docs`` into ``file`` (through a temporary); (tokens written, fingerprint). Before the
+    first write, the free space is checked against the cache's size estimated from the first batch."""
     from tqdm import tqdm
 
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tokens-", suffix=".tmp")
-    n = 0
+    n, read, digest = 0, 0, hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out, tqdm(desc="tokenizing", unit=" docs", leave=False,
                                               disable=not sys.stderr.isatty()) as bar:
@@ -295,18 +327,33 @@ def _write_tokens(docs: Iterator[str], tokenizer: TextTokenizer, cache: Path, fi
             for doc in _chain(docs, [None]):
                 if doc is not None:
                     batch.append(doc)
+                    text = doc.encode("utf-8", "surrogatepass")
+                    digest.update(len(text).to_bytes(8, "little") + text)
+                    read += len(text)
                 if batch and (doc is None or len(batch) == 256):
-                    for ids in tokenizer.encode_batch(batch):
-                        packed = tokenizer.pack(ids)
-                        np.asarray(packed, dtype=dtype).tofile(out)
-                        n += len(packed)
+                    packed = [tokenizer.pack(ids) for ids in tokenizer.encode_batch(batch)]
+                    if n == 0 and total_bytes:
+                        _check_space(cache, sum(map(len, packed)) / max(read, 1) * total_bytes, dtype)
+                    for ids in packed:
+                        np.asarray(ids, dtype=dtype).tofile(out)
+                        n += len(ids)
                     bar.update(len(batch))
                     batch = []
         os.replace(tmp, file)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return n
+    return n, digest.hexdigest()[:32]
+
+
+def _check_space(cache: Path, tokens: float, dtype: type) -> None:
+    """Refuse to start a token cache that the disk under ``cache`` cannot hold (with 5% to spare)."""
+    need = int(1.05 * tokens * np.dtype(dtype).itemsize)
+    free = shutil.disk_usage(cache).free
+    if free < need:
+        raise DataError(f"data.cache_dir {cache} has {free / 2**20:,.1f} MiB free, but the token cache needs about "
+                        f"{need / 2**20:,.1f} MiB (estimated from the first documents); free some space or set "
+                        f"data.cache_dir to another disk")
 
 
 def _chain(a: Iterator, b: list) -> Iterator:
@@ -344,6 +391,7 @@ class TrainData:
     val: PackedBlocks
     seed: int
     position: int = 0  # samples drawn so far (the resumable state)
+    fingerprint: str = ""  # the documents' content (:func:`token_cache`), checked when a run resumes
 
     def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``batch_size`` training blocks: (inputs [B, T], targets [B, T])."""
@@ -365,7 +413,8 @@ class TrainData:
             yield self.val.get(np.arange(b * batch_size, (b + 1) * batch_size))
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "train_blocks": len(self.train)}
+        return {"position": self.position, "seed": self.seed, "train_blocks": len(self.train),
+                "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         if state["train_blocks"] != len(self.train):
@@ -374,7 +423,8 @@ class TrainData:
         self.position, self.seed = state["position"], state["seed"]
 
 
-def build_data(tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int, min_val_blocks: int = 1) -> TrainData:
+def build_data(tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int, min_val_blocks: int = 1,
+               fingerprint: str = "") -> TrainData:
     """Split packed blocks into training blocks and a held-out tail for evaluation."""
     total = (len(tokens) - 1) // seq_len
     n_val = max(min_val_blocks, int(total * val_fraction)) if val_fraction > 0 else 0
@@ -383,4 +433,4 @@ def build_data(tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int,
                           f"{seq_len + 1} tokens plus {n_val} held-out blocks; lower data.seq_len or add text")
     train = PackedBlocks(tokens, seq_len, 0, total - n_val)
     val = PackedBlocks(tokens, seq_len, total - n_val, n_val)
-    return TrainData(train, val, seed)
+    return TrainData(train, val, seed, fingerprint=fingerprint)

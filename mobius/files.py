@@ -1,9 +1,13 @@
-"""Files a user keeps (plans, metrics, traces, caches) are never half-written."""
+"""Files a user keeps (plans, metrics, traces, caches) are never half-written; a write that fails for
+want of space or permission is told in words."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+REPLACED_DIR = ".mobius-replaced"  # in output.dir: the run --overwrite replaces, kept until the new one's first checkpoint
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -17,3 +21,22 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why a write failed, in words (``No space left on device``), when ``e`` is the operating system's
+    refusal -- an :class:`OSError`, or safetensors' error wrapping one; None for anything else."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    if type(e).__name__ == "SafetensorError" and "IoError" in str(e):
+        found = re.search(r'message: "([^"]+)"', str(e))
+        return found.group(1) if found else str(e).splitlines()[0]
+    return None
+
+
+def drop_replaced(out: Path) -> None:
+    """Remove the run ``--overwrite`` set aside in ``out``: the new run has a checkpoint of its own."""
+    import shutil
+
+    if (out / REPLACED_DIR).is_dir():
+        shutil.rmtree(out / REPLACED_DIR, ignore_errors=True)

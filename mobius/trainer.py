@@ -6,6 +6,8 @@ Run directory layout (``output.dir``)::
     checkpoints/step-000050/      HF checkpoint (fp32) + tokenizer + optimizer moments + trainer_state.json
     final/                        HF checkpoint in output.save_dtype + tokenizer
     loss.png                      when matplotlib is installed
+    .mobius-lock                  while a run uses the directory (mobius.app.rundir)
+    .mobius-replaced/             the run --overwrite replaces, until this run's first checkpoint
 
 Checkpoints go through :mod:`mobius.checkpoint` (one format for every mode).
 """
@@ -13,6 +15,7 @@ Checkpoints go through :mod:`mobius.checkpoint` (one format for every mode).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import math
@@ -24,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -33,8 +37,8 @@ from mobius.checkpoint import STATE_FILE, STATE_FORMAT, ResumeState
 from mobius.config import Config
 from mobius.data import TextTokenizer, TrainData
 from mobius.engine import DTYPES, Engine, StepStats
-from mobius.errors import CheckpointError
-from mobius.files import write_text_atomic
+from mobius.errors import CheckpointError, MobiusError
+from mobius.files import drop_replaced, write_failure, write_text_atomic
 from mobius.models import ModelConfig
 from mobius.optim import lr_at
 
@@ -106,7 +110,7 @@ class Trainer:
         state = resume.trainer
         try:
             self.engine.load_state(resume)
-            self.data.load_state_dict(state["data"])
+            self._restore_data(state["data"])
             set_rng_state(state["rng"])
             self.step = int(state["step"])
             self.result.losses = [float(x) for x in state.get("losses", [])]
@@ -115,6 +119,17 @@ class Trainer:
                                   f"({type(e).__name__}: {e})") from None
         self._truncate_metrics()
         log.info("resumed at step %d", self.step)
+
+    def _restore_data(self, saved: dict) -> None:
+        """The data position; on new data (``data.accept_new_data``, checked before the run started) the
+        data is read from its start in a fresh order."""
+        now = self.data.state_dict()
+        same = saved["train_blocks"] == now["train_blocks"] and saved.get("fingerprint", now["fingerprint"]) == \
+            now["fingerprint"]
+        if same or not self.cfg.data.accept_new_data:
+            self.data.load_state_dict(saved)
+        else:
+            log.debug("data.accept_new_data: the data changed since the checkpoint; reading it from its start")
 
     def _truncate_metrics(self) -> None:
         """Drop metrics lines written after the checkpoint (a run that went on and then stopped)."""
@@ -125,12 +140,13 @@ class Trainer:
 
     def _trainer_state(self, engine_state: checkpoint.RankState) -> dict:
         return {"format": STATE_FORMAT, "step": self.step, "data": self.data.state_dict(), "rng": rng_state(),
-                "losses": self.result.losses, "config": self.cfg.to_dict(),
+                "losses": self.result.losses, "config": self.cfg.to_dict(), "tokenizer": self.tokenizer.name,
                 "engine": {"optimizer_step": engine_state.optimizer_step, "scaler": engine_state.scaler}}
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, path: Path, dtype: torch.dtype, resumable: bool) -> Path:
-        """One checkpoint, written by every rank of the engine together (see :mod:`mobius.checkpoint`)."""
+        """One checkpoint, written by every rank of the engine together (see :mod:`mobius.checkpoint`).
+        A write that fails (a full disk) is a CheckpointError naming the last complete checkpoint."""
         rank_state = self.engine.rank_state(with_moments=resumable)
         state = self._trainer_state(rank_state) if resumable else None
 
@@ -140,8 +156,17 @@ class Trainer:
                 (tmp / STATE_FILE).write_text(json.dumps(state) + "\n")
             (tmp / "mobius.json").write_text(json.dumps({"step": self.step, "config": self.cfg.to_dict()}, indent=2))
 
-        return checkpoint.save(path, self.model_cfg, dtype, rank_state, self.engine.comm, resumable, extra,
-                               base=self.cfg.model.checkpoint)
+        try:
+            saved = checkpoint.save(path, self.model_cfg, dtype, rank_state, self.engine.comm, resumable, extra,
+                                    base=self.cfg.model.checkpoint)
+        except CheckpointError as e:
+            last = step_checkpoints(self.out)
+            kept = f"the last complete checkpoint, {last[-1]}, is intact (--resume continues from it)" if last else \
+                "no earlier checkpoint of this run exists"
+            raise CheckpointError(f"{e}; {kept}") from None
+        if self.main:
+            drop_replaced(self.out)  # this run has a checkpoint: the run --overwrite replaced can go
+        return saved
 
     def save_merged(self, path: Path, dtype: torch.dtype) -> Path:
         """The base model with the adapters merged in, as a plain Hugging Face checkpoint."""
@@ -177,8 +202,9 @@ class Trainer:
         from tqdm import tqdm
 
         t, o = self.cfg.train, self.cfg.output
-        self.out.mkdir(parents=True, exist_ok=True)
-        metrics = (self.out / "metrics.jsonl").open("a" if self.step else "w") if self.main else open(os.devnull, "w")
+        with output_errors(self.out, "metrics.jsonl"):
+            self.out.mkdir(parents=True, exist_ok=True)
+            metrics = (self.out / "metrics.jsonl").open("a" if self.step else "w") if self.main else open(os.devnull, "w")
         tty = sys.stderr.isatty() and self.main
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", disable=not tty, dynamic_ncols=True)
         quiet_every = max(1, t.max_steps // 20)
@@ -189,8 +215,9 @@ class Trainer:
                 self.result.losses.append(stats.loss)
                 record = self._record(stats, lr, dt)
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
+                    with output_errors(self.out, "metrics.jsonl"):
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
                 bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
                 bar.update(1)
                 if self.main and not tty and (self.step % quiet_every == 0 or self.step == t.max_steps):
@@ -226,8 +253,18 @@ class Trainer:
         if self.model_cfg.lora is not None and self.cfg.output.save_merged:
             self.result.merged_dir = self.save_merged(self.out / "merged", self.save_dtype)
         if self.cfg.output.plot and self.main:
-            plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+            with output_errors(self.out, "loss.png"):
+                plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
         return self.result
+
+
+@contextlib.contextmanager
+def output_errors(out: Path, what: str) -> Iterator[None]:
+    """A write into ``output.dir`` that fails mid-run (a full disk) becomes one line naming the file."""
+    try:
+        yield
+    except OSError as e:
+        raise MobiusError(f"cannot write {what} in output.dir {out}: {write_failure(e)}") from None
 
 
 def plot_losses(metrics_file: Path, png: Path) -> bool:

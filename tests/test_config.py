@@ -80,6 +80,40 @@ def test_overrides(tmp_path: Path) -> None:
         load_config(f, ["train.lr=1"])
 
 
+TYPED_OVERRIDES = {  # override -> (section, key, the value the config holds): the key's type reads the text
+    "--output.dir=runs/exp #3": ("output", "dir", "runs/exp #3"),  # YAML would start a comment at " #"
+    "--output.dir=123": ("output", "dir", "123"),
+    "--data.path=data/a: b.txt": ("data", "path", "data/a: b.txt"),
+    "--data.text_field=yes": ("data", "text_field", "yes"),  # YAML would read a boolean
+    "--data.tokenizer=tok #1/tokenizer.json": ("data", "tokenizer", "tok #1/tokenizer.json"),
+    "--data.tokenizer=null": ("data", "tokenizer", None),
+    "--data.tokenizer=": ("data", "tokenizer", None),
+    "--data.tokenizer='null'": ("data", "tokenizer", "null"),  # quoted: a YAML string
+    '--parallel.p2p="off"': ("parallel", "p2p", "off"),
+    "--model.preset=gpt2 #x": ("model", "preset", "gpt2 #x"),
+    "--parallel.p2p=off": ("parallel", "p2p", "off"),
+    "--parallel.prefetch=no": ("parallel", "prefetch", False),
+    "--data.accept_new_data=true": ("data", "accept_new_data", True),
+    "--train.lr=1e-4": ("train", "lr", 1e-4),
+    "--train.max_steps=7": ("train", "max_steps", 7),
+    "--parallel.resident_stages=[0, 2]": ("parallel", "resident_stages", [0, 2]),
+    "--model.dropout=null": ("model", "dropout", None),
+}
+
+
+@pytest.mark.parametrize("override", list(TYPED_OVERRIDES))
+def test_an_override_means_what_was_typed(override: str, tmp_path: Path) -> None:
+    section, key, value = TYPED_OVERRIDES[override]
+    f = _write(tmp_path, "model:\n  preset: gpt2-tiny\n")
+    assert getattr(getattr(load_config(f, [override]), section), key) == value
+
+
+def test_an_override_of_a_number_is_still_checked(tmp_path: Path) -> None:
+    f = _write(tmp_path, "model:\n  preset: gpt2-tiny\n")
+    with pytest.raises(ConfigError, match=r"train\.max_steps must be int, got 'ten'"):
+        load_config(f, ["--train.max_steps=ten"])
+
+
 def test_help_lists_every_field() -> None:
     text = describe_fields()
     for key in ("model.checkpoint", "data.seq_len", "train.micro_batches", "train.precision", "parallel.mode",

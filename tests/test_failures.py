@@ -102,6 +102,7 @@ def test_a_finished_run_is_not_overwritten_unless_asked(run_yaml: Path, tmp_path
     assert final.stat().st_mtime_ns == before
     assert cli.main(["train", str(run_yaml), "--overwrite"]) == 0
     assert final.stat().st_mtime_ns != before
+    assert not (tmp_path / "out" / ".mobius-replaced").exists()  # the old run went with the new one's checkpoint
 
 
 def test_resume_removes_what_an_interrupted_checkpoint_write_left(run_yaml: Path, tmp_path: Path) -> None:

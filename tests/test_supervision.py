@@ -1,6 +1,8 @@
 """Worker supervision, tried as a user meets it: a worker that raises, a worker killed with -9,
-Ctrl-C and SIGTERM. Each ends every process of the run in time, with the exit code and a one-line
-message naming the rank and the cause."""
+Ctrl-C, SIGTERM and a hang-up (while training, and while the workers still start), the parent or
+torchrun's agent killed with -9. Each ends every process of the run in time, with the exit code and
+a one-line message naming the rank and the cause as the last line (no traceback, no resource-tracker
+warning), and leaves no shared-memory file behind."""
 
 from __future__ import annotations
 
@@ -18,12 +20,18 @@ pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ru
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_file(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> Path:
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One token and profile cache for the module's runs (each measures nothing the previous one did)."""
+    return tmp_path_factory.mktemp("supervision-cache")
+
+
+def _run_file(tmp_path: Path, deep_checkpoint: Path, corpus: Path, cache: Path) -> Path:
     cfg = {"model": {"checkpoint": str(deep_checkpoint)},
-           "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
+           "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(cache)},
            "train": {"max_steps": 100000, "micro_batch_size": 2, "micro_batches": 2, "eval_every": 0},
            "parallel": {"mode": "pipeline", "devices": 2, "stages": 4, "device": "cpu"},
-           "partition": {"cache_dir": str(tmp_path / "cache")},
+           "partition": {"cache_dir": str(cache)},
            "output": {"dir": str(tmp_path / "out"), "plot": False}}
     path = tmp_path / "run.yaml"
     path.write_text(json.dumps(cfg))
@@ -56,16 +64,20 @@ def _workers(pgid: int) -> list[int]:
     return found
 
 
-def _start(run_file: Path, tmp_path: Path, env: dict | None = None) -> subprocess.Popen:
+def _start(run_file: Path, tmp_path: Path, env: dict | None = None, steps: int = 2) -> subprocess.Popen:
+    """The run, once it has logged ``steps`` steps (0: once its workers exist)."""
     proc = subprocess.Popen([sys.executable, "-m", "mobius.cli", "train", str(run_file)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, **(env or {})})
     metrics = tmp_path / "out" / "metrics.jsonl"
     deadline = time.time() + 180
-    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= steps):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
+        if steps == 0 and _workers(proc.pid):
+            return proc
+        time.sleep(0.2 if steps else 0.02)
     assert len(_workers(proc.pid)) >= 2, "the two workers should be running"
+    proc.workers = _workers(proc.pid)  # type: ignore[attr-defined]
     return proc
 
 
@@ -77,17 +89,21 @@ def _finish(proc: subprocess.Popen, within: float) -> tuple[int, str, float]:
         time.sleep(0.1)
     assert not _group(proc.pid), f"processes of the run left behind: {_group(proc.pid)}"
     assert time.time() - start < within, f"the run took {time.time() - start:.1f} s to end"
+    for pid in getattr(proc, "workers", []):  # the upload arbiter's file is named by the worker that made it
+        assert not list(Path("/dev/shm").glob(f"mobius-arbiter-{pid}-*")), "a shared-memory file was left behind"
     return proc.returncode, err, took
 
 
 def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("mobius: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    return lines[0]
+    """mobius's one line, the last of the run's output: no traceback, no resource-tracker warning."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    ours = [line for line in lines if line.startswith("mobius: ")]
+    assert len(ours) == 1 and lines[-1] == ours[0] and "Traceback" not in err, err[-3000:]
+    return ours[0]
 
 
 def test_a_worker_that_raises_ends_the_run_with_its_message(tmp_path: Path, deep_checkpoint: Path,
-                                                            corpus: Path) -> None:
+                                                            corpus: Path, cache: Path) -> None:
     """Rank 1 raises inside its third step (as CUDA out of memory would); a sitecustomize module on
     PYTHONPATH injects the failure into the workers, nothing in mobius knows about it."""
     hook = tmp_path / "hook"
@@ -101,7 +117,7 @@ def test_a_worker_that_raises_ends_the_run_with_its_message(tmp_path: Path, deep
         "        raise RuntimeError('CUDA out of memory. Tried to allocate 20.00 GiB (injected)')\n"
         "    return step(self, i, batches, lr)\n"
         "engine.PipelineEngine.train_step = failing\n")
-    run_file = _run_file(tmp_path, deep_checkpoint, corpus)
+    run_file = _run_file(tmp_path, deep_checkpoint, corpus, cache)
     proc = subprocess.Popen([sys.executable, "-m", "mobius.cli", "train", str(run_file)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"})
@@ -111,8 +127,9 @@ def test_a_worker_that_raises_ends_the_run_with_its_message(tmp_path: Path, deep
                               "allocate 20.00 GiB (injected)")
 
 
-def test_a_killed_worker_stops_the_run_within_30_s(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
-    proc = _start(_run_file(tmp_path, deep_checkpoint, corpus), tmp_path)
+def test_a_killed_worker_stops_the_run_within_30_s(tmp_path: Path, deep_checkpoint: Path, corpus: Path,
+                                                   cache: Path) -> None:
+    proc = _start(_run_file(tmp_path, deep_checkpoint, corpus, cache), tmp_path)
     victim = max(_workers(proc.pid))
     os.kill(victim, signal.SIGKILL)
     code, err, _ = _finish(proc, within=30)
@@ -121,14 +138,52 @@ def test_a_killed_worker_stops_the_run_within_30_s(tmp_path: Path, deep_checkpoi
     assert "killed" in line and "the other workers were stopped" in line
 
 
-@pytest.mark.parametrize("how,code", [("ctrl-c", 130), ("sigterm", 143)])
-def test_ctrl_c_and_sigterm_stop_every_worker_within_10_s(tmp_path: Path, deep_checkpoint: Path, corpus: Path,
-                                                          how: str, code: int) -> None:
-    proc = _start(_run_file(tmp_path, deep_checkpoint, corpus), tmp_path)
-    if how == "ctrl-c":
-        os.killpg(proc.pid, signal.SIGINT)  # a terminal sends it to the whole foreground group
-    else:
+@pytest.mark.parametrize("how,code", [("ctrl-c", 130), ("sigterm", 143), ("hang-up", 129)])
+def test_ctrl_c_sigterm_and_sighup_stop_every_worker_within_10_s(tmp_path: Path, deep_checkpoint: Path,
+                                                                 corpus: Path, cache: Path, how: str,
+                                                                 code: int) -> None:
+    proc = _start(_run_file(tmp_path, deep_checkpoint, corpus, cache), tmp_path)
+    if how == "sigterm":
         os.kill(proc.pid, signal.SIGTERM)  # a job scheduler stopping the parent only
+    else:  # a terminal sends these to the whole foreground group
+        os.killpg(proc.pid, signal.SIGINT if how == "ctrl-c" else signal.SIGHUP)
     returncode, err, took = _finish(proc, within=10)
     assert returncode == code, err[-3000:]
     assert "stopped by SIG" in _one_line(err) and took < 10
+
+
+def test_ctrl_c_while_the_workers_start_is_one_line_and_a_plain_rerun_follows(tmp_path: Path, deep_checkpoint: Path,
+                                                                              corpus: Path, cache: Path) -> None:
+    """The workers are still importing torch: none prints a traceback (they leave stopping to their
+    parent), and what the run left (its plan, no step) does not block a plain rerun."""
+    from mobius.app.rundir import RunDir, results
+
+    proc = _start(_run_file(tmp_path, deep_checkpoint, corpus, cache), tmp_path, steps=0)
+    os.killpg(proc.pid, signal.SIGINT)
+    returncode, err, _ = _finish(proc, within=10)
+    assert returncode == 130 and _one_line(err) == "mobius: stopped by SIGINT; every worker was stopped"
+    assert results(tmp_path / "out") == []
+    RunDir.claim(tmp_path / "out", None, overwrite=False).release()
+
+
+AGENT = """
+import subprocess, sys, time
+worker = ("import sys, time; from mobius.app.supervise import end_when_orphaned; end_when_orphaned(3); "
+          "open(sys.argv[1], 'w').close(); time.sleep(600)")
+subprocess.Popen([sys.executable, "-c", worker, sys.argv[1]])
+time.sleep(600)
+"""  # a stand-in for torchrun's agent: a process that started a worker
+
+
+def test_a_worker_whose_agent_is_killed_with_9_stops_within_10_s(tmp_path: Path) -> None:
+    """torchrun's agent killed with -9: the worker stops by itself, saying why."""
+    ready = tmp_path / "ready"
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(ready)], stderr=subprocess.PIPE, text=True,
+                             start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 60
+    while not ready.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(agent.pid, signal.SIGKILL)
+    _, err, _ = _finish(agent, within=10)
+    assert f"mobius: worker rank 3 stopped: its parent process {agent.pid} is gone" in err

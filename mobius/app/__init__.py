@@ -3,5 +3,6 @@
 * :mod:`mobius.app.settings` -- the machine and the parallel settings, resolved once;
 * :mod:`mobius.app.planning` -- the one planning function (``mobius plan`` and ``mobius train``);
 * :mod:`mobius.app.run` -- a whole training run in any mode;
+* :mod:`mobius.app.rundir` -- the run directory a run claims (lock, ``--overwrite``) and gives back;
 * :mod:`mobius.app.launch` -- worker processes of multi-process modes.
 """

@@ -75,7 +75,7 @@ def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, r
     On failure it neither closes the engine nor leaves the group: the supervisor (or torchrun) ends
     the process and every other one (a graceful close could wait forever on a peer that is gone)."""
     device = open_device(settings, int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    tokenizer, data = prepare_data(cfg, resume_from)
+    tokenizer, data = prepare_data(cfg)
     model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_from)
     engine = make_engine(cfg, model_cfg, plan, settings, device, weights_source(cfg, resume_from))
     trainer = Trainer(cfg, engine, data, tokenizer, model_cfg, save_dtype_for(cfg, ck_dtype))

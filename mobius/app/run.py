@@ -1,12 +1,19 @@
 """A whole training run as the config says: check the parallel settings early, plan (``parallel.mode:
 auto`` compares the modes' plans), then run the single-device engine here or the workers of the
-pipeline or zero mode -- started by mobius, or, under ``torchrun``, this process being one of them."""
+pipeline or zero mode -- started by mobius, or, under ``torchrun``, this process being one of them.
+
+Every check comes before any work (:func:`prepare`): the inputs, the run directory (claimed for the
+run: :mod:`mobius.app.rundir`), the data, the model against its checkpoint and against what
+``--resume`` continues, the plan (zero mode's must fit), the free disk for checkpoints. Only then
+does ``--overwrite`` set the old run aside and the plan get written."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,23 +22,39 @@ import torch.distributed as dist
 from mobius.app import torchrun
 from mobius.app.launch import open_device, run_worker, spawn
 from mobius.app.planning import AnyPlan, ModeChoice, plan_run
+from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static_mode
-from mobius.assemble import check_inputs, claim_run_dir, initial_model, prepare_data, resume_dir, run_model_config
-from mobius.checkpoint import ResumeState
+from mobius.app.supervise import end_when_orphaned
+from mobius.assemble import check_inputs, check_resume, initial_model, prepare_data, resume_dir, run_model_config
+from mobius.checkpoint import ResumeState, checkpoint_bytes
 from mobius.config import Config
 from mobius.data import TextTokenizer, TrainData
 from mobius.engine import SingleEngine
-from mobius.files import write_text_atomic
+from mobius.errors import ConfigError
+from mobius.files import write_failure, write_text_atomic
 from mobius.models import ModelConfig, param_count
 from mobius.parallel import Mode, ParallelSettings
 from mobius.trainer import Trainer, TrainResult, save_dtype_for
+from partition.zero import ZeroPlan
 
 log = logging.getLogger(__name__)
-PLAN_FILE = "plan.json"  # the plan a pipeline or zero run runs, as `mobius plan --json` prints it
+GiB = 2**30
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
     write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+
+
+@dataclass
+class Prepared:
+    """A run checked and ready to start: its data, architecture and (resuming) trainer state."""
+
+    tokenizer: TextTokenizer
+    data: TrainData
+    model_cfg: ModelConfig
+    ck_dtype: torch.dtype | None
+    resume_from: Path | None
+    resume: ResumeState | None
 
 
 def train(cfg: Config, resume: str | None = None, machine: Machine | None = None,
@@ -46,17 +69,30 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
         return _train_under_torchrun(cfg, run, resume, overwrite)
     machine = machine or Machine.detect(cfg)
     check_parallel(cfg, machine)
+    rundir = RunDir.claim(Path(cfg.output.dir), resume, overwrite)
+    try:
+        ready = prepare(cfg, resume)
+        choice = plan_run(cfg, ready.model_cfg, machine)
+        _check_before_start(cfg, choice, ready, machine)
+        rundir.set_aside()
+        _announce(cfg, choice)
+        settings, plan = choice.chosen.settings, choice.chosen.plan
+        if settings.mode == "single":
+            return _run_single(cfg, settings, ready)
+        return spawn(cfg, settings, plan, str(ready.resume_from) if ready.resume_from else None)
+    finally:
+        rundir.release()
+
+
+def prepare(cfg: Config, resume: str | None) -> Prepared:
+    """The checks and the parts that need no plan: the checkpoint ``--resume`` names, the data
+    (tokenized once; workers then only map the token cache), the architecture, and what resuming
+    continues checked against the config."""
     resume_from = resume_dir(cfg, resume)
-    claim_run_dir(cfg, resume, overwrite)
-    tokenizer, data = prepare_data(cfg, resume_from)  # workers then only map the token cache
+    tokenizer, data = prepare_data(cfg)
+    state = check_resume(cfg, resume_from, tokenizer, data) if resume_from is not None else None
     model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_from)
-    _log_data(cfg, data, model_cfg)
-    choice = plan_run(cfg, model_cfg, machine)
-    _announce(cfg, choice)
-    settings, plan = choice.chosen.settings, choice.chosen.plan
-    if settings.mode == "single":
-        return _run_single(cfg, settings, resume_from, tokenizer, data, model_cfg, ck_dtype)
-    return spawn(cfg, settings, plan, str(resume_from) if resume_from else None)
+    return Prepared(tokenizer, data, model_cfg, ck_dtype, resume_from, state)
 
 
 def check_parallel(cfg: Config, machine: Machine) -> None:
@@ -67,9 +103,53 @@ def check_parallel(cfg: Config, machine: Machine) -> None:
         mode_options(cfg, machine)
 
 
-def _log_data(cfg: Config, data: TrainData, model_cfg: ModelConfig) -> None:
-    log.info("data: %d training blocks of %d tokens, %d held out; model: %s, %.1fM parameters", len(data.train),
-             cfg.data.seq_len, len(data.val), model_cfg.family, param_count(model_cfg) / 1e6)
+def _check_before_start(cfg: Config, choice: ModeChoice, ready: Prepared, machine: Machine) -> None:
+    """The last checks before any work: zero mode's plan fits, the disk holds a checkpoint; a word when
+    CPU workers outnumber the cores."""
+    log.info("data: %d training blocks of %d tokens, %d held out; model: %s, %.1fM parameters", len(ready.data.train),
+             cfg.data.seq_len, len(ready.data.val), ready.model_cfg.family, param_count(ready.model_cfg) / 1e6)
+    settings, plan = choice.chosen.settings, choice.chosen.plan
+    if isinstance(plan, ZeroPlan) and not plan.fits:
+        raise ConfigError(_zero_too_big(plan))
+    check_disk(Path(cfg.output.dir), cfg, ready.model_cfg, save_dtype_for(cfg, ready.ck_dtype))
+    warn_oversubscribed(cfg, settings, machine)
+
+
+def warn_oversubscribed(cfg: Config, settings: ParallelSettings, machine: Machine) -> None:
+    """A word when CPU worker processes outnumber this machine's cores."""
+    local = settings.workers // settings.nodes
+    if settings.device == "cpu" and local > machine.cpu_count:
+        log.warning("parallel.devices=%d: %d CPU worker processes on this machine's %d cores share them, each "
+                    "running slower; fewer devices may train faster", cfg.parallel.devices, local, machine.cpu_count)
+
+
+def _zero_too_big(plan: ZeroPlan) -> str:
+    m = plan.memory
+    need = plan.peak_bytes - m["activations"]
+    given = [f"zero.{k}" for k, how in plan.decided.items() if how == "config"]
+    advice = (f"lower {' or '.join(given)}" if given else "set zero.chunk_size smaller") + \
+        ", set zero.gpu_chunks=0 (offload every chunk), or raise partition.gpu_memory_gib"
+    return (f"zero mode's plan needs {_gib(need)} per rank for its chunks and rCache ({plan.num_chunks} chunk(s) of "
+            f"{plan.chunk_size:,} parameters, {plan.cache_blocks} rCache block(s), {plan.gpu_chunks} on the GPU), more "
+            f"than the {_gib(max(m['usable'], 0))} usable of {_gib(m['capacity'])}; {advice}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
+
+
+def check_disk(out: Path, cfg: Config, model_cfg: ModelConfig, save_dtype: torch.dtype) -> None:
+    """``output.dir``'s disk holds the largest checkpoint the run writes (estimated from the model)."""
+    sizes = {"the final checkpoint": checkpoint_bytes(model_cfg, save_dtype, save_dtype == torch.float32)}
+    if cfg.output.save_every and cfg.output.save_every < cfg.train.max_steps:
+        sizes["a step checkpoint (fp32 weights and AdamW moments)"] = checkpoint_bytes(model_cfg, torch.float32, True)
+    if model_cfg.lora is not None and cfg.output.save_merged:
+        sizes["the merged model"] = checkpoint_bytes(dataclasses.replace(model_cfg, lora=None), save_dtype, False)
+    what, need = max(sizes.items(), key=lambda kv: kv[1])
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise ConfigError(f"output.dir {out} has {_gib(free)} free, but {what} of this model takes about "
+                          f"{_gib(need)}; free some space or set output.dir to another disk")
 
 
 def _announce(cfg: Config, choice: ModeChoice) -> None:
@@ -79,16 +159,19 @@ def _announce(cfg: Config, choice: ModeChoice) -> None:
     log.info("%s", choice.chosen.settings.describe())
     if choice.mode != "single":
         log.info("%s", choice.chosen.plan.summary())
-        write_json_atomic(Path(cfg.output.dir) / PLAN_FILE, choice.chosen.plan.to_json())
+        path = Path(cfg.output.dir) / PLAN_FILE
+        try:
+            write_json_atomic(path, choice.chosen.plan.to_json())
+        except OSError as e:
+            raise ConfigError(f"cannot write {path}: {write_failure(e)}") from None
 
 
-def _run_single(cfg: Config, settings: ParallelSettings, resume_from: Path | None, tokenizer: TextTokenizer,
-                data: TrainData, model_cfg: ModelConfig, ck_dtype: torch.dtype | None) -> TrainResult:
+def _run_single(cfg: Config, settings: ParallelSettings, ready: Prepared) -> TrainResult:
     """The reference engine: the whole model on this process's device."""
-    engine = SingleEngine(initial_model(cfg, model_cfg, resume_from), cfg, open_device(settings, 0))
-    trainer = Trainer(cfg, engine, data, tokenizer, model_cfg, save_dtype_for(cfg, ck_dtype))
-    if resume_from is not None:
-        trainer.restore(ResumeState(Path(resume_from)))
+    engine = SingleEngine(initial_model(cfg, ready.model_cfg, ready.resume_from), cfg, open_device(settings, 0))
+    trainer = Trainer(cfg, engine, ready.data, ready.tokenizer, ready.model_cfg, save_dtype_for(cfg, ready.ck_dtype))
+    if ready.resume is not None:
+        trainer.restore(ready.resume)
     try:
         trainer.run()
         return trainer.finish()
@@ -100,31 +183,41 @@ def _train_under_torchrun(cfg: Config, run: Torchrun, resume: str | None, overwr
     """This process is rank ``run.rank`` of ``run.world`` that torchrun started (module
     :mod:`mobius.app.torchrun`): the world size replaces ``parallel.devices``; rank 0 claims the run
     directory and plans; every node tokenizes once and uses its own topology."""
+    end_when_orphaned(run.rank)  # a stop signal ends this rank by itself (one line); so does the agent's death
     torchrun.init()
     if cfg.parallel.devices != run.world and run.rank == 0:
         log.info("torchrun started %d processes on %d node(s): parallel.devices=%d -> %d", run.world, run.nodes,
                  cfg.parallel.devices, run.world)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, devices=run.world))
     machine = Machine.detect(cfg, nodes=run.nodes, torchrun=True)
-    resume_from = resume_dir(cfg, resume)
     torchrun.on_ranks(lambda: check_parallel(cfg, machine), True)
-    torchrun.on_ranks(lambda: claim_run_dir(cfg, resume, overwrite), run.rank == 0)
+    rundir = torchrun.on_ranks(lambda: RunDir.claim(Path(cfg.output.dir), resume, overwrite), run.rank == 0)
+    try:
+        return _torchrun_ranks(cfg, run, machine, resume, rundir)
+    finally:
+        if rundir is not None:
+            rundir.release()
+
+
+def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | None,
+                    rundir: RunDir | None) -> TrainResult:
     torchrun.check_shared_dir(Path(cfg.output.dir), run)
-    tokenizer, data = torchrun.prepare_data_per_node(cfg, resume_from, run)
-    model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_from)
-    if run.rank == 0:
-        _log_data(cfg, data, model_cfg)
-    mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, model_cfg, machine))
+    ready = torchrun.prepare_per_node(lambda: prepare(cfg, resume), run)
+    mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, ready, machine, rundir))
     settings = torchrun.on_ranks(lambda: resolve(cfg, machine, mode, reason), True)  # this node's devices
     if mode != "single":
-        return run_worker(cfg, settings, plan, resume_from)
+        return run_worker(cfg, settings, plan, ready.resume_from)
     try:
-        return _run_single(cfg, settings, resume_from, tokenizer, data, model_cfg, ck_dtype)
+        return _run_single(cfg, settings, ready)
     finally:
         dist.destroy_process_group()
 
 
-def _plan_and_announce(cfg: Config, model_cfg: ModelConfig, machine: Machine) -> tuple[Mode, str, AnyPlan | None]:
-    choice = plan_run(cfg, model_cfg, machine)
+def _plan_and_announce(cfg: Config, ready: Prepared, machine: Machine,
+                       rundir: RunDir | None) -> tuple[Mode, str, AnyPlan | None]:
+    choice = plan_run(cfg, ready.model_cfg, machine)
+    _check_before_start(cfg, choice, ready, machine)
+    if rundir is not None:
+        rundir.set_aside()
     _announce(cfg, choice)
     return choice.mode, choice.reason, choice.chosen.plan

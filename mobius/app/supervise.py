@@ -8,22 +8,34 @@ agent watches them every 0.1 s: when one fails (an exception, host or CUDA out o
 gloo or NCCL error that ends it) it stops all the others (SIGTERM, SIGKILL after
 :data:`SHUTDOWN_S`), and :func:`run_workers` raises :class:`WorkerFailed` naming the rank and the
 cause -- the exception's message (each worker records it in an error file, the way ``@record``
-does) or the signal. Ctrl-C and SIGTERM to this process stop every worker the same way and raise
-:class:`Interrupted`. A worker that fails exits at once (``os._exit``) rather than waiting for its
+does) or the signal. A worker that fails exits at once (``os._exit``) rather than waiting for its
 threads, so a thread blocked on a dead peer cannot keep it alive.
+
+Stopping: Ctrl-C, SIGTERM and SIGHUP to this process stop every worker the same way and raise
+:class:`Interrupted`; outside the workers' lifetime :func:`stop_on_signals` turns them into
+:class:`Signalled`, so that every phase ends through the run's ``finally`` clauses with one line.
+A terminal's Ctrl-C and hang-up reach every process of its foreground group, workers included: they
+are born with those signals blocked and then ignore them (:func:`leave_stopping_to_parent`), since
+this process stops them -- no worker prints a traceback, however early in its start-up the signal
+comes. The multiprocessing resource tracker is started here the same way (it then survives a
+hang-up and cleans up what killed workers leave without a word). Each worker watches its parent
+(this process, or torchrun's agent) and ends within :data:`ORPHAN_CHECK_S` once it is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from mobius.errors import MobiusError
 
@@ -38,6 +50,20 @@ ECHOES = ("closed by peer", "reset by peer", "remote worker", "Broken pipe", "co
 
 class WorkerFailed(MobiusError):
     """A worker ended the run; the message names its rank and why."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops a run, with one line
+TERMINAL_SIGNALS = {signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}  # what a terminal sends its whole foreground group
+ORPHAN_CHECK_S = 1.0  # how often a worker looks for its parent
+
+
+class Signalled(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM, SIGHUP) that reached this process; like Ctrl-C's
+    KeyboardInterrupt, no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class Interrupted(MobiusError):
@@ -59,8 +85,13 @@ def run_workers(fn: Callable[..., Any], args: tuple, workers: int, log_level: in
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_id = f"mobius-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory(prefix="mobius-workers-") as logs, _quiet_torch():
-        grace = {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
+    with tempfile.TemporaryDirectory(prefix="mobius-workers-") as logs, _quiet_torch(), \
+            _terminal_signals_to_this_process(), _signals_kept(), _launches_whole(), \
+            _stops_as_sigterm() as received:
+        fields = LaunchConfig.__dataclass_fields__
+        grace = {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in fields else {}
+        if "signals_to_handle" in fields:  # (older torch reads the environment: _stops_as_sigterm)
+            grace["signals_to_handle"] = "SIGTERM"  # the others raise its SIGTERM: _stops_as_sigterm
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, rdzv_backend="c10d",
                               rdzv_endpoint="127.0.0.1:0", run_id=run_id, max_restarts=0, monitor_interval=MONITOR_S,
                               start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.NONE,
@@ -71,15 +102,172 @@ def run_workers(fn: Callable[..., Any], args: tuple, workers: int, log_level: in
         except ChildFailedError as e:
             raise WorkerFailed(_root_cause(logs, e, workers)) from None
         except SignalException as e:
-            raise Interrupted(int(e.sigval)) from None
+            raise Interrupted(received[0] if received else int(e.sigval)) from None
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While a run goes on in this (main) thread: Ctrl-C, SIGTERM and SIGHUP raise :class:`Signalled`
+    here (the agent's own handlers take over while workers run: :func:`run_workers`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Signalled(signum)
+    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[None]:
+    """The agent installs handlers of its own (raising its SignalException) and leaves them: put back
+    this process's handlers when the workers are done."""
+    old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for s, handler in old.items():
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _terminal_signals_to_this_process() -> Iterator[None]:
+    """While workers start and run, block the terminal's signals in this thread: the processes started
+    from it (the workers, the resource tracker) inherit the blocked set, and a helper thread, which does
+    not block them, takes them for this process (Python runs the handlers in the main thread all the
+    same)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    done = threading.Event()
+    threading.Thread(target=done.wait, name="mobius-signals", daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
+    try:
+        _start_resource_tracker()
+        signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)  # starting it unblocks SIGINT in this thread
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)
+        done.set()
+
+
+@contextlib.contextmanager
+def _stops_as_sigterm() -> Iterator[list[int]]:
+    """While the agent runs the workers: Ctrl-C, SIGHUP and SIGQUIT stop them as SIGTERM does. The
+    agent forwards the signal it got to the workers, and they ignore the terminal's signals
+    (:func:`leave_stopping_to_parent`), so it would wait its whole grace period; here the agent
+    handles SIGTERM only and these raise its SignalException for SIGTERM. Yields the signals received
+    (the first names the stop)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.SIGTERM)
+    key, before = "TORCHELASTIC_SIGNALS_TO_HANDLE", os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    os.environ[key] = "SIGTERM"
+    old = {s: signal.signal(s, stop) for s in TERMINAL_SIGNALS}
+    try:
+        yield received
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+@contextlib.contextmanager
+def _launches_whole() -> Iterator[None]:
+    """A stop signal that arrives while a worker process is being launched (between its spawn and the
+    parent writing it what to run) waits until that launch is done: interrupted there, the parent
+    would close the pipe and the half-born worker would die printing an ``EOFError`` traceback. The
+    signal is then sent again to this process, so its handler runs as it would have."""
+    from multiprocessing import popen_spawn_posix
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    launch = popen_spawn_posix.Popen._launch
+
+    def whole(popen: Any, process_obj: Any) -> None:
+        held: list[int] = []
+        old = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in STOP_SIGNALS}
+        try:
+            launch(popen, process_obj)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+            for signum in dict.fromkeys(held):
+                os.kill(os.getpid(), signum)
+
+    popen_spawn_posix.Popen._launch = whole
+    try:
+        yield
+    finally:
+        popen_spawn_posix.Popen._launch = launch
+
+
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the workers share it) with the terminal's signals
+    blocked and its stderr on /dev/null: it outlives a hang-up, and cleans up the semaphores of killed
+    workers without printing warnings after mobius's last line."""
+    from multiprocessing import resource_tracker
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def leave_stopping_to_parent(rank: int) -> None:
+    """(In a worker mobius started) ignore the terminal's signals -- the parent stops the workers --
+    and end once the parent is gone (:func:`end_when_orphaned`)."""
+    for s in TERMINAL_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)
+    end_when_orphaned(rank)
+
+
+def end_when_orphaned(rank: int) -> None:
+    """End this process within :data:`ORPHAN_CHECK_S` once its parent (mobius, or torchrun's agent)
+    is gone (killed with SIGKILL, say), saying so in one line."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_CHECK_S)
+        print(f"mobius: worker rank {rank} stopped: its parent process {parent} is gone", file=sys.stderr, flush=True)
+        os._exit(1)
+    threading.Thread(target=watch, name="mobius-parent-watch", daemon=True).start()
 
 
 class _quiet_torch:
-    """The agent logs every failure with a traceback; mobius reports it in one line instead."""
+    """The agent logs every failure with a traceback, and each death signal; mobius reports them in
+    one line instead."""
 
     def __enter__(self) -> None:
-        self.levels = {name: logging.getLogger(name).level for name in TORCH_LOGGERS}
-        for name in TORCH_LOGGERS:
+        names = [n for n in logging.root.manager.loggerDict if n.startswith(TORCH_LOGGERS)] + list(TORCH_LOGGERS)
+        self.levels = {name: logging.getLogger(name).level for name in names}
+        for name in names:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
     def __exit__(self, *exc: object) -> None:
@@ -122,6 +310,7 @@ def _worker_entry(fn: Callable[..., Any], args: tuple, log_level: int) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     rank = int(os.environ["RANK"])
+    leave_stopping_to_parent(rank)
     logging.basicConfig(level=log_level if rank == 0 else max(log_level, logging.WARNING),
                         format=f"[rank {rank}] %(message)s", force=True)
     handler = get_error_handler()

@@ -22,9 +22,6 @@ import torch.distributed as dist
 
 from mobius.app.launch import TIMEOUT
 from mobius.app.settings import Torchrun
-from mobius.assemble import prepare_data
-from mobius.config import Config
-from mobius.data import TextTokenizer, TrainData
 from mobius.errors import MobiusError
 
 log = logging.getLogger(__name__)
@@ -92,9 +89,10 @@ def check_shared_dir(directory: Path, run: Torchrun) -> None:
                           f"output.dir on a filesystem that every node mounts (NFS, Lustre, ...)")
 
 
-def prepare_data_per_node(cfg: Config, resume_from: Path | None, run: Torchrun) -> tuple[TextTokenizer, TrainData]:
-    """Tokenize into ``data.cache_dir`` once per node -- rank 0 first, then the first rank of each other
-    node (which finds rank 0's cache when the directory is shared) -- then map it on every rank."""
-    on_ranks(lambda: prepare_data(cfg, resume_from), run.rank == 0)
-    on_ranks(lambda: prepare_data(cfg, resume_from), run.local_rank == 0 and run.rank != 0)
-    return prepare_data(cfg, resume_from)
+def prepare_per_node(prepare: Callable[[], T], run: Torchrun) -> T:
+    """``prepare()`` (which tokenizes into ``data.cache_dir``) once per node first -- rank 0, then the
+    first rank of each other node (which finds rank 0's cache when the directory is shared) -- then on
+    every rank, which maps the cache."""
+    on_ranks(prepare, run.rank == 0)
+    on_ranks(prepare, run.local_rank == 0 and run.rank != 0)
+    return on_ranks(prepare, True)

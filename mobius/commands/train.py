@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 
 from mobius.app.settings import Torchrun
+from mobius.app.supervise import stop_on_signals
 from mobius.config import describe_fields, load_config
 from mobius.errors import ConfigError
 
@@ -23,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="DIR",
                    help="continue from the latest step checkpoint in output.dir, or from DIR")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace the run output.dir already holds (its metrics, plan, checkpoints and final model)")
+                   help="replace the run output.dir already holds (its metrics, plan, checkpoints and final model): "
+                        "kept aside until this run's first checkpoint, put back if it ends before")
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -33,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.resume and args.overwrite:
         raise ConfigError("--resume continues the run in output.dir and --overwrite replaces it: pass one of them")
-    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     run = Torchrun.from_env()
+    with stop_on_signals() if run is None else contextlib.nullcontext():  # torchrun's agent stops its processes
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if run is not None and run.rank != 0:  # rank 0 reports the run
         return 0
     first, last = result.losses[0] if result.losses else float("nan"), result.losses[-1] if result.losses else float("nan")

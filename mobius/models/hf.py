@@ -345,6 +345,16 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
         except Exception as e:
             raise CheckpointError(f"{file}: cannot read {key} ({type(e).__name__}: {e})") from e
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """A tensor's shape, from its file's header (a ``.bin`` file is memory-mapped)."""
+        file = self._where[key]
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                return tuple(f.get_slice(key).get_shape())
+        return tuple(self[key].shape)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
