@@ -3,15 +3,19 @@
 CUDA stream priorities do not order copies, so uploads of workers under one root complex are cut
 into chunks and a chunk only starts when no upload of an earlier-starting stage under the same root
 complex is waiting. The pending order of every worker lives in a small memory-mapped file in
-/dev/shm (same host); waiters sleep on a futex in that file.
+/dev/shm (same host); waiters sleep on a futex in that file. The file is removed as soon as every
+worker has mapped it (the mappings live on), so no way of ending a run leaves it behind; files of a
+run that died in that moment are removed by the next run (:func:`remove_stale`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -75,8 +79,7 @@ class UploadArbiter:
 
     def __init__(self, name: str, rank: int, world: int, peers: list[int], create: bool):
         self.rank, self.peers = rank, [p for p in peers if p != rank]
-        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        self.path = base / name
+        self.path = shm_dir() / name
         size = 8 * world + 8
         if create:
             buf = np.zeros(size, dtype=np.uint8)
@@ -100,13 +103,49 @@ class UploadArbiter:
         if self.peers:
             self._futex.bump_and_wake()
 
-    def close(self) -> None:
-        del self.pending, self._futex, self._map
+    def unlink(self) -> None:
+        """Remove the file (every worker has mapped it: the mappings stay valid)."""
         if self.owner:
             self.path.unlink(missing_ok=True)
+            self.owner = False
+
+    def close(self) -> None:
+        del self.pending, self._futex, self._map
+        self.unlink()
+
+
+NAME = re.compile(r"mobius-arbiter-(\d+)-[0-9a-f]{8}")  # the creator's pid
+OLD_NAME = re.compile(r"mobius-\d+-mobius-(\d+)-[0-9a-f]{8}")  # mobius <= 0.3: port, then the run id of a spawn
 
 
 def arbiter_name() -> str:
-    """A shared-memory name unique to this run (the rendezvous port and the run's id)."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getppid())
-    return f"mobius-{os.environ.get('MASTER_PORT', '0')}-{run}"
+    """A shared-memory name unique to this run, naming the process that creates the file."""
+    return f"mobius-arbiter-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+def remove_stale(directory: Path | None = None) -> list[Path]:
+    """Remove arbiter files whose creating process is gone (only mobius's own naming); the removed."""
+    removed = []
+    for path in (directory or shm_dir()).glob("mobius-*"):
+        found = NAME.fullmatch(path.name) or OLD_NAME.fullmatch(path.name)
+        if found and not _alive(int(found.group(1))):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -29,7 +29,7 @@ from mobius.parallel import ParallelSettings
 from partition.plan import Plan
 from partition.cpu_rate import record_in_step_rate
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
-from scheduler.arbiter import UploadArbiter, arbiter_name
+from scheduler.arbiter import UploadArbiter, arbiter_name, remove_stale
 from scheduler.counters import Counters
 from scheduler.links import DirectLink, LocalLink, StagedLink
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
@@ -108,14 +108,19 @@ class PipelineEngine:
             del weights
 
     def _arbiter(self) -> UploadArbiter:
+        """The upload arbiter's shared file: rank 0 makes it (removing any a dead run left) and names it
+        to every rank; once all have mapped it, it is removed, so that no way of ending leaves it."""
         group = next((g for g in self.settings.groups if self.rank in g), (self.rank,))
-        name = arbiter_name()
+        box = [None]
         if self.is_main:
-            arb = UploadArbiter(name, self.rank, self.world, list(group), create=True)
-            dist.barrier()
-        else:
-            dist.barrier()
-            arb = UploadArbiter(name, self.rank, self.world, list(group), create=False)
+            remove_stale()
+            box = [arbiter_name()]
+            arb = UploadArbiter(box[0], self.rank, self.world, list(group), create=True)
+        dist.broadcast_object_list(box, src=0)
+        if not self.is_main:
+            arb = UploadArbiter(box[0], self.rank, self.world, list(group), create=False)
+        dist.barrier()
+        arb.unlink()
         return arb
 
     def _links(self) -> dict:
