@@ -11,6 +11,12 @@ Variants (bf16 training, a clipped step: the gradient is multiplied by a factor)
   factor folded in and the bf16 copy written while the block is in cache;
 * ``flat-half-grads``: the same from bf16 gradients (the ``grad_download: half`` path).
 
+With ``--workers N`` it also runs ``flat-fp32-grads`` on N workers at once (one thread group each,
+``--threads`` threads per worker, as the pipeline's N workers update together): the host's total,
+the figure ``partition.cpu_update_rate`` takes when a server is planned from elsewhere::
+
+    python bench/cpu_update_bench.py --workers 4 --threads 6   # on the server: 4 GPUs' workers
+
 Prints a table and writes ``<out>/cpu_update_bench.json``.
 """
 
@@ -63,6 +69,7 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=1 << 25)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--workers", type=int, default=1, help="also measure this many workers updating at once")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -71,16 +78,22 @@ def main() -> None:
     for name, fn in variants(args.numel, cfg).items():
         t = _time(fn, args.reps)
         rows.append({"variant": name, "seconds": round(t, 4), "params_per_s": round(args.numel / t)})
+    if args.workers > 1:
+        from partition.cpu_rate import measure_host_update
+
+        rate = measure_host_update(args.workers, args.threads, "bf16", args.numel, args.reps)
+        rows.append({"variant": f"flat-fp32-grads x {args.workers} workers at once (total)", "seconds": None,
+                     "params_per_s": round(rate)})
     base = rows[0]["params_per_s"]
     print(f"CPU update of {args.numel / 1e6:.0f} M parameters, {args.threads} thread(s)")
     print(f"{'variant':<18} {'seconds':>9} {'G params/s':>11} {'vs torch-adamw':>15}")
     for r in rows:
-        print(f"{r['variant']:<18} {r['seconds']:>9.4f} {r['params_per_s'] / 1e9:>11.2f} "
-              f"{r['params_per_s'] / base:>14.2f}x")
+        secs = f"{r['seconds']:>9.4f}" if r["seconds"] is not None else f"{'':>9}"
+        print(f"{r['variant']:<18} {secs} {r['params_per_s'] / 1e9:>11.2f} {r['params_per_s'] / base:>14.2f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu_update_bench.json").write_text(json.dumps({"numel": args.numel, "threads": args.threads,
-                                                           "rows": rows}, indent=1))
+                                                           "workers": args.workers, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

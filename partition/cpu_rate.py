@@ -1,22 +1,39 @@
-"""The CPU AdamW rate the planner plans with: measured alone on this machine (the runtime's own
-:class:`~mobius.optim.FlatAdamW`), or as a run measured it inside its training steps, cached per CPU
-model, thread count, precision and gradient dtype."""
+"""The CPU AdamW rates the planner plans with: one worker's measured alone on this machine (the
+runtime's own :class:`~mobius.optim.FlatAdamW`), the host's total with ``N`` workers updating at once
+(:func:`measure_host_update`: they share its memory bandwidth and cores), or as a run measured them
+inside its training steps; cached per CPU model, workers, thread count, precision and gradient dtype."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from mobius.files import write_text_atomic
+from partition.hardware import CPU_UPDATE_IN_STEP
 from partition.measure import _dtype, _time
 
 log = logging.getLogger(__name__)
 
 
 CPU_UPDATE_NUMEL = 1 << 24  # parameters in the timed AdamW step (large enough to leave the caches)
+
+
+def _updater(numel: int, precision: str, half_grads: bool) -> Any:
+    """A FlatAdamW step over ``numel`` parameters, as a pipeline worker's optimizer thread runs it."""
+    import torch
+
+    from mobius.config import TrainSection
+    from mobius.optim import FlatAdamW
+
+    dtype = _dtype(precision)
+    half = torch.empty(numel, dtype=dtype) if precision != "fp32" else None
+    grad = torch.full((numel,), 1e-3, dtype=dtype if half_grads else torch.float32)
+    opt = FlatAdamW(torch.zeros(numel), half, [(0, numel, True)], TrainSection(weight_decay=0.1))
+    return lambda: opt.step(grad, 1e-4, 0.5)
 
 
 def measure_cpu_update(threads: int, precision: str, numel: int = CPU_UPDATE_NUMEL, reps: int = 3,
@@ -27,25 +44,48 @@ def measure_cpu_update(threads: int, precision: str, numel: int = CPU_UPDATE_NUM
     half-precision ones -- what each pipeline worker's optimizer thread runs."""
     import torch
 
-    from mobius.config import TrainSection
-    from mobius.optim import FlatAdamW
-
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        dtype = _dtype(precision)
-        half = torch.empty(numel, dtype=dtype) if precision != "fp32" else None
-        grad = torch.full((numel,), 1e-3, dtype=dtype if half_grads else torch.float32)
-        opt = FlatAdamW(torch.zeros(numel), half, [(0, numel, True)], TrainSection(weight_decay=0.1))
-        return numel / _time(lambda: opt.step(grad, 1e-4, 0.5), torch.device("cpu"), reps, 1)
+        return numel / _time(_updater(numel, precision, half_grads), torch.device("cpu"), reps, 1)
     finally:
         torch.set_num_threads(before)
 
 
-CPU_UPDATE_IN_STEP = 0.68  # the CPU AdamW's rate inside a training step / its rate measured alone, until a run
-# on this machine has measured it (:func:`record_in_step_rate`): with uploads, downloads and kernel dispatch
-# sharing the host's memory bandwidth and cores, an H100 box ran 0.71 (1.42B) and 0.66 (3.94B) of the
-# isolated rate in clipped steps
+def measure_host_update(workers: int, threads: int, precision: str, numel: int = CPU_UPDATE_NUMEL, reps: int = 2,
+                        half_grads: bool = False) -> float:
+    """Parameters per second of ``workers`` CPU updates running at once on this machine, in total:
+    each a :func:`measure_cpu_update` step of its own ``numel`` parameters with ``threads`` threads,
+    started together (one Python thread each; the kernels release the GIL), timed until the last ends."""
+    import threading
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        steps = [_updater(numel, precision, half_grads) for _ in range(workers)]
+        for step in steps:
+            step()  # warm-up: first-touch page faults
+        start, seconds = threading.Barrier(workers), [0.0] * workers
+
+        def run(i: int) -> None:
+            start.wait()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                steps[i]()
+            seconds[i] = time.perf_counter() - t0
+
+        pool = [threading.Thread(target=run, args=(i,)) for i in range(workers)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        return workers * numel * reps / max(seconds)
+    finally:
+        torch.set_num_threads(before)
+
+
 IN_STEP = "in-step"
 
 
@@ -84,6 +124,39 @@ def cpu_update_rate(threads: int, precision: str, cache_dir: str | Path | None =
     if path is not None:
         _write_rate(path, rate, threads=threads, precision=precision, half_grads=half_grads)
     return rate
+
+
+def host_update_rate(workers: int, threads: int, precision: str, cache_dir: str | Path | None = None,
+                     half_grads: bool = False) -> float:
+    """:func:`measure_host_update` (one worker: :func:`cpu_update_rate`), cached like it."""
+    if workers <= 1:
+        return cpu_update_rate(threads, precision, cache_dir, half_grads)
+    path = _update_cache(cache_dir, threads, precision, half_grads, f"host-{workers}")
+    rate = _read_rate(path)
+    if rate is not None:
+        return rate
+    rate = measure_host_update(workers, threads, precision, half_grads=half_grads)
+    log.info("CPU AdamW of %d workers at once: %.2f G params/s in total with %d thread(s) each", workers, rate / 1e9,
+             threads)
+    if path is not None:
+        _write_rate(path, rate, workers=workers, threads=threads, precision=precision, half_grads=half_grads)
+    return rate
+
+
+def host_update_rates_in_step(workers: int, threads: int, precision: str, cache_dir: str | Path | None, device: str,
+                              half_grads: bool = False) -> tuple[float, float, str]:
+    """One worker's CPU AdamW rate alone and the host's total with ``workers`` updating at once, as
+    inside a training step, and where they come from: what a run on this machine measured inside its
+    steps (each worker's rate among the others, so the total is ``workers`` times it), or
+    ``CPU_UPDATE_IN_STEP`` times the rates measured here alone and together."""
+    rate = _read_rate(_update_cache(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"))
+    if rate is not None:
+        return rate, workers * rate, f"measured inside training steps on this machine, {threads} thread(s) per worker"
+    alone = cpu_update_rate(threads, precision, cache_dir, half_grads)
+    total = host_update_rate(workers, threads, precision, cache_dir, half_grads)
+    return (CPU_UPDATE_IN_STEP * alone, CPU_UPDATE_IN_STEP * total,
+            f"{CPU_UPDATE_IN_STEP} (in a step) x measured here: {alone / 1e9:.2f} G/s one worker alone, "
+            f"{total / 1e9:.2f} G/s {workers} at once, {threads} thread(s) each")
 
 
 def record_in_step_rate(threads: int, precision: str, cache_dir: str | Path, device: str, half_grads: bool,

@@ -63,7 +63,8 @@ def activation_seconds_per_byte(hw: Hardware, src: int, dst: int) -> float:
 
 def rates_for(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], num_stages: int,
               bandwidth: str = "link", half_grads: bool = False) -> Rates:
-    """Per-stage rates of an S-stage pipeline whose stage j runs on GPU ``worker_gpus[j % N]``."""
+    """Per-stage rates of an S-stage pipeline whose stage j runs on GPU ``worker_gpus[j % N]``; a
+    worker's CPU AdamW at its share of the host with all ``N`` updating at once."""
     N = len(worker_gpus)
     gpu = [worker_gpus[j % N] for j in range(num_stages)]
     up = hw.uncontended_h2d if bandwidth == "link" else hw.shared_h2d
@@ -73,8 +74,10 @@ def rates_for(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], num_s
                 for j in range(num_stages)]
     split = num_stages > 1 and gpu[0] != gpu[-1]
     tie_s = 4 * profile.tied_params / hw.host_copy_Bps if split else 0.0
-    return Rates([up(g) / GB for g in gpu], [down(g) / GB for g in gpu], lat_in, lat_back,
-                 hw.cpu_update_rate(half_grads) / GB, tie_s, hw.device_adam_params_per_s / GB)
+    cpu = hw.cpu_update_rate(half_grads, updating=N)  # the host's share while every worker updates (with clipping
+    # they all do, after the global norm; the simulator follows who actually updates when)
+    return Rates([up(g) / GB for g in gpu], [down(g) / GB for g in gpu], lat_in, lat_back, cpu / GB, tie_s,
+                 hw.device_adam_params_per_s / GB)
 
 
 class ModelEvaluator:

@@ -7,6 +7,13 @@ direction). Directions are independent (PCIe is full duplex) unless ``bidir_Bps`
 directions together. ``p2p_Bps`` is the GPU-to-GPU rate when peer-to-peer works; ``None`` means
 activations travel through pinned host memory (two hops).
 
+The host is shared too: its workers' CPU AdamW updates draw on one memory system and one set of
+cores. ``cpu_adam_params_per_s`` is one worker's rate when it updates alone, ``host_adam_params_per_s``
+the host's total when all of them update at once; while ``k`` workers update, each runs at
+``min(alone, total / k)`` (:meth:`Hardware.cpu_update_rate`). Both are the rates *inside* a training
+step (uploads, downloads and kernel dispatch share the memory bandwidth and cores); where they come
+from (measured here, configured, or a default) is in ``host_sources``.
+
 Everything here is plain numbers; :meth:`Hardware.from_topology` is the one adapter to
 ``topology``'s types and imports nothing from it.
 """
@@ -25,7 +32,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE_BYTES = int(1.5 * GiB)  # CUDA context, cuBLAS workspace, allocator slack
 PAPER_LINK_Bps = 13.1e9  # the Mobius paper's maximum measured host<->GPU bandwidth (§4.2)
-PAPER_ADAM_PARAMS_PER_S = 4.0e9  # assumption: DeepSpeed-style CPU Adam on 2 x Xeon Gold 6130 (32 cores)
+PAPER_ADAM_PARAMS_PER_S = 4.0e9  # assumption: DeepSpeed-style CPU Adam on 2 x Xeon Gold 6130 (32 cores): the
+# whole two-socket host's rate, all its workers together (about 120 GB/s of DRAM traffic at 30 bytes per parameter)
+CPU_UPDATE_IN_STEP = 0.68  # the CPU AdamW's rate inside a training step / its rate measured alone: with uploads,
+# downloads and kernel dispatch sharing the host's memory bandwidth and cores, an H100 box (16 cores, one worker)
+# ran 0.71 (1.42B) and 0.66 (3.94B) of the isolated rate in clipped steps (README, Performance)
+HOST_DEFAULT_SOURCE = (f"a default for a server planned from elsewhere: the Mobius paper's host (2 x Xeon Gold 6130) "
+                       f"at {PAPER_ADAM_PARAMS_PER_S / 1e9:.1f} G params/s alone x {CPU_UPDATE_IN_STEP} inside a step; "
+                       f"set partition.cpu_update_rate to the server's")
 HOST_COPY_Bps = 5e9  # a gloo send between two processes on one host (memory copies through a socket)
 DEVICE_ADAM_BYTES = 30  # a fused AdamW step on the device: master, m, v read and written, fp32 gradient, half copy
 DEVICE_ADAM_PARAMS_PER_S = 936e9 * 0.8 / DEVICE_ADAM_BYTES  # an RTX 3090's memory bandwidth at 80%
@@ -47,13 +61,15 @@ class Hardware:
     p2p_pairs_Bps: list[list[float | None]] | None = None  # per pair (overrides p2p_Bps where given)
     rc_h2d_by_streams: list[list[float]] | None = None  # per group: aggregate rate of k = 1, 2, ... streams
     rc_d2h_by_streams: list[list[float]] | None = None
-    cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S  # one worker's CPU AdamW (+ half-precision refresh)
+    cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S  # one worker's CPU AdamW (+ half refresh), alone
     cpu_adam_half_grads_params_per_s: float | None = None  # ... reading half-precision gradients (None: the same)
+    host_adam_params_per_s: float | None = None  # the host's total while all its workers update (None: unshared)
     host_copy_Bps: float = HOST_COPY_Bps  # tensors between worker processes through host memory (gloo)
     device_adam_params_per_s: float = DEVICE_ADAM_PARAMS_PER_S  # a resident stage's AdamW on its device
     host_memory_bytes: int | None = None  # host memory the stores may use (None: unknown, not checked)
     name: str = "custom"
     gpu_names: list[str] = field(default_factory=list)
+    host_sources: dict[str, str] = field(default_factory=dict)  # "cpu", "memory": where the host figures come from
 
     def __post_init__(self) -> None:
         n = self.num_gpus
@@ -71,11 +87,22 @@ class Hardware:
             raise ConfigError(f"usable GPU memory must be positive, got {self.gpu_memory_bytes} bytes")
         self._group_index = {g: i for i, grp in enumerate(self.groups) for g in grp}
 
-    def cpu_update_rate(self, half_grads: bool = False) -> float:
-        """Parameters per second of one worker's CPU AdamW, with fp32 or half-precision gradients."""
+    def cpu_update_rate(self, half_grads: bool = False, updating: int = 1) -> float:
+        """Parameters per second of one worker's CPU AdamW (fp32 or half-precision gradients) while
+        ``updating`` workers of the host update at once: its rate alone, or its share of the host's
+        total, whichever is lower (half-precision gradients scale the total as they scale one worker)."""
+        alone = self.cpu_adam_params_per_s
         if half_grads and self.cpu_adam_half_grads_params_per_s:
-            return self.cpu_adam_half_grads_params_per_s
-        return self.cpu_adam_params_per_s
+            alone = self.cpu_adam_half_grads_params_per_s
+        if self.host_adam_params_per_s is None:
+            return alone
+        total = self.host_adam_params_per_s * alone / self.cpu_adam_params_per_s
+        return min(alone, total / max(updating, 1))
+
+    def host_update_total(self, half_grads: bool = False, workers: int | None = None) -> float:
+        """The CPU AdamW rate of the host, ``workers`` (default: every GPU's worker) updating at once."""
+        n = self.num_gpus if workers is None else workers
+        return n * self.cpu_update_rate(half_grads, n)
 
     def group_of(self, gpu: int) -> int:
         """Index of the root complex (group) holding ``gpu``."""
@@ -146,7 +173,7 @@ class Hardware:
                else "no P2P (activations via host memory)")
         return (f"{self.name}: {self.num_gpus} GPU(s), {self.gpu_memory_bytes / GiB:.1f} GiB usable each, "
                 f"link {link:.1f} GB/s, root complexes {rc} GB/s, {p2p}, "
-                f"CPU Adam {self.cpu_adam_params_per_s / 1e9:.1f} G params/s")
+                f"CPU AdamW {self.host_update_total() / 1e9:.2f} G params/s in total")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -159,14 +186,17 @@ class Hardware:
     @classmethod
     def uniform(cls, num_gpus: int, gpu_memory_bytes: int, link_Bps: float, groups: list[list[int]] | None = None,
                 uplink_Bps: float | None = None, p2p_Bps: float | None = None,
-                cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S, name: str = "uniform") -> "Hardware":
-        """``num_gpus`` identical GPUs; each group shares one uplink of ``uplink_Bps`` (default: one link's worth)."""
+                cpu_adam_params_per_s: float = PAPER_ADAM_PARAMS_PER_S, name: str = "uniform",
+                host_adam_params_per_s: float | None = None) -> "Hardware":
+        """``num_gpus`` identical GPUs; each group shares one uplink of ``uplink_Bps`` (default: one link's
+        worth); each worker updates at ``cpu_adam_params_per_s``, all of them together at most at
+        ``host_adam_params_per_s`` (None: nothing shared)."""
         groups = groups or [[g] for g in range(num_gpus)]
         up = uplink_Bps if uplink_Bps is not None else link_Bps
         return cls(num_gpus=num_gpus, gpu_memory_bytes=gpu_memory_bytes, h2d_Bps=[link_Bps] * num_gpus,
                    d2h_Bps=[link_Bps] * num_gpus, groups=groups, rc_h2d_Bps=[up] * len(groups),
                    rc_d2h_Bps=[up] * len(groups), p2p_Bps=p2p_Bps, cpu_adam_params_per_s=cpu_adam_params_per_s,
-                   name=name)
+                   host_adam_params_per_s=host_adam_params_per_s, name=name)
 
     @classmethod
     def paper_3090ti(cls, groups: list[list[int]] | None = None, link_Bps: float = PAPER_LINK_Bps,
@@ -177,19 +207,22 @@ class Hardware:
 
         Default ``groups`` is Topo 2+2 (``[[0, 1], [2, 3]]``). One GPU alone reaches the paper's
         measured 13.1 GB/s; GPUs of one group share the switch's uplink (13.1 GB/s per direction),
-        so two concurrent uploads under one root complex get half each.
+        so two concurrent uploads under one root complex get half each. The host's CPU AdamW rate
+        (``cpu_adam_params_per_s``, its two sockets' worth) is shared by all its workers.
         """
         groups = groups or [[0, 1], [2, 3]]
         n = sum(len(g) for g in groups)
         hw = cls.uniform(n, int(memory_gib * GiB) - reserve_bytes, link_Bps, groups, uplink_Bps, None,
-                         cpu_adam_params_per_s, name=f"paper 3090 Ti box {'+'.join(str(len(g)) for g in groups)}")
+                         cpu_adam_params_per_s, name=f"paper 3090 Ti box {'+'.join(str(len(g)) for g in groups)}",
+                         host_adam_params_per_s=cpu_adam_params_per_s)
+        hw.host_sources = {"cpu": "the Mobius paper's host (2 x Xeon Gold 6130), assumed"}
         hw.gpu_names = ["rtx3090ti"] * n
         return hw
 
     @classmethod
     def from_topology(cls, topo: Any, bandwidth: Any = None, gpu_memory_bytes: int | None = None,
-                      reserve_bytes: int = DEFAULT_RESERVE_BYTES, cpu_adam_params_per_s: float | None = None,
-                      p2p: bool | None = None, gpu: Any = None) -> "Hardware":
+                      reserve_bytes: int = DEFAULT_RESERVE_BYTES, p2p: bool | None = None,
+                      gpu: Any = None) -> "Hardware":
         """Build from a ``topology.Topology`` and optionally the ``mobius topo --bench`` figures.
 
         Link rates: measured (bandwidth file), else the GPU's PCIe generation and width, else the
@@ -198,6 +231,8 @@ class Hardware:
         known, else one GPU link's worth (the GPUs sit behind one switch, as in the paper's box).
         ``gpu_memory_bytes`` (usable) overrides the devices' memory minus ``reserve_bytes``.
         ``p2p``: None follows the topology (and measured peer rates), False forces host staging.
+        The host's CPU AdamW rate is a stated default (``HOST_DEFAULT_SOURCE``) until the planner
+        measures this machine's or takes ``partition.cpu_update_rate``.
         """
         gpus = list(topo.gpus)
         pos = {g.index: i for i, g in enumerate(gpus)}
@@ -216,7 +251,9 @@ class Hardware:
         return cls(num_gpus=len(gpus), gpu_memory_bytes=memory, h2d_Bps=h2d, d2h_Bps=d2h, groups=groups,
                    rc_h2d_Bps=rc_h, rc_d2h_Bps=rc_d, p2p_pairs_Bps=pairs, rc_h2d_by_streams=by_h,
                    rc_d2h_by_streams=by_d,
-                   cpu_adam_params_per_s=cpu_adam_params_per_s or PAPER_ADAM_PARAMS_PER_S,
+                   cpu_adam_params_per_s=PAPER_ADAM_PARAMS_PER_S * CPU_UPDATE_IN_STEP,
+                   host_adam_params_per_s=PAPER_ADAM_PARAMS_PER_S * CPU_UPDATE_IN_STEP,
+                   host_sources={"cpu": HOST_DEFAULT_SOURCE},
                    device_adam_params_per_s=device_adam,
                    name=f"{len(gpus)} x {names[0] if names else '?'} ({getattr(topo, 'source', 'topology')})",
                    gpu_names=names)

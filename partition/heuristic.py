@@ -8,11 +8,15 @@ has to beat (or prove it cannot beat) the result, which lets it cut most stage c
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
 
-from partition.evaluate import ModelEvaluator
+import numpy as np
+
+from partition.evaluate import GB, ModelEvaluator
+from partition.timing import Batch, StageExprs, step_model
 
 
 @dataclass
@@ -62,9 +66,10 @@ def find_incumbent(ev: ModelEvaluator, stage_counts: list[int], starts: int = 3,
     costs = [u.fwd_s + u.bwd_s for u in units]
     per_s: dict[int, float] = {}
     seeds: list[tuple[float, list[int]]] = []
+    score = _Scores(ev)
     for S in stage_counts:
         bounds = proportional_split(costs, S)
-        value = ev.step_time(bounds)
+        value = score(bounds)
         per_s[S] = value
         seeds.append((value, bounds))
     seeds.sort(key=lambda x: x[0])
@@ -74,25 +79,61 @@ def find_incumbent(ev: ModelEvaluator, stage_counts: list[int], starts: int = 3,
     for value, bounds in seeds[:starts]:
         if not math.isfinite(value):
             break
-        value, bounds = _climb(ev, bounds, value, budget, per_s, allowed)
+        value, bounds = _climb(ev, score, bounds, value, budget, per_s, allowed)
         if value < best_val:
             best_val, best = value, bounds
     return Incumbent(best, best_val, per_s)
 
 
-def _climb(ev: ModelEvaluator, bounds: list[int], value: float, budget: int, per_s: dict[int, float],
-           allowed: set[int]) -> tuple[float, list[int]]:
+AHEAD = 16  # partitions of one stage count evaluated together (one batch costs about two evaluations)
+
+
+class _Scores:
+    """The evaluator's step time of each partition, computed once: the climbs from several starts
+    meet the same partitions, and a partition is evaluated in one batch with the next ones of its
+    stage count the climb may ask for (:class:`~partition.timing.Batch`, the same numbers). Every
+    partition asked for counts against the evaluation budget, once per time asked, as before."""
+
+    def __init__(self, ev: ModelEvaluator):
+        self.ev, self.seen = ev, {}
+
+    def __call__(self, bounds: list[int], ahead: list[list[int]] = ()) -> float:
+        """The step time of ``bounds``, evaluated with those of ``ahead`` (the partitions the climb
+        may ask for next) that have its stage count."""
+        key = tuple(bounds)
+        if key not in self.seen:
+            todo = [bounds] + [b for b in ahead if len(b) == len(bounds) and tuple(b) not in self.seen][:AHEAD - 1]
+            if len(todo) == 1:
+                self.seen[key] = self.ev.step_time(bounds)  # (counts itself)
+                return self.seen[key]
+            self.seen.update(zip(map(tuple, todo), self._batch(todo)))
+        self.ev.evaluations += 1
+        return self.seen[key]
+
+    def _batch(self, partitions: list[list[int]]) -> list[float]:
+        """Step times of partitions with one stage count, in one evaluation of the timing model."""
+        S, ev = len(partitions[0]) - 1, self.ev
+        stages = [ev.exprs(b) for b in partitions]
+        st = [StageExprs(**{f.name: np.array([getattr(p[j], f.name) for p in stages], dtype=float)
+                            for f in dataclasses.fields(StageExprs)}) for j in range(S)]
+        alg = Batch(len(partitions))
+        step = np.broadcast_to(step_model(alg, st, ev.rates(S), ev.shape(S), ev.hw.gpu_memory_bytes / GB).step,
+                               alg.broken.shape)
+        return [math.inf if broken else float(t) for t, broken in zip(step, alg.broken)]
+
+
+def _climb(ev: ModelEvaluator, score: _Scores, bounds: list[int], value: float, budget: int,
+           per_s: dict[int, float], allowed: set[int]) -> tuple[float, list[int]]:
     """First-improvement hill climbing over :func:`neighbours` with stage counts in ``allowed``."""
     improved = True
     while improved and ev.evaluations < budget:
         improved = False
-        for cand in neighbours(bounds):
+        cands = [c for c in neighbours(bounds) if len(c) - 1 in allowed]
+        for i, cand in enumerate(cands):
             if ev.evaluations >= budget:
                 break
-            if len(cand) - 1 not in allowed:
-                continue
-            v = ev.step_time(cand)
             S = len(cand) - 1
+            v = score(cand, cands[i + 1:])
             per_s[S] = min(per_s.get(S, math.inf), v)
             if v < value * (1 - 1e-9):
                 value, bounds, improved = v, cand, True

@@ -48,7 +48,12 @@ class Lin:
         return Lin({k: -v for k, v in self.terms.items()}, -self.const)
 
     def __sub__(self, other: "Lin | float") -> "Lin":
-        return self + (-other)
+        if not isinstance(other, Lin):
+            return Lin(dict(self.terms), self.const - other)
+        terms = dict(self.terms)
+        for k, v in other.terms.items():
+            terms[k] = terms.get(k, 0.0) - v
+        return Lin(terms, self.const - other.const)
 
     def __rsub__(self, other: float) -> "Lin":
         return (-self) + other
@@ -163,10 +168,7 @@ def _solve_gurobi(model: LinearModel, time_limit_s: float, cutoff: float | None,
         raise NotAvailableError("gurobipy is not installed (pip install gurobipy)") from None
     t0 = time.perf_counter()
     try:
-        env = gp.Env(empty=True)
-        env.setParam("OutputFlag", 0)
-        env.start()
-        m = gp.Model(env=env)
+        m = gp.Model(env=_gurobi_env(gp))
         xs = m.addVars(model.num_vars, lb=model.lb, ub=model.ub,
                        vtype=[gp.GRB.INTEGER if i else gp.GRB.CONTINUOUS for i in model.integer])
         for terms, lo, hi in model.rows:
@@ -191,7 +193,24 @@ def _solve_gurobi(model: LinearModel, time_limit_s: float, cutoff: float | None,
             raise NotAvailableError(f"gurobipy refused the model ({model.num_vars} variables, {model.num_rows} "
                                     f"constraints): {e}") from None
         raise NotAvailableError(f"gurobipy failed: {e}") from None
-    return _gurobi_result(m, gp, [xs[k] for k in range(model.num_vars)], time.perf_counter() - t0)
+    try:
+        return _gurobi_result(m, gp, [xs[k] for k in range(model.num_vars)], time.perf_counter() - t0)
+    finally:
+        m.dispose()
+
+
+_ENVS: dict[int, object] = {}  # process id -> its silent gurobipy environment (one per model costs milliseconds)
+
+
+def _gurobi_env(gp):
+    """This process's gurobipy environment (not one a parent process forked with)."""
+    env = _ENVS.get(os.getpid())
+    if env is None:
+        env = gp.Env(empty=True)
+        env.setParam("OutputFlag", 0)
+        env.start()
+        _ENVS[os.getpid()] = env
+    return env
 
 
 def _gurobi_result(m, gp, xs: list, solve_s: float) -> SolveResult:

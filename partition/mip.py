@@ -314,7 +314,8 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
 
     With ``seed`` a local search on the same timing model (:mod:`partition.heuristic`) first finds
     a strong incumbent; each stage count's MIP then runs with the best time so far as a cutoff, in
-    the order the local search ranks them, so counts that cannot win stop early.
+    the order the local search ranks them, so counts that cannot win stop early. Stage counts below
+    :func:`fewest_stages` cannot fit and are not solved.
     """
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))
@@ -327,8 +328,10 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
         if inc.boundaries is not None:
             best = _from_schedule(ev, inc.boundaries, gpus_for)
     order = sorted(counts, key=lambda S: (ranking.get(S, math.inf), S))
-    results: list[StageCountResult] = []
-    for S in order:
+    fewest = fewest_stages(profile, hw.gpu_memory_bytes, options)
+    results = [StageCountResult(S, "infeasible", math.inf, math.inf, None, "", 0.0, 0, 0, "memory bound")
+               for S in order if S < fewest]
+    for S in (S for S in order if S >= fewest):
         left = time_limit_s - (time.perf_counter() - t0)
         if left <= 0:
             log.warning("partition time limit reached before trying %d stages", S)
@@ -345,6 +348,24 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
         proven = all(r.status in ("cutoff", "infeasible") for r in results) and not skipped
         best.status = "optimal" if proven else best.status
     return MipResult(best, results, time.perf_counter() - t0, _lower_bound(results, counts), skipped)
+
+
+def fewest_stages(profile: ModelProfile, budget_bytes: int, options: PipelineOptions) -> int:
+    """A stage count below which no partition fits: every stage's ``K`` slots and working set must
+    fit a GPU (its worker holds at least that), and contiguous stages under that cap need at least
+    the count the greedy packing finds. ``num_units + 1`` when a unit alone does not fit."""
+    half = profile.precision != "fp32"
+    budget = budget_bytes / GB * (1 + 1e-9)  # numbers summed in another order must not cut a count that fits
+    parts, slot, work = 0, 0.0, 0.0
+    for u in profile.units:
+        s = slot_gb(u.param_bytes, u.grad_bytes, u.trainable_count, half)
+        if parts and (slot + s) * options.num_slots + max(work, u.work_bytes / GB) <= budget:
+            slot, work = slot + s, max(work, u.work_bytes / GB)
+            continue
+        if s * options.num_slots + u.work_bytes / GB > budget:
+            return profile.num_units + 1
+        parts, slot, work = parts + 1, s, u.work_bytes / GB
+    return parts
 
 
 def given_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int], list[int]], micro_batches: int,

@@ -4,9 +4,11 @@ memory, and how it was found.
 :func:`plan_model` is the one entry point: profile (or estimate) the units, solve the MIP over every
 stage count under each memory setting the run allows (two device slots or one; boundary inputs kept
 on the GPU or in host memory), choose the resident and kept stages of its partition
-(:mod:`partition.residency`) and the gradient download dtype, simulate the plan's schedule on the
-real topology (root-complex contention included) and the baselines beside it. The runtime takes
-:meth:`Plan.runtime_settings` from the plan and builds the same schedule the simulator ran.
+(:mod:`partition.residency`), simulate the plan's schedule on the real topology (root-complex
+contention included) -- and, where the simulated step shows contention the MIP's rates did not,
+plan again at the rates the simulated step reached, keeping the faster -- then choose the gradient
+download dtype and simulate the baselines beside it. The runtime takes :meth:`Plan.runtime_settings`
+from the plan and builds the same schedule the simulator ran.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from partition.baselines import BASELINES
 from partition.costs import PRECISION_BYTES, ModelProfile, stage_costs
@@ -183,7 +185,7 @@ def _summary_lines(p: Plan) -> list[str]:
                  "K: keeps its forward's activations (no recompute)")
     slots = "2 per GPU (the next stage uploads while one computes)" if p.num_slots == 2 else "1 per GPU (no prefetch)"
     lines.append(f"runtime: device slots {slots}; boundary inputs {'in host memory' if p.offload_inputs else 'kept on the GPU'}"
-                 f"; CPU AdamW at {p.cpu_adam_params_per_s / 1e9:.2f} G params/s per worker, "
+                 f"; CPU AdamW at {p.cpu_adam_params_per_s / 1e9:.2f} G params/s per worker (all updating), "
                  + ("after the global norm (clipping or fp16), overlapping the next forward" if p.barrier
                     else "as each stage's gradients arrive"))
     lines.append(f"resident stages: {_stage_list(p.resident)}; kept activations: {_stage_list(p.kept)}; gradient "
@@ -191,8 +193,11 @@ def _summary_lines(p: Plan) -> list[str]:
                  f"{p.host_bytes / GiB:.1f} GiB " + (f"of {p.host_memory_bytes / GiB:.1f} GiB available"
                                                      if p.host_memory_bytes is not None else
                                                      "(not checked: set partition.host_memory_gib)"))
+    rates = p.mip.get("simulated_rates_GBps")
+    seen = (f"at the upload rates the simulated step reached ({', '.join(f'{r:.1f}' for r in rates['h2d'])} GB/s "
+            f"per GPU; re-planned under contention)" if rates else "contention-free")
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
-                 f"contention; the MIP's contention-free model says {p.model_step_s:.3f} s; solver {p.solver}, "
+                 f"contention; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
     if p.time_split:
         lines.append(_time_split_line(p.time_split, p.predicted_step_s))
@@ -209,6 +214,11 @@ def _summary_lines(p: Plan) -> list[str]:
     return lines
 
 
+CONTENTION_GAP = 0.03  # re-plan when the simulated step exceeds the MIP's model of it by more than this
+CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
+CONTENTION_REL_GAP = 0.02  # the re-plan's optimality gap: its rates are one simulated step's estimates
+
+
 # ---------------------------------------------------------------------------------- entry point
 def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardware, *, micro_batches: int,
                micro_batch_size: int = 1, seq_len: int = 512, precision: str = "bf16",
@@ -218,7 +228,7 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
                with_baselines: bool = True, rel_gap: float = DEFAULT_REL_GAP, prefetch: bool = True,
                min_stages: int = 1, boundaries: list[int] | None = None, offload_inputs: str = "auto",
                barrier: bool = False, resident: Sequence[int] | None = None, kept: Sequence[int] | None = None,
-               grad_download: str = "auto") -> Plan:
+               grad_download: str = "auto", contention_rounds: int = CONTENTION_ROUNDS) -> Plan:
     """Profile (or take) the unit costs, find the best partition and runtime settings, simulate it
     and the baselines.
 
@@ -232,35 +242,121 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
     ``resident`` / ``kept``: the stages that stay on their GPU / keep their activations (None: the
     second pass chooses, see :mod:`partition.residency`). ``grad_download``: "fp32", "half" or
     "auto" (half when host memory needs it or the simulator finds it clearly faster).
+    ``contention_rounds``: how often to re-plan at the simulated transfer rates when contention
+    the MIP does not see slows the simulated step (0: never; see :func:`_replan_under_contention`).
     """
     prof = _profile(specs_or_profile, micro_batch_size, seq_len, precision, profile, gpu, cache_dir)
     _check_grad_download(grad_download, prof.precision)
     gpus_for = as_gpus_function(mapping, hardware.groups)
     t0 = time.perf_counter()
-    res, options = _search(prof, hardware, gpus_for, micro_batches, solver, time_limit_s, bandwidth_view, rel_gap,
-                           prefetch, min_stages, boundaries, offload_inputs, barrier,
-                           "half" if grad_download == "half" else "fp32")
-    bounds = res.best.boundaries
-    worker_gpus = gpus_for(len(bounds) - 1)
     want = (None if resident is None else frozenset(resident), None if kept is None else frozenset(kept))
-    options, sim = _residency(prof, hardware, gpus_for, micro_batches, bounds, options, bandwidth_view, sharing, *want)
+
+    def plan_at(model_hw: Hardware, gap: float = rel_gap) -> _Candidate:
+        """The MIP's partition (to ``gap``) and the residency pass at ``model_hw``'s rates, simulated on
+        the machine."""
+        left = max(1.0, time_limit_s - (time.perf_counter() - t0))
+        res, options = _search(prof, model_hw, gpus_for, micro_batches, solver, left, bandwidth_view, gap,
+                               prefetch, min_stages, boundaries, offload_inputs, barrier,
+                               "half" if grad_download == "half" else "fp32")
+        options, sim = _residency(prof, hardware, gpus_for, micro_batches, res.best.boundaries, options,
+                                  bandwidth_view, sharing, *want, model_hw=model_hw)
+        return _Candidate(model_hw, res, options, sim)
+
+    best, tried = plan_at(hardware), []
+    if contention_rounds and boundaries is None:
+        best, tried = _replan_under_contention(best, plan_at, prof, hardware, gpus_for, micro_batches, bandwidth_view,
+                                               contention_rounds, max(rel_gap, CONTENTION_REL_GAP))
+    res, options, sim, bounds = best.res, best.options, best.sim, best.res.best.boundaries
+    worker_gpus = gpus_for(len(bounds) - 1)
     options, sim, choice = _grad_dtype(prof, hardware, worker_gpus, micro_batches, bounds, options, sharing, grad_download,
                                        sim)
     _check_host_memory(prof, hardware, bounds, options)
     base, base_bounds = {}, {}
     if with_baselines:
         swapped = dataclasses.replace(options, resident=frozenset(), kept=frozenset())
+        timed: dict[tuple[int, ...], float] = {}  # baselines that land on one partition (large models) share its time
         for name, fn in BASELINES.items():
             b = fn(prof, hardware, len(worker_gpus), micro_batches, swapped)
             base_bounds[name] = b
-            base[name] = _baseline_time(prof, hardware, gpus_for, micro_batches, b, options, bandwidth_view, sharing,
-                                        want) if b else None
+            if b and tuple(b) not in timed:
+                timed[tuple(b)] = _baseline_time(prof, hardware, gpus_for, micro_batches, b, options, bandwidth_view,
+                                                 sharing, want, best.model_hw)
+            base[name] = timed[tuple(b)] if b else None
     res.solve_s = time.perf_counter() - t0
     label = mapping if isinstance(mapping, str) else "given"
     plan = _assemble(prof, hardware, bounds, worker_gpus, micro_batches, options, sim, res, base, base_bounds, label)
     plan.grad_choice = choice
-    plan.model_step_s = ModelEvaluator(prof, hardware, gpus_for, micro_batches, bandwidth_view, options).step_time(bounds)
+    plan.model_step_s = ModelEvaluator(prof, best.model_hw, gpus_for, micro_batches, bandwidth_view,
+                                       options).step_time(bounds)
+    plan.mip["contention_plans"] = tried
+    if best.model_hw is not hardware:
+        plan.mip["simulated_rates_GBps"] = {"h2d": [r / GB for r in best.model_hw.h2d_Bps],
+                                            "d2h": [r / GB for r in best.model_hw.d2h_Bps]}
     return plan
+
+
+@dataclass
+class _Candidate:
+    """A partition with its runtime settings, the machine the MIP and the residency pass saw
+    (``model_hw``) and the step simulated on the real one."""
+
+    model_hw: Hardware
+    res: MipResult
+    options: PipelineOptions
+    sim: SimResult
+
+
+def _replan_under_contention(best: _Candidate, plan_at: Callable[[Hardware, float], _Candidate], prof: ModelProfile,
+                             hw: Hardware, gpus_for: GpusFor, M: int, view: BandwidthView, rounds: int,
+                             gap: float) -> tuple[_Candidate, list[dict]]:
+    """The outer loop of MIP and simulator: while the simulated step exceeds the model's by more
+    than ``CONTENTION_GAP`` (uploads and downloads slowed by the root complex they share, or by
+    activations on their links), plan again at the rates the simulated step reached
+    (:func:`simulated_rates`, the MIP to ``gap``) and keep the new plan if it simulates faster.
+    Also returns each plan tried: its rates, partition, resident and kept stages, model and simulated step."""
+    def row(c: _Candidate, model_s: float) -> dict:
+        return {"rates": "link" if c.model_hw is hw else "simulated", "boundaries": c.res.best.boundaries,
+                "resident": sorted(c.options.resident), "kept": sorted(c.options.kept), "model_step_s": model_s,
+                "simulated_step_s": c.sim.step_s}
+
+    def model_of(c: _Candidate) -> float:
+        return ModelEvaluator(prof, c.model_hw, gpus_for, M, view, c.options).step_time(c.res.best.boundaries)
+
+    tried = [row(best, model_of(best))]
+    for _ in range(rounds):
+        if best.sim.step_s <= tried[-1]["model_step_s"] * (1 + CONTENTION_GAP):
+            break
+        again = plan_at(simulated_rates(hw, best.sim), gap)
+        tried.append(row(again, model_of(again)))
+        log.info("contention: the simulated step %.3f s exceeds the model's %.3f s; re-planned at the simulated rates: "
+                 "%.3f s simulated (%d stages)", best.sim.step_s, tried[-2]["model_step_s"], again.sim.step_s,
+                 again.res.best.num_stages)
+        if again.sim.step_s >= best.sim.step_s:
+            break
+        best = again
+    return best, tried
+
+
+def simulated_rates(hw: Hardware, sim: SimResult) -> Hardware:
+    """The machine at the rates a simulated step reached: each GPU's host->GPU rate is the bytes its
+    uploads moved over the time they were in flight (root-complex contention and the activations
+    on its link included), its GPU->host rate the same of its gradient downloads; none faster than
+    alone, and no root complex limits them further (their sharing is in the rates)."""
+    moved = {(cat, g): [0.0, 0.0] for cat in ("upload", "grad") for g in range(hw.num_gpus)}
+    for e in sim.events:
+        if e.cat in ("upload", "grad") and e.end > e.start:
+            moved[(e.cat, e.gpu)][0] += e.nbytes
+            moved[(e.cat, e.gpu)][1] += e.end - e.start
+
+    def rate(cat: str, g: int, alone: float) -> float:
+        nbytes, seconds = moved[(cat, g)]
+        return min(alone, nbytes / seconds) if nbytes > 0 else alone
+
+    free = [math.inf] * len(hw.groups)
+    return dataclasses.replace(hw, h2d_Bps=[rate("upload", g, hw.uncontended_h2d(g)) for g in range(hw.num_gpus)],
+                               d2h_Bps=[rate("grad", g, hw.uncontended_d2h(g)) for g in range(hw.num_gpus)],
+                               rc_h2d_Bps=free, rc_d2h_Bps=list(free), rc_h2d_by_streams=None, rc_d2h_by_streams=None,
+                               bidir_Bps=None, name=f"{hw.name} at its simulated rates")
 
 
 def _check_grad_download(grad_download: str, precision: str) -> None:
@@ -277,10 +373,12 @@ RESIDENCY_RESERVE = 0.06  # of the usable GPU memory, kept free by the automatic
 
 def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
                options: PipelineOptions, view: BandwidthView, sharing: Sharing, resident: frozenset[int] | None,
-               kept: frozenset[int] | None) -> tuple[PipelineOptions, SimResult]:
-    """The partition's resident and kept stages (given, or chosen by the second pass) and its
-    simulation; an automatic choice the simulator finds slower than none is dropped."""
-    ev = ModelEvaluator(prof, hw, gpus_for, M, view, options)
+               kept: frozenset[int] | None, model_hw: Hardware | None = None) -> tuple[PipelineOptions, SimResult]:
+    """The partition's resident and kept stages (given, or chosen by the second pass at
+    ``model_hw``'s rates, by default the machine's) and its simulation on the machine; an automatic
+    choice the simulator finds slower than none is dropped."""
+    model_hw = model_hw or hw
+    ev = ModelEvaluator(prof, model_hw, gpus_for, M, view, options)
     worker_gpus = gpus_for(len(bounds) - 1)
     if resident or kept:
         wrong = residency.check_choice(ev, bounds, resident or frozenset(), kept or frozenset())
@@ -288,7 +386,7 @@ def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, boun
             raise ConfigError(f"parallel.{wrong[0]}_stages: {wrong[1]}")
     res, kp, t = frozenset(), frozenset(), math.inf
     if resident is None or kept is None:  # what the planner adds leaves RESIDENCY_RESERVE of the GPU free
-        spare = dataclasses.replace(hw, gpu_memory_bytes=int(hw.gpu_memory_bytes * (1 - RESIDENCY_RESERVE)))
+        spare = dataclasses.replace(model_hw, gpu_memory_bytes=int(hw.gpu_memory_bytes * (1 - RESIDENCY_RESERVE)))
         res, kp, t = residency.choose(ModelEvaluator(prof, spare, gpus_for, M, view, options), bounds, resident, kept)
     if not math.isfinite(t):  # or what the config forces does not fit that way
         res, kp, t = residency.choose(ev, bounds, resident, kept)
@@ -307,14 +405,16 @@ def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, boun
     return chosen, sim
 
 
-GRAD_HALF_GAIN = 0.05  # auto downloads half-precision gradients when the simulated step is this much shorter
+GRAD_HALF_GAIN = 0.05  # what auto's gradient download dtype must gain in simulated step time to be chosen
 
 
 def _grad_dtype(prof: ModelProfile, hw: Hardware, worker_gpus: list[int], M: int, bounds: list[int],
                 options: PipelineOptions, sharing: Sharing, grad_download: str,
                 sim: SimResult) -> tuple[PipelineOptions, SimResult, str]:
     """The gradient download dtype: as asked, or (auto) half when the host memory needs it or the
-    simulator finds it at least ``GRAD_HALF_GAIN`` faster; fp32 keeps the reference's numbers."""
+    simulator finds it at least ``GRAD_HALF_GAIN`` faster. Otherwise fp32 (the reference's numbers,
+    4 more host bytes per parameter) where the host memory is known to hold it; where it is not
+    known (a saved topology), fp32 only when it is at least ``GRAD_HALF_GAIN`` faster than half."""
     if grad_download != "auto":
         return options, sim, "as configured"
     if prof.precision != "bf16":
@@ -331,6 +431,13 @@ def _grad_dtype(prof: ModelProfile, hw: Hardware, worker_gpus: list[int], M: int
     gain = 1 - fast.step_s / sim.step_s
     if gain >= GRAD_HALF_GAIN:
         return half, fast, f"simulated {100 * gain:.1f}% faster than fp32"
+    if hw.host_memory_bytes is None and sim.step_s > fast.step_s * (1 - GRAD_HALF_GAIN):
+        extra = need - _host_bytes(prof, bounds, half)
+        return half, fast, (f"host memory not known: fp32 would take {extra / GiB:.1f} GiB more for "
+                            f"{100 * max(0.0, 1 - sim.step_s / fast.step_s):.1f}% of the step (< "
+                            f"{100 * GRAD_HALF_GAIN:.0f}%)")
+    if gain < 0:
+        return options, sim, f"half would take {100 * (fast.step_s / sim.step_s - 1):.1f}% longer"
     return options, sim, f"half would save {100 * gain:.1f}% of the step (< {100 * GRAD_HALF_GAIN:.0f}%)"
 
 
@@ -356,12 +463,13 @@ def _host_bytes(prof: ModelProfile, bounds: list[int], options: PipelineOptions)
 
 def _baseline_time(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
                    options: PipelineOptions, view: BandwidthView, sharing: Sharing,
-                   want: tuple[frozenset[int] | None, frozenset[int] | None]) -> float:
-    """A baseline partition simulated the same way (with its own automatic residency choice)."""
+                   want: tuple[frozenset[int] | None, frozenset[int] | None], model_hw: Hardware) -> float:
+    """A baseline partition simulated the same way (with its own automatic residency choice, at
+    the rates the plan's was made at)."""
     base = dataclasses.replace(options, resident=frozenset(), kept=frozenset())
     auto = tuple(None if w is None else frozenset() for w in want)
     try:
-        _, sim = _residency(prof, hw, gpus_for, M, bounds, base, view, sharing, *auto)
+        _, sim = _residency(prof, hw, gpus_for, M, bounds, base, view, sharing, *auto, model_hw=model_hw)
     except MobiusError:
         return math.inf
     return sim.step_s
@@ -379,11 +487,14 @@ def _option_sets(prefetch: bool, offload_inputs: str, barrier: bool,
 def _search(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, solver: SolverName, time_limit_s: float,
             view: BandwidthView, rel_gap: float, prefetch: bool, min_stages: int, boundaries: list[int] | None,
             offload_inputs: str, barrier: bool, grad_dtype: str) -> tuple[MipResult, PipelineOptions]:
-    """The best partition under the best runtime settings (the MIP's model decides)."""
+    """The best partition under the best runtime settings (the MIP's model decides); the result's
+    lower bound is the lowest of its tier's settings (what no setting tried can beat) and its
+    untried stage counts are theirs together."""
     t0 = time.perf_counter()
     counts = list(range(max(1, min_stages), prof.num_units + 1))
     best: tuple[MipResult, PipelineOptions] | None = None
     for tier in _option_sets(prefetch, offload_inputs, barrier, grad_dtype):
+        bounds, skipped = [], 0
         for options in tier:
             if boundaries is not None:
                 res = given_partition(prof, hw, gpus_for, M, boundaries, view, options)
@@ -391,10 +502,13 @@ def _search(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, solver:
                 left = max(1.0, time_limit_s - (time.perf_counter() - t0))
                 res = solve_partition(prof, hw, gpus_for, M, solver, left, stage_counts=counts, bandwidth=view,
                                       rel_gap=rel_gap, options=options)
+            bounds.append(res.lower_bound)
+            skipped += res.stage_counts_skipped
             if res.best is not None and res.best.boundaries is not None and math.isfinite(res.best.predicted_s):
                 if best is None or res.best.predicted_s < best[0].best.predicted_s:
                     best = (res, options)
         if best is not None:
+            best[0].lower_bound, best[0].stage_counts_skipped = min(bounds), skipped
             return best
     raise explain_infeasible(prof, hw, M, _option_sets(prefetch, offload_inputs, barrier, grad_dtype)[-1][-1])
 
@@ -433,7 +547,8 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], worker_gpus: 
                 profile_source=prof.source, device_name=prof.device_name, stages=stages,
                 peak_bytes=list(sim.peak_bytes), traffic=traffic, unit_names=[u.name for u in prof.units],
                 mapping_kind=mapping, hardware=hw.describe(), gpu_memory_bytes=hw.gpu_memory_bytes,
-                param_count=prof.param_count(), cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half"),
+                param_count=prof.param_count(),
+                cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half", len(worker_gpus)),
                 mip=mip_info, host_bytes=host, host_memory_bytes=hw.host_memory_bytes, time_split=sim.time_split())
 
 

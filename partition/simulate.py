@@ -4,7 +4,8 @@ executor dispatches (:mod:`partition.schedule`), over several consecutive steps.
 Each worker has the engines the runtime has: a compute stream (compute actions in list order), a
 copy thread (uploads in order, each waiting for the slot it takes to be released and for the
 stage's previous update), a download stream (gradient downloads and offloaded boundary inputs in
-order) and an optimizer thread (CPU updates in order). Activations and their gradients travel as
+order) and an optimizer thread (CPU updates in order; the workers' threads share the host: while
+``k`` update at once each runs at ``Hardware.cpu_update_rate(updating=k)``). Activations and their gradients travel as
 soon as they are produced: through host memory (two hops) unless the pair has peer access, or in
 place when both stages are on one worker. A tied weight's two ends exchange gradients once both
 are down (``TIE``); the step ends at ``REDUCE``, when every worker has finished its transfers (and,
@@ -14,7 +15,8 @@ them. The reported step time is the steady-state period (the last of ``steps`` s
 
 Transfers are fluid flows over per-GPU links (host->GPU, GPU->host, optionally both together) and
 per-root-complex capacities, which may depend on the number of concurrent streams (measured by
-``mobius topo --bench``). Rates are set by priority classes, highest first, each class sharing
+``mobius topo --bench``); uploads, gradient downloads, offloaded inputs and both hops of
+host-staged activations all draw on them. Rates are set by priority classes, highest first, each class sharing
 what is left max-min fairly: ``sharing="priority"`` (the runtime's per-root-complex upload
 arbiter): activations first, then uploads in the order the stages start, then gradient downloads,
 then input offloads; ``sharing="fair"``: everything shares equally.
@@ -22,6 +24,7 @@ then input offloads; ``sharing="fair"``: everything shares equally.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -48,6 +51,7 @@ class SimEvent:
     start: float
     end: float
     cat: str  # fwd | bwd | upload | act | grad | ckpt | adam
+    nbytes: float = 0.0  # what a transfer moved
 
 
 @dataclass
@@ -218,6 +222,7 @@ class _Worker:
         self.released: dict[int, float] = {}
         self.d2h_ready: dict[int, float] = {}  # d2h task -> time its data is produced
         self.pending_sends = 0
+        self.woken = True  # something its next compute waits for may have happened since it last checked
 
 
 class _Sim:
@@ -227,20 +232,24 @@ class _Sim:
                  sched: Schedule, sharing: Sharing, record: bool):
         self.profile, self.costs, self.hw, self.sched = profile, costs, hw, sched
         self.grad_bytes = sched.options.grad_bytes
-        self.cpu_rate = hw.cpu_update_rate(half_grads=sched.options.grad_dtype == "half")
+        self.half_grads = sched.options.grad_dtype == "half"
         self.sharing, self.record = sharing, record
         self.S, self.M, self.N = sched.num_stages, sched.micro_batches, len(worker_gpus)
         self.workers = [_Worker(w, worker_gpus[w], sched) for w in range(self.N)]
         self.half = profile.precision != "fp32"
         self.t = 0.0
         self.flows: list[_Flow] = []
+        self.flows_changed = False  # a flow started or ended since the rates were last set
         self.step = 0
         self.step_start = 0.0
         self.step_ends: list[float] = []
         self.updated: dict[int, float | None] = {j: 0.0 for j in range(self.S)}  # None: an update is pending
         self.opt_queue: list[list[tuple[int, int]]] = [[] for _ in range(self.N)]  # (step, stage) in order
-        self.opt_busy: list[float | None] = [None] * self.N
+        self.opt_busy: list[float | None] = [None] * self.N  # when the running update ends at its current rate
         self.opt_running: list[tuple[int, int] | None] = [None] * self.N
+        self.opt_left = [0.0] * self.N  # parameters the running update has left
+        self.opt_rate = [0.0] * self.N  # its parameters per second: its share of the host (:meth:`_share_cpu`)
+        self.opt_start = [0.0] * self.N
         self.tie_at: float | None = None
         self.tie_s = _tie_seconds(profile, hw, worker_gpus, self.S)
         self._new_step_state()
@@ -280,6 +289,7 @@ class _Sim:
             if self._try_reduce():
                 return
             self._allocate()
+            self._share_cpu()
             t_next = self._next_time()
             assert t_next < math.inf, f"simulation stalled at {self.t:.6f} s in step {self.step}"
             self._advance(t_next)
@@ -292,10 +302,13 @@ class _Sim:
     # ---- starting work -------------------------------------------------------------------------
     def _start_ready(self) -> bool:
         started = False
-        for w in self.workers:
-            started |= self._start_upload(w)
-            started |= self._start_compute(w)
-            started |= self._start_d2h(w)
+        for w in self.workers:  # (an engine that is busy or has nothing left is skipped without a call)
+            if not w.uploading and w.ui < len(w.uploads):
+                started |= self._start_upload(w)
+            if w.busy_until is None and w.ci < len(w.compute) and w.woken:
+                started |= self._start_compute(w)
+            if not w.downloading and w.di in w.d2h_ready:
+                started |= self._start_d2h(w)
         started |= self._start_updates()
         started |= self._start_tie()
         return started
@@ -318,7 +331,7 @@ class _Sim:
         return True
 
     def _upload_done(self, w: _Worker, occ: int, t: float) -> None:
-        w.uploading = False
+        w.uploading, w.woken = False, True
         w.upload_done[occ] = t
 
     def _start_compute(self, w: _Worker) -> bool:
@@ -326,9 +339,13 @@ class _Sim:
             return False
         task = w.compute[w.ci]
         if task.occ >= 0 and task.occ not in w.upload_done:
+            w.woken = False  # until its upload ends
             return False
         inputs = self._input_ready(task)
-        if inputs is None or inputs > self.t + _EPS_T:
+        if inputs is None:
+            w.woken = False  # until an activation (or gradient) arrives for it
+            return False
+        if inputs > self.t + _EPS_T:
             return False
         uploaded = w.upload_done[task.occ] if task.occ >= 0 else self.t
         start = max(self.t, uploaded)
@@ -415,11 +432,19 @@ class _Sim:
                     (self.tie_at is None or self.tie_at > self.t + _EPS_T):
                 continue
             self.opt_queue[w].pop(0)
-            dur = self.costs[j].trainable_count / self.cpu_rate
-            self.opt_busy[w], self.opt_running[w] = self.t + dur, (step, j)
-            self._event(-1, "cpu", f"adam{j}", self.t, self.t + dur, "adam")
+            self.opt_running[w], self.opt_start[w] = (step, j), self.t
+            self.opt_left[w] = float(self.costs[j].trainable_count)
+            self.opt_busy[w] = self.t  # timed by _share_cpu
             started = True
         return started
+
+    def _share_cpu(self) -> None:
+        """The running CPU updates' rates: each worker's share of the host while this many update."""
+        running = [w for w in range(self.N) if self.opt_running[w] is not None]
+        rate = self.hw.cpu_update_rate(self.half_grads, updating=len(running)) if running else 0.0
+        for w in running:
+            self.opt_rate[w] = rate
+            self.opt_busy[w] = self.t + self.opt_left[w] / rate
 
     # ---- the end of a step ---------------------------------------------------------------------
     def _try_reduce(self) -> bool:
@@ -452,6 +477,9 @@ class _Sim:
 
     def _advance(self, t_next: float) -> None:
         dt = t_next - self.t
+        for w in range(self.N):
+            if self.opt_running[w] is not None:
+                self.opt_left[w] = max(0.0, self.opt_left[w] - self.opt_rate[w] * dt)
         for f in self.flows:
             f.done = min(f.total, f.done + f.rate * dt)
             if f.remaining() < _EPS_BYTES:
@@ -461,10 +489,11 @@ class _Sim:
     def _complete_due(self) -> None:
         for f in [f for f in self.flows if f.remaining() < _EPS_BYTES]:
             self.flows.remove(f)
+            self.flows_changed = True
             self._finish_flow(f)
         for w in self.workers:
             if w.busy_until is not None and w.busy_until <= self.t + _EPS_T:
-                w.busy_until = None
+                w.busy_until, w.woken = None, True
                 self._compute_done(w)
         self._complete_updates()
 
@@ -472,6 +501,7 @@ class _Sim:
         for w in range(self.N):
             if self.opt_busy[w] is not None and self.opt_busy[w] <= self.t + _EPS_T:
                 _, j = self.opt_running[w]
+                self._event(-1, "cpu", f"adam{j}", self.opt_start[w], self.t, "adam")
                 self.updated[j] = self.t
                 self.opt_busy[w], self.opt_running[w] = None, None
 
@@ -506,13 +536,13 @@ class _Sim:
         nbytes = sc.in_bytes if backward else sc.out_bytes
         dst_w = self.workers[dst % self.N]
         if dst_w is w or nbytes == 0:
-            self.arrived[key] = self.t
+            self.arrived[key], dst_w.woken = self.t, True
             return
         name = f"{key[0]}{src}>{dst}.{m}"
         w.pending_sends += 1
 
         def arrived(t: float) -> None:
-            self.arrived[key] = t
+            self.arrived[key], dst_w.woken = t, True
             w.pending_sends -= 1
 
         if self.hw.p2p_rate(w.gpu, dst_w.gpu):
@@ -545,6 +575,7 @@ class _Sim:
         if nbytes <= 0:
             on_done(self.t)
             return
+        self.flows_changed = True
         self.flows.append(_Flow(label, kind, float(nbytes), tuple(res), cap,
                                 prio if self.sharing == "priority" else (0,), on_done, gpu, track, self.t))
 
@@ -555,7 +586,7 @@ class _Sim:
         if f.track in ("h2d", "d2h"):
             self.bytes[f"rc_{f.track}"][hw.group_of(f.gpu)] += f.total
         self._event(f.gpu, f.track, f.label, f.start, self.t, {"upload": "upload", "act": "act", "grad": "grad",
-                                                                "ckpt": "ckpt"}[f.kind])
+                                                                "ckpt": "ckpt"}[f.kind], f.total)
         f.on_done(self.t)
 
     # ---- sharing -------------------------------------------------------------------------------
@@ -576,18 +607,22 @@ class _Sim:
         return cap
 
     def _allocate(self) -> None:
-        """Strict priority between classes, max-min fair inside a class (progressive filling)."""
+        """Strict priority between classes, max-min fair inside a class (progressive filling). The
+        rates depend on the flows in flight only: they are set again when one starts or ends."""
+        if not self.flows_changed:
+            return
+        self.flows_changed = False
         capacity = self._capacities()
         remaining = dict(capacity)
         for f in self.flows:
             f.rate = 0.0
-        for prio in sorted({f.prio for f in self.flows}):
-            _fill([f for f in self.flows if f.prio == prio], remaining, capacity)
+        for _, same in itertools.groupby(sorted(self.flows, key=_priority), key=_priority):
+            _fill(list(same), remaining, capacity)
 
     # ---- results -------------------------------------------------------------------------------
-    def _event(self, gpu: int, track: str, name: str, start: float, end: float, cat: str) -> None:
+    def _event(self, gpu: int, track: str, name: str, start: float, end: float, cat: str, nbytes: float = 0.0) -> None:
         if self.record:
-            self.events.append(SimEvent(gpu, track, name, start - self.step_start, end - self.step_start, cat))
+            self.events.append(SimEvent(gpu, track, name, start - self.step_start, end - self.step_start, cat, nbytes))
 
     def _result(self) -> SimResult:
         ends = self.step_ends
@@ -613,8 +648,19 @@ def _tie_seconds(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], S:
     return 4 * profile.tied_params / hw.host_copy_Bps if profile.tied_params and split else 0.0
 
 
+def _priority(f: _Flow) -> tuple:
+    return f.prio
+
+
 def _fill(flows: list[_Flow], remaining: dict, capacity: dict) -> None:
     """Max-min fair rates for ``flows`` within ``remaining`` capacity (reduced in place)."""
+    if len(flows) == 1 and len(set(flows[0].resources)) == len(flows[0].resources):  # one round of the loop below
+        f = flows[0]
+        step = max(min([remaining[r] for r in f.resources] + [f.cap - f.rate]), 0.0)
+        f.rate += step
+        for r in f.resources:
+            remaining[r] -= step
+        return
     free = list(flows)
     while free:
         users: dict = {}

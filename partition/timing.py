@@ -1,10 +1,12 @@
-"""The timing and memory model of one pipeline step, written once for two algebras.
+"""The timing and memory model of one pipeline step, written once for numbers and MIP rows.
 
 It states, stage by stage, when every event of the runtime's schedule (:mod:`partition.schedule`)
 can happen at the earliest: each time is the maximum of the times it waits for, plus a duration.
 With :class:`Numbers` the model evaluates one partition; with :class:`Rows` it emits the MIP's
 constraints (a variable ``>=`` each term of its maximum), so for a fixed partition the MIP's optimum
-*is* the evaluated step time. Units: seconds, GB (10^9 bytes), G parameters (10^9).
+*is* the evaluated step time. :class:`Batch` evaluates many variants of one structure at once, each
+with the numbers :class:`Numbers` gives it (partitions of one stage count; kept stages or free
+workers added, :class:`Variant`). Units: seconds, GB (10^9 bytes), G parameters (10^9).
 
 What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` device slots):
 
@@ -47,13 +49,16 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Protocol, Union
+from functools import cached_property, reduce
+from typing import Any, Callable, Protocol, Union
+
+import numpy as np
 
 from partition.lp import Lin, LinearModel
 from partition.schedule import PipelineOptions, offloaded_stages
 
-Expr = Union[float, Lin]
+Expr = Union[float, Lin, np.ndarray]  # a number, a MIP expression, or one number per variant of a batch
+Flag = Union[bool, np.ndarray]  # a yes/no of the structure, or one per variant of a batch
 
 
 @dataclass
@@ -82,6 +87,7 @@ class Shape:
     micro_batches: int
     options: PipelineOptions = PipelineOptions()
     tied: bool = False  # stage 0 and the last stage hold the two ends of one weight
+    variants: tuple["Variant", ...] = ()  # a batch (:class:`Batch`): what each variant adds to ``options``
 
     num_slots = property(lambda self: self.options.num_slots)  # K
     barrier = property(lambda self: self.options.barrier)
@@ -94,15 +100,30 @@ class Shape:
         """Stages whose boundary inputs wait in host memory (the schedule's rule, not a second one)."""
         return offloaded_stages(tuple(j % self.num_workers for j in range(self.num_stages)), self.options)
 
+    def keeps(self, j: int) -> Flag:
+        """Whether stage j keeps its forward's activations (per variant in a batch)."""
+        return True if j in self.options.kept else self._masks.get(("kept", j), False)
+
+    def offloads(self, j: int) -> Flag:
+        """Whether stage j's boundary inputs wait in host memory (per variant: a kept graph holds them)."""
+        if j not in self.offloaded:
+            return False
+        kept = self._masks.get(("kept", j))
+        return True if kept is None else ~kept
+
+    def frees(self, w: int) -> Flag:
+        """Whether worker w's transfers and CPU updates cost nothing (per variant; see :class:`Variant`)."""
+        return self._masks.get(("free", w), False)
+
     def worker(self, j: int) -> int:
         return j % self.num_workers
 
     def stages_of(self, w: int) -> list[int]:
-        return list(range(w, self.num_stages, self.num_workers))
+        return self._stages[w]
 
     def swapped(self, w: int) -> list[int]:
         """The worker's stages that move between host and GPU."""
-        return [j for j in self.stages_of(w) if j not in self.resident]
+        return self._swapped[w]
 
     def last_forward(self, j: int) -> bool:
         """The worker's last forward stage: its backward is the worker's next phase."""
@@ -111,9 +132,7 @@ class Shape:
     def turns(self, j: int) -> bool:
         """The stage's backward needs no upload: it is resident, or the worker's last swapped stage
         (only resident stages compute between its forward and its backward)."""
-        if j in self.resident:
-            return True
-        return j == max(self.swapped(self.worker(j)))
+        return j in self._turning
 
     def occupancies(self, w: int) -> list[tuple[str, int]]:
         """Uploads in the worker's order, as (kind, stage): F (forward), R (forward + backward), FB, B."""
@@ -121,13 +140,59 @@ class Shape:
         kinds = [("FB" if j == last else "R" if self.turns(j) else "F", j) for j in mine]
         return kinds + [("B", j) for j in reversed(mine) if not self.turns(j)]
 
+    # the structure, computed once per shape (the timing model asks for it per stage, many times)
+    @cached_property
+    def _stages(self) -> list[list[int]]:
+        return [list(range(w, self.num_stages, self.num_workers)) for w in range(self.num_workers)]
+
+    @cached_property
+    def _swapped(self) -> list[list[int]]:
+        resident = self.options.resident
+        return [[j for j in mine if j not in resident] for mine in self._stages]
+
+    @cached_property
+    def _turning(self) -> frozenset[int]:
+        return self.options.resident | frozenset(mine[-1] for mine in self._swapped if mine)
+
+    @cached_property
+    def _masks(self) -> dict[tuple[str, int], np.ndarray]:
+        """("kept", stage) / ("free", worker) -> which variants add it."""
+        out: dict[tuple[str, int], np.ndarray] = {}
+        for b, v in enumerate(self.variants):
+            for key in [("kept", j) for j in v.kept] + [("free", w) for w in v.free]:
+                out.setdefault(key, np.zeros(len(self.variants), dtype=bool))[b] = True
+        return out
+
     def bwd_time(self, st: "StageExprs", j: int) -> Expr:
         """Backward seconds per micro-batch: no recompute when the stage kept its activations (the
         last stage's FB never recomputes: it is never in ``kept``)."""
-        return st.bwd - st.fwd if j in self.kept else st.bwd
+        return either(self.keeps(j), lambda keeps: st.bwd - st.fwd if keeps else st.bwd)
 
     def __post_init__(self) -> None:
-        assert self.num_stages - 1 not in self.kept, "the last stage's FB keeps nothing: it never recomputes"
+        last = self.num_stages - 1
+        assert all(last not in v.kept for v in (self.options, *self.variants)), "the last stage's FB never recomputes"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One variant of a batch: stages it keeps besides ``options.kept``, and workers it frees. A
+    free worker's uploads, downloads and CPU updates cost nothing and wait for nothing (its compute
+    and activations stay): a relaxation, whose step no resident or kept choice on that worker can
+    beat (:mod:`partition.residency` bounds its moves with it)."""
+
+    kept: frozenset[int] = frozenset()
+    free: frozenset[int] = frozenset()
+
+
+def either(flag: Flag, value: Callable[[bool], Any]) -> Any:
+    """``value(flag)``; for a flag per variant, each variant's value (both computed as for one variant,
+    so that a batch gives every variant the very numbers of its own evaluation)."""
+    if isinstance(flag, bool):
+        return value(flag)
+    yes, no = value(True), value(False)
+    if isinstance(yes, tuple):
+        return tuple(np.where(flag, a, b) for a, b in zip(yes, no))
+    return np.where(flag, yes, no)
 
 
 @dataclass
@@ -164,6 +229,22 @@ class Numbers:
     def require(self, need: Expr, budget: float, what: str) -> None:
         if need > budget * (1 + 1e-12):
             self.violations.append((what, need, budget))
+
+
+class Batch:
+    """Evaluate the model for many variants at once (partitions of one stage count, or kept
+    choices, see :attr:`Shape.variants`): every quantity is a vector over the variants and each
+    variant gets the same arithmetic :class:`Numbers` does; ``broken`` marks those that break a
+    memory rule."""
+
+    def __init__(self, size: int) -> None:
+        self.broken = np.zeros(size, dtype=bool)
+
+    def max(self, name: Name, terms: list[Expr]) -> Expr:
+        return reduce(np.maximum, terms) if terms else 0.0
+
+    def require(self, need: Expr, budget: float, what: str) -> None:
+        self.broken |= need > budget * (1 + 1e-12)
 
 
 class Rows:
@@ -246,10 +327,12 @@ class _Uploads:
             terms.append(self._released(*occ[i - self.shape.num_slots]))
         if kind != "B" and j in self.ready:
             terms.append(self.ready[j])
-        s, nbytes = self.st[j], self.st[j].pbytes
-        if kind == "B" and j in self.shape.offloaded:  # the inputs come back right after the weights
-            nbytes = nbytes + s.in_b * self.shape.micro_batches
-        value = self.alg.max(("u" + key[0], j), terms) + nbytes * (1.0 / self.r.up[j])
+        s, M = self.st[j], self.shape.micro_batches
+        # a backward's offloaded inputs come back right after its weights
+        nbytes = either(kind == "B" and self.shape.offloads(j),
+                        lambda back: s.pbytes + s.in_b * M if back else s.pbytes)
+        upload = self.alg.max(("u" + key[0], j), terms) + nbytes * (1.0 / self.r.up[j])
+        value = either(self.shape.frees(self.shape.worker(j)), lambda free: 0.0 if free else upload)
         self.t.upload_done[key] = value
         return value
 
@@ -287,7 +370,7 @@ def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
     if j >= N:
         first.append(t.fwd_end[j - N])
     elif shape.barrier and shape.resident:
-        first.append(_device_updates(st, r, shape, j))
+        first.append(either(shape.frees(j), lambda free: 0.0 if free else _device_updates(st, r, shape, j)))
     if j > 0:
         hop = st[j - 1].fwd + st[j - 1].out_b * r.lat_in[j]
         first.append(t.fwd_start[j - 1] + hop)
@@ -324,7 +407,8 @@ def _download(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Ste
     later = [i for i in shape.swapped(shape.worker(j)) if i > j]
     if later:
         after.append(t.download_done[min(later)])
-    t.download_done[j] = alg.max(("d", j), after) + st[j].params * (shape.grad_bytes / r.down[j])
+    done = alg.max(("d", j), after) + st[j].params * (shape.grad_bytes / r.down[j])
+    t.download_done[j] = either(shape.frees(shape.worker(j)), lambda free: t.bwd_end[j] if free else done)
 
 
 def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes) -> None:
@@ -349,7 +433,7 @@ def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
             t.update_done[j] = alg.max(("o", j), after) + st[j].params * (1.0 / r.cpu)
             prev = t.update_done[j]
         if prev is not None:
-            done.append(prev)
+            done.append(either(shape.frees(w), lambda free: 0.0 if free else prev))
     t.step = alg.max(("T", 0), done)
 
 
@@ -365,14 +449,15 @@ def phase_needs(s: StageExprs, base: Expr, kept: Expr, M: int, keep_out: bool = 
     return fwd, bwd
 
 
-def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape) -> dict[int, list[tuple[str, Expr]]]:
-    """Per worker, the device memory each of its phases needs: K slots of its largest swapped stage,
-    its resident stages' states, what its pending backwards keep (boundary inputs or activations)
-    and the phase's working set."""
+def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape,
+                 workers: list[int] | None = None) -> dict[int, list[tuple[str, Expr]]]:
+    """Per worker (all, or ``workers``), the device memory each of its phases needs: K slots of its
+    largest swapped stage, its resident stages' states, what its pending backwards keep (boundary
+    inputs or activations) and the phase's working set."""
     M, S = shape.micro_batches, shape.num_stages
     local = shape.num_workers == 1  # neighbours on one worker keep activations and their gradients on it
     out: dict[int, list[tuple[str, Expr]]] = {}
-    for w in range(shape.num_workers):
+    for w in range(shape.num_workers) if workers is None else workers:
         mine, swapped = shape.stages_of(w), shape.swapped(w)
         if not mine:
             continue
@@ -381,13 +466,12 @@ def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape) -> dict[int, 
         kept: Expr = 0.0
         out[w] = []
         for j in mine:
-            keeps = j in shape.kept
-            fwd, bwd = phase_needs(st[j], base, kept, M, local and j < S - 1, local and j > 0, keeps)
+            s, held, away = st[j], kept, j in shape.offloaded  # away: its inputs wait in host memory unless kept
+            fwd, bwd = either(shape.keeps(j), lambda keeps: phase_needs(s, base, held, M, local and j < S - 1,
+                                                                         local and j > 0, keeps))
             out[w] += [(f"stage {j} forward", fwd), (f"stage {j} backward", bwd)]
-            if keeps:
-                kept = kept + (st[j].saved + st[j].in_b) * M
-            elif j not in shape.offloaded:
-                kept = kept + st[j].in_b * M
+            kept = either(shape.keeps(j), lambda keeps: held + (s.saved + s.in_b) * M if keeps
+                          else held if away else held + s.in_b * M)
     return out
 
 

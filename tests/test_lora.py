@@ -235,7 +235,7 @@ def test_a_lora_run_resumes_across_modes(tmp_path: Path, llama_checkpoint: Path,
 
 
 HOST_PROBE = r"""
-import dataclasses, json, os, sys
+import ctypes, dataclasses, gc, json, os, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from mobius.app.launch import free_port
@@ -247,6 +247,9 @@ from mobius.models import get_preset, unit_specs
 from scheduler.engine import PipelineEngine
 
 def rss():
+    # what the process holds, not what it freed and the allocator kept: collected and trimmed first
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
 

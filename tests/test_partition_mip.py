@@ -177,7 +177,7 @@ def test_a_48_block_plan_fits_the_free_licence_and_closes_its_gap() -> None:
     res = solve_partition(prof, hw, lambda S: [0, 2, 1, 3], 4, solver="auto", time_limit_s=120)
     print(f"\n48-block plan: {time.perf_counter() - t0:.2f} s, {res.best.num_stages} stages, solver {res.solver}, "
           f"{res.status_text()}, largest model {res.max_size[0]} variables / {res.max_size[1]} constraints")
-    assert res.gap <= 0.005 and not res.stage_counts_skipped
+    assert res.gap <= 0.005 + 1e-12 and not res.stage_counts_skipped  # the gap is a ratio of floats
     assert res.max_size[0] <= 2000 and res.max_size[1] <= 2000
 
 

@@ -75,13 +75,16 @@ def test_plan_json_round_trip() -> None:
 def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
     specs = unit_specs(get_preset("gpt2-xl"))
     hw = Hardware.paper_3090ti()
-    kw = dict(micro_batches=4, micro_batch_size=2, seq_len=512, precision="fp16", profile="estimated", gpu="rtx3090ti")
+    kw = dict(micro_batches=4, micro_batch_size=2, seq_len=512, precision="fp16", profile="estimated", gpu="rtx3090ti",
+              barrier=True, rel_gap=0.02)  # fp16 updates after the global norm; no 0.5% proof needed here
     swapped = plan_model(specs, hw, resident=[], kept=[], **kw)  # the paper's pipeline: every stage swapped
     assert swapped.profile_source == "estimated" and swapped.boundaries[-1] == len(specs)
     assert 3.0 < swapped.traffic["x_param_bytes"] < 5.0  # two half-precision uploads, fp32 gradients down
     plan = plan_model(specs, hw, **kw)  # the second pass uses the memory the swapped plan leaves free
     for p in (swapped, plan):
-        assert p.predicted_step_s >= p.model_step_s * 0.999  # contention only adds time
+        if "simulated_rates_GBps" not in p.mip:  # the contention-free model: contention only adds time (the
+            # model gives each worker the CPU share of all updating at once, the simulator of those updating then)
+            assert p.predicted_step_s >= p.model_step_s * 0.98
         assert all(v is None or v >= p.predicted_step_s * 0.98 for v in p.baselines.values())
         assert max(p.peak_bytes) <= hw.gpu_memory_bytes
     assert plan.resident and plan.predicted_step_s < swapped.predicted_step_s
@@ -189,3 +192,34 @@ def test_plan_report_states_small_and_large_amounts_readably() -> None:
 
     assert [_amount(n) for n in (512, 6_547_968, 1.42e9, 6.7e9)] == ["512", "6.55M", "1.42B", "6.7B"]
     assert [_amount(n, "B") for n in (300, 3.6e6, 5.68e9)] == ["300 B", "3.6 MB", "5.68 GB"]
+
+
+def test_the_plan_adapts_its_partition_to_root_complex_contention() -> None:
+    """On a 1+3 box (one GPU alone on its root complex, three sharing one uplink) the MIP's
+    contention-free model misses that the three share their uploads; re-planned at the rates the
+    simulated step reached, it picks another partition, which the simulator finds faster, and the
+    model's figure comes close to the simulated one."""
+    prof = toy_profile(blocks=8, fwd_s=0.01, param_bytes=200e6)
+    hw = Hardware.uniform(4, 6 * GiB, 5e9, groups=[[0], [1, 2, 3]], cpu_adam_params_per_s=1e12)
+    free = plan_model(prof, hw, micro_batches=4, with_baselines=False, contention_rounds=0)
+    aware = plan_model(prof, hw, micro_batches=4, with_baselines=False)
+    assert aware.boundaries != free.boundaries
+    assert aware.predicted_step_s < free.predicted_step_s * 0.9, (aware.predicted_step_s, free.predicted_step_s)
+    assert free.model_step_s < free.predicted_step_s * 0.8  # what the contention-free model did not see
+    assert aware.model_step_s == pytest.approx(aware.predicted_step_s, rel=0.1)
+    rates = aware.mip["simulated_rates_GBps"]["h2d"]
+    assert rates[0] > 4.5 > 4.0 > max(rates[1:])  # the GPU alone keeps (nearly) its link's rate
+    assert "re-planned under contention" in aware.summary()
+    first, again = aware.mip["contention_plans"]
+    assert (first["rates"], again["rates"]) == ("link", "simulated")
+    assert first["simulated_step_s"] == free.predicted_step_s and again["simulated_step_s"] == aware.predicted_step_s
+
+
+def test_without_shared_root_complexes_the_plan_is_not_re_planned() -> None:
+    """A root complex per GPU: the simulated step is what the model says, so nothing is re-planned."""
+    prof = toy_profile(blocks=8, fwd_s=0.01, param_bytes=200e6)
+    hw = Hardware.uniform(4, 6 * GiB, 5e9, groups=[[0], [1], [2], [3]], cpu_adam_params_per_s=1e12)
+    free = plan_model(prof, hw, micro_batches=4, with_baselines=False, contention_rounds=0)
+    aware = plan_model(prof, hw, micro_batches=4, with_baselines=False)
+    assert aware.boundaries == free.boundaries and aware.predicted_step_s == free.predicted_step_s
+    assert "simulated_rates_GBps" not in aware.mip and "contention-free" in aware.summary()

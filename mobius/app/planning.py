@@ -20,13 +20,14 @@ from mobius.optim import waits_for_norm
 from mobius.parallel import Mode, ParallelSettings
 from partition import Hardware, ModelProfile, Plan, get_profile, lookup_gpu, plan_model
 from partition.gpus import gpu_spec
-from partition.cpu_rate import cpu_update_rate_in_step
+from partition.cpu_rate import cpu_update_rate_in_step, host_update_rates_in_step
+from partition.hardware import CPU_UPDATE_IN_STEP, HOST_DEFAULT_SOURCE, PAPER_ADAM_PARAMS_PER_S
 from partition.single import SinglePlan
 from partition.single import plan_single as single_plan
 from partition.zero import ZeroHardware, ZeroPlan
 from partition.zero import plan as zero_plan
 from partition.zero.memory import ADAM_BYTES
-from topology.host import available_host_bytes
+from topology.host import HOST_USABLE_FRACTION, available_host_bytes
 from mobius.models.params import model_params
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ AnyPlan = SinglePlan | Plan | ZeroPlan
 
 
 def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidth_file: str | None = None) -> Hardware:
-    """The devices of a run as the planner sees them: CPU workers, workers sharing GPUs, or GPUs;
-    on this machine with its CPU update rate measured (once, then cached)."""
+    """The devices of a run as the planner sees them: CPU workers, workers sharing GPUs, or GPUs,
+    and the host they share (:func:`_host`)."""
     n, mem = settings.workers, settings.memory_bytes
     if settings.device == "cpu":
         hw = Hardware.uniform(n, mem, CPU_COPY_Bps, groups=[[w] for w in range(n)], name="CPU workers")
@@ -48,20 +49,43 @@ def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidt
         hw = Hardware.uniform(n, mem, link, groups=[list(g) for g in settings.groups], name="workers sharing GPUs")
     else:
         hw = _gpus(cfg, settings, machine, bandwidth_file)
+    _host(cfg, settings, machine, hw)
+    if settings.device == "cpu":  # a resident stage's "device" AdamW runs on the worker's CPU threads
+        hw.device_adam_params_per_s = hw.cpu_adam_params_per_s
+    return hw
+
+
+def _host(cfg: Config, settings: ParallelSettings, machine: Machine, hw: Hardware) -> None:
+    """The host's CPU AdamW rates (one worker alone, all local workers at once, inside a step) and its
+    memory, and where each comes from: ``partition.cpu_update_rate`` / ``host_memory_gib`` when given,
+    else measured on this machine (once, then cached), else the stated defaults of a server planned
+    from elsewhere (``HOST_DEFAULT_SOURCE``; host memory not known)."""
+    p, sources = cfg.partition, {}
     if machine.local:
-        cache = os.path.join(cfg.partition.cache_dir, "partition")
-        threads, precision = settings.cpu_threads, cfg.train.precision  # as fast as it runs inside a step
-        hw.cpu_adam_params_per_s, source = cpu_update_rate_in_step(threads, precision, cache, settings.device)
-        log.debug("CPU AdamW: %.2f G params/s per worker (%s)", hw.cpu_adam_params_per_s / 1e9, source)
+        cache, threads, precision = os.path.join(p.cache_dir, "partition"), settings.cpu_threads, cfg.train.precision
+        hw.cpu_adam_params_per_s, hw.host_adam_params_per_s, sources["cpu"] = host_update_rates_in_step(
+            settings.local_workers, threads, precision, cache, settings.device)
         if precision == "bf16":
             hw.cpu_adam_half_grads_params_per_s, _ = cpu_update_rate_in_step(threads, precision, cache,
                                                                              settings.device, half_grads=True)
         hw.host_memory_bytes = available_host_bytes()
-    if cfg.partition.host_memory_gib is not None:
-        hw.host_memory_bytes = int(cfg.partition.host_memory_gib * 2**30)
-    if settings.device == "cpu":  # a resident stage's "device" AdamW runs on the worker's CPU threads
-        hw.device_adam_params_per_s = hw.cpu_adam_params_per_s
-    return hw
+        sources["memory"] = f"{HOST_USABLE_FRACTION:.0%} of this machine's available memory"
+    else:
+        hw.cpu_adam_params_per_s = hw.host_adam_params_per_s = PAPER_ADAM_PARAMS_PER_S * CPU_UPDATE_IN_STEP
+        hw.host_memory_bytes, sources["cpu"] = None, HOST_DEFAULT_SOURCE
+        sources["memory"] = ("not known (planned from a saved topology): nothing checked, and no choice spends host "
+                             "memory for speed; set partition.host_memory_gib")
+    if p.cpu_update_rate is not None:
+        hw.host_adam_params_per_s = p.cpu_update_rate * 1e9 * CPU_UPDATE_IN_STEP
+        if not machine.local:
+            hw.cpu_adam_params_per_s = hw.host_adam_params_per_s
+        sources["cpu"] = f"partition.cpu_update_rate={p.cpu_update_rate:g} G params/s x {CPU_UPDATE_IN_STEP} in a step"
+    if p.host_memory_gib is not None:
+        hw.host_memory_bytes = int(p.host_memory_gib * 2**30)
+        sources["memory"] = f"partition.host_memory_gib={p.host_memory_gib:g}"
+    hw.host_sources = sources
+    log.debug("CPU AdamW: %.2f G params/s per worker alone, %.2f in total (%s)", hw.cpu_adam_params_per_s / 1e9,
+              hw.host_update_total(workers=settings.local_workers) / 1e9, sources["cpu"])
 
 
 def _gpus(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidth_file: str | None) -> Hardware:
@@ -142,9 +166,9 @@ DEVICE_EFFICIENCY = 0.8  # share of a GPU's memory bandwidth that casts, sums an
 def zero_hardware(cfg: Config, settings: ParallelSettings, machine: Machine, hw: Hardware) -> ZeroHardware:
     """The per-rank rates of zero mode's cost model, from the planner's view of the machine: host links
     as shared when every rank uploads at once, NVLink (peer) rates for the collectives, the CPU
-    update rate of one rank's thread share (measured here, or the machine's divided among ranks)."""
+    update rate of one rank while every rank of its host updates (they update at the same time)."""
     n, mem = settings.workers, settings.memory_bytes
-    cpu_adam = hw.cpu_adam_params_per_s if machine.local else hw.cpu_adam_params_per_s / settings.local_workers
+    cpu_adam = hw.cpu_update_rate(updating=settings.local_workers)
     if settings.device == "cpu":
         return ZeroHardware(n, mem, CPU_COPY_Bps, CPU_COPY_Bps, GLOO_Bps, CPU_COPY_Bps, cpu_adam, cpu_adam,
                             name="CPU workers")
@@ -152,13 +176,14 @@ def zero_hardware(cfg: Config, settings: ParallelSettings, machine: Machine, hw:
     c2g = min(hw.shared_h2d(g) for g in local)
     g2c = min(hw.shared_d2h(g) for g in local)
     peers = [hw.p2p_rate(a, b) for a in local for b in local if a != b]
-    g2g = min(peers) if peers and all(peers) else min(c2g, g2c) / 2  # without P2P, NCCL goes through host memory
+    staged = not (peers and all(peers))  # without P2P, NCCL goes through host memory: two hops over the links
+    g2g = min(c2g, g2c) / 2 if staged else min(peers)
     name = hw.name
     if settings.nodes > 1:  # a ring crosses the network: each node's link carries its ranks' share
         g2g = min(g2g, INTER_NODE_Bps / len(local))
         name = f"{settings.nodes} nodes of {hw.name}, {INTER_NODE_Bps / 1e9:.1f} GB/s between nodes (assumed)"
     device = device_Bps(cfg, hw)
-    return ZeroHardware(n, mem, c2g, g2c, g2g, device, cpu_adam, device / ADAM_BYTES, name=name)
+    return ZeroHardware(n, mem, c2g, g2c, g2g, device, cpu_adam, device / ADAM_BYTES, name=name, host_staged=staged)
 
 
 def device_Bps(cfg: Config, hw: Hardware) -> float:
@@ -178,10 +203,7 @@ def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, m
                      checkpointing=cfg.model.activation_checkpointing,
                      barrier=waits_for_norm(t), prefetch=cfg.parallel.prefetch,
                      chunk_size=z.chunk_size, cache_blocks=z.cache_blocks, gpu_chunks=z.gpu_chunks)
-    if not plan.fits and cfg.parallel.mode == "zero":  # auto reports it in its comparison
-        log.warning("the zero plan needs %.2f GiB per rank for chunks and rCache, more than the %.2f GiB usable",
-                    (plan.peak_bytes - plan.memory["activations"]) / 2**30, plan.memory["usable"] / 2**30)
-    return plan, prof, zhw
+    return plan, prof, zhw  # one that does not fit: auto reports it in its comparison, train refuses it
 
 
 # ---------------------------------------------------------------------------------------------- single
@@ -211,10 +233,38 @@ class Planned:
     plan: AnyPlan | None = None
     profile: ModelProfile | None = None
     hardware: Any = None
+    host: Hardware | None = None  # the machine with its host figures (zero's ``hardware`` is per-rank rates)
 
     @property
     def mode(self) -> Mode:
         return self.settings.mode
+
+    def host_resources(self) -> dict[str, Any]:
+        """The host figures the plan assumed and where each came from: CPU AdamW per worker (alone and
+        while every local worker updates) and in total, host memory available and needed ({} when
+        nothing was planned)."""
+        hw, n = self.host, self.settings.local_workers
+        if hw is None:
+            return {}
+        half = isinstance(self.plan, Plan) and self.plan.grad_dtype == "half"
+        return {"workers": n, "cpu_alone_params_per_s": hw.cpu_update_rate(half),
+                "cpu_shared_params_per_s": hw.cpu_update_rate(half, n),
+                "cpu_total_params_per_s": hw.host_update_total(half, n), "cpu_source": hw.host_sources.get("cpu", ""),
+                "memory_bytes": hw.host_memory_bytes, "memory_source": hw.host_sources.get("memory", ""),
+                "memory_needed_bytes": _host_need(self.plan, n)}
+
+    def host_line(self) -> str:
+        """One line of :meth:`host_resources` for ``mobius plan`` ("" when nothing was planned)."""
+        if self.host is None:
+            return ""
+        r = self.host_resources()
+        n, total, alone = r["workers"], r["cpu_total_params_per_s"] / 1e9, r["cpu_alone_params_per_s"] / 1e9
+        cpu = (f"CPU AdamW {total:.2f} G params/s (one worker)" if n == 1 else
+               f"CPU AdamW {total:.2f} G params/s in total, {r['cpu_shared_params_per_s'] / 1e9:.2f} per worker while "
+               f"{'both' if n == 2 else f'all {n}'} update ({alone:.2f} alone)") + f" [{r['cpu_source']}]"
+        have = (f"{r['memory_bytes'] / 2**30:.1f} GiB available [{r['memory_source']}]" if r["memory_bytes"] is not None
+                else r["memory_source"])
+        return f"host: {cpu}; host memory: {r['memory_needed_bytes'] / 2**30:.1f} GiB needed, {have}"
 
     def candidate(self) -> "Candidate":
         """This plan as a row of auto's comparison."""
@@ -223,6 +273,16 @@ class Planned:
             return Candidate(self.mode, None, True, "not planned")
         fits = getattr(p, "fits", True)  # a pipeline plan is only made when it fits
         return Candidate(self.mode, p.predicted_step_s, fits, _note(p, self.settings))
+
+
+def _host_need(plan: AnyPlan | None, workers: int) -> int:
+    """Host memory the plan's stores take on this host: the pipeline's swapped stages, zero's offloaded
+    chunk shards of every local rank (plain training keeps its states on the device)."""
+    if isinstance(plan, Plan):
+        return plan.host_bytes
+    if isinstance(plan, ZeroPlan):
+        return plan.memory["host"] * workers
+    return 0
 
 
 @dataclass(frozen=True)
@@ -298,7 +358,8 @@ def plan_mode(cfg: Config, model_cfg: ModelConfig, machine: Machine, mode: Mode,
     """Resolve the settings of ``mode`` and plan it."""
     settings = resolve(cfg, machine, mode, reason)
     plan, prof, hw = PLANNERS[mode](cfg, model_cfg, settings, machine, bandwidth_file)
-    return Planned(settings, plan, prof, hw)
+    host = hw if isinstance(hw, Hardware) else hardware(cfg, settings, machine, bandwidth_file)
+    return Planned(settings, plan, prof, hw, host)
 
 
 def plan_run(cfg: Config, model_cfg: ModelConfig, machine: Machine, bandwidth_file: str | None = None,

@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         sim.write_chrome_trace(args.trace)
     if args.json:
         out = chosen.plan.to_json()
-        out.update(mode=choice.to_json(), profile=_profile_json(chosen.profile), model=_model_name(cfg))
+        out.update(mode=choice.to_json(), profile=_profile_json(chosen.profile), model=_model_name(cfg),
+                   host=chosen.host_resources())
         print(json.dumps(out))
     else:
         print(_report(cfg, choice))
@@ -196,6 +197,7 @@ def _report(cfg: Config, choice: ModeChoice) -> str:
              f"{prof.micro_batch_size} x "
              f"{prof.seq_len} tokens, {plan.micro_batches} micro-batches",
              f"hardware: {hw.describe()}",
+             chosen.host_line(),
              f"profile: {how}; per micro-batch:"]
     for u, n in _distinct(prof):
         lines.append(f"  {u.kind:<6} x{n:<3} fwd {u.fwd_s * 1e3:8.2f} ms  bwd {u.bwd_s * 1e3:8.2f} ms  params "

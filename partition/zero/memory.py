@@ -46,9 +46,11 @@ class ZeroHardware:
     gpu_adam_params_per_s: float
     collective_s: float = 30e-6  # fixed cost of one copy or collective
     name: str = ""
+    host_staged: bool = False  # collectives go through host memory (no P2P): over the same PCIe links as uploads
 
     def describe(self) -> str:
-        g2g = f", collectives {self.g2g_Bps / GB:.0f} GB/s per rank" if self.ranks > 1 else ""
+        via = " through host memory" if self.host_staged else ""
+        g2g = f", collectives {self.g2g_Bps / GB:.1f} GB/s per rank{via}" if self.ranks > 1 else ""
         return (f"{self.name}: {self.ranks} rank(s), {self.memory_bytes / GiB:.1f} GiB usable each; per rank: "
                 f"host->GPU {self.c2g_Bps / GB:.1f} GB/s, GPU->host {self.g2c_Bps / GB:.1f} GB/s{g2g}, "
                 f"CPU AdamW {self.cpu_adam_params_per_s / 1e9:.2f} G params/s, GPU AdamW "

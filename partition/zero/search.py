@@ -20,6 +20,8 @@ from partition.zero.simulate import Prediction, predict
 MIN_CHUNK_BYTES = 32 * 2**20  # chunks of at least this many half-precision bytes keep transfers efficient
 CHUNK_FACTORS = (0.25, 1 / 3, 0.5, 2 / 3, 1.0, 1.5, 2.0, 3.0, 4.0)  # candidates: x the largest unit
 TIE = 0.01  # replaced bytes within 1% count as equal
+MAX_CHUNKS = 4096  # a zero.chunk_size cutting the model finer is refused: the search's cost grows with the square
+                   # of the chunk count (4096: about 12 s on 2 busy cores)
 
 
 def chunk_candidates(params: list[ParamInfo], num_units: int, elem: int, align: int = ALIGN) -> list[int]:
@@ -68,6 +70,8 @@ def search(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: Zero
     """The chosen layout and setting, its evaluation, and the chunk-size table (module docstring)."""
     act = activation_bytes(prof, w)
     allowed = usable_bytes(hw.memory_bytes, act)
+    if chunk_size:
+        check_chunk_size(chunk_size, params, align)
     sizes = [chunk_size] if chunk_size else chunk_candidates(params, num_units, w.elem, align)
     layouts = [build_layout(params, num_units, size, hw.ranks, align) for size in sizes]
     if cache_blocks and not chunk_size:  # only the chunk sizes that this many blocks can run
@@ -102,6 +106,22 @@ def search(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: Zero
     return best["layout"], best["setting"], best["eval"], _table(rows)
 
 
+def check_chunk_size(chunk_size: int, params: list[ParamInfo], align: int = ALIGN) -> None:
+    """A configured chunk size within what the search handles: at most the model's parameter count (one
+    chunk holding them all), and no finer than :data:`MAX_CHUNKS` chunks."""
+    total = sum(p.numel for p in params)
+    most = -(-total // align) * align
+    least = -(-total // MAX_CHUNKS)
+    if chunk_size > most:
+        raise ConfigError(f"zero.chunk_size={chunk_size:,} is above the model's {total:,} parameters (one chunk of "
+                          f"{most:,} holds them all); set zero.chunk_size between {least:,} and {most:,}, or 0 to "
+                          f"let the search choose")
+    if chunk_size < least:
+        raise ConfigError(f"zero.chunk_size={chunk_size:,} cuts the model's {total:,} parameters into more than "
+                          f"{MAX_CHUNKS} chunks, more than the search simulates in seconds; set zero.chunk_size "
+                          f"between {least:,} and {most:,}, or 0 to let the search choose")
+
+
 def _table(rows: list[dict]) -> list[dict]:
     return [{"chunk_size": r["chunk_size"], "fits": r["fits"], "num_chunks": r["layout"].num_chunks,
              "replaced_bytes": r.get("replaced_bytes", 0), "step_s": r["eval"]["step_s"] if r["fits"] else None}
@@ -110,10 +130,16 @@ def _table(rows: list[dict]) -> list[dict]:
 
 def _too_small(rows: list[dict], hw: ZeroHardware, act: int, allowed: int, w: Workload) -> str:
     need = min(sum(model_state_bytes(r["layout"], Setting(r["layout"].min_blocks, 0), w.elem).values()) for r in rows)
-    return (f"zero mode does not fit in {hw.memory_bytes / GiB:.1f} GiB per rank: activations take "
-            f"{act / GiB:.2f} GiB (x{F_FRAG} for fragmentation), leaving {max(allowed, 0) / GiB:.2f} GiB for chunks, "
-            f"but the smallest rCache needs {need / GiB:.2f} GiB; use a smaller train.micro_batch_size, turn on "
+    return (f"zero mode does not fit in {_size(hw.memory_bytes)} per rank (partition.gpu_memory_gib, or the "
+            f"device's memory): activations take {_size(act)} (x{F_FRAG} for fragmentation), leaving "
+            f"{_size(max(allowed, 0))} for chunks, but the smallest rCache needs {_size(need)}; raise "
+            f"partition.gpu_memory_gib, use a smaller train.micro_batch_size, turn on "
             f"model.activation_checkpointing, or use more devices")
+
+
+def _size(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (so that small figures do not read 0.00)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
 
 
 def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHardware, *, micro_batches: int,

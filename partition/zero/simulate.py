@@ -1,6 +1,14 @@
 """Zero mode's step time: an event simulation of the runtime's streams (compute, gathers,
 collectives, downloads, the CPU optimizer thread) over two steps, so that the CPU updates that run
-into the next step are counted; and the bytes each rank moves per step."""
+into the next step are counted; and the bytes each rank moves per step.
+
+Each stream is a lane that runs its operations one after another in issue order. The rank's PCIe
+link is two more lanes, one per direction, that everything crossing it holds while it moves its
+bytes: uploads of offloaded chunks (host->GPU), gradient downloads (GPU->host) and, where the
+collectives go through host memory (no P2P), each collective's two hops (GPU->host, then
+host->GPU, half its time each), so that a collective and an upload share the link instead of
+both running at its full rate. ``ZeroHardware``'s rates are per rank with every rank moving at
+once, so the root complex's share is in them."""
 
 from __future__ import annotations
 
@@ -30,7 +38,8 @@ class Prediction:
 class _Lanes:
     gather: float = 0.0  # the gather stream (uploads, casts)
     g2g: float = 0.0  # the collectives (one communicator: all-gathers and reduce-scatters in issue order)
-    d2h: float = 0.0
+    d2h: float = 0.0  # the GPU->host link (gradient downloads; host-staged collectives' first hop)
+    h2d: float = 0.0  # the host->GPU link (uploads of offloaded chunks; host-staged collectives' second hop)
     cpu: float = 0.0  # the CPU optimizer thread
     compute: float = 0.0
 
@@ -120,16 +129,31 @@ class _StepSim:
     def _gather(self, c: int, b: int) -> None:
         lanes, offloaded = self.lanes, c >= self.s.gpu_chunks
         begin = max(lanes.gather, self.block_free[b], self.cpu_ready[c] if offloaded else 0.0)
-        lanes.gather = begin + (self.cost["upload"] if offloaded else self.cost["cast"])
-        lanes.g2g = max(lanes.g2g, lanes.gather) + self.cost["allgather"]
-        self.ready[c] = lanes.g2g if self.hw.ranks > 1 else lanes.gather
+        if offloaded:  # the upload holds the host->GPU link
+            begin = max(begin, lanes.h2d)
+            lanes.gather = lanes.h2d = begin + self.cost["upload"]
+        else:
+            lanes.gather = begin + self.cost["cast"]
+        self.ready[c] = self._collective(lanes.gather, self.cost["allgather"]) if self.hw.ranks > 1 else lanes.gather
         self.where[c] = b
+
+    def _collective(self, ready: float, seconds: float) -> float:
+        """A collective issued at ``ready`` on the communicator, lasting ``seconds``; through host
+        memory it holds the GPU->host link for its first half and the host->GPU link for its second.
+        Returns its end."""
+        lanes = self.lanes
+        begin = max(lanes.g2g, ready)
+        if not (self.hw.host_staged and self.hw.ranks > 1):
+            lanes.g2g = begin + seconds
+            return lanes.g2g
+        lanes.d2h = max(begin, lanes.d2h) + seconds / 2
+        lanes.h2d = lanes.g2g = max(lanes.d2h, lanes.h2d) + seconds / 2
+        return lanes.g2g
 
     def _flush(self, c: int) -> None:
         lanes = self.lanes
-        lanes.g2g = max(lanes.g2g, lanes.compute) + self.cost["reduce"]
+        done = self._collective(lanes.compute, self.cost["reduce"])
         self.seen[c] += 1
-        done = lanes.g2g
         if self.seen[c] == self.runs[c] and c >= self.s.gpu_chunks:
             lanes.d2h = max(lanes.d2h, done) + self.cost["download"]
             done = lanes.d2h
