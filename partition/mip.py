@@ -294,8 +294,12 @@ def solve_stage_count(profile: ModelProfile, hw: Hardware, worker_gpus: list[int
     res: SolveResult = solve(lm, chosen, time_limit_s, cutoff, rel_gap)
     out.status, out.solver, out.solve_s = res.status, res.solver, res.solve_s
     out.predicted_s, out.bound = res.objective, res.bound
-    if cutoff is not None and (res.status in ("infeasible", "cutoff") or res.objective >= cutoff * (1 - 1e-9)):
-        out.status, out.predicted_s, out.bound = "cutoff", math.inf, max(cutoff, res.bound if res.has_solution else 0)
+    worse = cutoff is not None and res.objective >= cutoff * (1 - 1e-9)
+    if cutoff is not None and (res.status in ("infeasible", "cutoff") or res.status == "optimal" and worse):
+        out.status, out.predicted_s, out.bound = "cutoff", math.inf, cutoff  # proven: nothing here beats the cutoff
+        return out
+    if not res.has_solution or worse:  # stopped by the time limit: nothing proven beyond the solver's bound
+        out.status, out.bound = "time limit", min(res.bound, cutoff if cutoff is not None else math.inf)
         return out
     if res.has_solution:
         out.boundaries = built.decode(res.values)
@@ -304,18 +308,24 @@ def solve_stage_count(profile: ModelProfile, hw: Hardware, worker_gpus: list[int
     return out
 
 
+BOUND_PASS_SHARE = 0.4  # of the time limit: the first pass, which gives every stage count a brief solve
+BOUND_PASS_MIN_S = 0.02  # the least a stage count's first solve gets (a root relaxation and a few nodes)
+
+
 def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int], list[int]], micro_batches: int,
                     solver: SolverName = "auto", time_limit_s: float = 30.0, stage_counts: list[int] | None = None,
                     encoding: Encoding = "auto", bandwidth: BandwidthView = "link",
                     seed: bool = True, rel_gap: float = DEFAULT_REL_GAP,
                     options: PipelineOptions = PipelineOptions()) -> MipResult:
     """The fastest partition over every stage count (``1..units`` unless given), proven by the MIP
-    to within ``rel_gap`` (each stage count's solve stops there; the achieved gap is reported).
+    to within ``rel_gap`` where the time limit allows; the achieved gap is reported.
 
     With ``seed`` a local search on the same timing model (:mod:`partition.heuristic`) first finds
-    a strong incumbent; each stage count's MIP then runs with the best time so far as a cutoff, in
-    the order the local search ranks them, so counts that cannot win stop early. Stage counts below
-    :func:`fewest_stages` cannot fit and are not solved.
+    a strong incumbent; the MIPs then run with the best time so far as a cutoff, in two passes: every
+    stage count briefly (``BOUND_PASS_SHARE`` of the time, in the order the local search ranks them),
+    which settles the easy ones and bounds the rest, then the counts still open, the lowest bound
+    first, sharing what time is left -- so one hard count cannot leave the others untried. Stage
+    counts below :func:`fewest_stages` cannot fit and are not solved.
     """
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))
@@ -329,25 +339,47 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
             best = _from_schedule(ev, inc.boundaries, gpus_for)
     order = sorted(counts, key=lambda S: (ranking.get(S, math.inf), S))
     fewest = fewest_stages(profile, hw.gpu_memory_bytes, options)
-    results = [StageCountResult(S, "infeasible", math.inf, math.inf, None, "", 0.0, 0, 0, "memory bound")
-               for S in order if S < fewest]
-    for S in (S for S in order if S >= fewest):
+    results = {S: StageCountResult(S, "infeasible", math.inf, math.inf, None, "", 0.0, 0, 0, "memory bound")
+               for S in order if S < fewest}
+
+    def solve_count(S: int, cap: float) -> None:
+        nonlocal best
+        cutoff = best.predicted_s * (1 - rel_gap) if best is not None else None  # only a real improvement counts
+        r = solve_stage_count(profile, hw, gpus_for(S), micro_batches, S, solver, cap, cutoff, encoding, bandwidth,
+                              rel_gap, options)
+        results[S] = r
+        if r.boundaries is not None and (best is None or r.predicted_s < best.predicted_s):
+            best = r
+
+    todo = [S for S in order if S >= fewest]
+    for i, S in enumerate(todo):  # the first pass
         left = time_limit_s - (time.perf_counter() - t0)
         if left <= 0:
             log.warning("partition time limit reached before trying %d stages", S)
             break
-        cutoff = best.predicted_s * (1 - rel_gap) if best is not None else None  # only a real improvement counts
-        r = solve_stage_count(profile, hw, gpus_for(S), micro_batches, S, solver, left, cutoff, encoding, bandwidth,
-                              rel_gap, options)
-        results.append(r)
-        if r.boundaries is not None and (best is None or r.predicted_s < best.predicted_s):
-            best = r
-    results.sort(key=lambda r: r.num_stages)
-    skipped = len(counts) - len(results)
+        share = (BOUND_PASS_SHARE * time_limit_s - (time.perf_counter() - t0)) / (len(todo) - i)
+        solve_count(S, min(left, max(BOUND_PASS_MIN_S, share)))
+    open_ = sorted((r.num_stages for r in results.values() if _open(r, best, rel_gap)), key=lambda S: results[S].bound)
+    for i, S in enumerate(open_):  # the second pass: what is still open, the most promising first
+        left = time_limit_s - (time.perf_counter() - t0)
+        if left <= 0.01:
+            break
+        if _open(results[S], best, rel_gap):  # (a better plan found since may have settled it)
+            solve_count(S, left / (len(open_) - i))
+    done = sorted(results.values(), key=lambda r: r.num_stages)
+    skipped = len(counts) - len(done)
     if best is not None and best.status == "local search":
-        proven = all(r.status in ("cutoff", "infeasible") for r in results) and not skipped
+        proven = all(r.status in ("cutoff", "infeasible") for r in done) and not skipped
         best.status = "optimal" if proven else best.status
-    return MipResult(best, results, time.perf_counter() - t0, _lower_bound(results, counts), skipped)
+    return MipResult(best, done, time.perf_counter() - t0, _lower_bound(done, counts, best), skipped)
+
+
+def _open(r: StageCountResult, best: StageCountResult | None, rel_gap: float) -> bool:
+    """Whether a stage count's solve left room below the best plan (more than ``rel_gap``)."""
+    if r.status in ("cutoff", "infeasible") or r is best and r.status == "optimal":
+        return False
+    target = best.predicted_s * (1 - rel_gap) if best is not None else math.inf
+    return r.bound < target
 
 
 def fewest_stages(profile: ModelProfile, budget_bytes: int, options: PipelineOptions) -> int:
@@ -385,11 +417,14 @@ def _from_schedule(ev: ModelEvaluator, bounds: list[int], gpus_for: Callable[[in
                             "local search")
 
 
-def _lower_bound(results: list[StageCountResult], counts: list[int]) -> float:
-    """The smallest step time that no stage count has been proven unable to beat."""
+def _lower_bound(results: list[StageCountResult], counts: list[int], best: StageCountResult | None) -> float:
+    """The smallest step time that no stage count has been proven unable to beat: the lowest bound of
+    the counts solved (one proven unable to beat the best plan is bounded by it), 0 if any was not tried."""
     if len(results) < len(counts):
         return 0.0
     bounds = [r.bound if math.isfinite(r.bound) else 0.0 for r in results if r.status != "infeasible"]
+    if best is not None and math.isfinite(best.predicted_s):
+        bounds = [min(b, best.predicted_s) for b in bounds]
     return min(bounds) if bounds else math.inf
 
 

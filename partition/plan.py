@@ -217,6 +217,8 @@ def _summary_lines(p: Plan) -> list[str]:
 CONTENTION_GAP = 0.03  # re-plan when the simulated step exceeds the MIP's model of it by more than this
 CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
 CONTENTION_REL_GAP = 0.02  # the re-plan's optimality gap: its rates are one simulated step's estimates
+CONTENTION_SHARE = 0.35  # of partition.time_limit_s, left for re-plans under contention
+MIN_SEARCH_S = 0.2  # the least time a search gets, whatever the limit left
 
 
 # ---------------------------------------------------------------------------------- entry point
@@ -251,10 +253,13 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
     t0 = time.perf_counter()
     want = (None if resident is None else frozenset(resident), None if kept is None else frozenset(kept))
 
+    replans = contention_rounds > 0 and boundaries is None
+
     def plan_at(model_hw: Hardware, gap: float = rel_gap) -> _Candidate:
         """The MIP's partition (to ``gap``) and the residency pass at ``model_hw``'s rates, simulated on
-        the machine."""
-        left = max(1.0, time_limit_s - (time.perf_counter() - t0))
+        the machine; the first plan leaves ``CONTENTION_SHARE`` of the time limit to a re-plan."""
+        share = 1 - CONTENTION_SHARE if replans and model_hw is hardware else 1.0
+        left = max(MIN_SEARCH_S, share * time_limit_s - (time.perf_counter() - t0))
         res, options = _search(prof, model_hw, gpus_for, micro_batches, solver, left, bandwidth_view, gap,
                                prefetch, min_stages, boundaries, offload_inputs, barrier,
                                "half" if grad_download == "half" else "fp32")
@@ -263,7 +268,7 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
         return _Candidate(model_hw, res, options, sim)
 
     best, tried = plan_at(hardware), []
-    if contention_rounds and boundaries is None:
+    if replans:
         best, tried = _replan_under_contention(best, plan_at, prof, hardware, gpus_for, micro_batches, bandwidth_view,
                                                contention_rounds, max(rel_gap, CONTENTION_REL_GAP))
     res, options, sim, bounds = best.res, best.options, best.sim, best.res.best.boundaries
@@ -495,11 +500,11 @@ def _search(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, solver:
     best: tuple[MipResult, PipelineOptions] | None = None
     for tier in _option_sets(prefetch, offload_inputs, barrier, grad_dtype):
         bounds, skipped = [], 0
-        for options in tier:
+        for i, options in enumerate(tier):
             if boundaries is not None:
                 res = given_partition(prof, hw, gpus_for, M, boundaries, view, options)
-            else:
-                left = max(1.0, time_limit_s - (time.perf_counter() - t0))
+            else:  # the tier's settings share the time left
+                left = max(MIN_SEARCH_S, (time_limit_s - (time.perf_counter() - t0)) / (len(tier) - i))
                 res = solve_partition(prof, hw, gpus_for, M, solver, left, stage_counts=counts, bandwidth=view,
                                       rel_gap=rel_gap, options=options)
             bounds.append(res.lower_bound)

@@ -191,6 +191,45 @@ def test_the_status_says_optimal_only_when_proven() -> None:
     assert "not tried" in skipped.status_text() and not skipped.proven
 
 
+def test_a_stage_count_stopped_by_the_time_limit_is_not_a_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A solve that ends at its time limit without a solution proves nothing below the cutoff: it is
+    'time limit' with the solver's bound (it used to be counted as a proven cutoff, and the plan as
+    optimal)."""
+    import partition.mip as mip
+    from partition.lp import SolveResult
+
+    prof, hw, M = random_case(2)
+    monkeypatch.setattr(mip, "solve", lambda *a, **k: SolveResult("time_limit", math.inf, 0.5, [], "gurobi", 0.01))
+    r = solve_stage_count(prof, hw, list(range(hw.num_gpus)), M, 3, cutoff=2.0)
+    assert (r.status, r.bound, r.boundaries) == ("time limit", 0.5, None)
+    monkeypatch.setattr(mip, "solve", lambda *a, **k: SolveResult("cutoff", math.inf, math.inf, [], "gurobi", 0.01))
+    assert solve_stage_count(prof, hw, list(range(hw.num_gpus)), M, 3, cutoff=2.0).status == "cutoff"
+
+
+def test_every_stage_count_is_tried_before_a_hard_one_gets_more_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first pass gives every stage count a brief solve; one the limit stopped is solved again in
+    the second pass with the time left, and while it stays open the plan states its gap."""
+    import partition.mip as mip
+
+    prof, hw, M = random_case(2)
+    real, calls = mip.solve_stage_count, []
+
+    def hard_first(profile, hw_, gpus, M_, S, solver, cap, cutoff, *rest):
+        calls.append((S, cap))
+        if S == hard:
+            return mip.StageCountResult(S, "time limit", math.inf, 0.0, None, "gurobi", cap, 1, 1, "count")
+        return real(profile, hw_, gpus, M_, S, solver, cap, cutoff, *rest)
+
+    hard = 2
+    monkeypatch.setattr(mip, "solve_stage_count", hard_first)
+    res = solve_partition(prof, hw, _sequential(hw.num_gpus), M, time_limit_s=5)
+    tried = [S for S, _ in calls]
+    first = tried[:len(set(tried))]
+    assert sorted(first) == sorted(set(tried)) and tried.count(hard) == 2, calls  # all once, then the hard one
+    assert calls[-1][0] == hard and calls[-1][1] > calls[tried.index(hard)][1]  # with more time the second time
+    assert res.lower_bound == 0.0 and not res.proven and res.status_text().startswith("within "), res.status_text()
+
+
 def test_a_model_that_cannot_fit_names_the_unit_and_the_shortfall() -> None:
     prof = toy_profile(blocks=4)
     big = replace(prof.units[2], signature="big", param_bytes=3 * GiB, grad_bytes=3 * GiB)
