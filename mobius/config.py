@@ -132,8 +132,9 @@ class ParallelSection(_Section):
     devices: int = _f(1, "GPUs to use (CPU worker processes stand in when there is no GPU).", ge=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Run on CUDA when available (auto), or force cpu/cuda.")
     mapping: Literal["cross", "sequential"] = _f("cross", "Stage-to-GPU mapping: cross (topology-aware) or sequential.")
-    prefetch: bool = _f(True, "Upload the next stage (pipeline) or gather the next unit's chunks (zero) while the "
-                        "current one computes.")
+    prefetch: bool = _f(True, "Upload the next stage (pipeline: into a second device slot or, where two do not "
+                        "fit, its first bytes into a buffer in the memory that remains) or gather the next "
+                        "unit's chunks (zero) while the current one computes.")
     p2p: Literal["auto", "on", "off"] = _f("auto", "GPU peer-to-peer for activations: auto-detect, force on, force off "
                                           "(through pinned host memory).")
     offload_inputs: Literal["auto", "on", "off"] = _f("auto", "Keep each stage's boundary inputs in host memory "

@@ -13,6 +13,7 @@ from the plan and builds the same schedule the simulator ran.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -109,13 +110,15 @@ class Plan:
     resident = property(lambda self: sorted(self.options.resident))  # stages kept on their GPU for good
     kept = property(lambda self: sorted(self.options.kept))  # stages that keep their forward's activations
     grad_dtype = property(lambda self: self.options.grad_dtype)  # gradient downloads: fp32 sums, or "half"
+    prefetch_bytes = property(lambda self: self.options.prefetch_bytes)  # one slot: the partial prefetch buffer
 
     def to_json(self) -> dict:
         """A JSON-ready dict (also what ``mobius plan --json`` prints); the options are top-level keys."""
         out = asdict(self)
         out.pop("options")
         out.update(num_slots=self.num_slots, offload_inputs=self.offload_inputs, barrier=self.barrier,
-                   resident=self.resident, kept=self.kept, grad_dtype=self.grad_dtype)
+                   resident=self.resident, kept=self.kept, grad_dtype=self.grad_dtype,
+                   prefetch_bytes=self.prefetch_bytes)
         out["num_stages"] = self.num_stages
         out["mapping"] = {"kind": self.mapping_kind, "worker_gpus": self.worker_gpus,
                           "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)]}
@@ -128,14 +131,15 @@ class Plan:
         kw["stages"] = [StagePlan(**s) for s in data["stages"]]
         kw["options"] = PipelineOptions(data["num_slots"], data["offload_inputs"], data["barrier"],
                                         frozenset(data.get("resident", ())), frozenset(data.get("kept", ())),
-                                        data.get("grad_dtype", "fp32"))
+                                        data.get("grad_dtype", "fp32"), data.get("prefetch_bytes", 0))
         return cls(**kw)
 
     def runtime_settings(self) -> dict:
         """What the runtime takes from the plan (the test that the plan shown is the plan run compares these)."""
         return {"boundaries": list(self.boundaries), "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)],
                 "num_slots": self.num_slots, "offload_inputs": self.offload_inputs, "barrier": self.barrier,
-                "resident": sorted(self.resident), "kept": sorted(self.kept), "grad_dtype": self.grad_dtype}
+                "resident": sorted(self.resident), "kept": sorted(self.kept), "grad_dtype": self.grad_dtype,
+                "prefetch_bytes": self.prefetch_bytes}
 
     def summary(self) -> str:
         """A human-readable report: stages table, settings, predicted time, memory, traffic, baselines."""
@@ -183,7 +187,9 @@ def _summary_lines(p: Plan) -> list[str]:
                      f"{s.upload_wait_s * 1e3:>9.1f}ms  {s.fwd_peak_bytes / GiB:>6.2f}GiB  {s.bwd_peak_bytes / GiB:>6.2f}GiB")
     lines.append("  resident: weights, fp32 master and AdamW states live on the GPU (device AdamW, no uploads); "
                  "K: keeps its forward's activations (no recompute)")
-    slots = "2 per GPU (the next stage uploads while one computes)" if p.num_slots == 2 else "1 per GPU (no prefetch)"
+    slots = ("2 per GPU (the next stage uploads while one computes)" if p.num_slots == 2 else
+             f"1 per GPU and a {p.prefetch_bytes / GiB:.2f} GiB prefetch buffer (the next stage's first bytes upload "
+             f"while one computes, the rest once its slot is free)" if p.prefetch_bytes else "1 per GPU (no prefetch)")
     lines.append(f"runtime: device slots {slots}; boundary inputs {'in host memory' if p.offload_inputs else 'kept on the GPU'}"
                  f"; CPU AdamW at {p.cpu_adam_params_per_s / 1e9:.2f} G params/s per worker (all updating), "
                  + ("after the global norm (clipping or fp16), overlapping the next forward" if p.barrier
@@ -263,9 +269,12 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
         res, options = _search(prof, model_hw, gpus_for, micro_batches, solver, left, bandwidth_view, gap,
                                prefetch, min_stages, boundaries, offload_inputs, barrier,
                                "half" if grad_download == "half" else "fp32")
-        options, sim = _residency(prof, hardware, gpus_for, micro_batches, res.best.boundaries, options,
-                                  bandwidth_view, sharing, *want, model_hw=model_hw)
-        return _Candidate(model_hw, res, options, sim)
+        chosen, sim = _residency(prof, hardware, gpus_for, micro_batches, res.best.boundaries, options,
+                                 bandwidth_view, sharing, *want, model_hw=model_hw)
+        if options.num_slots == 1 and prefetch:  # two slots do not fit: prefetch what fits of the next stage
+            chosen, sim = _partial_prefetch(prof, hardware, gpus_for, micro_batches, res.best.boundaries, options,
+                                            bandwidth_view, sharing, want, model_hw, (chosen, sim))
+        return _Candidate(model_hw, res, chosen, sim)
 
     best, tried = plan_at(hardware), []
     if replans:
@@ -278,7 +287,7 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
     _check_host_memory(prof, hardware, bounds, options)
     base, base_bounds = {}, {}
     if with_baselines:
-        swapped = dataclasses.replace(options, resident=frozenset(), kept=frozenset())
+        swapped = dataclasses.replace(options, resident=frozenset(), kept=frozenset(), prefetch_bytes=0)
         timed: dict[tuple[int, ...], float] = {}  # baselines that land on one partition (large models) share its time
         for name, fn in BASELINES.items():
             b = fn(prof, hardware, len(worker_gpus), micro_batches, swapped)
@@ -410,6 +419,42 @@ def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, boun
     return chosen, sim
 
 
+def _partial_prefetch(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
+                      options: PipelineOptions, view: BandwidthView, sharing: Sharing,
+                      want: tuple[frozenset[int] | None, frozenset[int] | None], model_hw: Hardware,
+                      plain: tuple[PipelineOptions, SimResult]) -> tuple[PipelineOptions, SimResult]:
+    """One device slot: a prefetch buffer for the next stage's first bytes in the memory that remains
+    (the Mobius paper's eqs. 5-6). The memory goes either to the residency pass first and the buffer
+    to what it leaves, or to the largest buffer first and the residency pass to the rest; the fastest
+    simulated of those and ``plain`` (no buffer) wins."""
+    worker_gpus = gpus_for(len(bounds) - 1)
+    largest = max((c.param_bytes for j, c in enumerate(stage_costs(prof, bounds)) if j not in plain[0].resident),
+                  default=0)
+    found = [plain]
+    after = _buffer_bytes(hw, plain[1], largest)
+    if after > 0:
+        opts = dataclasses.replace(plain[0], prefetch_bytes=after)
+        found.append((opts, simulate(prof, bounds, hw, worker_gpus, M, opts, sharing)))
+    bare = simulate(prof, bounds, hw, worker_gpus, M, options, sharing, record=False)
+    first = _buffer_bytes(hw, bare, largest)
+    if first > 0 and first != after:
+        with contextlib.suppress(MobiusError):
+            found.append(_residency(prof, hw, gpus_for, M, bounds, dataclasses.replace(options, prefetch_bytes=first),
+                                    view, sharing, *want, model_hw=model_hw))
+    return min(found, key=lambda c: c[1].step_s)
+
+
+PREFETCH_ALIGN = 1 << 20  # the prefetch buffer's size is a whole number of MiB
+
+
+def _buffer_bytes(hw: Hardware, sim: SimResult, largest: float) -> int:
+    """The prefetch buffer the simulated plan's memory leaves room for on every GPU (keeping
+    ``RESIDENCY_RESERVE`` free), at most the largest swapped stage's weights."""
+    room = hw.gpu_memory_bytes * (1 - RESIDENCY_RESERVE) - max(sim.peak_bytes, default=0)
+    size = int(min(room, largest)) // PREFETCH_ALIGN * PREFETCH_ALIGN
+    return max(size, 0)
+
+
 GRAD_HALF_GAIN = 0.05  # what auto's gradient download dtype must gain in simulated step time to be chosen
 
 
@@ -471,7 +516,7 @@ def _baseline_time(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, 
                    want: tuple[frozenset[int] | None, frozenset[int] | None], model_hw: Hardware) -> float:
     """A baseline partition simulated the same way (with its own automatic residency choice, at
     the rates the plan's was made at)."""
-    base = dataclasses.replace(options, resident=frozenset(), kept=frozenset())
+    base = dataclasses.replace(options, resident=frozenset(), kept=frozenset(), prefetch_bytes=0)
     auto = tuple(None if w is None else frozenset() for w in want)
     try:
         _, sim = _residency(prof, hw, gpus_for, M, bounds, base, view, sharing, *auto, model_hw=model_hw)

@@ -187,7 +187,7 @@ class _Worker:
         opening: list[_Task] = []
         reduced = False
         for a in actions:
-            if a.kind == Kind.UPLOAD:
+            if a.kind in (Kind.UPLOAD, Kind.PREFETCH):
                 self.uploads.append(_Task(a.kind, a.stage, phase=a.phase, occ=occ_of[(a.stage, a.phase)]))
             elif a.kind == Kind.RELOAD:
                 self.uploads[-1].reload = True
@@ -219,6 +219,7 @@ class _Worker:
         self.last_end = 0.0
         self.uploading = self.downloading = False
         self.upload_done: dict[int, float] = {}
+        self.prefetched: dict[int, float] = {}  # occupancy -> bytes of it that wait in the prefetch buffer
         self.released: dict[int, float] = {}
         self.d2h_ready: dict[int, float] = {}  # d2h task -> time its data is produced
         self.pending_sends = 0
@@ -318,16 +319,24 @@ class _Sim:
             return False
         task = w.uploads[w.ui]
         K = self.sched.num_slots
-        if task.occ >= K and task.occ - K not in w.released or self.updated[task.stage] is None:
-            return False  # the slot it takes is still in use, or the stage's CPU update is pending
-        nbytes = self.costs[task.stage].param_bytes
-        if task.reload:
-            nbytes += self.M * self.costs[task.stage].in_bytes
+        if self.updated[task.stage] is None:
+            return False  # the stage's CPU update is pending
         order = self.step * 10**6 + self.sched.upload_order[(task.stage, task.phase)]
+        param_bytes = self.costs[task.stage].param_bytes
+        if task.kind == Kind.PREFETCH:  # into the buffer: it waits for no slot
+            nbytes = min(float(self.sched.options.prefetch_bytes), param_bytes)
+            w.prefetched[task.occ] = nbytes
+            done: Callable[[float], None] = lambda t, w=w: setattr(w, "uploading", False)
+        elif task.occ >= K and task.occ - K not in w.released:
+            return False  # the slot it takes is still in use
+        else:  # what the buffer does not hold (its part moves into the slot on the device: not a transfer)
+            nbytes = param_bytes - w.prefetched.pop(task.occ, 0.0)
+            if task.reload:
+                nbytes += self.M * self.costs[task.stage].in_bytes
+            done = lambda t, w=w, occ=task.occ: self._upload_done(w, occ, t)
         w.uploading = True
         w.ui += 1
-        self._h2d_flow(w.gpu, f"U{task.phase}{task.stage}", "upload", nbytes, (1, order),
-                       lambda t, w=w, occ=task.occ: self._upload_done(w, occ, t))
+        self._h2d_flow(w.gpu, f"{task.kind.value}{task.phase}{task.stage}", "upload", nbytes, (1, order), done)
         return True
 
     def _upload_done(self, w: _Worker, occ: int, t: float) -> None:

@@ -17,7 +17,9 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
   ``M`` boundary inputs when they wait in host memory).
 * **Uploads** run one at a time per worker (one copy thread); occupancy ``i`` may start uploading
   once occupancy ``i - K`` has released its slot: at the end of its last compute, or, when it ends
-  in a backward, when its gradients have been downloaded. With clipping or fp16 (``barrier``) the
+  in a backward, when its gradients have been downloaded. With one slot and a prefetch buffer of
+  ``P`` (partial prefetch), its first ``P`` bytes upload into the buffer as soon as the copy thread is
+  free, and only the rest waits for the slot. With clipping or fp16 (``barrier``) the
   stages are updated after the step's global norm, in ascending order, overlapping the next
   step's forward: a stage's next upload waits for its update, ``C_j`` seconds after the step starts
   (the worker's updates up to ``j``).
@@ -40,7 +42,8 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
   weights by position in the slot, read back from the backward's upload): its backward then costs
   ``bwd - fwd`` per micro-batch, and the graph (``M`` micro-batches of ``saved`` plus their inputs)
   stays on the GPU until its backward.
-* **Memory** per worker: ``K`` slots of its largest swapped stage (parameters, gradients, fp32 sums),
+* **Memory** per worker: ``K`` slots of its largest swapped stage (parameters, gradients, fp32 sums)
+  and the prefetch buffer,
   its resident stages' states, the boundary inputs (or kept activations) its pending backwards hold
   (none for inputs waiting in host memory) and the phase's working set; must fit the usable memory
   ``G``.
@@ -90,6 +93,7 @@ class Shape:
     variants: tuple["Variant", ...] = ()  # a batch (:class:`Batch`): what each variant adds to ``options``
 
     num_slots = property(lambda self: self.options.num_slots)  # K
+    prefetch_gb = property(lambda self: self.options.prefetch_bytes / 1e9)  # P: the prefetch buffer (one slot)
     barrier = property(lambda self: self.options.barrier)
     resident = property(lambda self: self.options.resident)
     kept = property(lambda self: self.options.kept)
@@ -331,10 +335,25 @@ class _Uploads:
         # a backward's offloaded inputs come back right after its weights
         nbytes = either(kind == "B" and self.shape.offloads(j),
                         lambda back: s.pbytes + s.in_b * M if back else s.pbytes)
-        upload = self.alg.max(("u" + key[0], j), terms) + nbytes * (1.0 / self.r.up[j])
+        if i > 0 and self.shape.prefetch_gb > 0:
+            upload = self._partly_prefetched(key, j, terms, nbytes, occ[i - 1])
+        else:
+            upload = self.alg.max(("u" + key[0], j), terms) + nbytes * (1.0 / self.r.up[j])
         value = either(self.shape.frees(self.shape.worker(j)), lambda free: 0.0 if free else upload)
         self.t.upload_done[key] = value
         return value
+
+    def _partly_prefetched(self, key: tuple[str, int], j: int, terms: list[Expr], nbytes: Expr,
+                           before: tuple[str, int]) -> Expr:
+        """One slot and a prefetch buffer of ``P`` GB: the first ``min(P, pbytes)`` of the weights upload
+        once the copy thread is free (and the stage updated), the rest once the slot is released too:
+        done = max(prefix start + nbytes / up, rest start + max(nbytes - P, inputs reloaded) / up)."""
+        inv, P = 1.0 / self.r.up[j], self.shape.prefetch_gb
+        early = [self.done(*before)] + ([self.ready[j]] if key[0] == "f" and j in self.ready else [])
+        prefix = self.alg.max(("p" + key[0], j), early)
+        rest = self.alg.max(("u" + key[0], j), terms)
+        return self.alg.max(("v" + key[0], j), [prefix + nbytes * inv, rest + (nbytes - P) * inv,
+                                                rest + (nbytes - self.st[j].pbytes) * inv])
 
     def _released(self, kind: str, j: int) -> Expr:
         """When occupancy (kind, j) frees its slot: after its forward, or its gradient download."""
@@ -461,7 +480,8 @@ def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape,
         mine, swapped = shape.stages_of(w), shape.swapped(w)
         if not mine:
             continue
-        slots = alg.max(("slot", w), [st[j].slot for j in swapped]) * shape.num_slots if swapped else 0.0
+        slots = alg.max(("slot", w), [st[j].slot for j in swapped]) * shape.num_slots + shape.prefetch_gb \
+            if swapped else 0.0
         base = slots + sum((st[j].state for j in mine if j in shape.resident), 0.0)
         kept: Expr = 0.0
         out[w] = []

@@ -13,7 +13,9 @@ Threads and streams (see scheduler/README.md for who owns which buffer and event
 * the **optimizer thread** runs each stage's CPU AdamW (``UPDATE``) once its gradients are down.
 
 Device memory holds ``num_slots`` *slots* (the running stage and the prefetched one), each with
-the stage's half-precision parameters, their gradients and an fp32 gradient sum; a permanent slot
+the stage's half-precision parameters, their gradients and an fp32 gradient sum -- or, with one
+slot, a *prefetch buffer* for the first elements of the next stage's parameters (``PREFETCH``; its
+``UPLOAD`` moves them into the slot on the device and copies the rest); a permanent slot
 per *resident* stage, beside its fp32 master and AdamW moments (updated on the compute stream,
 ``DEVICE_UPDATE``); the boundary activations of the stages in flight, or the autograd graphs of
 *kept* stages (their backward reuses the forward's graph instead of recomputing); nothing else. A
@@ -154,6 +156,7 @@ class StepState:
     stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
     wait_s: float = 0.0  # dispatch thread blocked on uploads (which wait for the stage's CPU update)
     uploads: list[Future] = field(default_factory=list)
+    prefetched: dict[int, int] = field(default_factory=dict)  # stage -> its first elements in the prefetch buffer
     reloads: dict[int, Future] = field(default_factory=dict)  # stage -> its offloaded inputs' way back
     stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     arrived: dict[int, torch.cuda.Event | None] = field(default_factory=dict)  # stage -> its gradients' download
@@ -184,6 +187,9 @@ class Executor:
         grad_numel = max((layouts[j].trainable_numel for j in hosts), default=0)
         self.slots = [DeviceSlot(numel, grad_numel, options.dtype, device, acc)
                       for _ in range(options.pipeline.num_slots if hosts else 0)]
+        item = torch.empty(0, dtype=options.dtype).element_size()
+        prefetch = min(numel, options.pipeline.prefetch_bytes // item) if hosts else 0
+        self.buffer = torch.empty(prefetch, dtype=options.dtype, device=device)  # partial prefetch (one slot)
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -200,7 +206,7 @@ class Executor:
         self.failure: BaseException | None = None  # from the upload thread, raised by check()
         self._runs = 0
         self.handlers: dict[Kind, Callable[[Action], None]] = {
-            Kind.UPLOAD: self._upload, Kind.FREE: self._free, Kind.FORWARD: self._forward, Kind.FB: self._fb,
+            Kind.UPLOAD: self._upload, Kind.PREFETCH: self._prefetch, Kind.FREE: self._free, Kind.FORWARD: self._forward, Kind.FB: self._fb,
             Kind.BACKWARD: self._backward, Kind.RECV_ACT: self._recv, Kind.RECV_GRAD: self._recv,
             Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send, Kind.OFFLOAD: self._offload,
             Kind.RELOAD: self._reload, Kind.DOWNLOAD: self._download,
@@ -245,54 +251,75 @@ class Executor:
         self.updater.close()
 
     # ---- swaps ----------------------------------------------------------------------------------
+    def _prefetch(self, a: Action) -> None:
+        """The first elements of stage j's weights into the prefetch buffer (one slot): its UPLOAD,
+        once the slot is free, moves them into the slot and copies only the rest."""
+        n = min(self.buffer.numel(), self.layouts[a.stage].numel)
+        self.st.prefetched[a.stage] = n
+        order = self.st.order_base + self.st.sched.upload_order[(a.stage, a.phase)]
+        self.st.uploads.append(self.copier.submit(self._copy_job, self.st, a.stage, None, order, 0, n))
+
     def _upload(self, a: Action) -> None:
         slot = next(s for s in self.slots if s.stage is None)
         slot.stage, slot.grads_live, slot.bound = a.stage, False, None
         slot.ready.clear()
         self.slot_of[a.stage] = slot
         order = self.st.order_base + self.st.sched.upload_order[(a.stage, a.phase)]
-        self.st.uploads.append(self.copier.submit(self._upload_job, self.st, a.stage, slot, order))
+        self.st.uploads.append(self.copier.submit(self._copy_job, self.st, a.stage, slot, order,
+                                                  self.st.prefetched.pop(a.stage, 0), self.layouts[a.stage].numel))
 
-    def _upload_job(self, st: StepState, j: int, slot: DeviceSlot, order: int) -> None:
+    def _copy_job(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int) -> None:
+        """(The upload thread) elements ``lo:hi`` of stage j's weights from its host copy into ``slot``
+        -- after its first ``lo``, which wait in the prefetch buffer, moved there on the device -- or,
+        without a slot (PREFETCH), into the prefetch buffer."""
         if self.cuda:
             torch.cuda.set_device(self.device)  # this thread's current device
         try:
-            self._upload_copy(st, j, slot, order)
+            self._copy(st, j, slot, order, lo, hi)
         except BaseException as e:  # surfaced by check() on the dispatch thread
             self.failure = self.failure or e
             self.arbiter.release()
         finally:
-            slot.ready.set()
+            if slot is not None:
+                slot.ready.set()
 
-    def _upload_copy(self, st: StepState, j: int, slot: DeviceSlot, order: int) -> None:
+    def _copy(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int) -> None:
         host = self.hosts[j]
         host.updated.wait()  # the CPU update of the previous step has written this stage's copy
         if self.failure is not None:
             raise RuntimeError("not uploading after an earlier failure")
-        n = host.layout.numel
-        src, dst = host.half[:n], slot.params[:n]
+        dst = slot.params if slot is not None else self.buffer
+        src = host.half
         step = max(1, UPLOAD_CHUNK // src.element_size())
         trace = st.trace
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
-                if slot.released is not None:
+                if slot is not None and slot.released is not None:
                     self.copy_stream.wait_event(slot.released)
                 start = trace.mark(self.copy_stream) if trace is not None else None
-                for lo in range(0, n, step):
+                if slot is not None and lo:
+                    dst[:lo].copy_(self.buffer[:lo], non_blocking=True)  # the prefetched part, on the device
+                for a in range(lo if slot is not None else 0, hi, step):
                     self.arbiter.acquire(order)
-                    dst[lo:lo + step].copy_(src[lo:lo + step], non_blocking=True)
+                    dst[a:min(a + step, hi)].copy_(src[a:min(a + step, hi)], non_blocking=True)
                     if self.arbiter.peers:
                         self.copy_stream.synchronize()  # the next chunk is arbitrated again
-                slot.ready_event = torch.cuda.Event()
-                slot.ready_event.record(self.copy_stream)
+                if slot is not None:
+                    slot.ready_event = torch.cuda.Event()
+                    slot.ready_event.record(self.copy_stream)
         else:
             start = trace.mark() if trace is not None else None
+            if slot is not None and lo:
+                dst[:lo].copy_(self.buffer[:lo])
             self.arbiter.acquire(order)
-            dst.copy_(src)
+            first = lo if slot is not None else 0
+            dst[first:hi].copy_(src[first:hi])
         self.arbiter.release()
-        self.counters.add(h2d=n * src.element_size())
+        moved = hi - (lo if slot is not None else 0)
+        self.counters.add(h2d=moved * src.element_size())
         if trace is not None:
-            trace.add("h2d", f"U{j}", start, trace.mark(self.copy_stream if self.cuda else None))
+            label = f"U{j}" if slot is not None else f"P{j}"
+            trace.add("h2d", label, start, trace.mark(self.copy_stream if self.cuda else None))
 
     def _offload(self, a: Action) -> None:
         """A forward's boundary input to pinned host memory until the stage's backward."""

@@ -20,7 +20,7 @@ from partition.lp import solve
 
 GiB = 1 << 30
 OPTIONS = [PipelineOptions(), PipelineOptions(barrier=True), PipelineOptions(offload_inputs=True),
-           PipelineOptions(num_slots=1)]
+           PipelineOptions(num_slots=1), PipelineOptions(num_slots=1, prefetch_bytes=1)]  # (sized per case)
 MACHINES = ["separate", "asymmetric", "shared"]
 
 
@@ -32,7 +32,10 @@ def _case(seed: int, machine: str):
     prof, hw, M = random_case(seed, machine)
     if seed % 3 == 0:
         prof.tied_params = prof.units[0].param_count // 2  # the first and last units share a weight
-    return prof, hw, M, OPTIONS[seed % len(OPTIONS)]
+    options = OPTIONS[seed % len(OPTIONS)]
+    if options.prefetch_bytes:  # partial prefetch: a buffer of about two thirds of a unit's weights
+        options = replace(options, prefetch_bytes=int(0.7 * sum(u.param_bytes for u in prof.units) / prof.num_units))
+    return prof, hw, M, options
 
 
 @pytest.mark.parametrize("machine", MACHINES)

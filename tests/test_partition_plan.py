@@ -223,3 +223,24 @@ def test_without_shared_root_complexes_the_plan_is_not_re_planned() -> None:
     aware = plan_model(prof, hw, micro_batches=4, with_baselines=False)
     assert aware.boundaries == free.boundaries and aware.predicted_step_s == free.predicted_step_s
     assert "simulated_rates_GBps" not in aware.mip and "contention-free" in aware.summary()
+
+
+def test_where_two_slots_do_not_fit_the_plan_prefetches_what_fits_of_the_next_stage() -> None:
+    """Partial prefetch (the Mobius paper's eqs. 5-6): 200 MB blocks whose slots (0.8 GB each) do not fit
+    twice in 1.25 GB; with one slot the plan spends what memory remains on a buffer for the next
+    stage's first bytes -- part of a stage, not all -- and the simulator finds the step shorter."""
+    import dataclasses
+
+    from fixtures.partition.profiles import toy_profile
+    from partition import Hardware, plan_model, simulate
+
+    prof = toy_profile(blocks=8)
+    hw = Hardware.uniform(2, int(1.25e9), 10e9, groups=[[0], [1]])
+    plan = plan_model(prof, hw, micro_batches=4, time_limit_s=5, with_baselines=False)
+    largest = max(s.param_bytes for s in plan.stages if not s.resident)
+    assert plan.num_slots == 1 and 0 < plan.prefetch_bytes < largest, (plan.num_slots, plan.prefetch_bytes, largest)
+    assert max(plan.peak_bytes) <= hw.gpu_memory_bytes
+    plain = simulate(prof, plan.boundaries, hw, plan.worker_gpus, 4, dataclasses.replace(plan.options, prefetch_bytes=0))
+    assert plan.predicted_step_s < 0.95 * plain.step_s
+    assert "prefetch buffer" in plan.summary() and plan.runtime_settings()["prefetch_bytes"] == plan.prefetch_bytes
+    assert Plan.from_json(plan.to_json()).options == plan.options

@@ -52,6 +52,27 @@ def test_kept_swapped_stages_on_cuda_match_reference(tmp_path: Path, deep_checkp
 
 
 @gpu
+@pytest.mark.parametrize("workers,stages,share", [(1, 4, 0.5), (2, 6, 1.0)])
+def test_one_slot_with_a_prefetch_buffer_on_cuda_matches_reference(tmp_path: Path, deep_checkpoint: Path,
+                                                                   corpus: Path, workers: int, stages: int,
+                                                                   share: float, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """Partial prefetch on the copy stream: the buffer's part moves into the slot on the device after
+    the slot's last use, the rest from the host; fp32 losses within 1e-4 of the reference."""
+    from test_traffic import _with_buffer
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = {"device": "cuda"}
+    _with_buffer(monkeypatch, share)
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", parallel=dev))
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe", partition={"gpu_memory_gib": 4.0},
+               parallel={**dev, "mode": "pipeline", "devices": workers, "stages": stages, "prefetch": False}))
+    assert json.loads((tmp_path / "pipe" / "plan.json").read_text())["prefetch_bytes"] > 0
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "pipe")), torch.tensor(_losses(tmp_path / "ref")),
+                               rtol=0, atol=1e-4)
+
+
+@gpu
 def test_pipeline_on_cuda_bf16(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
     """bf16 on the GPU, two workers on one GPU: close to the reference (3e-2 on the loss)."""
     dev = {"device": "cuda"}

@@ -36,6 +36,21 @@ def test_literal_timeline_with_a_barrier_a_tied_weight_and_one_slot() -> None:
     ]
 
 
+def test_literal_timeline_with_one_slot_and_a_prefetch_buffer() -> None:
+    """Partial prefetch: with one slot, the next residency's first bytes go to the prefetch buffer (P)
+    where two slots would issue its upload -- when the current residency starts computing -- and its
+    upload (U, after the free) completes it; one residency in the buffer at a time."""
+    s = build_schedule(4, 2, 2, options=PipelineOptions(num_slots=1, barrier=True, prefetch_bytes=64), tied=True)
+    assert _lists(s) == [
+        "Uf0 Pf2 F0,0 sa0,0 F0,1 sa0,1 Xf0 Uf2 Pb0 ra2,0 F2,0 sa2,0 ra2,1 F2,1 sa2,1 rg2,0 B2,0 sg2,0 rg2,1 B2,1 D2 "
+        "sg2,1 Xf2 Ub0 rg0,0 B0,0 rg0,1 B0,1 D0 Xb0 T R O0 O2",
+        "Uf1 Pf3 ra1,0 F1,0 sa1,0 ra1,1 F1,1 sa1,1 Xf1 Uf3 Pb1 ra3,0 FB3,0 sg3,0 ra3,1 FB3,1 D3 sg3,1 Xf3 Ub1 rg1,0 "
+        "B1,0 sg1,0 rg1,1 B1,1 D1 sg1,1 Xb1 T R O1 O3",
+    ]
+    evaluation = build_eval_schedule(4, 2, 2, options=PipelineOptions(num_slots=1, prefetch_bytes=64))
+    assert _lists(evaluation)[0] == "Uf0 Pf2 F0,0 sa0,0 F0,1 sa0,1 Xf0 Uf2 ra2,0 F2,0 sa2,0 ra2,1 F2,1 sa2,1 Xf2 R"
+
+
 def test_eval_schedule_is_forward_only() -> None:
     s = build_eval_schedule(4, 2, 2)
     assert _lists(s) == ["Uf0 Uf2 F0,0 sa0,0 F0,1 sa0,1 Xf0 ra2,0 F2,0 sa2,0 ra2,1 F2,1 sa2,1 Xf2 R",
@@ -137,6 +152,8 @@ def test_broken_settings_are_errors_even_under_python_O() -> None:
         build_schedule(4, 2, 2, options=PipelineOptions(resident=frozenset({0})), tied=True)
     with pytest.raises(ScheduleError, match="every worker a stage"):
         build_schedule(4, 2, 2, gpu_of=[0, 0, 0, 0])
+    with pytest.raises(ScheduleError, match="prefetch buffer .* goes with one device slot, not 2"):
+        PipelineOptions(num_slots=2, prefetch_bytes=64)
 
 
 def test_zero_program_is_printable_like_the_pipelines() -> None:

@@ -29,7 +29,10 @@ PLANS = {  # name -> (workers, stages, parallel settings); 12 units: embed, 10 b
     "swapped": (2, 6, {"resident_stages": [], "kept_stages": []}),
     "offload-kept-resident": (2, 6, {"resident_stages": [3], "kept_stages": [1, 3], "offload_inputs": "on"}),
     "four-workers-offload": (4, 8, {"resident_stages": [], "kept_stages": [2], "offload_inputs": "on"}),
+    "one-slot-prefetch-buffer": (2, 6, {"resident_stages": [], "kept_stages": [1], "prefetch": False,
+                                        "offload_inputs": "on"}),
 }
+BUFFERED = {"one-slot-prefetch-buffer": 0.6}  # a prefetch buffer of this share of the largest stage's weights
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +48,10 @@ def aligned_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: Path, corpus: Path,
-                                            name: str) -> None:
+                                            name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     workers, stages, par = PLANS[name]
+    if name in BUFFERED:  # the plan as the planner makes it where two slots do not fit
+        _with_buffer(monkeypatch, BUFFERED[name])
     raw = {"model": {"checkpoint": str(aligned_checkpoint)},
            "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
            "train": {"max_steps": 2, "micro_batch_size": 2, "micro_batches": 3, "eval_every": 0, "seed": 3},
@@ -56,6 +61,7 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
     plan = Plan.from_json(json.loads((tmp_path / "run" / "plan.json").read_text()))
     assert (plan.resident, plan.kept, plan.offload_inputs) == (par["resident_stages"], par["kept_stages"],
                                                                par.get("offload_inputs") == "on")
+    assert (plan.prefetch_bytes > 0) == (name in BUFFERED)
     measured = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     prof = estimate_units(unit_specs(read_config(aligned_checkpoint)), 2, 16, "fp32", "h100")
     hw = Hardware.uniform(workers, 2**34, 1e9)  # no peer access: activations take two host hops, as over gloo
@@ -65,6 +71,22 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
     assert measured["p2p_bytes"] == sum(sim.p2p_bytes) == 0
     if plan.offload_inputs:
         assert sim.bytes_by_kind.get("ckpt", 0) > 0  # inputs did go to host memory
+
+
+def _with_buffer(monkeypatch: pytest.MonkeyPatch, share: float) -> None:
+    """`mobius train` plans one slot with a prefetch buffer of ``share`` of the largest swapped stage."""
+    from dataclasses import replace
+
+    from mobius.app import planning
+
+    plan_pipeline = planning.PLANNERS["pipeline"]
+
+    def buffered(*args, **kwargs):
+        plan, prof, hw = plan_pipeline(*args, **kwargs)
+        largest = max(s.param_bytes for s in plan.stages if not s.resident)
+        plan.options = replace(plan.options, prefetch_bytes=int(share * largest))
+        return plan, prof, hw
+    monkeypatch.setitem(planning.PLANNERS, "pipeline", buffered)
 
 
 @pytest.mark.parametrize("zero", [{"chunk_size": 20_000, "gpu_chunks": 3, "cache_blocks": 4},

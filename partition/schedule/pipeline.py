@@ -12,6 +12,9 @@ lists, so what is planned is what runs. They are built by small passes:
 1. :func:`compute_order` -- forward / FB / backward actions per worker;
 2. :func:`add_swaps` -- ``UPLOAD`` / ``FREE`` around each residency of a stage on its worker; with
    two device slots the upload of a residency is issued when the one before it starts computing;
+   with one slot and a prefetch buffer (partial prefetch, the Mobius paper's eqs. 5-6) the first
+   bytes of the next residency's weights go to the buffer then (``PREFETCH``) and its ``UPLOAD``,
+   once the slot is free, moves them into the slot and copies the rest;
 3. :func:`add_transfers` -- receives before and sends after each compute action, for activations
    and their gradients between the workers of adjacent stages;
 4. :func:`add_offloads` -- with ``offload_inputs``, a stage that leaves its slot between its forward
@@ -38,6 +41,7 @@ from mobius.errors import MobiusError
 
 class Kind(enum.Enum):
     UPLOAD = "U"
+    PREFETCH = "P"  # the first bytes of a residency's weights into the prefetch buffer (one slot)
     FREE = "X"
     FORWARD = "F"
     FB = "FB"
@@ -64,12 +68,12 @@ class Action:
     kind: Kind
     stage: int = -1  # -1 for step-wide actions (TIE, REDUCE)
     micro: int = -1  # -1 for per-stage actions (UPLOAD, FREE, RELOAD, DOWNLOAD, UPDATE)
-    phase: Phase = "f"  # which pass an UPLOAD / FREE belongs to
+    phase: Phase = "f"  # which pass an UPLOAD / PREFETCH / FREE belongs to
     peer: int = -1  # the other worker of a send / receive
 
     def __str__(self) -> str:
         m = f",{self.micro}" if self.micro >= 0 else ""
-        p = self.phase if self.kind in (Kind.UPLOAD, Kind.FREE) else ""
+        p = self.phase if self.kind in (Kind.UPLOAD, Kind.PREFETCH, Kind.FREE) else ""
         s = str(self.stage) if self.stage >= 0 else ""
         return f"{self.kind.value}{p}{s}{m}"
 
@@ -85,6 +89,12 @@ class PipelineOptions:
     resident: frozenset[int] = frozenset()  # stages kept on their device: no upload, download or CPU update
     kept: frozenset[int] = frozenset()  # stages whose backward uses the forward's graph (no recompute)
     grad_dtype: str = "fp32"  # gradient downloads: fp32 sums, or "half" (the training dtype)
+    prefetch_bytes: int = 0  # one slot: a buffer for the first bytes of the next residency's weights (0: none)
+
+    def __post_init__(self) -> None:
+        if self.prefetch_bytes < 0 or self.prefetch_bytes and self.num_slots != 1:
+            raise ScheduleError(f"a prefetch buffer ({self.prefetch_bytes} bytes) goes with one device slot, not "
+                                f"{self.num_slots}: two slots prefetch whole stages")
 
     @property
     def grad_bytes(self) -> float:
@@ -163,13 +173,15 @@ def _residencies(compute: list[Action], resident: frozenset[int]) -> list[tuple[
     return runs
 
 
-def add_swaps(compute: list[Action], num_slots: int, resident: frozenset[int] = frozenset()) -> list[Action]:
+def add_swaps(compute: list[Action], num_slots: int, resident: frozenset[int] = frozenset(),
+              prefetch: bool = False) -> list[Action]:
     """Insert uploads and frees. A stage stays on the device across its forward/backward turn;
     resident stages never move.
 
     With two slots the next residency's upload is issued just before the current residency
     computes (it lands in the slot the residency before the current one freed); with one slot,
-    only after the current residency is freed.
+    only after the current residency is freed -- with ``prefetch`` (a prefetch buffer), its
+    ``PREFETCH`` is issued where two slots would issue the upload.
     """
     runs = _residencies(compute, resident)
     before: dict[int, list[Action]] = {}
@@ -184,6 +196,8 @@ def add_swaps(compute: list[Action], num_slots: int, resident: frozenset[int] = 
         upload = Action(Kind.UPLOAD, stage, phase=phase)
         if r == 0 or num_slots < 2:
             before.setdefault(first, []).insert(0, upload)
+            if r > 0 and prefetch:  # the buffer fills while the previous residency computes
+                before.setdefault(runs[r - 1][2], []).append(Action(Kind.PREFETCH, stage, phase=phase))
         else:  # issued when the previous residency starts computing (its predecessor is freed by then)
             before.setdefault(runs[r - 1][2], []).append(upload)
     out: list[Action] = []
@@ -276,7 +290,7 @@ def build_schedule(num_stages: int, num_workers: int, micro_batches: int, gpu_of
     lists = []
     for w in range(num_workers):
         acts = compute_order(num_stages, g, micro_batches, w)
-        acts = add_swaps(acts, options.num_slots, options.resident)
+        acts = add_swaps(acts, options.num_slots, options.resident, options.prefetch_bytes > 0)
         acts = add_offloads(add_transfers(acts, num_stages, g), offloaded)
         lists.append(tuple(add_updates(acts, num_stages, options.barrier, tied, options.resident)))
     sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), True, options, tied, offloaded)
@@ -292,7 +306,8 @@ def build_eval_schedule(num_stages: int, num_workers: int, micro_batches: int, g
     lists = []
     for w in range(num_workers):
         compute = compute_order(num_stages, g, micro_batches, w, train=False)
-        acts = add_transfers(add_swaps(compute, options.num_slots, options.resident), num_stages, g)
+        acts = add_transfers(add_swaps(compute, options.num_slots, options.resident, options.prefetch_bytes > 0),
+                             num_stages, g)
         lists.append(tuple(acts + [Action(Kind.REDUCE)]))
     sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), False, options)
     check(sched)
@@ -335,7 +350,16 @@ _ONCE = ((Kind.DOWNLOAD,), (Kind.UPDATE, Kind.DEVICE_UPDATE), (Kind.RELOAD,), (K
 
 def _check_residency(s: Schedule, w: int, acts: tuple[Action, ...]) -> None:
     on_device: set[int] = set()  # stages uploaded and not yet freed
+    buffered: tuple[int, str] | None = None  # the residency whose first bytes wait in the prefetch buffer
     for a in acts:
+        if a.kind == Kind.PREFETCH:
+            if buffered is not None or not s.options.prefetch_bytes:
+                raise ScheduleError(f"worker {w}: {a} while the prefetch buffer holds {buffered} (or has none)")
+            buffered = (a.stage, a.phase)
+        elif a.kind == Kind.UPLOAD and buffered is not None:
+            if buffered != (a.stage, a.phase):
+                raise ScheduleError(f"worker {w}: {a} while the prefetch buffer holds stage {buffered[0]}")
+            buffered = None
         if a.kind == Kind.UPLOAD:
             if a.stage in on_device or a.stage in s.resident or len(on_device) >= s.num_slots:
                 raise ScheduleError(f"worker {w}: {a} while stages {sorted(on_device)} hold the "
@@ -345,8 +369,8 @@ def _check_residency(s: Schedule, w: int, acts: tuple[Action, ...]) -> None:
             on_device.remove(a.stage)
         elif a.kind in COMPUTE and a.stage not in on_device and a.stage not in s.resident:
             raise ScheduleError(f"worker {w}: {a} computes a stage that is not on the device")
-    if on_device:
-        raise ScheduleError(f"worker {w}: stages {sorted(on_device)} are never freed")
+    if on_device or buffered is not None:
+        raise ScheduleError(f"worker {w}: stages {sorted(on_device)} are never freed (or {buffered} never uploaded)")
 
 
 def timeline(s: Schedule, width: int = 6) -> str:
@@ -354,7 +378,7 @@ def timeline(s: Schedule, width: int = 6) -> str:
     rows = []
     for w, acts in enumerate(s.actions):
         rows.append(f"gpu{w} | " + "".join(str(a).ljust(width) for a in acts))
-    legend = ("U=upload X=free F=forward FB=forward+loss+backward B=backward (recomputes the forward unless the "
+    legend = ("U=upload P=prefetch (the first bytes of the next stage into the prefetch buffer) X=free F=forward FB=forward+loss+backward B=backward (recomputes the forward unless the "
               "stage is kept) ra/sa=recv/send activation rg/sg=recv/send gradient H=input to host memory L=inputs "
               "back D=download grads O=CPU update Od=device update (resident stage) T=tied-weight exchange "
               "R=step reduce; suffix f/b: pass, then stage[,micro-batch]")
