@@ -206,7 +206,8 @@ class Executor:
         self.failure: BaseException | None = None  # from the upload thread, raised by check()
         self._runs = 0
         self.handlers: dict[Kind, Callable[[Action], None]] = {
-            Kind.UPLOAD: self._upload, Kind.PREFETCH: self._prefetch, Kind.FREE: self._free, Kind.FORWARD: self._forward, Kind.FB: self._fb,
+            Kind.UPLOAD: self._upload, Kind.PREFETCH: self._prefetch, Kind.FREE: self._free,
+            Kind.FORWARD: self._forward, Kind.FB: self._fb,
             Kind.BACKWARD: self._backward, Kind.RECV_ACT: self._recv, Kind.RECV_GRAD: self._recv,
             Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send, Kind.OFFLOAD: self._offload,
             Kind.RELOAD: self._reload, Kind.DOWNLOAD: self._download,

@@ -240,7 +240,8 @@ def test_where_two_slots_do_not_fit_the_plan_prefetches_what_fits_of_the_next_st
     largest = max(s.param_bytes for s in plan.stages if not s.resident)
     assert plan.num_slots == 1 and 0 < plan.prefetch_bytes < largest, (plan.num_slots, plan.prefetch_bytes, largest)
     assert max(plan.peak_bytes) <= hw.gpu_memory_bytes
-    plain = simulate(prof, plan.boundaries, hw, plan.worker_gpus, 4, dataclasses.replace(plan.options, prefetch_bytes=0))
+    plain = simulate(prof, plan.boundaries, hw, plan.worker_gpus, 4,
+                     dataclasses.replace(plan.options, prefetch_bytes=0))
     assert plan.predicted_step_s < 0.95 * plain.step_s
     assert "prefetch buffer" in plan.summary() and plan.runtime_settings()["prefetch_bytes"] == plan.prefetch_bytes
     assert Plan.from_json(plan.to_json()).options == plan.options

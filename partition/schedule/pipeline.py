@@ -378,7 +378,8 @@ def timeline(s: Schedule, width: int = 6) -> str:
     rows = []
     for w, acts in enumerate(s.actions):
         rows.append(f"gpu{w} | " + "".join(str(a).ljust(width) for a in acts))
-    legend = ("U=upload P=prefetch (the first bytes of the next stage into the prefetch buffer) X=free F=forward FB=forward+loss+backward B=backward (recomputes the forward unless the "
+    legend = ("U=upload P=prefetch (the first bytes of the next stage into the prefetch buffer) X=free F=forward "
+              "FB=forward+loss+backward B=backward (recomputes the forward unless the "
               "stage is kept) ra/sa=recv/send activation rg/sg=recv/send gradient H=input to host memory L=inputs "
               "back D=download grads O=CPU update Od=device update (resident stage) T=tied-weight exchange "
               "R=step reduce; suffix f/b: pass, then stage[,micro-batch]")
