@@ -308,8 +308,8 @@ def solve_stage_count(profile: ModelProfile, hw: Hardware, worker_gpus: list[int
     return out
 
 
-BOUND_PASS_SHARE = 0.4  # of the time limit: the first pass, which gives every stage count a brief solve
-BOUND_PASS_MIN_S = 0.02  # the least a stage count's first solve gets (a root relaxation and a few nodes)
+FIRST_PASS_SHARE = 0.25  # of the time left (less what the counts after it are owed): the most a first solve takes
+FIRST_PASS_MIN_S = 0.05  # what every stage count's first solve is owed (a root relaxation and a few nodes)
 
 
 def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int], list[int]], micro_batches: int,
@@ -322,10 +322,11 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
 
     With ``seed`` a local search on the same timing model (:mod:`partition.heuristic`) first finds
     a strong incumbent; the MIPs then run with the best time so far as a cutoff, in two passes: every
-    stage count briefly (``BOUND_PASS_SHARE`` of the time, in the order the local search ranks them),
-    which settles the easy ones and bounds the rest, then the counts still open, the lowest bound
-    first, sharing what time is left -- so one hard count cannot leave the others untried. Stage
-    counts below :func:`fewest_stages` cannot fit and are not solved.
+    stage count in the order the local search ranks them, each with at most ``FIRST_PASS_SHARE`` of
+    the time left beyond ``FIRST_PASS_MIN_S`` for each count after it (the best-ranked get the most,
+    and every count is tried), which settles most and bounds the rest; then the
+    counts still open, the lowest bound first, sharing what time is left -- so one hard count cannot
+    leave the others untried. Stage counts below :func:`fewest_stages` cannot fit and are not solved.
     """
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))
@@ -357,8 +358,8 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
         if left <= 0:
             log.warning("partition time limit reached before trying %d stages", S)
             break
-        share = (BOUND_PASS_SHARE * time_limit_s - (time.perf_counter() - t0)) / (len(todo) - i)
-        solve_count(S, min(left, max(BOUND_PASS_MIN_S, share)))
+        owed = FIRST_PASS_MIN_S * (len(todo) - i - 1)
+        solve_count(S, min(left, FIRST_PASS_MIN_S + FIRST_PASS_SHARE * max(0.0, left - owed - FIRST_PASS_MIN_S)))
     open_ = sorted((r.num_stages for r in results.values() if _open(r, best, rel_gap)), key=lambda S: results[S].bound)
     for i, S in enumerate(open_):  # the second pass: what is still open, the most promising first
         left = time_limit_s - (time.perf_counter() - t0)

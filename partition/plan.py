@@ -223,8 +223,7 @@ def _summary_lines(p: Plan) -> list[str]:
 CONTENTION_GAP = 0.03  # re-plan when the simulated step exceeds the MIP's model of it by more than this
 CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
 CONTENTION_REL_GAP = 0.02  # the re-plan's optimality gap: its rates are one simulated step's estimates
-CONTENTION_SHARE = 0.35  # of partition.time_limit_s, left for re-plans under contention
-MIN_SEARCH_S = 0.2  # the least time a search gets, whatever the limit left
+MIN_SEARCH_S = 1.0  # the least time a search gets, whatever the limit left
 
 
 # ---------------------------------------------------------------------------------- entry point
@@ -263,9 +262,8 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
 
     def plan_at(model_hw: Hardware, gap: float = rel_gap) -> _Candidate:
         """The MIP's partition (to ``gap``) and the residency pass at ``model_hw``'s rates, simulated on
-        the machine; the first plan leaves ``CONTENTION_SHARE`` of the time limit to a re-plan."""
-        share = 1 - CONTENTION_SHARE if replans and model_hw is hardware else 1.0
-        left = max(MIN_SEARCH_S, share * time_limit_s - (time.perf_counter() - t0))
+        the machine (a re-plan gets what time is left, at least ``MIN_SEARCH_S``)."""
+        left = max(MIN_SEARCH_S, time_limit_s - (time.perf_counter() - t0))
         res, options = _search(prof, model_hw, gpus_for, micro_batches, solver, left, bandwidth_view, gap,
                                prefetch, min_stages, boundaries, offload_inputs, barrier,
                                "half" if grad_download == "half" else "fp32")
