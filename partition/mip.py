@@ -309,7 +309,8 @@ def solve_stage_count(profile: ModelProfile, hw: Hardware, worker_gpus: list[int
 
 
 FIRST_PASS_SHARE = 0.25  # of the time left (less what the counts after it are owed): the most a first solve takes
-FIRST_PASS_MIN_S = 0.05  # what every stage count's first solve is owed (a root relaxation and a few nodes)
+FIRST_PASS_MIN_S = 0.05  # what every stage count's first solve is owed (a root relaxation and a few nodes), beside
+# the time a solve takes outside the solver (building its model), measured as the pass goes
 
 
 def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int], list[int]], micro_batches: int,
@@ -343,11 +344,15 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     results = {S: StageCountResult(S, "infeasible", math.inf, math.inf, None, "", 0.0, 0, 0, "memory bound")
                for S in order if S < fewest}
 
+    overheads: list[float] = []  # seconds each solve took beyond the solver's own (building the model, ...)
+
     def solve_count(S: int, cap: float) -> None:
         nonlocal best
         cutoff = best.predicted_s * (1 - rel_gap) if best is not None else None  # only a real improvement counts
+        start = time.perf_counter()
         r = solve_stage_count(profile, hw, gpus_for(S), micro_batches, S, solver, cap, cutoff, encoding, bandwidth,
                               rel_gap, options)
+        overheads.append(max(0.0, time.perf_counter() - start - r.solve_s))
         results[S] = r
         if r.boundaries is not None and (best is None or r.predicted_s < best.predicted_s):
             best = r
@@ -358,8 +363,9 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
         if left <= 0:
             log.warning("partition time limit reached before trying %d stages", S)
             break
-        owed = FIRST_PASS_MIN_S * (len(todo) - i - 1)
-        solve_count(S, min(left, FIRST_PASS_MIN_S + FIRST_PASS_SHARE * max(0.0, left - owed - FIRST_PASS_MIN_S)))
+        each = FIRST_PASS_MIN_S + (sum(overheads) / len(overheads) if overheads else 0.0)
+        owed = each * (len(todo) - i)  # this count's and those after it
+        solve_count(S, min(left, FIRST_PASS_MIN_S + FIRST_PASS_SHARE * max(0.0, left - owed)))
     open_ = sorted((r.num_stages for r in results.values() if _open(r, best, rel_gap)), key=lambda S: results[S].bound)
     for i, S in enumerate(open_):  # the second pass: what is still open, the most promising first
         left = time_limit_s - (time.perf_counter() - t0)
