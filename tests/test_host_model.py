@@ -14,7 +14,8 @@ from mobius.commands import plan as plan_cmd
 from mobius.layout import build_layout
 from mobius.models import get_preset, unit_specs
 from mobius.models.params import model_params
-from partition import Hardware, ModelEvaluator, ModelProfile, PipelineOptions, UnitCost, plan_model, simulate
+from fixtures.partition.profiles import hand_profile
+from partition import Hardware, ModelEvaluator, ModelProfile, PipelineOptions, plan_model, simulate
 from partition import cpu_rate
 from partition.estimate import estimate_units
 from partition.evaluate import rates_for
@@ -26,15 +27,6 @@ GiB = 1 << 30
 TOPO_2X2 = Path(__file__).parent / "fixtures" / "topology" / "topo2x2_sys.txt"
 
 
-def _hand_profile() -> ModelProfile:
-    """Three units a, b, c of 0.5 G, 0.25 G and 0.25 G parameters (fp16), no activation bytes."""
-    def unit(name: str, params: float, fwd: float, bwd: float) -> UnitCost:
-        p = int(params)
-        return UnitCost(name, "block", name, p, fwd, bwd, 2 * p, 2 * p, 0, 0, 0, 0)
-    return ModelProfile([unit("a", 0.5e9, 1.0, 2.0), unit("b", 0.25e9, 1.0, 2.0), unit("c", 0.25e9, 1.0, 3.0)],
-                        1, 1, "fp16", "hand", "estimated")
-
-
 def test_workers_updating_at_once_share_the_hosts_cpu_rate() -> None:
     """Stages a|b|c on two workers (a and c on worker 0), clipped: after the step's norm worker 0
     updates a (0.5 G) then c (0.25 G), worker 1 updates b (0.25 G), one worker alone at 0.25 G/s. A host
@@ -43,7 +35,7 @@ def test_workers_updating_at_once_share_the_hosts_cpu_rate() -> None:
     step of tests/test_partition_sim.py). The step grows by the second a's update takes longer (18 s
     instead of 17); the MIP's timing model, which cannot follow who updates when, gives every worker
     the share of all N at once (19 s)."""
-    prof, clipped = _hand_profile(), PipelineOptions(barrier=True)
+    prof, clipped = hand_profile(), PipelineOptions(barrier=True)
     cpu: dict[str, list[tuple[float, float]]] = {}
     steps, model = {}, {}
     for host in ("unshared", "shared"):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from fixtures.partition.profiles import toy_profile
-from partition import Hardware, ModelEvaluator, ModelProfile, PipelineOptions, UnitCost, simulate
+from fixtures.partition.profiles import hand_profile, toy_profile
+from partition import Hardware, ModelEvaluator, PipelineOptions, simulate
 from partition.baselines import is_valid
 from partition.costs import stage_costs
 
@@ -23,15 +23,6 @@ def _one_per_stage(blocks: int) -> list[int]:
     return [0] + list(range(2, blocks + 1)) + [blocks + 2]
 
 
-def _hand_profile() -> ModelProfile:
-    """Three units, fp16: 0.5 G, 0.25 G and 0.25 G parameters; no activation bytes."""
-    def unit(name: str, params: float, fwd: float, bwd: float) -> UnitCost:
-        p = int(params)
-        return UnitCost(name, "block", name, p, fwd, bwd, 2 * p, 2 * p, 0, 0, 0, 0)
-    return ModelProfile([unit("a", 0.5e9, 1.0, 2.0), unit("b", 0.25e9, 1.0, 2.0), unit("c", 0.25e9, 1.0, 3.0)],
-                        1, 1, "fp16", "hand", "estimated")
-
-
 def test_a_step_computed_by_hand() -> None:
     """Stages a|b|c on two workers (c: the last stage, forward+loss+backward in one 3 s action, no
     recompute), two micro-batches, 1 GB/s links, fp32 gradient downloads (4 bytes per parameter), CPU
@@ -44,7 +35,7 @@ def test_a_step_computed_by_hand() -> None:
     update waits for the step's norm (15 s), then runs a, c (worker 0) and b (worker 1); the next
     step's uploads wait for them (a at 2, c at 3, b at 1 s into the step), which delays everything
     by 2 s: 17 s per step in the steady state, 15 s for the first step."""
-    prof, hw = _hand_profile(), Hardware.uniform(2, 64 * GiB, 1e9, cpu_adam_params_per_s=0.25e9)
+    prof, hw = hand_profile(), Hardware.uniform(2, 64 * GiB, 1e9, cpu_adam_params_per_s=0.25e9)
     immediate = simulate(prof, [0, 1, 2, 3], hw, [0, 1], 2)
     assert immediate.step_ends == pytest.approx([17.0, 34.0, 51.0])
     st = immediate.stages
