@@ -11,7 +11,9 @@ cause -- the exception's message (each worker records it in an error file, the w
 does) or the signal. A worker that fails exits at once (``os._exit``) rather than waiting for its
 threads, so a thread blocked on a dead peer cannot keep it alive.
 
-Stopping: Ctrl-C, SIGTERM and SIGHUP to this process stop every worker the same way and raise
+Stopping: Ctrl-C, SIGTERM and SIGHUP to this process stop every worker the same way -- the agent
+sends them SIGTERM (:func:`_stops_as_sigterm`), and a signal that comes while a worker is being
+launched waits until the launch is whole (:func:`_launches_whole`) -- and raise
 :class:`Interrupted`; outside the workers' lifetime :func:`stop_on_signals` turns them into
 :class:`Signalled`, so that every phase ends through the run's ``finally`` clauses with one line.
 A terminal's Ctrl-C and hang-up reach every process of its foreground group, workers included: they
@@ -19,7 +21,8 @@ are born with those signals blocked and then ignore them (:func:`leave_stopping_
 this process stops them -- no worker prints a traceback, however early in its start-up the signal
 comes. The multiprocessing resource tracker is started here the same way (it then survives a
 hang-up and cleans up what killed workers leave without a word). Each worker watches its parent
-(this process, or torchrun's agent) and ends within :data:`ORPHAN_CHECK_S` once it is gone.
+(this process, or torchrun's agent) and ends within :data:`ORPHAN_CHECK_S` once it is gone; a rank
+torchrun started keeps the terminal's signals and stops on them by itself (:func:`end_when_orphaned`).
 """
 
 from __future__ import annotations
