@@ -21,3 +21,8 @@ class DataError(MobiusError):
 
 class NotAvailableError(MobiusError):
     """A feature that this build or this machine cannot provide."""
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes for a message: GiB, or MiB below one GiB (so that small figures do not read 0.00 GiB)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"

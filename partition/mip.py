@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from mobius.errors import MobiusError
@@ -332,53 +332,75 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))
     ev = ModelEvaluator(profile, hw, gpus_for, micro_batches, bandwidth, options)
-    best: StageCountResult | None = None
+    search = _CountSearch(lambda S, cap, cutoff: solve_stage_count(
+        profile, hw, gpus_for(S), micro_batches, S, solver, cap, cutoff, encoding, bandwidth, rel_gap, options),
+        t0 + time_limit_s, rel_gap)
     ranking: dict[int, float] = {}
     if seed:
         inc = find_incumbent(ev, counts)
         ranking = inc.per_stage_count
         if inc.boundaries is not None:
-            best = _from_schedule(ev, inc.boundaries, gpus_for)
+            search.best = _from_schedule(ev, inc.boundaries, gpus_for)
     order = sorted(counts, key=lambda S: (ranking.get(S, math.inf), S))
     fewest = fewest_stages(profile, hw.gpu_memory_bytes, options)
-    results = {S: StageCountResult(S, "infeasible", math.inf, math.inf, None, "", 0.0, 0, 0, "memory bound")
-               for S in order if S < fewest}
-
-    overheads: list[float] = []  # seconds each solve took beyond the solver's own (building the model, ...)
-
-    def solve_count(S: int, cap: float) -> None:
-        nonlocal best
-        cutoff = best.predicted_s * (1 - rel_gap) if best is not None else None  # only a real improvement counts
-        start = time.perf_counter()
-        r = solve_stage_count(profile, hw, gpus_for(S), micro_batches, S, solver, cap, cutoff, encoding, bandwidth,
-                              rel_gap, options)
-        overheads.append(max(0.0, time.perf_counter() - start - r.solve_s))
-        results[S] = r
-        if r.boundaries is not None and (best is None or r.predicted_s < best.predicted_s):
-            best = r
-
-    todo = [S for S in order if S >= fewest]
-    for i, S in enumerate(todo):  # the first pass
-        left = time_limit_s - (time.perf_counter() - t0)
-        if left <= 0:
-            log.warning("partition time limit reached before trying %d stages", S)
-            break
-        each = FIRST_PASS_MIN_S + (sum(overheads) / len(overheads) if overheads else 0.0)
-        owed = each * (len(todo) - i)  # this count's and those after it
-        solve_count(S, min(left, FIRST_PASS_MIN_S + FIRST_PASS_SHARE * max(0.0, left - owed)))
-    open_ = sorted((r.num_stages for r in results.values() if _open(r, best, rel_gap)), key=lambda S: results[S].bound)
-    for i, S in enumerate(open_):  # the second pass: what is still open, the most promising first
-        left = time_limit_s - (time.perf_counter() - t0)
-        if left <= 0.01:
-            break
-        if _open(results[S], best, rel_gap):  # (a better plan found since may have settled it)
-            solve_count(S, left / (len(open_) - i))
-    done = sorted(results.values(), key=lambda r: r.num_stages)
+    search.results = {S: StageCountResult(S, "infeasible", math.inf, math.inf, None, "", 0.0, 0, 0, "memory bound")
+                      for S in order if S < fewest}
+    search.first_pass([S for S in order if S >= fewest])
+    search.second_pass()
+    done, best = sorted(search.results.values(), key=lambda r: r.num_stages), search.best
     skipped = len(counts) - len(done)
     if best is not None and best.status == "local search":
         proven = all(r.status in ("cutoff", "infeasible") for r in done) and not skipped
         best.status = "optimal" if proven else best.status
     return MipResult(best, done, time.perf_counter() - t0, _lower_bound(done, counts, best), skipped)
+
+
+@dataclass
+class _CountSearch:
+    """The MIP's passes over the stage counts until ``deadline`` (:func:`solve_partition`)."""
+
+    solve: Callable[[int, float, float | None], StageCountResult]  # (count, seconds, cutoff) -> its result
+    deadline: float  # time.perf_counter() at which the search stops
+    rel_gap: float
+    best: StageCountResult | None = None
+    results: dict[int, StageCountResult] = field(default_factory=dict)
+    overheads: list[float] = field(default_factory=list)  # seconds each solve took beyond the solver's own
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def count(self, S: int, cap: float) -> None:
+        """Solve stage count ``S`` for at most ``cap`` seconds against the best plan so far."""
+        cutoff = self.best.predicted_s * (1 - self.rel_gap) if self.best is not None else None  # a real improvement
+        start = time.perf_counter()
+        r = self.solve(S, cap, cutoff)
+        self.overheads.append(max(0.0, time.perf_counter() - start - r.solve_s))
+        self.results[S] = r
+        if r.boundaries is not None and (self.best is None or r.predicted_s < self.best.predicted_s):
+            self.best = r
+
+    def first_pass(self, todo: list[int]) -> None:
+        """Every count in ``todo``'s order, each with at most ``FIRST_PASS_SHARE`` of the time left
+        beyond what the counts after it are owed (``FIRST_PASS_MIN_S`` plus the measured overhead)."""
+        for i, S in enumerate(todo):
+            left = self.left()
+            if left <= 0:
+                log.warning("partition time limit reached before trying %d stages", S)
+                return
+            each = FIRST_PASS_MIN_S + (sum(self.overheads) / len(self.overheads) if self.overheads else 0.0)
+            owed = each * (len(todo) - i)  # this count's and those after it
+            self.count(S, min(left, FIRST_PASS_MIN_S + FIRST_PASS_SHARE * max(0.0, left - owed)))
+
+    def second_pass(self) -> None:
+        """The counts still open, the lowest bound first, sharing the time left."""
+        todo = sorted((r.num_stages for r in self.results.values() if _open(r, self.best, self.rel_gap)),
+                      key=lambda S: self.results[S].bound)
+        for i, S in enumerate(todo):
+            left = self.left()
+            if left <= 0.01:
+                return
+            if _open(self.results[S], self.best, self.rel_gap):  # (a better plan found since may have settled it)
+                self.count(S, left / (len(todo) - i))
 
 
 def _open(r: StageCountResult, best: StageCountResult | None, rel_gap: float) -> bool:

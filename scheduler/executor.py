@@ -270,9 +270,9 @@ class Executor:
                                                   self.st.prefetched.pop(a.stage, 0), self.layouts[a.stage].numel))
 
     def _copy_job(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int) -> None:
-        """(The upload thread) elements ``lo:hi`` of stage j's weights from its host copy into ``slot``
-        -- after its first ``lo``, which wait in the prefetch buffer, moved there on the device -- or,
-        without a slot (PREFETCH), into the prefetch buffer."""
+        """(The upload thread) elements ``lo:hi`` of stage j's weights from its host copy: into ``slot``,
+        whose first ``lo`` come from the prefetch buffer (a copy on the device); or, without a slot
+        (``PREFETCH``, ``lo`` 0), into the prefetch buffer."""
         if self.cuda:
             torch.cuda.set_device(self.device)  # this thread's current device
         try:
@@ -289,8 +289,7 @@ class Executor:
         host.updated.wait()  # the CPU update of the previous step has written this stage's copy
         if self.failure is not None:
             raise RuntimeError("not uploading after an earlier failure")
-        dst = slot.params if slot is not None else self.buffer
-        src = host.half
+        src, dst = host.half, slot.params if slot is not None else self.buffer
         step = max(1, UPLOAD_CHUNK // src.element_size())
         trace = st.trace
         if self.cuda:
@@ -298,9 +297,8 @@ class Executor:
                 if slot is not None and slot.released is not None:
                     self.copy_stream.wait_event(slot.released)
                 start = trace.mark(self.copy_stream) if trace is not None else None
-                if slot is not None and lo:
-                    dst[:lo].copy_(self.buffer[:lo], non_blocking=True)  # the prefetched part, on the device
-                for a in range(lo if slot is not None else 0, hi, step):
+                dst[:lo].copy_(self.buffer[:lo], non_blocking=True)  # the prefetched part, on the device
+                for a in range(lo, hi, step):
                     self.arbiter.acquire(order)
                     dst[a:min(a + step, hi)].copy_(src[a:min(a + step, hi)], non_blocking=True)
                     if self.arbiter.peers:
@@ -310,17 +308,14 @@ class Executor:
                     slot.ready_event.record(self.copy_stream)
         else:
             start = trace.mark() if trace is not None else None
-            if slot is not None and lo:
-                dst[:lo].copy_(self.buffer[:lo])
+            dst[:lo].copy_(self.buffer[:lo])
             self.arbiter.acquire(order)
-            first = lo if slot is not None else 0
-            dst[first:hi].copy_(src[first:hi])
+            dst[lo:hi].copy_(src[lo:hi])
         self.arbiter.release()
-        moved = hi - (lo if slot is not None else 0)
-        self.counters.add(h2d=moved * src.element_size())
+        self.counters.add(h2d=(hi - lo) * src.element_size())
         if trace is not None:
-            label = f"U{j}" if slot is not None else f"P{j}"
-            trace.add("h2d", label, start, trace.mark(self.copy_stream if self.cuda else None))
+            trace.add("h2d", f"{'U' if slot is not None else 'P'}{j}", start,
+                      trace.mark(self.copy_stream if self.cuda else None))
 
     def _offload(self, a: Action) -> None:
         """A forward's boundary input to pinned host memory until the stage's backward."""

@@ -30,7 +30,7 @@ from mobius.checkpoint import ResumeState, checkpoint_bytes
 from mobius.config import Config
 from mobius.data import TextTokenizer, TrainData
 from mobius.engine import SingleEngine
-from mobius.errors import ConfigError
+from mobius.errors import ConfigError, size_text
 from mobius.files import write_failure, write_text_atomic
 from mobius.models import ModelConfig, param_count
 from mobius.parallel import Mode, ParallelSettings
@@ -38,7 +38,6 @@ from mobius.trainer import Trainer, TrainResult, save_dtype_for
 from partition.zero import ZeroPlan
 
 log = logging.getLogger(__name__)
-GiB = 2**30
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -129,13 +128,10 @@ def _zero_too_big(plan: ZeroPlan) -> str:
     given = [f"zero.{k}" for k, how in plan.decided.items() if how == "config"]
     advice = (f"lower {' or '.join(given)}" if given else "set zero.chunk_size smaller") + \
         ", set zero.gpu_chunks=0 (offload every chunk), or raise partition.gpu_memory_gib"
-    return (f"zero mode's plan needs {_gib(need)} per rank for its chunks and rCache ({plan.num_chunks} chunk(s) of "
-            f"{plan.chunk_size:,} parameters, {plan.cache_blocks} rCache block(s), {plan.gpu_chunks} on the GPU), more "
-            f"than the {_gib(max(m['usable'], 0))} usable of {_gib(m['capacity'])}; {advice}")
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
+    return (f"zero mode's plan needs {size_text(need)} per rank for its chunks and rCache ({plan.num_chunks} "
+            f"chunk(s) of {plan.chunk_size:,} parameters, {plan.cache_blocks} rCache block(s), {plan.gpu_chunks} on "
+            f"the GPU), more "
+            f"than the {size_text(max(m['usable'], 0))} usable of {size_text(m['capacity'])}; {advice}")
 
 
 def check_disk(out: Path, cfg: Config, model_cfg: ModelConfig, save_dtype: torch.dtype) -> None:
@@ -148,8 +144,8 @@ def check_disk(out: Path, cfg: Config, model_cfg: ModelConfig, save_dtype: torch
     what, need = max(sizes.items(), key=lambda kv: kv[1])
     free = shutil.disk_usage(out).free
     if free < need:
-        raise ConfigError(f"output.dir {out} has {_gib(free)} free, but {what} of this model takes about "
-                          f"{_gib(need)}; free some space or set output.dir to another disk")
+        raise ConfigError(f"output.dir {out} has {size_text(free)} free, but {what} of this model takes about "
+                          f"{size_text(need)}; free some space or set output.dir to another disk")
 
 
 def _announce(cfg: Config, choice: ModeChoice) -> None:

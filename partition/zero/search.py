@@ -6,7 +6,7 @@ alternatives the plan reports (:class:`~partition.zero.plan.ZeroPlan`)."""
 
 from __future__ import annotations
 
-from mobius.errors import ConfigError
+from mobius.errors import ConfigError, size_text
 from mobius.layout import ALIGN, ChunkLayout, ParamInfo, build_layout
 from partition.costs import ModelProfile
 from partition.schedule.zero import chunk_trace, train_program
@@ -130,16 +130,11 @@ def _table(rows: list[dict]) -> list[dict]:
 
 def _too_small(rows: list[dict], hw: ZeroHardware, act: int, allowed: int, w: Workload) -> str:
     need = min(sum(model_state_bytes(r["layout"], Setting(r["layout"].min_blocks, 0), w.elem).values()) for r in rows)
-    return (f"zero mode does not fit in {_size(hw.memory_bytes)} per rank (partition.gpu_memory_gib, or the "
-            f"device's memory): activations take {_size(act)} (x{F_FRAG} for fragmentation), leaving "
-            f"{_size(max(allowed, 0))} for chunks, but the smallest rCache needs {_size(need)}; raise "
+    return (f"zero mode does not fit in {size_text(hw.memory_bytes)} per rank (partition.gpu_memory_gib, or the "
+            f"device's memory): activations take {size_text(act)} (x{F_FRAG} for fragmentation), leaving "
+            f"{size_text(max(allowed, 0))} for chunks, but the smallest rCache needs {size_text(need)}; raise "
             f"partition.gpu_memory_gib, use a smaller train.micro_batch_size, turn on "
             f"model.activation_checkpointing, or use more devices")
-
-
-def _size(n: float) -> str:
-    """Bytes in GiB, or MiB below one GiB (so that small figures do not read 0.00)."""
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
 
 
 def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHardware, *, micro_batches: int,
