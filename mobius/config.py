@@ -162,9 +162,10 @@ class PartitionSection(_Section):
     _name = "partition"
     solver: Literal["auto", "gurobi", "highs"] = _f("auto", "MIP solver: gurobi, highs, or auto (gurobi, then HiGHS "
                                                     "when the free licence cannot take the model).")
-    time_limit_s: float = _f(30.0, "The partition search's time limit in seconds (the local search and every MIP; a "
-                             "re-plan under contention gets at least 1 s more). Shorter plans sooner; the plan "
-                             "states the gap it proved.", gt=0)
+    time_limit_s: float = _f(3.0, "The partition search's time limit in seconds (the local search and every MIP; a "
+                             "re-plan under contention gets at least 1 s more; the residency pass on the near-best "
+                             "partitions and the baselines follow it). Longer may narrow the gap the plan states.",
+                             gt=0)
     profile: Literal["auto", "measured", "estimated"] = _f("auto", "Unit costs measured on this machine (its GPU; "
                                                            "the CPU for CPU workers), estimated from the datasheet of "
                                                            "partition.gpu, or auto (measured where the planned GPU or "

@@ -21,11 +21,12 @@ from partition.timing import Batch, StageExprs, step_model
 
 @dataclass
 class Incumbent:
-    """The best partition found and the heuristic's value for each stage count."""
+    """The best partition found, and the heuristic's value and best partition for each stage count."""
 
     boundaries: list[int] | None
     step_s: float
     per_stage_count: dict[int, float]
+    partitions: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # count -> its best partition
 
 
 def proportional_split(costs: list[float], parts: int) -> list[int]:
@@ -65,12 +66,13 @@ def find_incumbent(ev: ModelEvaluator, stage_counts: list[int], starts: int = 3,
     units = ev.profile.units
     costs = [u.fwd_s + u.bwd_s for u in units]
     per_s: dict[int, float] = {}
+    found: dict[int, list[int]] = {}
     seeds: list[tuple[float, list[int]]] = []
     score = _Scores(ev)
     for S in stage_counts:
         bounds = proportional_split(costs, S)
         value = score(bounds)
-        per_s[S] = value
+        per_s[S], found[S] = value, bounds
         seeds.append((value, bounds))
     seeds.sort(key=lambda x: x[0])
     best_val, best = math.inf, None
@@ -79,10 +81,10 @@ def find_incumbent(ev: ModelEvaluator, stage_counts: list[int], starts: int = 3,
     for value, bounds in seeds[:starts]:
         if not math.isfinite(value):
             break
-        value, bounds = _climb(ev, score, bounds, value, budget, per_s, allowed)
+        value, bounds = _climb(ev, score, bounds, value, budget, per_s, allowed, found)
         if value < best_val:
             best_val, best = value, bounds
-    return Incumbent(best, best_val, per_s)
+    return Incumbent(best, best_val, per_s, {S: b for S, b in found.items() if math.isfinite(per_s[S])})
 
 
 AHEAD = 16  # partitions of one stage count evaluated together (one batch costs about two evaluations)
@@ -123,8 +125,9 @@ class _Scores:
 
 
 def _climb(ev: ModelEvaluator, score: _Scores, bounds: list[int], value: float, budget: int,
-           per_s: dict[int, float], allowed: set[int]) -> tuple[float, list[int]]:
-    """First-improvement hill climbing over :func:`neighbours` with stage counts in ``allowed``."""
+           per_s: dict[int, float], allowed: set[int], found: dict[int, list[int]]) -> tuple[float, list[int]]:
+    """First-improvement hill climbing over :func:`neighbours` with stage counts in ``allowed``;
+    ``per_s`` / ``found`` keep each count's best value and partition met on the way."""
     improved = True
     while improved and ev.evaluations < budget:
         improved = False
@@ -134,7 +137,8 @@ def _climb(ev: ModelEvaluator, score: _Scores, bounds: list[int], value: float, 
                 break
             S = len(cand) - 1
             v = score(cand, cands[i + 1:])
-            per_s[S] = min(per_s.get(S, math.inf), v)
+            if v < per_s.get(S, math.inf):
+                per_s[S], found[S] = v, cand
             if v < value * (1 - 1e-9):
                 value, bounds, improved = v, cand, True
                 break

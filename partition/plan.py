@@ -32,8 +32,8 @@ from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
 from partition.lp import SolverName
 from partition.mapping import MappingKind, GpusFor, as_gpus_function
-from partition.mip import (DEFAULT_REL_GAP, BandwidthView, MipResult, explain_infeasible, given_partition,
-                           solve_partition)
+from partition.mip import (DEFAULT_REL_GAP, BandwidthView, MipResult, StageCountResult, explain_infeasible,
+                           given_partition, solve_partition)
 from partition.simulate import SimResult, Sharing, simulate
 from partition.timing import Numbers, Shape, worker_needs
 
@@ -205,6 +205,11 @@ def _summary_lines(p: Plan) -> list[str]:
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
                  f"contention; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
+    alts = p.mip.get("alternatives") or []
+    if len(alts) > 1:
+        each = ", ".join(f"{a['num_stages']} stages {a['simulated_step_s']:.3f} s" for a in alts)
+        lines.append(f"partition: the fastest simulated, each with its own resident/kept stages, of the search's "
+                     f"{len(alts)} near-best ({each})")
     if p.time_split:
         lines.append(_time_split_line(p.time_split, p.predicted_step_s))
     mem = ", ".join(f"GPU{g} {b / GiB:.1f}" for g, b in enumerate(p.peak_bytes))
@@ -224,13 +229,14 @@ CONTENTION_GAP = 0.03  # re-plan when the simulated step exceeds the MIP's model
 CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
 CONTENTION_REL_GAP = 0.02  # the re-plan's optimality gap: its rates are one simulated step's estimates
 MIN_SEARCH_S = 1.0  # the least time a search gets, whatever the limit left
+ALTERNATIVES_SHARE = 0.5  # of the time limit: the residency passes on a search's partitions (the best's included)
 
 
 # ---------------------------------------------------------------------------------- entry point
 def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardware, *, micro_batches: int,
                micro_batch_size: int = 1, seq_len: int = 512, precision: str = "bf16",
                mapping: MappingKind | str | Sequence[int] | GpusFor = "cross", solver: SolverName = "auto",
-               time_limit_s: float = 30.0, profile: str = "auto", gpu: Any = None, cache_dir: str | None = None,
+               time_limit_s: float = 3.0, profile: str = "auto", gpu: Any = None, cache_dir: str | None = None,
                bandwidth_view: BandwidthView = "link", sharing: Sharing = "priority",
                with_baselines: bool = True, rel_gap: float = DEFAULT_REL_GAP, prefetch: bool = True,
                min_stages: int = 1, boundaries: list[int] | None = None, offload_inputs: str = "auto",
@@ -267,12 +273,12 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
         res, options = _search(prof, model_hw, gpus_for, micro_batches, solver, left, bandwidth_view, gap,
                                prefetch, min_stages, boundaries, offload_inputs, barrier,
                                "half" if grad_download == "half" else "fp32")
-        chosen, sim = _residency(prof, hardware, gpus_for, micro_batches, res.best.boundaries, options,
-                                 bandwidth_view, sharing, *want, model_hw=model_hw)
+        chosen, sim, tried = _fastest_residency(prof, hardware, gpus_for, micro_batches, res, options, bandwidth_view,
+                                                sharing, want, model_hw, ALTERNATIVES_SHARE * time_limit_s)
         if options.num_slots == 1 and prefetch:  # two slots do not fit: prefetch what fits of the next stage
             chosen, sim = _partial_prefetch(prof, hardware, gpus_for, micro_batches, res.best.boundaries, options,
                                             bandwidth_view, sharing, want, model_hw, (chosen, sim))
-        return _Candidate(model_hw, res, chosen, sim)
+        return _Candidate(model_hw, res, chosen, sim, tried)
 
     best, tried = plan_at(hardware), []
     if replans:
@@ -301,6 +307,7 @@ def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardwar
     plan.model_step_s = ModelEvaluator(prof, best.model_hw, gpus_for, micro_batches, bandwidth_view,
                                        options).step_time(bounds)
     plan.mip["contention_plans"] = tried
+    plan.mip["alternatives"] = best.alternatives
     if best.model_hw is not hardware:
         plan.mip["simulated_rates_GBps"] = {"h2d": [r / GB for r in best.model_hw.h2d_Bps],
                                             "d2h": [r / GB for r in best.model_hw.d2h_Bps]}
@@ -316,6 +323,7 @@ class _Candidate:
     res: MipResult
     options: PipelineOptions
     sim: SimResult
+    alternatives: list[dict]  # each partition the residency pass tried (:func:`_fastest_residency`)
 
 
 def _replan_under_contention(best: _Candidate, plan_at: Callable[[Hardware, float], _Candidate], prof: ModelProfile,
@@ -385,10 +393,12 @@ RESIDENCY_RESERVE = 0.06  # of the usable GPU memory, kept free by the automatic
 
 def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
                options: PipelineOptions, view: BandwidthView, sharing: Sharing, resident: frozenset[int] | None,
-               kept: frozenset[int] | None, model_hw: Hardware | None = None) -> tuple[PipelineOptions, SimResult]:
+               kept: frozenset[int] | None, model_hw: Hardware | None = None,
+               against_none: bool = True) -> tuple[PipelineOptions, SimResult]:
     """The partition's resident and kept stages (given, or chosen by the second pass at
     ``model_hw``'s rates, by default the machine's) and its simulation on the machine; an automatic
-    choice the simulator finds slower than none is dropped."""
+    choice the simulator finds slower than none is dropped (unless ``against_none`` is off: the
+    caller checks)."""
     model_hw = model_hw or hw
     ev = ModelEvaluator(prof, model_hw, gpus_for, M, view, options)
     worker_gpus = gpus_for(len(bounds) - 1)
@@ -408,13 +418,61 @@ def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, boun
         raise MobiusError(f"resident stages {sorted(res)} and kept stages {sorted(kp)} do not fit: {broken[0]} needs "
                           f"{broken[1]:.2f} GB of the {broken[2]:.2f} GB usable per GPU")
     sim = simulate(prof, bounds, hw, worker_gpus, M, chosen, sharing)
-    if (res or kp) and (resident is None or kept is None) and not (resident or kept):
-        plain = simulate(prof, bounds, hw, worker_gpus, M, options, sharing)
-        if plain.step_s <= sim.step_s:
-            log.info("the resident/kept choice %s/%s simulates slower (%.3f s) than none (%.3f s): dropped",
-                     sorted(res), sorted(kp), sim.step_s, plain.step_s)
-            return options, plain
+    if (res or kp) and (resident is None or kept is None) and not (resident or kept) and against_none:
+        return _unless_none_is_faster(prof, hw, worker_gpus, M, bounds, options, sharing, chosen, sim)
     return chosen, sim
+
+
+def _unless_none_is_faster(prof: ModelProfile, hw: Hardware, worker_gpus: list[int], M: int, bounds: list[int],
+                           options: PipelineOptions, sharing: Sharing, chosen: PipelineOptions,
+                           sim: SimResult) -> tuple[PipelineOptions, SimResult]:
+    """The automatic resident/kept choice, or none where the simulator finds none faster."""
+    plain = simulate(prof, bounds, hw, worker_gpus, M, dataclasses.replace(chosen, resident=frozenset(),
+                                                                          kept=frozenset()), sharing)
+    if plain.step_s <= sim.step_s:
+        log.info("the resident/kept choice %s/%s simulates slower (%.3f s) than none (%.3f s): dropped",
+                 sorted(chosen.resident), sorted(chosen.kept), sim.step_s, plain.step_s)
+        return options, plain
+    return chosen, sim
+
+
+def _fastest_residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, res: MipResult,
+                       options: PipelineOptions, view: BandwidthView, sharing: Sharing,
+                       want: tuple[frozenset[int] | None, frozenset[int] | None],
+                       model_hw: Hardware, budget_s: float) -> tuple[PipelineOptions, SimResult, list[dict]]:
+    """The residency pass on the search's best partition and, when the pass chooses both lists, on its
+    near-best alternatives (:func:`partition.mip.near_best`) that fit in ``budget_s`` (their cost
+    estimated from the first pass's, as the cube of the stage count): the fastest simulated becomes
+    ``res.best`` (resident stages and kept activations can reorder partitions the timing model puts
+    within a few percent of each other). Also returns a row per partition tried."""
+    start = time.perf_counter()
+    chosen, sim = _residency(prof, hw, gpus_for, M, res.best.boundaries, options, view, sharing, *want,
+                             model_hw=model_hw)
+    first_s, tried = time.perf_counter() - start, [_alternative_row(res.best, chosen, sim)]
+    if want != (None, None):
+        return chosen, sim, tried
+    first = res.best
+    for alt in res.alternatives[1:]:
+        expected = first_s * (alt.num_stages / first.num_stages) ** 3  # (rounds x moves x stages)
+        if time.perf_counter() - start + expected > budget_s:
+            continue
+        try:  # (checked against no residency only if it wins)
+            alt_chosen, alt_sim = _residency(prof, hw, gpus_for, M, alt.boundaries, options, view, sharing, *want,
+                                             model_hw=model_hw, against_none=False)
+        except MobiusError:
+            continue
+        tried.append(_alternative_row(alt, alt_chosen, alt_sim))
+        if alt_sim.step_s < sim.step_s:
+            chosen, sim, res.best = alt_chosen, alt_sim, alt
+    if res.best is not first and (chosen.resident or chosen.kept):
+        chosen, sim = _unless_none_is_faster(prof, hw, gpus_for(res.best.num_stages), M, res.best.boundaries,
+                                             options, sharing, chosen, sim)
+    return chosen, sim, tried
+
+
+def _alternative_row(r: StageCountResult, chosen: PipelineOptions, sim: SimResult) -> dict:
+    return {"num_stages": r.num_stages, "model_step_s": r.predicted_s, "simulated_step_s": sim.step_s,
+            "resident": len(chosen.resident), "kept": len(chosen.kept)}
 
 
 def _partial_prefetch(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],

@@ -136,7 +136,8 @@ def test_a_plan_costs_a_bounded_number_of_evaluations_and_simulations(monkeypatc
     """A guard against the planner slowing down again: OPT-1.3B on the 8-GPU box (4 + 4 GPUs per
     root complex) with the residency and kept passes and the baselines, counted in evaluations of
     the timing model (a batch counts once) and simulator runs. Before the passes were made fast the
-    same plan (the same stages, resident and kept ones) took 3,528 evaluations and 8 simulations; now 954."""
+    same plan (the same stages, resident and kept ones) took 3,528 evaluations and 8 simulations; then 954.
+    The residency pass on the search's three near-best alternatives adds up to two simulations each."""
     import partition.evaluate as evaluate
     import partition.plan as plan_module
     import partition.residency as residency_module
@@ -159,7 +160,7 @@ def test_a_plan_costs_a_bounded_number_of_evaluations_and_simulations(monkeypatc
     plan = plan_model(prof, hw, micro_batches=4, barrier=True, min_stages=8)
     print(f"\nOPT-1.3B on 4+4: {counts['evaluations']} evaluations, {counts['simulations']} simulations, "
           f"{plan.solve_s:.2f} s, {plan.status}")
-    assert counts["simulations"] <= 8
+    assert counts["simulations"] <= 8 + 2 * 3
     assert counts["evaluations"] <= 1500
     assert plan.solve_s < 60  # minutes would be a regression whatever the machine's load
 
