@@ -37,9 +37,11 @@ def spawn_cases(run_case: RunCase, cases: list[dict], world: int) -> list[list[d
 
     from mobius.app.launch import free_port
 
-    results = mp.get_context("spawn").SimpleQueue()
+    ctx = mp.get_context("forkserver")  # one server imports torch once; each worker is a fork of it (~2 s saved)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "spawned", run_case.__module__])
+    results = ctx.SimpleQueue()
     procs = mp.start_processes(_worker, args=(world, free_port(), run_case, cases, results), nprocs=world,
-                               join=False, start_method="spawn")
+                               join=False, start_method="forkserver")
     got: list[list[dict | None]] = [[None] * world for _ in cases]
     deadline, done = time.monotonic() + SPAWN_TIMEOUT_S, False
     while not done:  # read while the workers run (a full pipe would block them); join raises a worker's error
