@@ -108,6 +108,8 @@ class MipResult:
             return "optimal"
         if self.stage_counts_skipped:
             return f"best found; {self.stage_counts_skipped} stage count(s) not tried before the time limit"
+        if self.lower_bound <= 0:
+            return "best found; the time limit left a stage count without a lower bound"
         return f"within {100 * self.gap:.2f}% of optimal"
 
     @property

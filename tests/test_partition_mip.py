@@ -231,7 +231,7 @@ def test_every_stage_count_is_tried_before_a_hard_one_gets_more_time(monkeypatch
     first = tried[:len(set(tried))]
     assert sorted(first) == sorted(set(tried)) and tried.count(hard) == 2, calls  # all once, then the hard one
     assert calls[-1][0] == hard and calls[-1][1] > calls[tried.index(hard)][1]  # with more time the second time
-    assert res.lower_bound == 0.0 and not res.proven and res.status_text().startswith("within "), res.status_text()
+    assert res.lower_bound == 0.0 and not res.proven and "without a lower bound" in res.status_text()
 
 
 def test_a_model_that_cannot_fit_names_the_unit_and_the_shortfall() -> None:
