@@ -329,10 +329,12 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     With ``seed`` a local search on the same timing model (:mod:`partition.heuristic`) first finds
     a strong incumbent; the MIPs then run with the best time so far as a cutoff, in two passes: every
     stage count in the order the local search ranks them, each with at most ``FIRST_PASS_SHARE`` of
-    the time left beyond ``FIRST_PASS_MIN_S`` for each count after it (the best-ranked get the most,
-    and every count is tried), which settles most and bounds the rest; then the
-    counts still open, the lowest bound first, sharing what time is left -- so one hard count cannot
-    leave the others untried. Stage counts below :func:`fewest_stages` cannot fit and are not solved.
+    the time left beyond what each count after it is owed (``FIRST_PASS_MIN_S`` and the measured time
+    beyond it, with ``OWED_MARGIN``; the best-ranked get the most, and every count is tried), which
+    settles most and bounds the rest; then the counts still open, the lowest bound first, sharing
+    what time is left -- so one hard count cannot leave the others untried. Stage counts below
+    :func:`fewest_stages` cannot fit and are not solved. The result's ``alternatives`` are the
+    near-best partitions of other stage counts (:func:`near_best`) for the residency pass.
     """
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))
@@ -395,7 +397,7 @@ class _CountSearch:
     rel_gap: float
     best: StageCountResult | None = None
     results: dict[int, StageCountResult] = field(default_factory=dict)
-    overheads: list[float] = field(default_factory=list)  # seconds each solve took beyond its solver's time within its cap
+    overheads: list[float] = field(default_factory=list)  # each solve's seconds beyond its solver's within its cap
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()

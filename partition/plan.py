@@ -426,9 +426,9 @@ def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, boun
 def _unless_none_is_faster(prof: ModelProfile, hw: Hardware, worker_gpus: list[int], M: int, bounds: list[int],
                            options: PipelineOptions, sharing: Sharing, chosen: PipelineOptions,
                            sim: SimResult) -> tuple[PipelineOptions, SimResult]:
-    """The automatic resident/kept choice, or none where the simulator finds none faster."""
-    plain = simulate(prof, bounds, hw, worker_gpus, M, dataclasses.replace(chosen, resident=frozenset(),
-                                                                          kept=frozenset()), sharing)
+    """The automatic resident/kept choice (``chosen``, simulated as ``sim``), or none (``options``) where
+    the simulator finds none faster."""
+    plain = simulate(prof, bounds, hw, worker_gpus, M, options, sharing)
     if plain.step_s <= sim.step_s:
         log.info("the resident/kept choice %s/%s simulates slower (%.3f s) than none (%.3f s): dropped",
                  sorted(chosen.resident), sorted(chosen.kept), sim.step_s, plain.step_s)
