@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mobius.app.launch import expandable_segments  # noqa: E402
 from mobius.models import build_model, get_preset, param_count  # noqa: E402
 from mobius.models.base import lm_loss  # noqa: E402
 from pipeline_bench import add_workload_args, batches, clip_list, free_gpu, smoke_workload, sync  # noqa: E402
@@ -358,6 +359,7 @@ def main() -> None:
     p.add_argument("--ds-settings", default="4x4")
     p.add_argument("--ds-no-zero-init", action="store_true", help="build the model on the CPU, partition in initialize")
     args = p.parse_args()
+    expandable_segments()  # every system in the table runs with the allocator mobius's workers use
     if args.smoke:
         smoke_workload(args)
         args.fsdp_settings = ",".join(s.replace("4x4", "2x2").replace("1x16", "1x4") for s in args.fsdp_settings.split(","))

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mobius.app.launch import expandable_segments  # noqa: E402
 from mobius.assemble import with_adapters  # noqa: E402
 from mobius.config import Config, config_from_dict  # noqa: E402
 from mobius.errors import MobiusError  # noqa: E402
@@ -357,6 +358,7 @@ def main() -> None:
     p.add_argument("--variants", default="", help="extra pipeline runs for a profile: no-update (no CPU AdamW: "
                    "the GPU side alone), no-prefetch, stages=N")
     args = p.parse_args()
+    expandable_segments()  # every system in the table runs with the allocator mobius's workers use
     if args.smoke:
         smoke_workload(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)

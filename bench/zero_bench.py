@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from mobius.app.launch import expandable_segments  # noqa: E402
 from mobius.config import Config, config_from_dict  # noqa: E402
 from mobius.models import get_preset, param_count  # noqa: E402
 from pipeline_bench import batches, result_row, run_ref, sync  # noqa: E402
@@ -156,6 +157,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU worker processes (checks the script)")
     args = p.parse_args()
+    expandable_segments()  # every system in the table runs with the allocator mobius's workers use
     args.stages, args.no_prefetch = 0, False  # what pipeline_bench's configuration reads (the ref row)
     if args.smoke:
         vars(args).update(SMOKE)

@@ -337,3 +337,25 @@ def test_the_one_gpu_lora_config_plans_the_pipeline(capsys: pytest.CaptureFixtur
     fits = {c["mode"]: c["fits"] for c in plan["mode"]["candidates"]}
     assert plan["mode"]["chosen"] == "pipeline" and fits == {"single": False, "pipeline": True, "zero": False}
     assert max(plan["peak_bytes"]) <= plan["gpu_memory_bytes"] and plan["host_bytes"] <= 2.1 * 8.03e9
+
+
+# ---- on a GPU (skipped without one) --------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode,precision,atol", [("pipeline-2-resident-kept", "fp32", 1e-4),
+                                                 ("pipeline-2-resident-kept", "bf16", 3e-2),
+                                                 ("zero-1", "fp32", 1e-4)])
+def test_lora_on_cuda_matches_the_cuda_reference(tmp_path: Path, llama_checkpoint: Path, corpus: Path, mode: str,
+                                                 precision: str, atol: float) -> None:
+    """Frozen weights swapped onto the GPU in the training dtype, adapters through the GPU's kernels and
+    the CPU / GPU AdamW: the single-GPU LoRA run's losses (TF32 off)."""
+    from mobius.app.run import train
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev, tr = {"device": "cuda"}, {"precision": precision}
+    ref = train(_run(tmp_path, llama_checkpoint, corpus, "ref", parallel=dev, train=tr))
+    par, extra = LORA_MODES[mode] if mode in LORA_MODES else ({"mode": "zero"}, {"zero": {"chunk_size": 3001,
+                                                                                        "gpu_chunks": 2}})
+    run = train(_run(tmp_path, llama_checkpoint, corpus, "run", train=tr, partition={"gpu_memory_gib": 4.0},
+                     parallel={**dev, **par}, **extra))
+    torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=0, atol=atol)

@@ -86,3 +86,27 @@ def test_a_memory_cap_larger_than_the_gpu_share_is_refused() -> None:
 def test_single_mode_runs_on_one_device() -> None:
     with pytest.raises(ConfigError, match="parallel.mode=single runs on one device"):
         resolve(_cfg(mode="single", devices=2), _box([2]))
+
+
+@pytest.mark.parametrize("user", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_cuda_workers_grow_allocator_segments_unless_the_user_configured_it(monkeypatch: pytest.MonkeyPatch,
+                                                                            user: str | None) -> None:
+    import os
+
+    import torch
+
+    from mobius.app.launch import expandable_segments
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    if user:
+        monkeypatch.setenv(user, "max_split_size_mb:64")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    expandable_segments()
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == (None if user == "PYTORCH_ALLOC_CONF" else
+                                                         "max_split_size_mb:64" if user else "expandable_segments:True")
+    if not user:  # too late once CUDA is up: nothing changes
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        expandable_segments()
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

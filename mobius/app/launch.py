@@ -41,11 +41,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def expandable_segments() -> None:
+    """Let CUDA's caching allocator grow its segments in place, unless the user configured it.
+
+    Without this a capped GPU loses about 1 GiB to fragmentation: Llama-3.1-8B LoRA planned to a 23.9
+    GiB peak ran out of a 24 GiB cap asking for 1002 MiB with 1.06 GiB reserved but unused, and ran
+    at 1.905 s per step with it. Takes effect only before the process first touches CUDA."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return
+    if torch.cuda.is_initialized():
+        log.debug("CUDA is already initialised: the allocator keeps its settings")
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def open_device(settings: ParallelSettings, local_rank: int) -> torch.device:
-    """This process's device: ``cuda:<local rank mod GPUs>`` (capped when the settings say so), or the CPU."""
+    """This process's device: ``cuda:<local rank mod GPUs>`` (capped when the settings say so, with
+    :func:`expandable_segments`), or the CPU."""
     torch.set_num_threads(settings.cpu_threads)
     if settings.device == "cpu":
         return torch.device("cpu")
+    expandable_segments()
     dev = torch.device("cuda", local_rank % settings.gpus)
     torch.cuda.set_device(dev)
     if settings.memory_capped:
