@@ -14,6 +14,8 @@ from mobius.models import build_model, get_preset, param_count, unit_specs
 from mobius.checkpoint import save_model
 from mobius.models.hf import from_hf, load_checkpoint, read_config, to_hf
 
+ROOT = Path(__file__).resolve().parents[1]
+
 VARIANTS = {
     "gpt2": ("gpt2", {}),
     "gpt2-untied": ("gpt2", {"tie_word_embeddings": False}),
@@ -200,3 +202,25 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_units_built_on_the_meta_device_skip_initialisation_and_torch_dynamo() -> None:
+    """Every worker process builds its units on the meta device; torch's meta ``normal_`` would import
+    ``torch._dynamo`` there (1.2-1.4 s of CPU a process), and it draws nothing anyway."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch\n"
+             "from mobius.models import get_preset, on_meta\n"
+             "from mobius.models.params import build_units, model_params\n"
+             "units = build_units(get_preset('llama-3.2-1b'), 0, 3)\n"
+             "assert len(model_params(get_preset('gpt2'))) == 148\n"
+             "assert units[0].embed_tokens.weight.is_meta and tuple(units[0].embed_tokens.weight.shape) == (128256, 2048)\n"
+             "with on_meta():\n"
+             "    w = torch.nn.init.normal_(torch.empty(3))\n"
+             "assert w.is_meta\n"
+             "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+    x = torch.nn.init.normal_(torch.empty(1000), std=2.0)  # real tensors still draw
+    assert 1.5 < x.std().item() < 2.5

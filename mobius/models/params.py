@@ -3,11 +3,10 @@ modules built without memory for the runtimes to bind to their buffers."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from mobius.layout import ParamInfo
-from mobius.models import ModelConfig, tied_weights, unit_prefix, unit_specs
+from mobius.models import ModelConfig, on_meta, tied_weights, unit_prefix, unit_specs
 from mobius.models.lora import trains
 from mobius.optim import takes_decay
 
@@ -15,7 +14,7 @@ from mobius.optim import takes_decay
 def build_units(cfg: ModelConfig, first: int, end: int) -> nn.ModuleList:
     """Units ``[first, end)`` on the meta device (no memory): parameters are bound later."""
     specs = unit_specs(cfg)
-    with torch.device("meta"):
+    with on_meta():
         return nn.ModuleList(specs[k].build() for k in range(first, end))
 
 
