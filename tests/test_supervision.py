@@ -53,15 +53,25 @@ def _group(pgid: int) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
 def _workers(pgid: int) -> list[int]:
-    found = []
-    for pid in _group(pgid):
-        try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            continue
-    return found
+    """The run's workers: spawned processes, or forks of the fork server (whose command line they share)."""
+    group = _group(pgid)
+    servers = {pid for pid in group if b"forkserver" in _cmdline(pid) and b"forkserver" not in _cmdline(_parent(pid))}
+    return [pid for pid in group if b"spawn_main" in _cmdline(pid) or _parent(pid) in servers]
 
 
 def _start(run_file: Path, tmp_path: Path, env: dict | None = None, steps: int = 2) -> subprocess.Popen:
@@ -187,3 +197,42 @@ def test_a_worker_whose_agent_is_killed_with_9_stops_within_10_s(tmp_path: Path)
     os.kill(agent.pid, signal.SIGKILL)
     _, err, _ = _finish(agent, within=10)
     assert f"mobius: worker rank 3 stopped: its parent process {agent.pid} is gone" in err
+
+
+def _env_probe() -> dict:
+    return {k: os.environ.get(k) for k in ("MOBIUS_PROBE", "MOBIUS_GONE", "RANK", "WORLD_SIZE")}
+
+
+def test_forked_workers_run_in_the_runs_environment_at_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server keeps the environment it started with; each run's workers see the run's own,
+    as spawned workers would, with the agent's per-rank variables."""
+    from mobius.app.supervise import run_workers
+
+    monkeypatch.setenv("MOBIUS_GONE", "1")
+    monkeypatch.setenv("MOBIUS_PROBE", "first")
+    first = run_workers(_env_probe, (), 2)  # starts the fork server here, if no test did before
+    monkeypatch.delenv("MOBIUS_GONE")
+    monkeypatch.setenv("MOBIUS_PROBE", "second")
+    second = run_workers(_env_probe, (), 2)
+    assert [first[r]["MOBIUS_PROBE"] for r in (0, 1)] == ["first", "first"]
+    assert second == {r: {"MOBIUS_PROBE": "second", "MOBIUS_GONE": None, "RANK": str(r), "WORLD_SIZE": "2"}
+                      for r in (0, 1)}
+
+
+def test_the_fork_server_imports_nothing_that_touches_cuda() -> None:
+    """Forks of a process that initialised CUDA cannot use it: the modules the server preloads must
+    not call into CUDA (not even to count devices) when imported."""
+    probe = ("import torch, importlib\n"
+             "def touched(*a, **k):\n"
+             "    raise SystemExit('CUDA touched at import')\n"
+             "torch._C._cuda_getDeviceCount = touched\n"
+             "torch.cuda._lazy_init = touched\n"
+             "torch.cuda.is_available = touched\n"
+             "torch.cuda.device_count = touched\n"
+             "from mobius.app.supervise import PRELOAD\n"
+             "for name in PRELOAD:\n"
+             "    importlib.import_module(name)\n"
+             "print('clean')\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "clean", out.stdout + out.stderr

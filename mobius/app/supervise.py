@@ -23,6 +23,11 @@ comes. The multiprocessing resource tracker is started here the same way (it the
 hang-up and cleans up what killed workers leave without a word). Each worker watches its parent
 (this process, or torchrun's agent) and ends within :data:`ORPHAN_CHECK_S` once it is gone; a rank
 torchrun started keeps the terminal's signals and stops on them by itself (:func:`end_when_orphaned`).
+
+Workers are forks of multiprocessing's fork server, started once per process with torch and mobius
+imported (:func:`_fork_server_running`): a worker then starts in milliseconds instead of importing
+torch for 2 s of CPU. A fork inherits the server's environment, so each worker takes the run's
+environment as it is at launch, with the agent's per-rank variables on top (:func:`_adopt`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ class WorkerFailed(MobiusError):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops a run, with one line
 TERMINAL_SIGNALS = {signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}  # what a terminal sends its whole foreground group
 ORPHAN_CHECK_S = 1.0  # how often a worker looks for its parent
+START_METHOD = "forkserver"
+PRELOAD = ["mobius.app.launch"]  # what the fork server imports once (torch and every module a worker runs)
+_IMPORT_ENV = dict(os.environ)  # this process's environment when it imported this module
 
 
 class Signalled(KeyboardInterrupt):
@@ -97,11 +105,11 @@ def run_workers(fn: Callable[..., Any], args: tuple, workers: int, log_level: in
             grace["signals_to_handle"] = "SIGTERM"  # the others raise its SIGTERM: _stops_as_sigterm
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, rdzv_backend="c10d",
                               rdzv_endpoint="127.0.0.1:0", run_id=run_id, max_restarts=0, monitor_interval=MONITOR_S,
-                              start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.NONE,
+                              start_method=START_METHOD, logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.NONE,
                                                                                 tee=Std.NONE),
                               **grace)  # torch < 2.12 has no shutdown_timeout: its agent waits 30 s at most
         try:
-            return elastic_launch(config, _worker_entry)(fn, args, log_level)
+            return elastic_launch(config, _worker_entry)(fn, args, log_level, dict(os.environ), os.getpid())
         except ChildFailedError as e:
             raise WorkerFailed(_root_cause(logs, e, workers)) from None
         except SignalException as e:
@@ -154,6 +162,7 @@ def _terminal_signals_to_this_process() -> Iterator[None]:
     try:
         _start_resource_tracker()
         signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)  # starting it unblocks SIGINT in this thread
+        _fork_server_running()
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)
@@ -197,12 +206,13 @@ def _launches_whole() -> Iterator[None]:
     parent writing it what to run) waits until that launch is done: interrupted there, the parent
     would close the pipe and the half-born worker would die printing an ``EOFError`` traceback. The
     signal is then sent again to this process, so its handler runs as it would have."""
-    from multiprocessing import popen_spawn_posix
+    from multiprocessing import popen_forkserver, popen_spawn_posix
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    launch = popen_spawn_posix.Popen._launch
+    popen = popen_forkserver.Popen if START_METHOD == "forkserver" else popen_spawn_posix.Popen
+    launch = popen._launch
 
     def whole(popen: Any, process_obj: Any) -> None:
         held: list[int] = []
@@ -215,11 +225,23 @@ def _launches_whole() -> Iterator[None]:
             for signum in dict.fromkeys(held):
                 os.kill(os.getpid(), signum)
 
-    popen_spawn_posix.Popen._launch = whole
+    popen._launch = whole
     try:
         yield
     finally:
-        popen_spawn_posix.Popen._launch = launch
+        popen._launch = launch
+
+
+def _fork_server_running() -> None:
+    """Start multiprocessing's fork server, which imports :data:`PRELOAD` once; its forks inherit the
+    signal mask it was started with (blocked: :func:`_terminal_signals_to_this_process`). Once started
+    it serves every later run of this process, until the process ends."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if START_METHOD == "forkserver":
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
 
 
 def _start_resource_tracker() -> None:
@@ -240,25 +262,28 @@ def _start_resource_tracker() -> None:
         os.close(saved)
 
 
-def leave_stopping_to_parent(rank: int) -> None:
+def leave_stopping_to_parent(rank: int, parent: int) -> None:
     """(In a worker mobius started) ignore the terminal's signals -- the parent stops the workers --
-    and end once the parent is gone (:func:`end_when_orphaned`)."""
+    and end once the parent (process ``parent``, or the fork server between them) is gone
+    (:func:`end_when_orphaned`)."""
     for s in TERMINAL_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)
-    end_when_orphaned(rank)
+    end_when_orphaned(rank, parent)
 
 
-def end_when_orphaned(rank: int) -> None:
-    """End this process within :data:`ORPHAN_CHECK_S` once its parent (mobius, or torchrun's agent)
-    is gone (killed with SIGKILL, say), saying so in one line."""
+def end_when_orphaned(rank: int, named: int | None = None) -> None:
+    """End this process within :data:`ORPHAN_CHECK_S` once its parent (mobius, torchrun's agent, or
+    the fork server, which ends with mobius) is gone (killed with SIGKILL, say), saying so in one line
+    that names process ``named`` (default: the parent)."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(ORPHAN_CHECK_S)
-        print(f"mobius: worker rank {rank} stopped: its parent process {parent} is gone", file=sys.stderr, flush=True)
+        print(f"mobius: worker rank {rank} stopped: its parent process {named or parent} is gone", file=sys.stderr,
+              flush=True)
         os._exit(1)
     threading.Thread(target=watch, name="mobius-parent-watch", daemon=True).start()
 
@@ -308,12 +333,14 @@ def _root_cause(logs: str, error: Any, workers: int) -> str:
     return f"worker rank {rank} exited with code {f.exitcode}; the other workers were stopped"
 
 
-def _worker_entry(fn: Callable[..., Any], args: tuple, log_level: int) -> Any:
-    """(In each worker) run ``fn``; on any failure record it for the agent and leave at once."""
+def _worker_entry(fn: Callable[..., Any], args: tuple, log_level: int, env: dict[str, str], parent: int) -> Any:
+    """(In each worker) run ``fn`` in the run's environment ``env``; on any failure record it for the
+    agent and leave at once."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
+    _adopt(env)
     rank = int(os.environ["RANK"])
-    leave_stopping_to_parent(rank)
+    leave_stopping_to_parent(rank, parent)
     logging.basicConfig(level=log_level if rank == 0 else max(log_level, logging.WARNING),
                         format=f"[rank {rank}] %(message)s", force=True)
     handler = get_error_handler()
@@ -325,6 +352,16 @@ def _worker_entry(fn: Callable[..., Any], args: tuple, log_level: int) -> Any:
         _record_failure(rank, e)
         log.debug("worker rank %d failed", rank, exc_info=True)
         os._exit(130 if isinstance(e, KeyboardInterrupt) else 1)
+
+
+def _adopt(env: dict[str, str]) -> None:
+    """Make this worker's environment ``env`` (the run's, at launch) plus what the agent set for this
+    rank: the variables whose values differ from those this process started with (a fork server's
+    child starts with the server's environment, a spawned one with the run's)."""
+    agent = {k: v for k, v in os.environ.items() if _IMPORT_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(agent)
 
 
 def _record_failure(rank: int, e: BaseException) -> None:
