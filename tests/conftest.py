@@ -19,6 +19,12 @@ TEXT = (
 )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The ``slow`` tests first (otherwise in collection order): the workers start on them together and
+    end on short ones, instead of one worker running a 40 s matrix at the end while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def tiny_gpt2_config(**kw):
     import transformers
 

@@ -113,6 +113,7 @@ def test_auto_asking_for_cuda_without_a_gpu_stops_before_planning() -> None:
         check_parallel(cfg, Machine.cpu_only())
 
 
+@pytest.mark.slow
 def test_mobius_train_and_plan_print_autos_choice_and_reason(tmp_path: Path, demo_data_cache: Path) -> None:
     import json
     import subprocess

@@ -269,6 +269,7 @@ def test_every_mode_trains_a_llama_like_the_reference(tmp_path: Path, llama_chec
 # ---- the shipped configs: a plan that fits, or one line saying which memory does not --------------
 @pytest.mark.parametrize("config,fits", [("finetune-llama-3.1-8b", True), ("finetune-qwen2.5-14b", True),
                                          ("finetune-qwen3-32b", False)])
+@pytest.mark.slow
 def test_mobius_plan_on_the_shipped_configs(config: str, fits: bool, capsys: pytest.CaptureFixture) -> None:
     """On an 8-GPU PCIe box with 300 GiB of host memory: 8B and 14B fit (14-18 bytes per parameter on the
     host); 32B needs 427 GiB even with half gradient downloads, said in one line with both figures."""

@@ -215,6 +215,7 @@ def test_every_mode_trains_lora_like_the_reference(tmp_path: Path, llama_checkpo
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
+@pytest.mark.slow
 def test_a_lora_run_resumes_across_modes(tmp_path: Path, llama_checkpoint: Path, corpus: Path) -> None:
     """Adapter moments and the data position by name: 2 steps in the pipeline, 2 in zero mode, 2 on one
     device equal 6 uninterrupted steps."""
@@ -276,6 +277,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_lora_host_memory_is_two_bytes_per_frozen_parameter(tmp_path: Path) -> None:
     """The stores of a bf16 LoRA run on one CPU worker (Qwen2.5-0.5B's widths in 4 blocks, 0.2B
     frozen parameters, the tied embedding a copy at each end): the process grows by the planner's

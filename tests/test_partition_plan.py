@@ -72,6 +72,7 @@ def test_plan_json_round_trip() -> None:
     assert data["mapping"]["stage_gpus"] == [plan.gpu_of_stage(j) for j in range(plan.num_stages)]
 
 
+@pytest.mark.slow
 def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
     specs = unit_specs(get_preset("gpt2-xl"))
     hw = Hardware.paper_3090ti()

@@ -207,6 +207,7 @@ def _planned(case: dict, world: int, tmp: Path) -> dict:
     return {**case, "cfg": cfg, "settings": settings, "plan": plan}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_matches_the_reference(tmp_path: Path, deep_checkpoint: Path, untied_checkpoint: Path,
                                         world: int) -> None:
@@ -313,6 +314,7 @@ def test_pipeline_bf16_is_close_to_reference(tmp_path: Path, deep_checkpoint: Pa
     torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=0, atol=3e-2)
 
 
+@pytest.mark.slow
 def test_pipeline_resume_and_checkpoint_loads_in_transformers(tmp_path: Path, deep_checkpoint: Path,
                                                               corpus: Path) -> None:
     import shutil
@@ -359,6 +361,7 @@ def test_resume_single_then_pipeline_then_single_matches_the_uninterrupted_run(t
     _compare_weights(tmp_path / "straight", tmp_path / "c", atol=1e-5)
 
 
+@pytest.mark.slow
 def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path, demo_single: Path, demo_data_cache: Path) -> None:
     """The issue's check: the demo config, planned by partition/, on 2 CPU workers == single."""
     from conftest import DEMO_SHORT

@@ -51,6 +51,7 @@ def _losses(run_dir: Path) -> torch.Tensor:
     return torch.tensor([json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
 
 
+@pytest.mark.slow
 def test_two_nodes_train_like_one_device_and_their_checkpoint_resumes_on_one(tmp_path: Path, deep_checkpoint: Path,
                                                                             corpus: Path) -> None:
     ref = train(config_from_dict(_raw(tmp_path, deep_checkpoint, corpus, "ref", "single"), "ref.yaml"))
@@ -90,6 +91,7 @@ def _rank_of(pid: int) -> int:
     return int(env["RANK"])
 
 
+@pytest.mark.slow
 def test_a_killed_worker_on_one_node_ends_both_within_30_s_naming_its_rank(tmp_path: Path, deep_checkpoint: Path,
                                                                             corpus: Path) -> None:
     run_file = tmp_path / "run.yaml"

@@ -112,6 +112,7 @@ def test_fine_tune_checkpoint_round_trips_through_transformers(tmp_path: Path, t
     assert not torch.equal(start.embed.wte.weight, ours.embed.wte.weight)
 
 
+@pytest.mark.slow
 def test_demo_config_end_to_end_through_the_cli(tmp_path: Path, demo_data_cache: Path) -> None:
     """The embedded default, shortened: trains, evaluates, writes a checkpoint transformers loads."""
     import subprocess

@@ -139,6 +139,7 @@ def _configure(ck: Path, case: dict, world: int) -> dict:
     return {**case, "blocks": blocks, "gpu": gpu}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_zero_matches_the_reference(deep_checkpoint: Path, world: int) -> None:
     cases = [_configure(deep_checkpoint, c, world) for c in MATRIX + (EXTRA if world == 2 else [])]
