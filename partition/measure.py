@@ -79,12 +79,12 @@ def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: in
     fwd = _time(lambda: step(False), dev, reps, warmup)
     bwd = _time(lambda: step(True), dev, reps, warmup)
     saved, largest = _saved_bytes(module, x, step)
-    work = _peak_work(step, dev, saved, spec.param_count * elem) if dev.type == "cuda" else None
+    trainable = spec.param_count - spec.frozen_count  # frozen weights (LoRA's) get no gradients
+    work = _peak_work(step, dev, saved, trainable * elem) if dev.type == "cuda" else None
     out_bytes = int(spec.out_numel(mbs, seq)) * elem
     # at least the output and its gradient; on the CPU also the largest saved tensor (its gradient)
     work = max(work or 0, 2 * out_bytes + (largest if dev.type != "cuda" else 0))
     del module
-    trainable = spec.param_count - spec.frozen_count
     acc = _accumulate_s(trainable, dtype, dev, reps, warmup) if elem < 4 and trainable else 0.0
     return UnitCost(name=spec.name, kind=spec.kind, signature=spec.signature, param_count=spec.param_count,
                     fwd_s=fwd, bwd_s=bwd, param_bytes=spec.param_count * elem, grad_bytes=trainable * elem,
@@ -120,7 +120,7 @@ def _unit_step(kind: str, module, x, targets):
         out = module(inp)
         if targets is not None:
             lm_loss(out, targets).backward()
-        else:
+        elif out.requires_grad:  # (a frozen embedding over token ids, LoRA's, has no backward: neither has the run)
             out.backward(torch.ones_like(out))
         module.zero_grad(set_to_none=True)
 

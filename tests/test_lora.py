@@ -16,6 +16,7 @@ from mobius.assemble import adapters, initial_model
 from mobius.config import config_from_dict
 from mobius.engine import SingleEngine
 from mobius.models.base import lm_loss
+from mobius.models import unit_specs
 from mobius.models.hf import read_config
 from mobius.models.lora import trains
 from mobius.models.peft import to_peft
@@ -361,3 +362,20 @@ def test_lora_on_cuda_matches_the_cuda_reference(tmp_path: Path, llama_checkpoin
     run = train(_run(tmp_path, llama_checkpoint, corpus, "run", train=tr, partition={"gpu_memory_gib": 4.0},
                      parallel={**dev, **par}, **extra))
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=0, atol=atol)
+
+
+def test_profiled_units_freeze_what_the_run_freezes(llama_checkpoint: Path) -> None:
+    """A profile times the backward the run does: the units it builds leave the frozen weights without
+    gradients (their count is the spec's), and a frozen embedding over token ids has no backward."""
+    from partition.measure import profile_units
+
+    mc = read_config(llama_checkpoint)
+    mc.lora = adapters(_cfg(llama_checkpoint, Path("unused")))
+    specs = unit_specs(mc)
+    for spec in specs:
+        unit = spec.build()
+        assert sum(p.numel() for p in unit.parameters() if not p.requires_grad) == spec.frozen_count > 0
+    prof = profile_units([specs[0], specs[1], specs[-1]], 2, 16, "fp32", device="cpu", reps=1, warmup=0)
+    assert [u.frozen_count for u in prof.units] == [specs[0].frozen_count, specs[1].frozen_count,
+                                                    specs[-1].frozen_count]
+    assert all(u.grad_bytes == 4 * (u.param_count - u.frozen_count) for u in prof.units)

@@ -138,7 +138,7 @@ def unit_specs(cfg: ModelConfig) -> list[UnitSpec]:
     counted: dict[str, tuple[int, int]] = {}
     out = []
     for k, s in enumerate(specs):
-        build = _adapted_build(s, cfg)
+        build = _adapted_build(s, cfg, unit_prefix(k, len(specs)))
         if s.signature not in counted:  # every block alike: build one (on the meta device) to count
             with on_meta():
                 unit = build()
@@ -152,8 +152,15 @@ def unit_specs(cfg: ModelConfig) -> list[UnitSpec]:
     return out
 
 
-def _adapted_build(spec: UnitSpec, cfg: ModelConfig) -> Callable[[], nn.Module]:
-    return lambda: lora.adapt(spec.build(), spec.kind, cfg)
+def _adapted_build(spec: UnitSpec, cfg: ModelConfig, prefix: str) -> Callable[[], nn.Module]:
+    """The unit with its adapters, its frozen parameters not requiring gradients (so a profile times
+    the backward the run does: input gradients only through frozen weights)."""
+    def build() -> nn.Module:
+        unit = lora.adapt(spec.build(), spec.kind, cfg)
+        for name, p in unit.named_parameters():
+            p.requires_grad_(lora.trains(cfg, prefix + name))
+        return unit
+    return build
 
 
 def _lora_tag(spec: "lora.LoraSpec") -> str:
