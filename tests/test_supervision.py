@@ -164,8 +164,9 @@ def test_ctrl_c_sigterm_and_sighup_stop_every_worker_within_10_s(tmp_path: Path,
 
 def test_ctrl_c_while_the_workers_start_is_one_line_and_a_plain_rerun_follows(tmp_path: Path, deep_checkpoint: Path,
                                                                               corpus: Path, cache: Path) -> None:
-    """The workers are still importing torch: none prints a traceback (they leave stopping to their
-    parent), and what the run left (its plan, no step) does not block a plain rerun."""
+    """The signal comes as soon as the first worker exists (the next may not be launched yet): none
+    prints a traceback (they leave stopping to their parent, which launches them all before it
+    stops them), and what the run left (its plan, no step) does not block a plain rerun."""
     from mobius.app.rundir import RunDir, results
 
     proc = _start(_run_file(tmp_path, deep_checkpoint, corpus, cache), tmp_path, steps=0)
@@ -236,3 +237,35 @@ def test_the_fork_server_imports_nothing_that_touches_cuda() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "clean", out.stdout + out.stderr
+
+
+def test_a_stop_signal_during_the_launches_waits_until_the_agent_knows_every_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C between two launches: the handler runs once the agent holds every worker (it can then
+    stop them all), not in between, where the started ones would outlive it."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from mobius.app.supervise import _launches_whole
+
+    launched: list[int] = []
+
+    def start_workers(agent: object, group: object) -> list[int]:
+        launched.append(0)
+        os.kill(os.getpid(), signal.SIGINT)  # between the first launch and the second
+        launched.append(1)
+        agent.pcontext = "both"  # type: ignore[attr-defined]
+        return [0, 1]
+
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", start_workers)
+    agent, seen = type("Agent", (), {"pcontext": None})(), []
+
+    def stop(signum: int, frame: object) -> None:
+        seen.append((list(launched), agent.pcontext))
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGINT, stop)
+    try:
+        with _launches_whole(), pytest.raises(KeyboardInterrupt):
+            LocalElasticAgent._start_workers(agent, None)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert seen == [([0, 1], "both")]

@@ -12,8 +12,8 @@ does) or the signal. A worker that fails exits at once (``os._exit``) rather tha
 threads, so a thread blocked on a dead peer cannot keep it alive.
 
 Stopping: Ctrl-C, SIGTERM and SIGHUP to this process stop every worker the same way -- the agent
-sends them SIGTERM (:func:`_stops_as_sigterm`), and a signal that comes while a worker is being
-launched waits until the launch is whole (:func:`_launches_whole`) -- and raise
+sends them SIGTERM (:func:`_stops_as_sigterm`), and a signal that comes while the workers are being
+launched waits until every one is (:func:`_launches_whole`) -- and raise
 :class:`Interrupted`; outside the workers' lifetime :func:`stop_on_signals` turns them into
 :class:`Signalled`, so that every phase ends through the run's ``finally`` clauses with one line.
 A terminal's Ctrl-C and hang-up reach every process of its foreground group, workers included: they
@@ -202,34 +202,34 @@ def _stops_as_sigterm() -> Iterator[list[int]]:
 
 @contextlib.contextmanager
 def _launches_whole() -> Iterator[None]:
-    """A stop signal that arrives while a worker process is being launched (between its spawn and the
-    parent writing it what to run) waits until that launch is done: interrupted there, the parent
-    would close the pipe and the half-born worker would die printing an ``EOFError`` traceback. The
-    signal is then sent again to this process, so its handler runs as it would have."""
-    from multiprocessing import popen_forkserver, popen_spawn_posix
+    """A stop signal that arrives while the agent launches the workers waits until it has launched them
+    all and holds them: interrupted earlier, the agent would not know the workers already started,
+    which would outlive it and fail with a traceback (an ``EOFError`` half-way through a launch, or a
+    ``FileNotFoundError`` for a semaphore the agent has removed). The signal is then sent again to
+    this process, so its handler runs as it would have and the agent stops every worker."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    popen = popen_forkserver.Popen if START_METHOD == "forkserver" else popen_spawn_posix.Popen
-    launch = popen._launch
+    start = LocalElasticAgent._start_workers
 
-    def whole(popen: Any, process_obj: Any) -> None:
+    def whole(agent: Any, worker_group: Any) -> Any:
         held: list[int] = []
         old = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in STOP_SIGNALS}
         try:
-            launch(popen, process_obj)
+            return start(agent, worker_group)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler if handler is not None else signal.SIG_DFL)
             for signum in dict.fromkeys(held):
                 os.kill(os.getpid(), signum)
 
-    popen._launch = whole
+    LocalElasticAgent._start_workers = whole
     try:
         yield
     finally:
-        popen._launch = launch
+        LocalElasticAgent._start_workers = start
 
 
 def _fork_server_running() -> None:
