@@ -36,13 +36,12 @@ def spawn_cases(run_case: RunCase, cases: list[dict], world: int) -> list[list[d
     import torch.multiprocessing as mp
 
     from mobius.app.launch import free_port
-
     from mobius.app.supervise import PRELOAD
 
     ctx = mp.get_context("forkserver")  # one server imports torch once; each worker is a fork of it (~2 s saved)
     # the server is this process's one, shared with mobius's own workers: whoever starts it decides what it
     # preloads, so each names what both use
-    ctx.set_forkserver_preload([*PRELOAD, "torch.distributed", "spawned", run_case.__module__])
+    ctx.set_forkserver_preload([*PRELOAD, "spawned", run_case.__module__])
     results = ctx.SimpleQueue()
     procs = mp.start_processes(_worker, args=(world, free_port(), run_case, cases, results), nprocs=world,
                                join=False, start_method="forkserver")

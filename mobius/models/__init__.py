@@ -141,11 +141,9 @@ def unit_specs(cfg: ModelConfig) -> list[UnitSpec]:
         build = _adapted_build(s, cfg, unit_prefix(k, len(specs)))
         if s.signature not in counted:  # every block alike: build one (on the meta device) to count
             with on_meta():
-                unit = build()
-            prefix = unit_prefix(k, len(specs))
-            named = list(unit.named_parameters())
-            counted[s.signature] = (sum(p.numel() for _, p in named),
-                                    sum(p.numel() for n, p in named if not lora.trains(cfg, prefix + n)))
+                params = list(build().parameters())
+            frozen = sum(p.numel() for p in params if not p.requires_grad)  # (the build froze them)
+            counted[s.signature] = (sum(p.numel() for p in params), frozen)
         total, frozen = counted[s.signature]
         out.append(dataclasses.replace(s, build=build, param_count=total, frozen_count=frozen,
                                        signature=f"{s.signature}:{_lora_tag(cfg.lora)}"))
