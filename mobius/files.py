@@ -28,9 +28,14 @@ def write_failure(e: BaseException) -> str | None:
     refusal -- an :class:`OSError`, or safetensors' error wrapping one; None for anything else."""
     if isinstance(e, OSError):
         return e.strerror or str(e)
-    if type(e).__name__ == "SafetensorError" and "IoError" in str(e):
-        found = re.search(r'message: "([^"]+)"', str(e))
-        return found.group(1) if found else str(e).splitlines()[0]
+    if type(e).__name__ != "SafetensorError":
+        return None
+    text = str(e)  # safetensors >= 0.5: "... I/O error: No space left on device (os error 28)"; before: IoError(Os {
+    code = re.search(r"\(os error (\d+)\)|code: (\d+)", text)  # code: 28, kind: StorageFull, message: "No space ..." })
+    if code is not None:
+        return os.strerror(int(code.group(1) or code.group(2)))
+    if "IoError" in text or "I/O error" in text:
+        return text.splitlines()[0]
     return None
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -247,8 +247,15 @@ def test_a_run_stopped_before_its_first_step_leaves_a_directory_a_plain_rerun_ta
     recover(out)  # nothing set aside: nothing to do
 
 
+FULL_DISK = {  # how safetensors words the operating system's ENOSPC
+    "safetensors>=0.5": "Error while serializing: I/O error: No space left on device (os error 28)",
+    "safetensors<0.5": 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                       '"No space left on device" })'}
+
+
+@pytest.mark.parametrize("words", FULL_DISK)
 def test_a_full_disk_while_checkpointing_is_one_line_and_the_last_checkpoint_survives(
-        run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+        run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, words: str) -> None:
     import safetensors.torch
     from safetensors import SafetensorError
 
@@ -257,8 +264,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_last_checkpoint_sur
     def save_file(*args: object, **kw: object) -> None:
         calls.append(1)
         if len(calls) > 2:  # step 1's weights and moments are written, then the disk is full
-            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
-                                  '"No space left on device" })')
+            raise SafetensorError(FULL_DISK[words])
         real(*args, **kw)
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
     out = tmp_path / "new"
@@ -269,6 +275,38 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_last_checkpoint_sur
                     f"checkpoint, {step1}, is intact (--resume continues from it)")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
     assert ResumeState(step1).trainer["step"] == 1 and not (out / LOCK_FILE).exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real filesystem of 15 MiB (a tmpfs), where this machine lets the test mount one."""
+    import subprocess
+
+    where = tmp_path / "disk"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=15m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (the test above injects safetensors' words for a full disk)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_really_full_disk_in_single_mode_is_one_line_and_the_run_resumes_from_the_last_checkpoint(
+        run: Path, tmp_path: Path, small_disk: Path, capsys: pytest.CaptureFixture) -> None:
+    """The disk fills while the second step checkpoint is written (about 10 MiB each: the first fits the
+    15 MiB, the second does not): one line naming the last complete checkpoint, which resumes."""
+    out = small_disk / "out"
+    assert cli.main(["train", str(run), f"--output.dir={out}", "--train.max_steps=3", "--output.keep_last=3"]) == 2
+    step1, step2 = out / "checkpoints" / "step-000001", out / "checkpoints" / "step-000002"
+    assert one_line(capsys.readouterr().err) == (
+        f"mobius: error: cannot write checkpoint {step2}: No space left on device; the last complete checkpoint, "
+        f"{step1}, is intact (--resume continues from it)")
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)  # to a disk with room, where it goes on
+    assert cli.main(["train", str(run), f"--output.dir={moved}", "--train.max_steps=3", "--resume"]) == 0
+    lines = (moved / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
 
 
 STATE_EDITS = {  # trainer_state.json key -> (value written, the message's end)

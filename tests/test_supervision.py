@@ -26,11 +26,14 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("supervision-cache")
 
 
-def _run_file(tmp_path: Path, deep_checkpoint: Path, corpus: Path, cache: Path) -> Path:
+def _run_file(tmp_path: Path, deep_checkpoint: Path, corpus: Path, cache: Path, mode: str = "pipeline") -> Path:
+    parallel = {"mode": mode, "devices": 1 if mode == "single" else 2, "device": "cpu"}
+    if mode == "pipeline":
+        parallel["stages"] = 4
     cfg = {"model": {"checkpoint": str(deep_checkpoint)},
            "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(cache)},
            "train": {"max_steps": 100000, "micro_batch_size": 2, "micro_batches": 2, "eval_every": 0},
-           "parallel": {"mode": "pipeline", "devices": 2, "stages": 4, "device": "cpu"},
+           "parallel": parallel,
            "partition": {"cache_dir": str(cache)},
            "output": {"dir": str(tmp_path / "out"), "plot": False}}
     path = tmp_path / "run.yaml"
@@ -74,8 +77,10 @@ def _workers(pgid: int) -> list[int]:
     return [pid for pid in group if b"spawn_main" in _cmdline(pid) or _parent(pid) in servers]
 
 
-def _start(run_file: Path, tmp_path: Path, env: dict | None = None, steps: int = 2) -> subprocess.Popen:
-    """The run, once it has logged ``steps`` steps (0: once its workers exist)."""
+def _start(run_file: Path, tmp_path: Path, env: dict | None = None, steps: int = 2,
+           workers: int = 2) -> subprocess.Popen:
+    """The run, once it has logged ``steps`` steps (0: once its workers exist) and runs ``workers``
+    worker processes."""
     proc = subprocess.Popen([sys.executable, "-m", "mobius.cli", "train", str(run_file)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, **(env or {})})
@@ -86,7 +91,7 @@ def _start(run_file: Path, tmp_path: Path, env: dict | None = None, steps: int =
         if steps == 0 and _workers(proc.pid):
             return proc
         time.sleep(0.2 if steps else 0.02)
-    assert len(_workers(proc.pid)) >= 2, "the two workers should be running"
+    assert len(_workers(proc.pid)) >= workers, f"the {workers} workers should be running"
     proc.workers = _workers(proc.pid)  # type: ignore[attr-defined]
     return proc
 
@@ -102,6 +107,30 @@ def _finish(proc: subprocess.Popen, within: float) -> tuple[int, str, float]:
     for pid in getattr(proc, "workers", []):  # the upload arbiter's file is named by the worker that made it
         assert not list(Path("/dev/shm").glob(f"mobius-arbiter-{pid}-*")), "a shared-memory file was left behind"
     return proc.returncode, err, took
+
+
+def shm_files(pids: list[int]) -> set[Path]:
+    """The files in /dev/shm that processes ``pids`` have open or mapped (multiprocessing's semaphores,
+    the pipeline's upload arbiter until every worker mapped it)."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        for path in [line.split(maxsplit=5)[-1] for line in maps if len(line.split()) == 6] + fds:
+            if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                found.add(Path(path))
+    return found
+
+
+def ended_within(pgid: int, seconds: float) -> list[int]:
+    """The processes of group ``pgid`` still alive after ``seconds`` (none: sooner)."""
+    deadline = time.time() + seconds
+    while _group(pgid) and time.time() < deadline:
+        time.sleep(0.1)
+    return _group(pgid)
 
 
 def _one_line(err: str) -> str:
@@ -175,6 +204,22 @@ def test_ctrl_c_while_the_workers_start_is_one_line_and_a_plain_rerun_follows(tm
     assert returncode == 130 and _one_line(err) == "mobius: stopped by SIGINT; every worker was stopped"
     assert results(tmp_path / "out") == []
     RunDir.claim(tmp_path / "out", None, overwrite=False).release()
+
+
+@pytest.mark.parametrize("mode", ["single", "pipeline", "zero"])
+def test_mobius_killed_with_9_leaves_no_process_and_no_shared_memory_file_5_s_later(
+        tmp_path: Path, deep_checkpoint: Path, corpus: Path, cache: Path, mode: str) -> None:
+    """kill -9 of ``mobius train`` while it trains (the OOM killer, a crash in native code): every
+    process it started -- workers, the fork server, the resource tracker -- ends within 5 s, and the
+    shared-memory files they had are removed. Workers are forks of the fork server, which lives while
+    any of its children does, so each watches mobius itself, not its parent process."""
+    proc = _start(_run_file(tmp_path, deep_checkpoint, corpus, cache, mode), tmp_path,
+                  workers=0 if mode == "single" else 2)
+    shared = shm_files(_group(proc.pid))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert ended_within(proc.pid, 5) == [], "processes of the run outlived it by 5 s"
+    assert [p for p in shared if p.exists()] == [], "shared-memory files of the run were left behind"
 
 
 AGENT = """

@@ -20,7 +20,7 @@ from mobius.app.launch import free_port
 from mobius.app.run import train
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
-from test_supervision import _group
+from test_supervision import _group, ended_within, shm_files
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the run's processes through /proc")
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +116,29 @@ def test_a_killed_worker_on_one_node_ends_both_within_30_s_naming_its_rank(tmp_p
     assert report, errs[1][-3000:]  # torchrun's report on that node names the killed rank
     lines = [line for line in errs[0].splitlines() if line.startswith("mobius: error: rank ")]
     assert lines and all("lost its connection to another rank" in line for line in lines), errs[0][-3000:]
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "zero"])
+def test_torchrun_killed_with_9_leaves_no_process_and_no_shared_memory_file_5_s_later(
+        tmp_path: Path, deep_checkpoint: Path, corpus: Path, mode: str) -> None:
+    """torchrun's agent killed with -9 while its ranks train: every rank (and whatever it started) ends
+    within 5 s, and the shared-memory files they had are removed."""
+    raw = _raw(tmp_path, deep_checkpoint, corpus, "out", mode, max_steps=100000, micro_batches=2)
+    if mode == "pipeline":
+        raw["parallel"]["stages"] = 4
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(json.dumps(raw))
+    (node,) = _two_nodes(run_file, nodes=1)
+    metrics, deadline = tmp_path / "out" / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert node.poll() is None, node.communicate()[1][-3000:]
+        time.sleep(0.2)
+    assert len(_children(node.pid)) == 2, "torchrun should run two ranks"
+    shared = shm_files(_group(node.pid))
+    os.kill(node.pid, signal.SIGKILL)
+    node.communicate(timeout=30)
+    assert ended_within(node.pid, 5) == [], "processes of the run outlived torchrun by 5 s"
+    assert [p for p in shared if p.exists()] == [], "shared-memory files of the run were left behind"
 
 
 def test_the_pipeline_under_torchrun_on_one_node_trains_like_one_device(tmp_path: Path, deep_checkpoint: Path,

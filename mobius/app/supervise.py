@@ -21,8 +21,9 @@ are born with those signals blocked and then ignore them (:func:`leave_stopping_
 this process stops them -- no worker prints a traceback, however early in its start-up the signal
 comes. The multiprocessing resource tracker is started here the same way (it then survives a
 hang-up and cleans up what killed workers leave without a word). Each worker watches its parent
-(this process, or torchrun's agent) and ends within :data:`ORPHAN_CHECK_S` once it is gone; a rank
-torchrun started keeps the terminal's signals and stops on them by itself (:func:`end_when_orphaned`).
+(this process, or torchrun's agent) and ends as soon as it is gone, however it ended, so that the fork
+server and the resource tracker, which live while a worker does, end too; a rank torchrun started
+keeps the terminal's signals and stops on them by itself (:func:`end_when_orphaned`).
 
 Workers are forks of multiprocessing's fork server, started once per process with torch and mobius
 imported (:func:`_fork_server_running`): a worker then starts in milliseconds instead of importing
@@ -264,8 +265,7 @@ def _start_resource_tracker() -> None:
 
 def leave_stopping_to_parent(rank: int, parent: int) -> None:
     """(In a worker mobius started) ignore the terminal's signals -- the parent stops the workers --
-    and end once the parent (process ``parent``, or the fork server between them) is gone
-    (:func:`end_when_orphaned`)."""
+    and end once the parent, process ``parent``, is gone (:func:`end_when_orphaned`)."""
     for s in TERMINAL_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
@@ -274,14 +274,27 @@ def leave_stopping_to_parent(rank: int, parent: int) -> None:
 
 
 def end_when_orphaned(rank: int, named: int | None = None) -> None:
-    """End this process within :data:`ORPHAN_CHECK_S` once its parent (mobius, torchrun's agent, or
-    the fork server, which ends with mobius) is gone (killed with SIGKILL, say), saying so in one line
-    that names process ``named`` (default: the parent)."""
+    """End this process at once when the process that started it (mobius, or torchrun's agent) is gone
+    (killed with SIGKILL, say), saying so in one line that names process ``named`` (default: the
+    parent).
+
+    A worker mobius started is a child of the fork server, which lives on while any of its children
+    does (each child holds the server's "alive" pipe), so the worker's parent process says nothing: it
+    watches the pipe multiprocessing keeps open from the process that launched it (its parent
+    sentinel), which reads end-of-file the moment that process ends, however it ends. A process
+    torchrun started has no such pipe and watches its parent process every :data:`ORPHAN_CHECK_S`."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    launcher = multiprocessing.parent_process()
     parent = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(ORPHAN_CHECK_S)
+        if launcher is not None and launcher.sentinel is not None:
+            wait([launcher.sentinel])
+        else:
+            while os.getppid() == parent:
+                time.sleep(ORPHAN_CHECK_S)
         print(f"mobius: worker rank {rank} stopped: its parent process {named or parent} is gone", file=sys.stderr,
               flush=True)
         os._exit(1)
