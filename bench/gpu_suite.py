@@ -8,6 +8,10 @@ a lent GPU (about 10 minutes), and one report of all their rows.
 Parts, in the order a short GPU session should take them (``--parts all`` runs them in this order):
 
 =========  ==================================================================================================
+train      ``mobius train`` as a user runs it (bench/train_bench.py): OPT-2.7B and Llama-3.2-3B from checkpoints written
+           on the machine, all-in-GPU (single, uncapped) against the pipeline at 24 GiB; ready time and its split,
+           step, predicted beside measured, a trace of one pipeline step
+train-lora the same for Llama-3.1-8B LoRA (rank 16, all linear layers) from a checkpoint written on the machine
 pipeline   1.42B, all-in-GPU and the pipeline as planned and all swapped, without and with clipping
 zero       1.42B zero mode as planned and its rCache-min / rCache-max / all-offload alternatives; clipped
 large      3.94B pipeline (planned, all swapped; both clip settings) and zero mode
@@ -54,6 +58,9 @@ def _zero(*extra: str) -> list[str]:
 
 # part -> [(benchmark name, script and arguments, time limit in seconds)]
 PARTS: dict[str, list[tuple[str, list[str], int]]] = {
+    "train": [("train-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b"], 480)],
+    "train-lora": [("train-lora-llama-3.1-8b", ["bench/train_bench.py", "--presets", "llama-3.1-8b", "--lora-rank",
+                                                "16"], 480)],
     "pipeline": [("pipeline-1.4b", _pipe("--what", "ref,mobius", "--variants", "plain", *CLIPS, "--steps", "5"), 480)],
     "zero": [("zero-1.4b", _zero("--what", "zero", "--variants", "rcache-min,rcache-max,all-offload", "--steps", "4"),
               360),
@@ -125,7 +132,8 @@ def collect(folder: Path) -> list[dict]:
         if data.get("args", {}).get("lora_rank"):
             preset += f" LoRA r{data['args']['lora_rank']}"
         for r in data["rows"]:
-            rows.append({**r, "preset": preset, "clip": float(r.get("grad_clip", data["args"].get("grad_clip", 0)))})
+            clip = float(r.get("grad_clip", data["args"].get("grad_clip", 0)))
+            rows.append({**r, "preset": r.get("preset", preset), "clip": clip})
     return rows
 
 

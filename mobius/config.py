@@ -168,9 +168,13 @@ class PartitionSection(_Section):
                              gt=0)
     profile: Literal["auto", "measured", "estimated"] = _f("auto", "Unit costs measured on this machine (its GPU; "
                                                            "the CPU for CPU workers), estimated from the datasheet of "
-                                                           "partition.gpu, or auto (measured where the planned GPU or "
-                                                           "the CPU workers are here, else estimated).")
-    gpu: str | None = _f(None, "GPU model for estimated profiles, e.g. rtx3090, rtx4090, a100-40gb, h100.")
+                                                           "partition.gpu, or auto (measured when the run is planned "
+                                                           "on this machine's GPUs or CPU workers, whatever "
+                                                           "partition.gpu names; estimated for a machine planned from "
+                                                           "elsewhere).")
+    gpu: str | None = _f(None, "GPU model for estimated profiles, e.g. rtx3090, rtx4090, a100-40gb, h100: the "
+                               "datasheet of a server planned from elsewhere (a saved topology that does not name its "
+                               "GPUs, --gpus N), or of any machine with partition.profile=estimated.")
     gpu_memory_gib: float | None = _f(None, "Usable GPU memory per device; null: the device's own.", gt=0)
     host_memory_gib: float | None = _f(None, "Host memory the pipeline's host stores may take (weights, AdamW "
                                        "states, transfer buffers), in GiB; a plan that needs more stops with the "
@@ -246,7 +250,7 @@ class OutputSection(_Section):
     keep_last: int = _f(2, "Keep this many step checkpoints (the final one is always kept).", ge=1)
     save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Checkpoint dtype; auto: the dtype of the "
                                                              "checkpoint fine-tuned, fp32 from scratch.")
-    plot: bool = _f(True, "Draw loss.png at the end when matplotlib is installed.")
+    plot: bool = _f(True, "Draw the loss curve into output.dir/loss.png at the end.")
     save_merged: bool = _f(False, "LoRA runs: also write the base model with the adapters merged into it, a plain "
                            "Hugging Face checkpoint in save_dtype, to output.dir/merged.")
 

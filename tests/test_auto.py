@@ -134,3 +134,56 @@ def test_mobius_train_and_plan_print_autos_choice_and_reason(tmp_path: Path, dem
                         *common], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout)["mode"]["chosen"] == mode  # the plan shown is the plan run
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _on_a_local_h100(monkeypatch: pytest.MonkeyPatch, *overrides: str):
+    """``mobius train``'s planning on a machine whose one GPU is an H100 (a stand-in: this machine's
+    "measured" profile is the H100's datasheet estimate, named as the GPU names itself)."""
+    import dataclasses
+
+    from partition import profile as profiles
+    from partition.estimate import estimate_units
+
+    measured = []
+
+    def measure(specs, mbs, seq, precision, device, cache_dir, threads):
+        measured.append(device)
+        prof = estimate_units(specs, mbs, seq, precision, "h100")
+        return dataclasses.replace(prof, source="measured", device_name=H100, profile_s=2.5, notes={})
+    monkeypatch.setattr(profiles, "_measured_cached", measure)
+    monkeypatch.setattr("mobius.app.planning.host_update_rates_in_step", lambda *a, **k: (3e9, 3e9, "measured"))
+    monkeypatch.setattr("mobius.app.planning.cpu_update_rate_in_step", lambda *a, **k: (3e9, "measured"))
+    cfg = load_config(ROOT / "configs" / "finetune-opt-1.3b.yaml",
+                      ["--parallel.mode=pipeline", "--parallel.devices=1", "--partition.gpu_memory_gib=24",
+                       "--partition.host_memory_gib=100", *overrides])
+    machine = Machine(topology.Topology.synthetic([1], memory_bytes=80 * 2**30, name=H100), 16, local=True)
+    return plan_run(cfg, planned_architecture(cfg), machine), measured
+
+
+def test_a_run_on_a_gpu_plans_with_that_gpu_and_says_when_partition_gpu_names_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mobius.app.planning import profile_line
+
+    choice, measured = _on_a_local_h100(monkeypatch)  # the config names partition.gpu: rtx3090
+    prof = choice.chosen.profile
+    assert measured and prof.source == "measured" and prof.device_name == H100
+    assert profile_line(prof) == (f"measured on {H100} in 2.5 s (partition.gpu=rtx3090 names another GPU than this "
+                                  f"machine's {H100}, which is the one planned for; set partition.profile=estimated "
+                                  f"to plan for the rtx3090's datasheet)")
+    asked, measured = _on_a_local_h100(monkeypatch, "--partition.profile=estimated")  # a datasheet, on purpose
+    prof = asked.chosen.profile
+    assert not measured and prof.source == "estimated" and prof.device_name == "rtx3090"
+    assert profile_line(prof).endswith("(60% of 71.0 TFLOP/s; partition.profile=estimated)")
+    assert asked.chosen.plan.predicted_step_s > 2 * choice.chosen.plan.predicted_step_s  # a 3090 is slower
+
+
+def test_a_plan_for_another_machine_uses_the_datasheet_and_says_why() -> None:
+    from mobius.app.planning import profile_line
+
+    prof = _choose("topo2x2_sys.txt").chosen.profile
+    assert prof.source == "estimated"
+    assert profile_line(prof) == ("estimated for rtx3090 from its datasheet (60% of 71.0 TFLOP/s; planned for another "
+                                  "machine, whose GPUs are not here to measure)")

@@ -111,3 +111,20 @@ def test_host_buffers_are_page_locked_at_their_exact_size() -> None:
     del owner
     gc.collect()
     assert not t.is_pinned()
+
+
+@gpu
+def test_a_run_plans_with_the_gpu_at_hand_when_partition_gpu_names_another(tmp_path: Path, deep_checkpoint: Path,
+                                                                          corpus: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """partition.gpu: rtx3090 on this GPU: the plan is made with a profile measured here, and says so."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe", partition={"gpu_memory_gib": 4.0, "gpu": "rtx3090"},
+               parallel={"device": "cuda", "mode": "pipeline", "devices": 1, "stages": 3}))
+    here = torch.cuda.get_device_name(0)
+    plan = json.loads((tmp_path / "pipe" / "plan.json").read_text())
+    assert plan["profile_source"] == "measured" and plan["device_name"] == here
+    assert f"profile: measured on {here}" in caplog.text
+    assert f"partition.gpu=rtx3090 names another GPU than this machine's {here}" in caplog.text

@@ -128,6 +128,11 @@ def test_demo_config_end_to_end_through_the_cli(tmp_path: Path, demo_data_cache:
                         f"--data.cache_dir={demo_data_cache}"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done: 12 steps" in r.stdout
+    png = tmp_path / "demo" / "loss.png"  # the demo draws its picture (matplotlib is a dependency)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"loss plot: {png}" in r.stderr
+    first = json.loads((tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["ready_s"] > 0 and {"data", "plan", "weights", "start"} <= set(first["ready"])
+    assert f"ready in {first['ready_s']:.1f} s: " in r.stderr
     final = tmp_path / "demo" / "final"
     hf = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
     ours = load_checkpoint(final).eval()

@@ -264,17 +264,14 @@ def _root_complex(torch: Any, pool: _BufferPool, group: list[int], per_gpu: list
     return root_complex_figures(group, (up, down), h2d, d2h)
 
 
-def heatmap_png(bandwidth: Bandwidth, path: str | Path) -> Path | None:
-    """Draw the per-GPU rates and the peer-copy matrix as heat maps; None without matplotlib."""
-    try:
-        import matplotlib
+def heatmap_png(bandwidth: Bandwidth, path: str | Path) -> Path:
+    """Draw the per-GPU rates and the peer-copy matrix as heat maps."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-    except ImportError:
-        log.info("matplotlib is not installed: no heat map drawn")
-        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
     n = bandwidth.num_gpus
     rc_of = {i: rc for rc in bandwidth.root_complexes for i in rc.gpus}
     cols = ["H2D", "D2H", "both", "H2D conc.", "D2H conc."]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from mobius.config import Config, config_from_dict
 from mobius.engine import Engine
 from mobius.models import ModelConfig
 from mobius.parallel import ParallelSettings
-from mobius.trainer import Trainer, TrainResult, save_dtype_for
+from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
 from partition.plan import Plan
 from partition.zero import ZeroPlan
 from scheduler.engine import PipelineEngine
@@ -77,26 +78,31 @@ def make_engine(cfg: Config, model_cfg: ModelConfig, plan: Plan | ZeroPlan, sett
     return engine(cfg, model_cfg, plan, settings, device, weights_from)
 
 
-def worker(cfg_dict: dict, settings: ParallelSettings, plan: Plan | ZeroPlan, resume: str | None) -> TrainResult:
+def worker(cfg_dict: dict, settings: ParallelSettings, plan: Plan | ZeroPlan, resume: str | None,
+           startup: Startup) -> TrainResult:
     """One supervised worker: join the group, then :func:`run_worker`."""
     cfg = config_from_dict(cfg_dict["config"], cfg_dict["source"])
     dist.init_process_group("gloo", timeout=TIMEOUT)
-    return run_worker(cfg, settings, plan, Path(resume) if resume else None)
+    startup.add("workers", time.time() - startup.launched)
+    return run_worker(cfg, settings, plan, Path(resume) if resume else None, startup)
 
 
-def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, resume_from: Path | None) -> TrainResult:
+def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, resume_from: Path | None,
+               startup: Startup) -> TrainResult:
     """This process's part of a pipeline or zero run, in the default (gloo) process group: build the
     mode's engine and run the shared training loop.
 
     On failure it neither closes the engine nor leaves the group: the supervisor (or torchrun) ends
     the process and every other one (a graceful close could wait forever on a peer that is gone)."""
     device = open_device(settings, int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    tokenizer, data = prepare_data(cfg)
-    model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_from)
-    engine = make_engine(cfg, model_cfg, plan, settings, device, weights_source(cfg, resume_from))
-    trainer = Trainer(cfg, engine, data, tokenizer, model_cfg, save_dtype_for(cfg, ck_dtype))
-    if resume_from is not None:
-        trainer.restore(ResumeState(resume_from))
+    with startup.phase("data"):
+        tokenizer, data = prepare_data(cfg)
+        model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_from)
+    with startup.phase("weights"):
+        engine = make_engine(cfg, model_cfg, plan, settings, device, weights_source(cfg, resume_from))
+        trainer = Trainer(cfg, engine, data, tokenizer, model_cfg, save_dtype_for(cfg, ck_dtype), startup=startup)
+        if resume_from is not None:
+            trainer.restore(ResumeState(resume_from))
     trainer.run()
     result = trainer.finish()
     engine.close()
@@ -104,9 +110,11 @@ def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, r
     return result
 
 
-def spawn(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, resume: str | None) -> TrainResult:
+def spawn(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, resume: str | None,
+          startup: Startup) -> TrainResult:
     """Run the workers (supervised) and return rank 0's result."""
     cfg_dict = {"config": cfg.to_dict(), "source": cfg.source}
-    results = run_workers(worker, (cfg_dict, settings, plan, resume), settings.workers,
+    startup.launched = time.time()
+    results = run_workers(worker, (cfg_dict, settings, plan, resume, startup), settings.workers,
                           logging.getLogger().getEffectiveLevel())
     return results[0]

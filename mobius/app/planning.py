@@ -115,21 +115,66 @@ def _nvlink_rates(nvlink: list[list[int]], hw: Hardware) -> list[list[float | No
 
 def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, machine: Machine,
             hw: Hardware) -> ModelProfile:
-    """Unit costs: measured here (the CPU for CPU workers, this GPU when it is the one planned for),
-    or estimated for the planned GPU (always when ``partition.profile`` says estimated)."""
+    """Unit costs: measured here -- on the CPU for CPU workers, on this machine's GPU when the run is
+    planned on it, whatever ``partition.gpu`` names (a note says so when it names another GPU) -- or
+    estimated from a datasheet: for a saved topology, without a GPU here, or because
+    ``partition.profile`` says estimated."""
     cache = os.path.join(cfg.partition.cache_dir, "partition")
     specs, t = unit_specs(model_cfg), cfg.train
-    if settings.device == "cpu" and cfg.partition.profile != "estimated":
+    how = profile_mode(cfg, settings, machine)
+    if settings.device == "cpu" and how == "measured":
         prof = get_profile(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, "measured", None,
                            device="cpu", cache_dir=cache, threads=settings.cpu_threads)
     else:
         names = hw.gpu_names
-        gpu = cfg.partition.gpu or (lookup_gpu(names[0]).name if names and lookup_gpu(names[0]) else None)
-        mode = cfg.partition.profile if machine.local else "estimated"
-        prof = get_profile(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, mode, gpu, cache_dir=cache)
+        here = lookup_gpu(names[0]).name if names and lookup_gpu(names[0]) else None
+        datasheet = (cfg.partition.gpu or here) if how == "estimated" else None
+        prof = get_profile(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, how, datasheet, cache_dir=cache)
+    prof.notes["why"] = _profile_reason(cfg, settings, machine, prof)
     tied = tied_weights(model_cfg)
     prof.tied_params = tied_param_count(model_cfg) if tied and trains(model_cfg, tied[0][0]) else 0  # frozen: no exchange
     return prof
+
+
+def profile_mode(cfg: Config, settings: ParallelSettings, machine: Machine) -> str:
+    """``measured`` or ``estimated``: ``partition.profile`` when it names one (a saved machine can only
+    be estimated); ``auto`` measures the devices the run is planned on when they are here (CPU
+    workers, this machine's GPUs) and estimates a machine planned from elsewhere."""
+    chosen = cfg.partition.profile
+    if not machine.local:
+        return "estimated"
+    if chosen != "auto":
+        return chosen
+    return "measured" if settings.device == "cpu" or machine.gpu_count > 0 else "estimated"
+
+
+def _profile_reason(cfg: Config, settings: ParallelSettings, machine: Machine, prof: ModelProfile) -> str:
+    """Why the profile is what it is, for the plan's ``profile:`` line: the GPU measured when
+    ``partition.gpu`` names another one, the datasheet and why it was used."""
+    named = cfg.partition.gpu
+    if prof.source == "measured":
+        if named and settings.device != "cpu" and (lookup_gpu(prof.device_name) is None or
+                                                   lookup_gpu(prof.device_name).name != gpu_spec(named).name):
+            return (f"partition.gpu={named} names another GPU than this machine's {prof.device_name}, which is "
+                    f"the one planned for; set partition.profile=estimated to plan for the {named}'s datasheet")
+        return ""
+    if cfg.partition.profile == "estimated" and machine.local:
+        return "partition.profile=estimated"
+    if not machine.local:
+        return "planned for another machine, whose GPUs are not here to measure"
+    return "no GPU here to measure"
+
+
+def profile_line(prof: ModelProfile) -> str:
+    """How the unit costs were had, in words, for ``mobius plan`` and ``mobius train``: "measured on
+    NVIDIA H100 80GB HBM3 in 12.3 s", "estimated for RTX 3090 (60% of 71.0 TFLOP/s; no GPU here to
+    measure)", with the note when ``partition.gpu`` names another GPU than the one measured."""
+    why = prof.notes.get("why", "")
+    if prof.source == "estimated":
+        rate = f"{100 * prof.notes.get('compute_efficiency', 0):.0f}% of {prof.notes.get('tflops', 0):.1f} TFLOP/s"
+        return f"estimated for {prof.device_name} from its datasheet ({rate}{'; ' + why if why else ''})"
+    took = f"in {prof.profile_s:.1f} s" if prof.profile_s else "(cached)"
+    return f"measured on {prof.device_name} {took}" + (f" ({why})" if why else "")
 
 
 def even_boundaries(num_units: int, num_stages: int) -> list[int]:
@@ -188,7 +233,8 @@ def zero_hardware(cfg: Config, settings: ParallelSettings, machine: Machine, hw:
 
 def device_Bps(cfg: Config, hw: Hardware) -> float:
     """The memory bandwidth that casts, sums and AdamW reach on the GPU planned for."""
-    spec = lookup_gpu(cfg.partition.gpu or (hw.gpu_names[0] if hw.gpu_names else "")) or gpu_spec("h100")
+    spec = (lookup_gpu(hw.gpu_names[0] if hw.gpu_names else "") or (gpu_spec(cfg.partition.gpu) if cfg.partition.gpu
+                                                                     else None) or gpu_spec("h100"))
     return DEVICE_EFFICIENCY * spec.mem_GBps * 1e9
 
 

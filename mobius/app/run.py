@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from mobius.app import torchrun
 from mobius.app.launch import open_device, run_worker, spawn
-from mobius.app.planning import AnyPlan, ModeChoice, plan_run
+from mobius.app.planning import AnyPlan, ModeChoice, plan_run, profile_line
 from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static_mode
 from mobius.app.supervise import end_when_orphaned
@@ -34,7 +34,7 @@ from mobius.errors import ConfigError, size_text
 from mobius.files import write_failure, write_text_atomic
 from mobius.models import ModelConfig, param_count
 from mobius.parallel import Mode, ParallelSettings
-from mobius.trainer import Trainer, TrainResult, save_dtype_for
+from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
 from partition.zero import ZeroPlan
 
 log = logging.getLogger(__name__)
@@ -66,19 +66,22 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
     run = Torchrun.from_env()
     if run is not None:
         return _train_under_torchrun(cfg, run, resume, overwrite)
+    startup = Startup()
     machine = machine or Machine.detect(cfg)
     check_parallel(cfg, machine)
     rundir = RunDir.claim(Path(cfg.output.dir), resume, overwrite)
     try:
-        ready = prepare(cfg, resume)
-        choice = plan_run(cfg, ready.model_cfg, machine)
-        _check_before_start(cfg, choice, ready, machine)
+        with startup.phase("data"):
+            ready = prepare(cfg, resume)
+        with startup.phase("plan"):
+            choice = plan_run(cfg, ready.model_cfg, machine)
+            _check_before_start(cfg, choice, ready, machine)
         rundir.set_aside()
         _announce(cfg, choice)
         settings, plan = choice.chosen.settings, choice.chosen.plan
         if settings.mode == "single":
-            return _run_single(cfg, settings, ready)
-        return spawn(cfg, settings, plan, str(ready.resume_from) if ready.resume_from else None)
+            return _run_single(cfg, settings, ready, startup)
+        return spawn(cfg, settings, plan, str(ready.resume_from) if ready.resume_from else None, startup)
     finally:
         rundir.release()
 
@@ -153,6 +156,8 @@ def _announce(cfg: Config, choice: ModeChoice) -> None:
     plan; keep the plan a pipeline or zero run runs in ``output.dir``."""
     log.info("%s", choice.line())
     log.info("%s", choice.chosen.settings.describe())
+    if choice.chosen.profile is not None:
+        log.info("profile: %s", profile_line(choice.chosen.profile))
     if choice.mode != "single":
         log.info("%s", choice.chosen.plan.summary())
         path = Path(cfg.output.dir) / PLAN_FILE
@@ -162,12 +167,14 @@ def _announce(cfg: Config, choice: ModeChoice) -> None:
             raise ConfigError(f"cannot write {path}: {write_failure(e)}") from None
 
 
-def _run_single(cfg: Config, settings: ParallelSettings, ready: Prepared) -> TrainResult:
+def _run_single(cfg: Config, settings: ParallelSettings, ready: Prepared, startup: Startup) -> TrainResult:
     """The reference engine: the whole model on this process's device."""
-    engine = SingleEngine(initial_model(cfg, ready.model_cfg, ready.resume_from), cfg, open_device(settings, 0))
-    trainer = Trainer(cfg, engine, ready.data, ready.tokenizer, ready.model_cfg, save_dtype_for(cfg, ready.ck_dtype))
-    if ready.resume is not None:
-        trainer.restore(ready.resume)
+    with startup.phase("weights"):
+        engine = SingleEngine(initial_model(cfg, ready.model_cfg, ready.resume_from), cfg, open_device(settings, 0))
+        trainer = Trainer(cfg, engine, ready.data, ready.tokenizer, ready.model_cfg,
+                          save_dtype_for(cfg, ready.ck_dtype), startup=startup)
+        if ready.resume is not None:
+            trainer.restore(ready.resume)
     try:
         trainer.run()
         return trainer.finish()
@@ -179,6 +186,7 @@ def _train_under_torchrun(cfg: Config, run: Torchrun, resume: str | None, overwr
     """This process is rank ``run.rank`` of ``run.world`` that torchrun started (module
     :mod:`mobius.app.torchrun`): the world size replaces ``parallel.devices``; rank 0 claims the run
     directory and plans; every node tokenizes once and uses its own topology."""
+    startup = Startup()
     end_when_orphaned(run.rank)  # a stop signal ends this rank by itself (one line); so does the agent's death
     torchrun.init()
     if cfg.parallel.devices != run.world and run.rank == 0:
@@ -189,22 +197,24 @@ def _train_under_torchrun(cfg: Config, run: Torchrun, resume: str | None, overwr
     torchrun.on_ranks(lambda: check_parallel(cfg, machine), True)
     rundir = torchrun.on_ranks(lambda: RunDir.claim(Path(cfg.output.dir), resume, overwrite), run.rank == 0)
     try:
-        return _torchrun_ranks(cfg, run, machine, resume, rundir)
+        return _torchrun_ranks(cfg, run, machine, resume, rundir, startup)
     finally:
         if rundir is not None:
             rundir.release()
 
 
 def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | None,
-                    rundir: RunDir | None) -> TrainResult:
+                    rundir: RunDir | None, startup: Startup) -> TrainResult:
     torchrun.check_shared_dir(Path(cfg.output.dir), run)
-    ready = torchrun.prepare_per_node(lambda: prepare(cfg, resume), run)
-    mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, ready, machine, rundir))
-    settings = torchrun.on_ranks(lambda: resolve(cfg, machine, mode, reason), True)  # this node's devices
+    with startup.phase("data"):
+        ready = torchrun.prepare_per_node(lambda: prepare(cfg, resume), run)
+    with startup.phase("plan"):
+        mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, ready, machine, rundir))
+        settings = torchrun.on_ranks(lambda: resolve(cfg, machine, mode, reason), True)  # this node's devices
     if mode != "single":
-        return run_worker(cfg, settings, plan, ready.resume_from)
+        return run_worker(cfg, settings, plan, ready.resume_from, startup)
     try:
-        return _run_single(cfg, settings, ready)
+        return _run_single(cfg, settings, ready, startup)
     finally:
         dist.destroy_process_group()
 

@@ -31,7 +31,7 @@ import logging
 import os
 from typing import Any
 
-from mobius.app.planning import ModeChoice, plan_run
+from mobius.app.planning import ModeChoice, plan_run, profile_line
 from mobius.app.settings import Machine
 from mobius.assemble import planned_architecture
 from mobius.config import Config, load_config
@@ -188,9 +188,6 @@ def _lora_part(cfg: Config, prof: ModelProfile) -> str:
 def _report(cfg: Config, choice: ModeChoice) -> str:
     chosen = choice.chosen
     prof, hw, plan = chosen.profile, chosen.hardware, chosen.plan
-    how = (f"estimated for {prof.device_name} ({100 * prof.notes.get('compute_efficiency', 0):.0f}% of "
-           f"{prof.notes.get('tflops', 0):.1f} TFLOP/s)" if prof.source == "estimated"
-           else f"measured on {prof.device_name} in {prof.profile_s:.1f} s")
     lines = [choice.line() if choice.explicit else choice.table(),
              f"model: {_model_name(cfg)}: {prof.num_units} units, {_amount(prof.param_count())} parameters "
              f"({_amount(prof.param_bytes(), 'B')} in {prof.precision}){_lora_part(cfg, prof)}; micro-batch "
@@ -198,7 +195,7 @@ def _report(cfg: Config, choice: ModeChoice) -> str:
              f"{prof.seq_len} tokens, {plan.micro_batches} micro-batches",
              f"hardware: {hw.describe()}",
              chosen.host_line(),
-             f"profile: {how}; per micro-batch:"]
+             f"profile: {profile_line(prof)}; per micro-batch:"]
     for u, n in _distinct(prof):
         lines.append(f"  {u.kind:<6} x{n:<3} fwd {u.fwd_s * 1e3:8.2f} ms  bwd {u.bwd_s * 1e3:8.2f} ms  params "
                      f"{u.param_bytes / GB:6.3f} GB  output {u.act_bytes / 1e6:8.2f} MB  saved "

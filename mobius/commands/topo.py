@@ -69,8 +69,7 @@ def _bench(args: argparse.Namespace, topo: Topology) -> None:
     print(format_bandwidth(bw), file=stream)
     print(f"\nwrote {out}", file=stream)
     png = bench.heatmap_png(bw, args.png or Path(args.bench_out).with_suffix(".png"))
-    if png is not None:
-        print(f"wrote {png}", file=stream)
+    print(f"wrote {png}", file=stream)
 
 
 def run(args: argparse.Namespace) -> int:
