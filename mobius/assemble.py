@@ -19,7 +19,7 @@ from mobius.data import (BUILTIN_STDLIB, TextTokenizer, TrainData, build_data, l
                          token_cache)
 from mobius.errors import CheckpointError, ConfigError
 from mobius.models import CausalLM, ModelConfig, build_model, get_preset, initial_weights
-from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _normalise_key, from_hf, load_into, read_config
+from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _normalise_key, from_hf, read_config
 from mobius.models.params import model_params
 from mobius.models.lora import ADAPTER, LoraSpec, block_targets
 from mobius.models.peft import read_adapter
@@ -256,16 +256,26 @@ class WeightSource:
     seed: int
 
     def load(self, cfg: ModelConfig, names: set[str], units: set[int]) -> dict[str, torch.Tensor]:
-        """The tensors of ``names`` (the parameters of ``units``), by mobius name."""
-        out: dict[str, torch.Tensor] = {}
-        if self.adapters is not None:
-            out.update({k: v for k, v in read_adapter(self.adapters, cfg).items() if k in names})
-        base = {n for n in names - set(out) if ADAPTER not in n}
-        if self.base is not None and base:
-            out.update(from_hf(LazyCheckpoint(self.base), cfg, only=lambda k: k in base))
+        """The tensors of ``names`` (the parameters of ``units``), by mobius name: what the checkpoints
+        hold (:meth:`read`), and only the rest drawn from the seed (:func:`initial_weights`)."""
+        out = self.read(cfg, names)
         rest = names - set(out)
         if rest:
-            out.update({k: v for k, v in initial_weights(cfg, units, self.seed).items() if k in rest})
+            out.update(initial_weights(cfg, units, self.seed, rest))
+        return out
+
+    def read(self, cfg: ModelConfig, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors of ``names`` (None: all) that the checkpoints hold, by mobius name: the resumed
+        LoRA checkpoint's, then the base checkpoint's (never an adapter)."""
+        def asked(name: str) -> bool:
+            return names is None or name in names
+
+        out: dict[str, torch.Tensor] = {}
+        if self.adapters is not None:
+            out.update({k: v for k, v in read_adapter(self.adapters, cfg).items() if asked(k)})
+        if self.base is not None and (names is None or any(ADAPTER not in n for n in names - set(out))):
+            out.update(from_hf(LazyCheckpoint(self.base), cfg,
+                               only=lambda k: asked(k) and k not in out and ADAPTER not in k))
         return out
 
 
@@ -277,14 +287,12 @@ def weights_source(cfg: Config, resume_from: Path | None) -> WeightSource:
 
 
 def initial_model(cfg: Config, model_cfg: ModelConfig, resume_from: Path | None) -> CausalLM:
-    """The whole model on the CPU: resumed, fine-tuned, or freshly initialised from the seed."""
-    model = build_model(model_cfg, cfg.train.seed)
+    """The whole model on the CPU: resumed, fine-tuned, or freshly initialised from the seed, each weight
+    set once (:func:`~mobius.models.build_model`): copied from the checkpoints where they hold it, drawn
+    from the seed otherwise (from scratch; a LoRA run's adapters at its start)."""
     source = weights_source(cfg, resume_from)
-    if source.base is None and source.adapters is None:
-        return model
-    names = set(model.state_dict())
-    load_into(model, source.load(model_cfg, names, set(range(len(model.units())))), source=str(source.base))
-    return model
+    given = source.read(model_cfg)
+    return build_model(model_cfg, cfg.train.seed, given, source=str(source.base))
 
 
 def adapters(cfg: Config) -> LoraSpec | None:

@@ -6,16 +6,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mobius.errors import ConfigError
+from mobius.errors import CheckpointError, ConfigError
 from mobius.models import gpt2, llama, lora, opt
 from mobius.models.base import CausalLM, UnitSpec, lm_loss
+
+log = logging.getLogger(__name__)
 
 ModelConfig = gpt2.GPT2Config | opt.OPTConfig | llama.LlamaConfig
 
@@ -75,13 +80,92 @@ def get_preset(name: str) -> ModelConfig:
     raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(preset_names())}")
 
 
-def build_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
-    """Build a model for a config, initialised from ``seed`` (unit by unit, see ``init_weights``)."""
-    return family_of(cfg).model_cls(cfg, seed)
+def build_model(cfg: ModelConfig, seed: int = 0, given: Mapping[str, torch.Tensor] | None = None,
+                source: str = "checkpoint") -> CausalLM:
+    """Build a model for a config on the CPU, each weight set once: built on the meta device (no torch
+    default initialisation), then every unit given memory and values (:func:`fill_unit`, the units in
+    parallel threads): a weight ``given`` names (mobius names: a checkpoint's tensors, checked against
+    the model's names and shapes; ``source`` names it in errors) is copied from there, any other one is
+    drawn from its unit's seeded generators, as in every mode (:func:`initial_weights`)."""
+    with on_meta():
+        model = family_of(cfg).model_cls(cfg)
+    assert not list(model.buffers()), "units hold no buffers (to_empty would leave them without values)"
+    given = _given_by_name(model, given or {}, source)
+    model.to_empty(device="cpu")  # memory, no values
+    model.tie_weights()  # (to_empty gave each end of a tied weight its own tensor)
+    units = model.units()
+    prefixes = [unit_prefix(k, len(units)) for k in range(len(units))]
+    shares = [{n[len(pre):]: t for n, t in given.items() if n.startswith(pre)} for pre in prefixes]
+    fill_units([(unit, k, shares[k], None) for k, unit in enumerate(units)], cfg, seed)
+    return model
+
+
+def _given_by_name(model: CausalLM, given: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """``given`` checked against the model's parameters (every name known, every shape equal); a tied
+    weight given under the head's name only is the embedding's value too."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    extra = sorted(set(given) - set(own))
+    if extra:
+        raise CheckpointError(f"{source}: unexpected weights {extra[:5]}")
+    for key, t in given.items():
+        if tuple(t.shape) != tuple(own[key].shape):
+            raise CheckpointError(f"{source}: weight {key!r} has shape {tuple(t.shape)}, the model expects "
+                                  f"{tuple(own[key].shape)}")
+    out = dict(given)
+    for embed, head in model.tied_weights():
+        if head in out and embed not in out:
+            out[embed] = out[head]
+    return out
+
+
+def fill_unit(cfg: ModelConfig, unit: nn.Module, index: int, seed: int, given: Mapping[str, torch.Tensor],
+              wanted: Collection[str] | None = None) -> None:
+    """Set the values of unit ``index``, whose parameters have memory but no values: each one ``given``
+    names (by its name in the unit) is copied from there; the rest of ``wanted`` (None: every parameter)
+    is drawn as every mode draws it (:meth:`CausalLM.init_unit`): the unit's base weights when one of
+    them is to be drawn (all of them then, as the draws follow one another; a given one replaces its
+    draw), its adapters when one of them is. A tied head weight is the embedding's: left alone."""
+    params = dict(unit.named_parameters())
+    tied = {head.split(".", 1)[1] for _, head in cfg.tied_weights()} if index == cfg.num_layers + 1 else set()
+    draw = {n for n in (params if wanted is None else wanted) if n not in given and n not in tied}
+    adapters = {n for n in draw if lora.ADAPTER in f".{n}"}
+    if draw:
+        init = family_of(cfg).model_cls.init_unit
+        init(cfg, unit, index, seed, base=bool(draw - adapters), adapters=bool(adapters))
+    with torch.no_grad():
+        for name, value in given.items():
+            if name not in tied:
+                params[name].copy_(value)
+
+
+def fill_units(jobs: list[tuple[nn.Module, int, Mapping[str, torch.Tensor], Collection[str] | None]],
+               cfg: ModelConfig, seed: int) -> None:
+    """:func:`fill_unit` for each (unit, index, given, wanted), in parallel threads (torch releases the
+    GIL; each unit draws from its own generators, so the order changes no value), the largest first."""
+    def fill(job: tuple) -> None:
+        unit, index, given, wanted = job
+        fill_unit(cfg, unit, index, seed, given, wanted)
+
+    jobs = sorted(jobs, key=lambda job: -sum(p.numel() for p in job[0].parameters()))
+    threads = min(len(jobs), init_threads())
+    log.debug("initial weights of %d units in %d threads", len(jobs), threads)
+    if threads <= 1:
+        for job in jobs:
+            fill(job)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="mobius-init") as pool:
+        list(pool.map(fill, jobs))  # (re-raises the first error)
+
+
+def init_threads() -> int:
+    """Threads for the initial weights: this process's CPU threads (``torch.get_num_threads``, a worker's
+    share of the cores), at most the cores it may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, torch.get_num_threads()))
 
 
 def init_unit(cfg: ModelConfig, unit: nn.Module, index: int, seed: int) -> None:
-    """Initialise one unit (built alone, e.g. from ``UnitSpec.build``) as ``build_model`` would."""
+    """Initialise one unit (its parameters in memory) from the seed as every mode does."""
     family_of(cfg).model_cls.init_unit(cfg, unit, index, seed)
 
 
@@ -94,23 +178,24 @@ def unit_prefix(index: int, num_units: int) -> str:
     return f"blocks.{index - 1}."
 
 
-def initial_weights(cfg: ModelConfig, units: set[int], seed: int) -> dict[str, torch.Tensor]:
-    """Freshly initialised weights of ``units`` by name, each unit built alone and initialised as the
-    whole model would (a pipeline stage or a zero rank never builds the model); a tied head weight
-    is the embedding's, so the embedding is initialised for it too."""
+def initial_weights(cfg: ModelConfig, units: set[int], seed: int,
+                    names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """Freshly initialised weights of ``units`` by name (those in ``names`` only, when given), each unit
+    built alone on the meta device and drawn as the whole model draws it (a pipeline stage or a zero rank
+    never builds the model): a unit's base weights are drawn only when one of them is asked for, its
+    adapters only when one of them is (:func:`fill_unit`; a LoRA run's adapters alone, say); a tied head
+    weight is the embedding's, so the embedding is drawn for it."""
     specs = unit_specs(cfg)
-    last = len(specs) - 1
-    tied = tied_weights(cfg)
-    todo = set(units) | ({0} if tied and last in units else set())
-    out: dict = {}
-    for k in sorted(todo):
-        unit = specs[k].build()
-        init_unit(cfg, unit, k, seed)
-        out.update({unit_prefix(k, len(specs)) + n: p.detach() for n, p in unit.named_parameters()})
-    for embed, head in tied:
-        if embed in out:
-            out[head] = out[embed]
-    return out
+    embed_of = {head: embed for embed, head in tied_weights(cfg)}
+    with on_meta():
+        built = {k: specs[k].build() for k in sorted(set(units) | ({0} if embed_of else set()))}
+    full = {k: {unit_prefix(k, len(specs)) + n: n for n, _ in u.named_parameters()} for k, u in built.items()}
+    asked = set(names) if names is not None else {n for k in units for n in full[k]}
+    need = asked | {embed_of[n] for n in asked if n in embed_of}
+    wanted = {k: {local for n, local in full[k].items() if n in need} for k in built}
+    fill_units([(built[k].to_empty(device="cpu"), k, {}, wanted[k]) for k in built if wanted[k]], cfg, seed)
+    drawn = {n: built[k].get_parameter(local).detach() for k in built for n, local in full[k].items() if n in need}
+    return {n: drawn[embed_of.get(n, n)] for n in asked}
 
 
 def tied_weights(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -178,6 +263,5 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 __all__ = ["CausalLM", "UnitSpec", "lm_loss", "ModelConfig", "FAMILIES", "family_of", "get_preset",
-           "preset_names", "build_model", "init_unit", "initial_weights", "unit_prefix", "tied_weights", "hidden_size",
-           "dropout_active", "unit_specs", "param_count",
-           "tied_param_count"]
+           "preset_names", "build_model", "fill_unit", "init_unit", "initial_weights", "unit_prefix",
+           "tied_weights", "hidden_size", "dropout_active", "unit_specs", "param_count", "tied_param_count"]

@@ -116,16 +116,16 @@ class CausalLM(nn.Module):
         """Pairs of parameter names (``unit_name.param_name``) that share one tensor."""
         return self.config.tied_weights()
 
-    def finish(self, seed: int) -> None:
-        """After the units are built: adapters into them (``config.lora``), the tie, the initial weights,
-        and everything that does not train frozen."""
+    def finish(self) -> None:
+        """After the units are built: adapters into them (``config.lora``), the tie, and everything that
+        does not train frozen. The values come later: :func:`mobius.models.build_model` builds the model on
+        the meta device and then sets each weight once (a checkpoint's, or drawn by :meth:`init_unit`)."""
         from mobius.models import lora
 
         if self.config.lora is not None:
             for k, unit in enumerate(self.units()):
                 lora.adapt(unit, "embed" if k == 0 else "head" if k == len(self.blocks) + 1 else "block", self.config)
         self.tie_weights()
-        self.init_weights(seed)
         for name, p in self.named_parameters():
             p.requires_grad_(lora.trains(self.config, name))
 
@@ -135,25 +135,22 @@ class CausalLM(nn.Module):
             owner, leaf = b.rsplit(".", 1)
             setattr(self.get_submodule(owner), leaf, self.get_parameter(a))
 
-    def init_weights(self, seed: int) -> None:
-        """Initialise every unit from its own seeded generator (see :func:`init_unit_`), so that a
-        pipeline worker can initialise any single unit exactly as the whole model would."""
-        init = type(self).init_unit
-        for k, unit in enumerate(self.units()):
-            init(self.config, unit, k, seed)
-        for a, b in self.tied_weights():
-            assert self.get_parameter(a) is self.get_parameter(b)
-
     INIT_STD = 0.02
     RESIDUAL_SUFFIXES: tuple[str, ...] = ()  # output projections scaled by 1/sqrt(2 * layers)
 
     @classmethod
-    def init_unit(cls, cfg: object, unit: nn.Module, index: int, seed: int) -> None:
-        """Initialise unit ``index`` (built alone or inside the model) as the whole model would."""
-        is_head = index == cfg.num_layers + 1
-        skip = {head.split(".", 1)[1] for _, head in cfg.tied_weights()} if is_head else set()
-        init_unit_(unit, index, seed, cls.INIT_STD, cfg.num_layers, skip, cls.RESIDUAL_SUFFIXES)
-        if cfg.lora is not None:
+    def init_unit(cls, cfg: object, unit: nn.Module, index: int, seed: int, base: bool = True,
+                  adapters: bool = True) -> None:
+        """Initialise unit ``index`` (built alone or inside the model, its parameters in memory) as every
+        mode does: its base weights from the generator of (``seed``, ``index``) (:func:`init_unit_`), its
+        adapters from their own (:func:`~mobius.models.lora.init_adapters`); ``base`` or ``adapters``
+        False leaves those alone. Each unit's draws depend on nothing else, so pipeline stages and zero
+        ranks initialise any single unit as the whole model does, and units may be drawn in any order."""
+        if base:
+            is_head = index == cfg.num_layers + 1
+            skip = {head.split(".", 1)[1] for _, head in cfg.tied_weights()} if is_head else set()
+            init_unit_(unit, index, seed, cls.INIT_STD, cfg.num_layers, skip, cls.RESIDUAL_SUFFIXES)
+        if adapters and cfg.lora is not None:
             from mobius.models.lora import init_adapters
 
             init_adapters(unit, unit_seed(seed, -2, -2, index))
@@ -181,7 +178,7 @@ def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int,
                 p.fill_(1.0) if ("ln" in name or "norm" in name) and name.endswith("weight") else p.zero_()
                 continue
             s = std / math.sqrt(2 * n_layer) if name.endswith(residual_suffixes) else std
-            p.copy_(torch.randn(p.shape, generator=gen) * s)
+            p.normal_(0.0, 1.0, generator=gen).mul_(s)  # torch.randn(p.shape, generator=gen) * s, in place
 
 
 def bind_parameters(unit: nn.Module, prefix: str, tensor_of: Callable[[str], torch.Tensor],

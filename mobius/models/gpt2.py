@@ -162,13 +162,13 @@ class GPT2(CausalLM):
     """GPT-2 language model. With ``tie_word_embeddings`` the head's projection *is* ``embed.wte``'s
     weight (one Parameter); a pipeline that separates them keeps a copy per end and sums gradients."""
 
-    def __init__(self, cfg: GPT2Config, seed: int = 0):
+    def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.config = cfg
         self.embed = GPT2Embedding(cfg)
         self.blocks = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
         self.head = GPT2Head(cfg)
-        self.finish(seed)
+        self.finish()
 
     RESIDUAL_SUFFIXES = ("attn.proj.weight", "mlp.proj.weight")  # GPT-2's N(0, 0.02 / sqrt(2 * n_layer))
 

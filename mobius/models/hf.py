@@ -396,28 +396,8 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None,
                     dtype: torch.dtype = torch.float32) -> CausalLM:
-    """Load a Hugging Face checkpoint directory into a new mobius model on the CPU (in eval mode)."""
+    """Load a Hugging Face checkpoint directory into a new mobius model on the CPU (in eval mode); under
+    ``cfg.lora`` the checkpoint is the base model and the adapters are drawn from seed 0."""
     cfg = cfg or read_config(path)
-    model = build_model(cfg)
-    state = from_hf(LazyCheckpoint(path), cfg)
-    if cfg.lora is not None:  # the checkpoint is the base model: the adapters keep their initial values
-        state = {**{k: v for k, v in model.state_dict().items() if ".lora_" in k}, **state}
-    load_into(model, state, source=str(path))
+    model = build_model(cfg, 0, from_hf(LazyCheckpoint(path), cfg), source=str(path))
     return model.to(dtype).eval()
-
-
-def load_into(model: CausalLM, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
-    """Copy a mobius state dict into a model, checking every key and shape."""
-    own = model.state_dict()
-    for key, target in own.items():
-        if key not in state:
-            raise CheckpointError(f"{source}: missing weight {key!r}")
-        if tuple(state[key].shape) != tuple(target.shape):
-            raise CheckpointError(f"{source}: weight {key!r} has shape {tuple(state[key].shape)}, "
-                                  f"the model expects {tuple(target.shape)}")
-    extra = sorted(set(state) - set(own))
-    if extra:
-        raise CheckpointError(f"{source}: unexpected weights {extra[:5]}")
-    with torch.no_grad():
-        for key, target in own.items():
-            target.copy_(state[key])

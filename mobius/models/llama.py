@@ -340,13 +340,15 @@ class LlamaHead(nn.Module):
 class Llama(CausalLM):
     """A Llama-family language model; the head's projection is the embedding when the config ties them."""
 
-    def __init__(self, cfg: LlamaConfig, seed: int = 0):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
         self.embed = LlamaEmbedding(cfg)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.head = LlamaHead(cfg)
-        self.finish(seed)  # N(0, 0.02) matrices (transformers' initializer_range), zero biases, unit norms
+        self.finish()
+
+    INIT_STD = 0.02  # N(0, 0.02) matrices (transformers' initializer_range), zero biases, unit norms
 
 
 # ---------------------------------------------------------------------------------------------

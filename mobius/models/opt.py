@@ -180,13 +180,15 @@ class OPTHead(nn.Module):
 class OPT(CausalLM):
     """OPT language model; the head's projection is tied to ``embed.embed_tokens`` by default."""
 
-    def __init__(self, cfg: OPTConfig, seed: int = 0):
+    def __init__(self, cfg: OPTConfig):
         super().__init__()
         self.config = cfg
         self.embed = OPTEmbedding(cfg)
         self.blocks = nn.ModuleList(OPTBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.head = OPTHead(cfg)
-        self.finish(seed)  # N(0, 0.02) weights (metaseq's init_std), zero biases, unit norms
+        self.finish()
+
+    INIT_STD = 0.02  # N(0, 0.02) weights (metaseq's init_std), zero biases, unit norms
 
 
 def unit_specs(cfg: OPTConfig) -> list[UnitSpec]:
