@@ -1,13 +1,15 @@
 """``mobius train`` as a user runs it, on one GPU: each model starts from a Hugging Face checkpoint
 written on this machine (the preset's architecture with seeded random weights, in bf16: a fine-tune's
-start), and runs all-in-GPU (``parallel.mode=single``, uncapped) and as the pipeline capped at 24 GiB
-(``partition.gpu_memory_gib=24``, the planner's choice); both at 8 micro-batches of 1 x 2048 tokens,
+start), and runs all-in-GPU (``parallel.mode=single``, uncapped) and as the pipeline or zero mode capped
+at 24 GiB (``partition.gpu_memory_gib=24``, the planner's choice; zero with activation checkpointing,
+which its activations need there); all at 8 micro-batches of 1 x 2048 tokens,
 bf16, clipping at 1.0, as the shipped configs. Per run: time to the first step and its split (what
 ``mobius train`` logs as "ready in ..."), the step (mean of the steps after the first), tokens/s, model
 TFLOP/s, peak GPU memory (rank 0), bytes moved, the plan's predicted step beside the measured one, the
 run's wall time, and a Chrome trace of one pipeline step (``parallel.trace_step``).
 
     python bench/train_bench.py --presets opt-2.7b,llama-3.2-3b --out runs/train-bench
+    python bench/train_bench.py --presets llama-3.1-8b --lora-rank 16 --modes single,pipeline
     python bench/train_bench.py --smoke --out /tmp/train-bench      # tiny models on CPU workers: checks the script
 
 Writes ``<out>/train_bench.json`` (rows in the form ``bench/gpu_suite.py --report`` reads) and prints
@@ -53,10 +55,11 @@ def run_file(args: argparse.Namespace, checkpoint: Path, mode: str, out: Path) -
     parallel = {"mode": mode, "devices": 2 if args.smoke and mode == "pipeline" else 1,
                 "device": "cpu" if args.smoke else "cuda", "trace_step": 3 if mode == "pipeline" else 0}
     partition = {"cache_dir": str(args.out / "cache")}
-    if mode == "pipeline" and not args.smoke:
+    if mode != "single" and not args.smoke:
         partition["gpu_memory_gib"] = CAP_GIB
     lora = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank, "targets": ["all-linear"]} if args.lora_rank else {}
-    return {"model": {"checkpoint": str(checkpoint)}, "lora": lora,
+    model = {"checkpoint": str(checkpoint), "activation_checkpointing": mode == "zero"}  # (zero's activations: 24 GiB)
+    return {"model": model, "lora": lora,
             "data": {"path": "builtin:stdlib-docs", "seq_len": args.seq, "cache_dir": str(args.out / "cache")},
             "train": {"max_steps": args.steps, "micro_batch_size": 1, "micro_batches": args.micro_batches,
                       "precision": "fp32" if args.smoke else "bf16", "grad_clip": 1.0, "lr": 1e-5,
@@ -68,17 +71,17 @@ def run_file(args: argparse.Namespace, checkpoint: Path, mode: str, out: Path) -
 def train(args: argparse.Namespace, preset: str, checkpoint: Path, mode: str) -> dict:
     """One ``mobius train`` run in its own process; its row."""
     out = args.out / "runs" / f"{preset}{f'-lora{args.lora_rank}' if args.lora_rank else ''}-{mode}"
-    cfg = out.with_suffix(".yaml")
+    cfg, log_file = out.parent / f"{out.name}.yaml", out.parent / f"{out.name}.log"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(json.dumps(run_file(args, checkpoint, mode, out)))
     t0 = time.perf_counter()
-    with open(out.with_suffix(".log"), "w") as log:
+    with open(log_file, "w") as log:
         rc = subprocess.run([sys.executable, "-m", "mobius", "train", str(cfg), "--overwrite"], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     wall = time.perf_counter() - t0
-    name = "all-in-GPU (mobius train, single)" if mode == "single" else f"mobius train pipeline, {CAP_GIB} GiB"
+    name = "all-in-GPU (mobius train, single)" if mode == "single" else f"mobius train {mode}, {CAP_GIB} GiB"
     if rc != 0:
-        tail = out.with_suffix(".log").read_text().strip().splitlines()[-1:] or ["?"]
+        tail = log_file.read_text().strip().splitlines()[-1:] or ["?"]
         return {"name": name, "error": tail[0][:200], "wall_s": round(wall, 1)}
     return summarise(args, preset, name, out, wall)
 
