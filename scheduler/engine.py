@@ -23,7 +23,7 @@ from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats
 from mobius.errors import CheckpointError, MobiusError
 from mobius.files import write_text_atomic
-from mobius.models import ModelConfig, dropout_active, hidden_size, tied_weights
+from mobius.models import ModelConfig, dropout_active, hidden_size, tied_weights, unit_prefix
 from mobius.optim import LossScaler, waits_for_norm
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
@@ -95,17 +95,19 @@ class PipelineEngine:
     # ---- set-up ---------------------------------------------------------------------------------
     def _load_weights(self, source: WeightSource | None) -> None:
         """Each worker reads only its stages (a checkpoint) or initialises only them (from scratch), one
-        stage at a time, so that at most one stage's fp32 weights exist beside the stores."""
+        unit at a time, straight into the stores: at most one unit's tensors exist beside them, so that
+        starting takes about the host memory the plan says the stores need."""
         source = source or WeightSource(None, None, self.cfg.train.seed)
+        num_units = self.plan.boundaries[-1]
         for j, store in self.stores.items():
-            names = {n for p in self.layouts[j].params for n in p.names}
-            units = set(range(self.layouts[j].first_unit, self.layouts[j].end_unit))
-            weights = source.load(self.model_cfg, names, units)
-            missing = names - set(weights)
+            lay = self.layouts[j]
+            missing = {n for p in lay.params for n in p.names}
+            for k in range(lay.first_unit, lay.end_unit):
+                names = {n for n in missing if n.startswith(unit_prefix(k, num_units))}
+                if names:
+                    missing -= store.load(source.load(self.model_cfg, names, {k}))
             if missing:
                 raise CheckpointError(f"{source.base}: no weights for {sorted(missing)[:3]}")
-            store.load(weights)
-            del weights
 
     def _arbiter(self) -> UploadArbiter:
         """The upload arbiter's shared file: rank 0 makes it (removing any a dead run left) and names it

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Mapping
 
 import torch
 
@@ -83,14 +84,25 @@ class StageStore:
         """Where a download puts the stage's gradients (host stores): the trainable elements."""
         return self.grad if self.grad is not None else self.half[:self.layout.trainable_numel]
 
-    def load(self, weights: dict[str, torch.Tensor]) -> None:
-        """Fill the master copy (what trains) and the half copy (everything) from tensors by name."""
-        t = self.layout.trainable_numel
+    def load(self, weights: Mapping[str, torch.Tensor]) -> set[str]:
+        """Fill the master copy (what trains) and the half copy (everything) of the parameters that
+        ``weights`` names (some of the stage's: a unit's, say); returns the names filled (both names of
+        a tied pair the stage holds)."""
+        t, separate = self.layout.trainable_numel, self.half.data_ptr() != self.master.data_ptr()
+        filled: set[str] = set()
         for p in self.layout.params:
-            dst = self.master if p.offset < t else self.half
-            dst[p.offset:p.offset + p.numel].copy_(weights[p.names[0]].reshape(-1))
-        if self.half.data_ptr() != self.master.data_ptr():
-            self.half[:t].copy_(self.master)
+            name = next((n for n in p.names if n in weights), None)
+            if name is None:
+                continue
+            lo, hi = p.offset, p.offset + p.numel
+            if lo < t:
+                self.master[lo:hi].copy_(weights[name].reshape(-1))
+                if separate:
+                    self.half[lo:hi].copy_(self.master[lo:hi])
+            else:
+                self.half[lo:hi].copy_(weights[name].reshape(-1))
+            filled.update(p.names)
+        return filled
 
     def update(self, lr: float, grad_factor: float, grad: torch.Tensor | None = None) -> None:
         """AdamW with gradient ``grad * grad_factor`` (default: the downloaded gradients); the half
