@@ -76,10 +76,12 @@ def train(args: argparse.Namespace, preset: str, checkpoint: Path, mode: str) ->
     cfg.write_text(json.dumps(run_file(args, checkpoint, mode, out)))
     t0 = time.perf_counter()
     with open(log_file, "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "mobius", "train", str(cfg), "--overwrite"], cwd=ROOT, stdout=log,
+        rc = subprocess.run([sys.executable, "-m", "mobius", "train", str(cfg), "--overwrite", *args.set], cwd=ROOT,
+                            stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     wall = time.perf_counter() - t0
     name = "all-in-GPU (mobius train, single)" if mode == "single" else f"mobius train {mode}, {CAP_GIB} GiB"
+    name += "".join(f" {x.lstrip('-')}" for x in args.set)
     if rc != 0:
         tail = log_file.read_text().strip().splitlines()[-1:] or ["?"]
         return {"name": name, "error": tail[0][:200], "wall_s": round(wall, 1)}
@@ -149,6 +151,9 @@ def main() -> None:
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on all linear layers (0: "
                                                              "full fine-tuning)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")) / "train")
+    p.add_argument("--set", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                   help="a config override for every run (e.g. --set=--parallel.cpu_threads=8); the runs' rows are "
+                        "named with it")
     p.add_argument("--smoke", action="store_true", help="tiny models on 2 CPU workers")
     args = p.parse_args()
     if args.smoke:

@@ -155,6 +155,9 @@ class ParallelSection(_Section):
                                                         "host bytes per parameter, gradients rounded to bf16), auto "
                                                         "(half when host memory needs it or the simulated step is 5% "
                                                         "shorter).")
+    cpu_threads: int | None = _f(None, "CPU threads of each worker (its CPU AdamW, and its compute on CPU workers). "
+                                 "null: the worker's share of the cores, less 2 for a GPU worker's dispatch and "
+                                 "copy threads.", ge=1)
 
 
 @dataclass

@@ -34,6 +34,14 @@ def test_cpu_workers_stand_in_for_gpus() -> None:
     assert s.cpu_threads == 4 and s.groups == ((0,), (1,)) and s.memory_bytes == 4 * GiB
 
 
+def test_a_workers_cpu_threads_are_its_share_of_the_cores_unless_set() -> None:
+    box = Machine(topology.Topology.synthetic([1], memory_bytes=24 * GiB), 16, local=True)
+    assert resolve(_cfg(mode="pipeline", devices=1, device="cuda"), box).cpu_threads == 14  # 2 for dispatch, copies
+    assert resolve(_cfg(mode="pipeline", devices=1, device="cuda", cpu_threads=8), box).cpu_threads == 8
+    with pytest.raises(ConfigError, match="cpu_threads"):
+        _cfg(mode="pipeline", cpu_threads=0)
+
+
 def test_auto_needs_no_plan_only_for_one_device_without_a_gpu() -> None:
     assert static_mode(_cfg(devices=1), Machine.cpu_only()) == ("single", "auto: one device and no GPU, plain "
                                                                           "training on the CPU")
