@@ -31,6 +31,7 @@ COMMANDS = {
     "train": "mobius.commands.train",
     "plan": "mobius.commands.plan",
     "topo": "mobius.commands.topo",
+    "profile": "mobius.commands.profile",
 }
 
 

@@ -175,6 +175,10 @@ class PartitionSection(_Section):
                                                            "on this machine's GPUs or CPU workers, whatever "
                                                            "partition.gpu names; estimated for a machine planned from "
                                                            "elsewhere).")
+    profile_file: str | None = _f(None, "A JSON of unit times measured elsewhere (mobius profile writes one): the "
+                                  "forward and the backward alone of one micro-batch per unit kind (embed, block, "
+                                  "head), at the run's micro-batch size, sequence and precision. Planning uses them "
+                                  "instead of profiling or a datasheet; kinds it does not name keep their estimate.")
     gpu: str | None = _f(None, "GPU model for estimated profiles, e.g. rtx3090, rtx4090, a100-40gb, h100: the "
                                "datasheet of a server planned from elsewhere (a saved topology that does not name its "
                                "GPUs, --gpus N), or of any machine with partition.profile=estimated.")

@@ -102,3 +102,77 @@ def _measured_cached(specs: Sequence[Any], mbs: int, seq: int, precision: str, d
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(prof.dumps())
     return prof
+
+
+# ---- profile files: unit times measured elsewhere --------------------------------------------------
+PROFILE_FILE_KEYS = {"gpu", "micro_batch_size", "seq_len", "precision", "units"}
+UNIT_KINDS = ("embed", "block", "head")
+
+
+def read_profile_file(path: str | Path) -> dict:
+    """A profile file (``mobius profile`` writes one): the GPU the times were measured on, the setting,
+    and per unit kind the forward and the backward alone of one micro-batch, in milliseconds::
+
+        {"gpu": "rtx4090", "micro_batch_size": 4, "seq_len": 2048, "precision": "bf16",
+         "units": {"block": {"forward_ms": 18.5037, "backward_ms": 41.2066},
+                   "head": {"forward_ms": 37.2255, "backward_ms": 74.501}}}
+
+    Checked whole: unknown keys, a missing key (``gpu`` may be left out), a kind other than embed /
+    block / head, a time that is not a positive number (a backward may be 0) are errors naming the
+    file and the key."""
+    where = f"partition.profile_file {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"{where}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be a JSON object with the keys {sorted(PROFILE_FILE_KEYS)}")
+    unknown, missing = sorted(set(data) - PROFILE_FILE_KEYS), sorted(PROFILE_FILE_KEYS - set(data) - {"gpu"})
+    if unknown or missing:
+        raise ConfigError(f"{where}: " + (f"unknown key(s) {unknown}" if unknown else f"missing key(s) {missing}"))
+    units = data["units"]
+    if not isinstance(units, dict) or not units or set(units) - set(UNIT_KINDS):
+        raise ConfigError(f"{where}: units must map some of {list(UNIT_KINDS)} to times, got {units!r}")
+    for kind, times in units.items():
+        if not isinstance(times, dict) or set(times) != {"forward_ms", "backward_ms"}:
+            raise ConfigError(f"{where}: units.{kind} must hold forward_ms and backward_ms, got {times!r}")
+        for key, v in times.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 or key == "backward_ms" and v == 0):
+                raise ConfigError(f"{where}: units.{kind}.{key} must be a positive number of milliseconds (a "
+                                  f"backward may be 0), got {v!r}")
+    return data
+
+
+def apply_profile_file(base: ModelProfile, data: dict, path: str | Path) -> ModelProfile:
+    """``base`` (the run's units, estimated) with the file's times for the kinds it names: forward, and
+    recompute plus backward (the forward again, then the backward alone). The file must be of the run's
+    setting (micro-batch, sequence, precision); memory and bytes stay the model's."""
+    import dataclasses
+
+    for key, ours in (("micro_batch_size", base.micro_batch_size), ("seq_len", base.seq_len),
+                      ("precision", base.precision)):
+        if data[key] != ours:
+            raise ConfigError(f"partition.profile_file {path} was measured with {key} {data[key]!r}, the run has "
+                              f"{ours!r}; measure again with the run's setting (mobius profile), or plan the run "
+                              f"with the file's")
+    times = data["units"]
+    units = [dataclasses.replace(u, fwd_s=times[u.kind]["forward_ms"] / 1e3,
+                                 bwd_s=(times[u.kind]["forward_ms"] + times[u.kind]["backward_ms"]) / 1e3)
+             if u.kind in times else u for u in base.units]
+    kept = sorted({u.kind for u in base.units} - set(times))
+    notes = {**base.notes, "profile_file": str(path), "estimated_kinds": kept}
+    return dataclasses.replace(base, units=units, device_name=data.get("gpu") or base.device_name, source="measured",
+                               profile_s=0.0, notes=notes)
+
+
+def profile_file_json(prof: ModelProfile) -> dict:
+    """A measured profile as a profile file: each kind's first unit (the blocks are alike)."""
+    units: dict[str, dict] = {}
+    for u in prof.units:
+        if u.kind not in units:
+            backward = max(0.0, u.bwd_s - u.fwd_s)  # (a frozen embedding has none)
+            units[u.kind] = {"forward_ms": round(u.fwd_s * 1e3, 4), "backward_ms": round(backward * 1e3, 4)}
+    return {"gpu": prof.device_name, "micro_batch_size": prof.micro_batch_size, "seq_len": prof.seq_len,
+            "precision": prof.precision, "units": units}

@@ -135,3 +135,82 @@ def test_a_13b_shaped_model_profiles_on_one_gpu_in_well_under_a_minute() -> None
     prof = profile_units(specs, 1, 512, "bf16", "cuda")
     assert prof.profile_s < 60 and prof.notes["distinct_units"] == 3
     assert all(u.work_bytes >= 0 and u.fwd_s > 0 for u in prof.units)
+
+
+# ---- profile files (partition.profile_file, mobius profile) -------------------------------------------
+ROUNDPIPE_8B = {"gpu": "rtx4090", "micro_batch_size": 4, "seq_len": 2048, "precision": "bf16",
+                "units": {"block": {"forward_ms": 18.5037, "backward_ms": 41.2066},
+                          "head": {"forward_ms": 37.2255, "backward_ms": 74.501}}}  # RoundPipe's RTX 4090 times
+TOPO8 = "tests/fixtures/topology/topo8_4x4_nic.txt"
+
+
+def _plan_json(*args: str) -> dict:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "mobius", "plan", *args, "--json"], capture_output=True, text=True,
+                       cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+def test_a_plan_takes_its_unit_times_from_a_profile_file_and_estimates_the_kinds_it_does_not_name(tmp_path) -> None:
+    path = tmp_path / "llama8b-4090.json"
+    path.write_text(json.dumps(ROUNDPIPE_8B))
+    out = _plan_json("configs/finetune-llama-3.1-8b.yaml", "--topology", TOPO8, "--parallel.devices=8",
+                     "--train.micro_batch_size=4", "--train.micro_batches=16", f"--partition.profile_file={path}",
+                     "--partition.gpu=rtx4090", "--partition.time_limit_s=1")
+    units = {u["kind"]: u for u in out["profile"]["units"]}
+    assert units["block"]["count"] == 32
+    assert units["block"]["fwd_s"] == pytest.approx(0.0185037) and units["block"]["bwd_s"] == pytest.approx(0.0597103)
+    assert units["head"]["fwd_s"] == pytest.approx(0.0372255) and units["head"]["bwd_s"] == pytest.approx(0.1117265)
+    estimated = estimate_units(unit_specs(get_preset("llama-3.1-8b")), 4, 2048, "bf16", "rtx4090").units[0]
+    assert units["embed"]["fwd_s"] == pytest.approx(estimated.fwd_s)  # not named: the datasheet's
+    assert out["profile"]["device"] == "rtx4090" and out["profile"]["notes"]["estimated_kinds"] == ["embed"]
+    assert out["predicted_step_s"] > 32 * 16 * (0.0185037 + 0.0597103) / 8  # at least the blocks' work per GPU
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"units": {"mlp": {"forward_ms": 1, "backward_ms": 2}}}, "units must map some of"),
+    ({"units": {"block": {"forward_ms": -1, "backward_ms": 2}}}, "units.block.forward_ms must be a positive number"),
+    ({"units": {"block": {"forward_ms": 1}}}, "units.block must hold forward_ms and backward_ms"),
+    ({"gpus": "x"}, "unknown key(s) ['gpus']"),
+    ({"seq_len": 1024}, "was measured with seq_len 1024, the run has 2048"),
+])
+def test_a_wrong_profile_file_is_one_line_naming_the_key(tmp_path, edit: dict, message: str) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**ROUNDPIPE_8B, **edit}))
+    r = subprocess.run([sys.executable, "-m", "mobius", "plan", "configs/finetune-llama-3.1-8b.yaml", "--topology",
+                        TOPO8, "--parallel.devices=8", "--train.micro_batch_size=4", "--train.micro_batches=16",
+                        f"--partition.profile_file={path}"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"mobius: error: partition.profile_file "
+                                                                              f"{path}")
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_mobius_profile_writes_a_file_that_plans_with_the_times_it_measured(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out, cache = tmp_path / "demo-cpu.json", f"--partition.cache_dir={tmp_path / 'cache'}"
+    r = subprocess.run([sys.executable, "-m", "mobius", "profile", "configs/demo.yaml", "--out", str(out), cache],
+                       capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    written = json.loads(out.read_text())
+    assert set(written["units"]) == {"embed", "block", "head"} and written["seq_len"] == 128
+    assert written["gpu"].startswith("cpu")
+    plan = _plan_json("configs/demo.yaml", "--parallel.mode=pipeline", "--parallel.devices=2", "--parallel.device=cpu",
+                      f"--partition.profile_file={out}", cache)
+    units = {u["kind"]: u for u in plan["profile"]["units"]}
+    for kind, times in written["units"].items():
+        assert units[kind]["fwd_s"] * 1e3 == pytest.approx(times["forward_ms"])
+        assert (units[kind]["bwd_s"] - units[kind]["fwd_s"]) * 1e3 == pytest.approx(times["backward_ms"], abs=1e-9)

@@ -19,6 +19,8 @@ from mobius.models.lora import trains
 from mobius.optim import waits_for_norm
 from mobius.parallel import Mode, ParallelSettings
 from partition import Hardware, ModelProfile, Plan, get_profile, lookup_gpu, plan_model
+from partition.estimate import estimate_units
+from partition.profile import apply_profile_file, read_profile_file
 from partition.gpus import gpu_spec
 from partition.cpu_rate import cpu_update_rate_in_step, host_update_rates_in_step
 from partition.hardware import CPU_UPDATE_IN_STEP, HOST_DEFAULT_SOURCE, PAPER_ADAM_PARAMS_PER_S
@@ -122,7 +124,9 @@ def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, mac
     cache = os.path.join(cfg.partition.cache_dir, "partition")
     specs, t = unit_specs(model_cfg), cfg.train
     how = profile_mode(cfg, settings, machine)
-    if settings.device == "cpu" and how == "measured":
+    if cfg.partition.profile_file:
+        prof = _from_profile_file(cfg, specs, hw)
+    elif settings.device == "cpu" and how == "measured":
         prof = get_profile(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, "measured", None,
                            device="cpu", cache_dir=cache, threads=settings.cpu_threads)
     else:
@@ -134,6 +138,22 @@ def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, mac
     tied = tied_weights(model_cfg)
     prof.tied_params = tied_param_count(model_cfg) if tied and trains(model_cfg, tied[0][0]) else 0  # frozen: no exchange
     return prof
+
+
+def _from_profile_file(cfg: Config, specs: list, hw: Hardware) -> ModelProfile:
+    """The units' times from ``partition.profile_file``; the kinds it does not name estimated for the
+    file's GPU (or the GPU planned for)."""
+    path, t = cfg.partition.profile_file, cfg.train
+    data = read_profile_file(path)
+    names = hw.gpu_names
+    gpu = next((g for g in (data.get("gpu"), cfg.partition.gpu, names[0] if names else None)
+                if g and lookup_gpu(g)), None)
+    if gpu is None and {s.kind for s in specs} <= set(data["units"]):
+        gpu = "h100"  # every time is the file's: the datasheet gives only what times do not depend on (bytes)
+    if gpu is None:
+        raise ConfigError(f"partition.profile_file {path}: the kinds it does not name are estimated from a GPU's "
+                          f"datasheet, and neither the file's gpu nor partition.gpu names a known one")
+    return apply_profile_file(estimate_units(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, gpu), data, path)
 
 
 def profile_mode(cfg: Config, settings: ParallelSettings, machine: Machine) -> str:
@@ -152,6 +172,10 @@ def _profile_reason(cfg: Config, settings: ParallelSettings, machine: Machine, p
     """Why the profile is what it is, for the plan's ``profile:`` line: the GPU measured when
     ``partition.gpu`` names another one, the datasheet and why it was used."""
     named = cfg.partition.gpu
+    if cfg.partition.profile_file:
+        kept = prof.notes.get("estimated_kinds", [])
+        return (f"partition.profile_file {cfg.partition.profile_file}" +
+                (f"; {', '.join(kept)} estimated from the datasheet" if kept else ""))
     if prof.source == "measured":
         if named and settings.device != "cpu" and (lookup_gpu(prof.device_name) is None or
                                                    lookup_gpu(prof.device_name).name != gpu_spec(named).name):
@@ -173,6 +197,8 @@ def profile_line(prof: ModelProfile) -> str:
     if prof.source == "estimated":
         rate = f"{100 * prof.notes.get('compute_efficiency', 0):.0f}% of {prof.notes.get('tflops', 0):.1f} TFLOP/s"
         return f"estimated for {prof.device_name} from its datasheet ({rate}{'; ' + why if why else ''})"
+    if "profile_file" in prof.notes:
+        return f"measured on {prof.device_name}, from {why}"
     took = f"in {prof.profile_s:.1f} s" if prof.profile_s else "(cached)"
     return f"measured on {prof.device_name} {took}" + (f" ({why})" if why else "")
 
