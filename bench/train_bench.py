@@ -30,21 +30,27 @@ ROOT = Path(__file__).resolve().parents[1]
 CAP_GIB = 24
 
 
+def architecture(preset: str, layers: int = 0):
+    """The preset's architecture, with ``layers`` blocks when given (0: the preset's)."""
+    import dataclasses
+
+    from mobius.models import get_preset
+
+    mc = get_preset(preset)
+    return dataclasses.replace(mc, **{mc.FIELDS["layers"]: layers}) if layers else mc
+
+
 def write_checkpoint(preset: str, where: Path, layers: int = 0) -> float:
     """The preset's architecture with seeded weights as a bf16 Hugging Face checkpoint (seconds taken;
     0 when it is already there)."""
     if (where / "config.json").is_file():
         return 0.0
-    import dataclasses
-
     import torch
 
     from mobius.checkpoint import save_model
-    from mobius.models import build_model, get_preset
+    from mobius.models import build_model
 
-    mc = get_preset(preset)
-    if layers:
-        mc = dataclasses.replace(mc, **{mc.FIELDS["layers"]: layers})
+    mc = architecture(preset, layers)
     t0 = time.perf_counter()
     save_model(build_model(mc, seed=0), where, dtype=torch.bfloat16)
     return time.perf_counter() - t0
@@ -113,13 +119,9 @@ def summarise(args: argparse.Namespace, preset: str, name: str, out: Path, wall:
 def model_flops(args: argparse.Namespace, preset: str) -> float:
     """A step's model FLOPs: three times the forward (its backward twice), twice under LoRA (no weight
     gradients of the frozen base; the adapters' are negligible); recompute not counted."""
-    from mobius.models import get_preset, unit_specs
+    from mobius.models import unit_specs
 
-    mc = get_preset(preset)
-    if args.layers:
-        import dataclasses
-
-        mc = dataclasses.replace(mc, **{mc.FIELDS["layers"]: args.layers})
+    mc = architecture(preset, args.layers)
     return (2 if args.lora_rank else 3) * args.micro_batches * sum(s.fwd_flops(1, args.seq) for s in unit_specs(mc))
 
 

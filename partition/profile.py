@@ -4,9 +4,10 @@
 measured one (:mod:`partition.measure`, on this machine), and caches measured profiles as JSON keyed
 by model shape, micro-batch size, sequence length, precision and device name. ``mode="auto"``
 measures when a CUDA device is here and it is the GPU planned for (or none is named), and estimates
-otherwise; ``mobius train`` and ``mobius plan`` (``mobius.app.planning.profile``) measure on the CPU
-for CPU workers whatever the mode, pass ``partition.profile`` through on a detected machine, and
-estimate for a saved topology.
+otherwise. ``mobius train`` and ``mobius plan`` decide for themselves (``mobius.app.planning.profile_mode``:
+they measure the devices a run is planned on when they are here, whatever ``partition.gpu`` names)
+and ask for ``measured`` or ``estimated``; a profile file (``partition.profile_file``) replaces the
+times of the unit kinds it names (:func:`apply_profile_file`).
 """
 
 from __future__ import annotations
@@ -168,11 +169,16 @@ def apply_profile_file(base: ModelProfile, data: dict, path: str | Path) -> Mode
 
 
 def profile_file_json(prof: ModelProfile) -> dict:
-    """A measured profile as a profile file: each kind's first unit (the blocks are alike)."""
+    """A measured profile as a profile file: each kind's first unit (the blocks are alike); the GPU by
+    its catalogue name when it has one."""
+    from partition.gpus import lookup_gpu
+
     units: dict[str, dict] = {}
     for u in prof.units:
         if u.kind not in units:
             backward = max(0.0, u.bwd_s - u.fwd_s)  # (a frozen embedding has none)
             units[u.kind] = {"forward_ms": round(u.fwd_s * 1e3, 4), "backward_ms": round(backward * 1e3, 4)}
-    return {"gpu": prof.device_name, "micro_batch_size": prof.micro_batch_size, "seq_len": prof.seq_len,
+    known = lookup_gpu(prof.device_name)
+    return {"gpu": known.name if known else prof.device_name, "micro_batch_size": prof.micro_batch_size,
+            "seq_len": prof.seq_len,
             "precision": prof.precision, "units": units}

@@ -177,8 +177,8 @@ def _profile_reason(cfg: Config, settings: ParallelSettings, machine: Machine, p
         return (f"partition.profile_file {cfg.partition.profile_file}" +
                 (f"; {', '.join(kept)} estimated from the datasheet" if kept else ""))
     if prof.source == "measured":
-        if named and settings.device != "cpu" and (lookup_gpu(prof.device_name) is None or
-                                                   lookup_gpu(prof.device_name).name != gpu_spec(named).name):
+        here = lookup_gpu(prof.device_name)
+        if named and settings.device != "cpu" and (here is None or here.name != gpu_spec(named).name):
             return (f"partition.gpu={named} names another GPU than this machine's {prof.device_name}, which is "
                     f"the one planned for; set partition.profile=estimated to plan for the {named}'s datasheet")
         return ""

@@ -153,7 +153,8 @@ def resolve(cfg: Config, machine: Machine, mode: Mode | None = None, reason: str
     memory, capped = _memory(cfg, machine, device, local, gpus)
     return ParallelSettings(mode=mode, device=device, workers=workers, gpus=gpus,
                             p2p=_p2p(p.p2p, machine, device, local, gpus), memory_bytes=memory, memory_capped=capped,
-                            cpu_threads=p.cpu_threads or _threads(machine, device, local), groups=_groups(machine, device, workers, gpus),
+                            cpu_threads=p.cpu_threads or _threads(machine, device, local),
+                            groups=_groups(machine, device, workers, gpus),
                             reason=reason, nodes=machine.nodes)
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 
 from mobius.assemble import planned_architecture
 from mobius.config import load_config
 from mobius.errors import ConfigError
 from mobius.files import write_failure, write_text_atomic
-
-log = logging.getLogger(__name__)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "that partition.profile_file plans with. Any configuration key can be overridden "
                                    "with --section.key=value.")
     p.add_argument("config", help="YAML run file (see configs/)")
-    p.add_argument("--out", default="unit_profile.json", metavar="FILE", help="where to write it (default: %(default)s)")
+    p.add_argument("--out", default="unit_profile.json", metavar="FILE",
+                   help="where to write it (default: %(default)s)")
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -39,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mobius.models import unit_specs
-    from partition.gpus import lookup_gpu
     from partition.profile import get_profile, profile_file_json
 
     cfg = load_config(args.config, args.overrides)
@@ -50,8 +47,6 @@ def run(args: argparse.Namespace) -> int:
     prof = get_profile(unit_specs(planned_architecture(cfg)), t.micro_batch_size, cfg.data.seq_len, t.precision,
                        "measured", None, cache_dir=os.path.join(cfg.partition.cache_dir, "partition"), threads=threads)
     data = profile_file_json(prof)
-    known = lookup_gpu(prof.device_name) if prof.device_name != "cpu" else None
-    data["gpu"] = known.name if known is not None else prof.device_name
     try:
         write_text_atomic(args.out, json.dumps(data, indent=1) + "\n")
     except OSError as e:

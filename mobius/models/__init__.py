@@ -164,11 +164,6 @@ def init_threads() -> int:
     return max(1, min(cores, torch.get_num_threads()))
 
 
-def init_unit(cfg: ModelConfig, unit: nn.Module, index: int, seed: int) -> None:
-    """Initialise one unit (its parameters in memory) from the seed as every mode does."""
-    family_of(cfg).model_cls.init_unit(cfg, unit, index, seed)
-
-
 def unit_prefix(index: int, num_units: int) -> str:
     """State-dict prefix of unit ``index``: ``embed.``, ``blocks.{i}.`` or ``head.``."""
     if index == 0:
@@ -263,5 +258,5 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 __all__ = ["CausalLM", "UnitSpec", "lm_loss", "ModelConfig", "FAMILIES", "family_of", "get_preset",
-           "preset_names", "build_model", "fill_unit", "init_unit", "initial_weights", "unit_prefix",
+           "preset_names", "build_model", "fill_unit", "initial_weights", "unit_prefix",
            "tied_weights", "hidden_size", "dropout_active", "unit_specs", "param_count", "tied_param_count"]
