@@ -44,6 +44,7 @@ class Engine(Protocol):
     def evaluate(self, batches: list[Batch]) -> float: ...
     def rank_state(self, with_moments: bool) -> RankState: ...  # finishes pending updates first
     def load_state(self, resume: ResumeState) -> None: ...  # optimizer moments by name, step, loss scale
+    def sync(self) -> None: ...  # wait for every piece of work in flight (updates, copies, kernels)
     def close(self) -> None: ...
 
 
@@ -139,6 +140,10 @@ class SingleEngine:
         state = {index[id(p)]: {"step": torch.tensor(float(self.optimizer_step)), "exp_avg": moments[n][0],
                                 "exp_avg_sq": moments[n][1]} for n, p in self.named}
         self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         pass

@@ -241,6 +241,9 @@ class PipelineEngine:
             names = [p.names[0] for p in self.layouts[j].params if p.offset < self.layouts[j].trainable_numel]
             host.load_moments(resume.moments(names, self.model_cfg), self.optimizer_step)
 
+    def sync(self) -> None:
+        self.ex.sync()
+
     def close(self) -> None:
         self.ex.sync()
         self.ex.close()
