@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import OUT  # noqa: E402
 from mobius.app.run import train  # noqa: E402
 from mobius.checkpoint import save_model  # noqa: E402
 from mobius.config import config_from_dict  # noqa: E402
@@ -101,7 +102,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--out", default=OUT)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--blocks", type=int, default=8)

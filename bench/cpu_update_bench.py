@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import OUT  # noqa: E402
 from mobius.config import TrainSection  # noqa: E402
 from mobius.optim import FlatAdamW, adamw  # noqa: E402
 
@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--workers", type=int, default=1, help="also measure this many workers updating at once")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--out", default=OUT)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     cfg = TrainSection(weight_decay=0.1)

@@ -91,7 +91,7 @@ def mip_vs_baselines(model: PaperModel, variant: str) -> dict:
     PLANS_2X2[(model.name, variant)] = (p, time.perf_counter() - t0)
     row = {"model": model.name, "mbs": model.mbs, "variant": variant, "mip_s": p.predicted_step_s,
            "mip_model_s": p.model_step_s, "mip_stages": p.num_stages, "status": p.status,
-           "plan_s": time.perf_counter() - t0, "resident": len(p.resident), "kept": len(p.kept), "traffic_x_fp32_params": p.traffic["x_fp32_param_bytes"]}
+           "plan_s": time.perf_counter() - t0, "resident": len(p.options.resident), "kept": len(p.options.kept), "traffic_x_fp32_params": p.traffic["x_fp32_param_bytes"]}
     for name, t in p.baselines.items():
         row[name] = t
         row[f"{name}_stages"] = len(p.baseline_boundaries[name]) - 1 if p.baseline_boundaries[name] else None
@@ -113,7 +113,8 @@ def topology_plans(model: PaperModel, variant: str, topo: str) -> dict:
     return {"model": model.name, "variant": variant, "topology": topo, "free_stages": len(free["boundaries"]) - 1,
             "free_model_s": free["model_step_s"], "free_sim_s": free["simulated_step_s"], "replanned": len(tried) > 1,
             "adopted": adopted, "new_partition": p.boundaries != free["boundaries"],
-            "new_residency": (p.resident, p.kept) != (free["resident"], free["kept"]), "stages": p.num_stages,
+            "new_residency": (sorted(p.options.resident), sorted(p.options.kept)) != (free["resident"], free["kept"]),
+            "stages": p.num_stages,
             "model_s": p.model_step_s, "sim_s": p.predicted_step_s,
             "gain": 1 - p.predicted_step_s / free["simulated_step_s"], "plan_s": seconds}
 
@@ -127,7 +128,7 @@ def cross_vs_sequential(model: PaperModel, variant: str, prefetch: bool) -> dict
     p = plan(prof, hw, 8, with_baselines=False, prefetch=prefetch, resident=[], kept=[], contention_rounds=0)
     seq = simulate(prof, p.boundaries, hw, list(range(8)), 8, p.options, record=False).step_s
     stage = prof.units[1]
-    return {"model": model.name, "variant": variant, "slots": p.num_slots, "stages": p.num_stages,
+    return {"model": model.name, "variant": variant, "slots": p.options.num_slots, "stages": p.num_stages,
             "cross_s": p.predicted_step_s, "sequential_s": seq, "reduction": 1 - p.predicted_step_s / seq,
             "upload_x_fwd": stage.param_bytes / PAPER_LINK_Bps / stage.fwd_s, "cross_worker_gpus": p.worker_gpus,
             "plan_s": time.perf_counter() - t0}

@@ -43,10 +43,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mobius.app.launch import expandable_segments  # noqa: E402
+from common import (LR, add_sweep_args, add_workload_args, batches, cap_gpu, clip_list, cuda_sync,  # noqa: E402
+                    free_gpu, parse_workload, peak_gib, rates, reset_peak, step_tokens, write_json)
 from mobius.models import build_model, get_preset, param_count  # noqa: E402
 from mobius.models.base import lm_loss  # noqa: E402
-from pipeline_bench import add_workload_args, batches, clip_list, free_gpu, smoke_workload, sync  # noqa: E402
 
 
 def step_batches(args: argparse.Namespace, vocab: int, step: int, gas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,24 +66,14 @@ def parse_setting(text: str, total: int) -> dict:
     return {"gas": gas, "mbs": mbs, "ac": "ac" in flags, "nosync": "nosync" in flags, "text": text}
 
 
-def cap_gpu(args: argparse.Namespace) -> None:
-    if torch.cuda.is_available() and not args.smoke:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), 0)
-
-
-def peak_gib() -> float:
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else 0.0
-
-
 def timed(args: argparse.Namespace, one_step) -> tuple[list[float], list[float]]:
     """``--warmup`` steps, then ``--steps`` timed ones (each to completion); seconds and losses."""
     times, losses = [], []
     for step in range(args.warmup + args.steps):
-        sync()
+        cuda_sync()
         t0 = time.perf_counter()
         loss = one_step(step)
-        sync()
+        cuda_sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
             losses.append(loss)
@@ -92,13 +82,13 @@ def timed(args: argparse.Namespace, one_step) -> tuple[list[float], list[float]]
 
 def make_row(system: str, setting: dict, clip: float, args: argparse.Namespace, n_params: int, times: list[float],
              losses: list[float], **extra) -> dict:
-    tokens = args.micro_batches * args.mbs * args.seq
+    tokens = step_tokens(args)
     t = statistics.median(times)
     flags = ("AC" if setting["ac"] else "no AC") + (", grads synced once" if setting["nosync"] else "")
     row = {"name": f"{system} {setting['gas']}x{setting['mbs']} ({flags}) [clip {clip:g}]", "system": system,
            "setting": setting["text"], "grad_clip": clip, "step_s": round(t, 4),
-           "step_s_all": [round(v, 4) for v in times], "tokens_per_s": round(tokens / t),
-           "tflops": round(6 * n_params * tokens / t / 1e12, 1), "peak_gib": peak_gib(),
+           "step_s_all": [round(v, 4) for v in times], **rates(tokens, 6 * n_params * tokens, t),
+           "peak_gib": peak_gib(),
            "loss": round(losses[-1], 4), "cap_gib": args.cap_gib, "preset": args.preset}
     row.update(extra)
     return row
@@ -152,9 +142,9 @@ def run_fsdp2(args: argparse.Namespace, base: torch.nn.Module, setting: dict, cl
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     kind = "fused"
     try:
-        opt = torch.optim.AdamW(groups, lr=1e-5, fused=True)
+        opt = torch.optim.AdamW(groups, lr=LR, fused=True)
     except Exception:  # noqa: BLE001 - fall back to foreach
-        kind, opt = "foreach", torch.optim.AdamW(groups, lr=1e-5, foreach=True)
+        kind, opt = "foreach", torch.optim.AdamW(groups, lr=LR, foreach=True)
     gas, vocab = setting["gas"], base.config.vocab_size
 
     def one_step(step: int) -> float:
@@ -171,7 +161,7 @@ def run_fsdp2(args: argparse.Namespace, base: torch.nn.Module, setting: dict, cl
         opt.zero_grad(set_to_none=True)
         return total / gas
 
-    torch.cuda.reset_peak_memory_stats() if cuda else None
+    reset_peak()
     try:
         try:
             times, losses = timed(args, one_step)
@@ -179,7 +169,7 @@ def run_fsdp2(args: argparse.Namespace, base: torch.nn.Module, setting: dict, cl
             if kind != "fused" or "out of memory" in str(exc).lower():
                 raise
             print(f"fused AdamW failed ({str(exc)[:200]}); foreach instead", flush=True)
-            kind, opt = "foreach", torch.optim.AdamW(groups, lr=1e-5, foreach=True)
+            kind, opt = "foreach", torch.optim.AdamW(groups, lr=LR, foreach=True)
             times, losses = timed(args, one_step)
         return make_row("FSDP2 CPU offload", setting, clip, args, param_count(base.config), times, losses,
                         optimizer=f"torch AdamW ({kind}, CPU)")
@@ -226,7 +216,7 @@ def ds_config(args: argparse.Namespace, setting: dict, clip: float) -> dict:
     return {"train_micro_batch_size_per_gpu": setting["mbs"], "gradient_accumulation_steps": setting["gas"],
             "train_batch_size": setting["mbs"] * setting["gas"],
             "bf16": {"enabled": args.precision == "bf16"},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
                                                       "weight_decay": 0.1}},
             "gradient_clipping": clip,
             "zero_optimization": {"stage": 3,
@@ -245,7 +235,7 @@ def run_deepspeed(args: argparse.Namespace, setting: dict, clip: float) -> dict:
 
     cfg = ds_config(args, setting, clip)
     mc = get_preset(args.preset)
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak()
     t0 = time.perf_counter()
     how = "zero.Init"
     if args.ds_no_zero_init:
@@ -332,10 +322,7 @@ def save(rows: list[dict], args: argparse.Namespace, partial: bool = False) -> P
     names = {r["name"] for r in rows}
     merged = [r for r in old if r["name"] not in names and not r.get("best_of")] + rows
     merged = [r for r in merged if not r.get("best_of")]
-    data = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "args": {**vars(args)}, "rows": merged, "best": best_rows(merged),
-            "partial": partial}
-    out.write_text(json.dumps(data, indent=2))
+    write_json(out, args, merged, torch=torch.__version__, best=best_rows(merged), partial=partial)
     return out
 
 
@@ -354,17 +341,15 @@ def report(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", default="fsdp2,deepspeed")
-    add_workload_args(p, clip_default="0,1.0", steps_default=3)
+    add_workload_args(p, steps_default=3)
+    add_sweep_args(p, clip_default="0,1.0")
     p.add_argument("--fsdp-settings", default="4x4:ac,4x4:noac,4x4:ac:nosync,1x16:ac,1x16:noac")
     p.add_argument("--ds-settings", default="4x4")
     p.add_argument("--ds-no-zero-init", action="store_true", help="build the model on the CPU, partition in initialize")
-    args = p.parse_args()
-    expandable_segments()  # every system in the table runs with the allocator mobius's workers use
+    args = parse_workload(p)
     if args.smoke:
-        smoke_workload(args)
         args.fsdp_settings = ",".join(s.replace("4x4", "2x2").replace("1x16", "1x4") for s in args.fsdp_settings.split(","))
         args.ds_settings = ",".join(s.replace("4x4", "2x2").replace("1x16", "1x4") for s in args.ds_settings.split(","))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     clips = clip_list(args)
     for what in args.what.split(","):
         rows = {"fsdp2": fsdp2_rows, "deepspeed": deepspeed_rows}[what](args, clips)

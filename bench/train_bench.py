@@ -26,18 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from common import OUT, architecture, rates
+
 ROOT = Path(__file__).resolve().parents[1]
 CAP_GIB = 24
-
-
-def architecture(preset: str, layers: int = 0):
-    """The preset's architecture, with ``layers`` blocks when given (0: the preset's)."""
-    import dataclasses
-
-    from mobius.models import get_preset
-
-    mc = get_preset(preset)
-    return dataclasses.replace(mc, **{mc.FIELDS["layers"]: layers}) if layers else mc
 
 
 def write_checkpoint(preset: str, where: Path, layers: int = 0) -> float:
@@ -100,8 +92,7 @@ def summarise(args: argparse.Namespace, preset: str, name: str, out: Path, wall:
     timed = lines[1:] or lines  # the first step warms up (allocator, kernels)
     step = sum(r["step_s"] for r in timed) / len(timed)
     tokens = args.micro_batches * args.seq
-    row = {"name": name, "step_s": round(step, 4), "tokens_per_s": round(tokens / step),
-           "tflops": round(model_flops(args, preset) / step / 1e12, 1),
+    row = {"name": name, "step_s": round(step, 4), **rates(tokens, model_flops(args, preset), step),
            "peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in lines), "ready_s": lines[0]["ready_s"],
            "ready": lines[0]["ready"], "wall_s": round(wall, 1), "loss": lines[-1]["loss"]}
     for key in ("h2d_bytes", "d2h_bytes", "upload_wait_s", "cpu_adam_s"):
@@ -152,7 +143,7 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on all linear layers (0: "
                                                              "full fine-tuning)")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")) / "train")
+    p.add_argument("--out", type=Path, default=Path(OUT) / "train")
     p.add_argument("--set", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                    help="a config override for every run (e.g. --set=--parallel.cpu_threads=8); the runs' rows are "
                         "named with it")

@@ -27,50 +27,25 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mobius.app.launch import expandable_segments  # noqa: E402
-from mobius.config import Config, config_from_dict  # noqa: E402
+from common import (add_workload_args, parse_workload, reset_peak, result_row, step_tokens,  # noqa: E402
+                    time_steps, workload_config, write_json)
+from mobius.config import Config  # noqa: E402
 from mobius.models import get_preset, param_count  # noqa: E402
-from pipeline_bench import batches, result_row, run_ref, sync  # noqa: E402
+from pipeline_bench import run_ref  # noqa: E402
 
 ZERO_KEYS = ("allgather_bytes", "reduce_scatter_bytes", "replaced_bytes", "gathers")
-SMOKE = {"preset": "gpt2-tiny", "seq": 32, "mbs": 2, "micro_batches": 2, "steps": 2, "warmup": 1, "precision": "fp32"}
 
 
 def make_cfg(args: argparse.Namespace, variant: dict) -> Config:
-    raw = {"model": {"preset": args.preset, "dropout": 0.0, "activation_checkpointing": not args.no_ac},
-           "data": {"seq_len": args.seq},
-           "train": {"micro_batch_size": args.mbs, "micro_batches": args.micro_batches, "precision": args.precision,
-                     "lr": 1e-5, "warmup_steps": 0, "grad_clip": args.grad_clip, "max_steps": 1000},
-           "parallel": {"mode": "zero", "device": "cpu" if args.smoke else "cuda", "devices": args.devices,
-                        "prefetch": variant.get("prefetch", True)},
-           "partition": {"gpu_memory_gib": args.cap_gib},
-           "zero": {"chunk_size": variant.get("chunk_size", args.chunk_size),
-                    "cache_blocks": variant.get("cache_blocks", args.cache_blocks),
-                    "gpu_chunks": variant.get("gpu_chunks", args.gpu_chunks)},
-           "output": {"dir": str(Path(args.out) / "zero"), "plot": False}}
-    return config_from_dict(raw, "zero_bench")
-
-
-def time_zero(engine, args: argparse.Namespace, vocab: int) -> tuple[float, list]:
-    """Steady-state seconds per step: ``--steps`` back to back after ``--warmup`` (the first is the
-    warm-up step that records the chunk trace), CPU updates finished at the end."""
-    stats = []
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            engine.sync()
-            sync()
-            t0 = time.perf_counter()
-        st = engine.train_step(step, batches(args, vocab, step), 1e-5)
-        if step >= args.warmup:
-            stats.append(st)
-    engine.sync()
-    sync()
-    return (time.perf_counter() - t0) / args.steps, stats
+    """The workload in zero mode: the search's choices unless ``--chunk-size`` etc. or ``variant`` force them."""
+    return workload_config(args, "zero", "zero_bench", model={"activation_checkpointing": not args.no_ac},
+                           parallel={"devices": args.devices, "prefetch": variant.get("prefetch", True)},
+                           zero={"chunk_size": variant.get("chunk_size", args.chunk_size),
+                                 "cache_blocks": variant.get("cache_blocks", args.cache_blocks),
+                                 "gpu_chunks": variant.get("gpu_chunks", args.gpu_chunks)})
 
 
 def _zero_worker(rank: int, world: int, port: int, args: argparse.Namespace, variant: dict, out) -> None:
@@ -91,17 +66,16 @@ def _zero_worker(rank: int, world: int, port: int, args: argparse.Namespace, var
     plan, _, _ = plan_zero(cfg, mc, settings, machine)
     plan_s = time.perf_counter() - t_plan
     device = open_device(settings, rank)
-    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    reset_peak()
     engine = ZeroEngine(cfg, mc, plan, settings, device, None)
-    t, stats = time_zero(engine, args, mc.vocab_size)
+    t, stats = time_steps(engine, args, mc.vocab_size)  # (the first warm-up step records the chunk trace)
     engine.close()
     if rank == 0:
-        tokens = args.mbs * args.micro_batches * args.seq
         name = f"mobius zero, {args.cap_gib:g} GiB cap, {world} GPU(s)" + (f" [{variant['name']}]" if variant else "")
-        row = result_row(name, t, param_count(mc), tokens, stats, predicted_step_s=round(plan.predicted_step_s, 4),
-                         chunk_size=plan.chunk_size, cache_blocks=plan.cache_blocks, gpu_chunks=plan.gpu_chunks,
-                         num_chunks=plan.num_chunks, predicted_peak_gib=round(plan.peak_bytes / 2**30, 2),
-                         plan_s=round(plan_s, 2))
+        row = result_row(name, t, param_count(mc), step_tokens(args), stats,
+                         predicted_step_s=round(plan.predicted_step_s, 4), chunk_size=plan.chunk_size,
+                         cache_blocks=plan.cache_blocks, gpu_chunks=plan.gpu_chunks, num_chunks=plan.num_chunks,
+                         predicted_peak_gib=round(plan.peak_bytes / 2**30, 2), plan_s=round(plan_s, 2))
         row.update({k: round(sum(s.extra[k] for s in stats) / len(stats)) for k in ZERO_KEYS})
         row["alternatives"] = plan.alternatives
         out.put(row)
@@ -137,31 +111,17 @@ def variant_settings(name: str, planned: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", default="ref,zero")
-    p.add_argument("--preset", default="gpt-1.4b", help="gpt-1.4b, or gpt-3.9b (hidden 3072, 32 layers)")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--mbs", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--precision", default="bf16")
+    add_workload_args(p, steps_default=5)
     p.add_argument("--grad-clip", type=float, default=0.0, help="0 as in the peers' runs (no clipping)")
     p.add_argument("--no-ac", action="store_true", help="without activation checkpointing")
-    p.add_argument("--cap-gib", type=float, default=24.0)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--chunk-size", type=int, default=0, help="0: the search decides")
     p.add_argument("--cache-blocks", type=int, default=0, help="0: the search decides")
     p.add_argument("--gpu-chunks", type=int, default=-1, help="-1: the search decides")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default="", help="rcache-min, rcache-max, all-offload (the plan's alternatives), "
                                                   "no-prefetch")
     p.add_argument("--peers", default="", help="measured peers as name=seconds,... (speed-up columns)")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU worker processes (checks the script)")
-    args = p.parse_args()
-    expandable_segments()  # every system in the table runs with the allocator mobius's workers use
-    args.stages, args.no_prefetch = 0, False  # what pipeline_bench's configuration reads (the ref row)
-    if args.smoke:
-        vars(args).update(SMOKE)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    args = parse_workload(p)
     rows = []
     for what in args.what.split(","):
         rows.append(run_ref(args) if what == "ref" else run_zero(args))
@@ -190,8 +150,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         line += "".join(f" {s / r['step_s']:13.2f}x" for s in peers.values())
         print(line)
     out = Path(args.out) / "zero_bench.json"
-    out.write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                               else "cpu", "peers_s": peers, "rows": rows}, indent=2))
+    write_json(out, args, rows, peers_s=peers)
     print(f"wrote {out}")
 
 

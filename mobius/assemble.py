@@ -89,6 +89,18 @@ def run_tokenizer(cfg: Config) -> TextTokenizer:
     return load_tokenizer(cfg.data.tokenizer, cfg.model.checkpoint or None)
 
 
+@dataclass
+class Prepared:
+    """A run checked and ready to start: its data, architecture and (resuming) trainer state."""
+
+    tokenizer: TextTokenizer
+    data: TrainData
+    model_cfg: ModelConfig
+    ck_dtype: torch.dtype | None  # the dtype of the checkpoint fine-tuned (None: from scratch)
+    resume_from: Path | None
+    resume: ResumeState | None  # what resuming continues (read from ``resume_from``)
+
+
 def prepare_data(cfg: Config) -> tuple[TextTokenizer, TrainData]:
     """The run's tokenizer and its packed, split, cached data (with its content fingerprint)."""
     tokenizer = run_tokenizer(cfg)
@@ -99,16 +111,17 @@ def prepare_data(cfg: Config) -> tuple[TextTokenizer, TrainData]:
     return tokenizer, data
 
 
-def check_resume(cfg: Config, resume_from: Path, tokenizer: TextTokenizer, data: TrainData) -> ResumeState:
+def check_resume(cfg: Config, resume_from: Path, tokenizer: TextTokenizer, data: TrainData,
+                 lora: LoraSpec | None) -> ResumeState:
     """What ``--resume`` continues is what the config trains: the architecture (every field that shapes
     the weights), the tokenizer and the data's content (unless ``data.accept_new_data``); the trainer
     state readable and well-formed. Checked before any work; a mismatch names what changed."""
     state = ResumeState(resume_from)
     saved = read_config(resume_from)
-    if cfg.lora.rank == 0:  # a LoRA checkpoint holds adapters, read (and checked) by name
+    if lora is None:  # a LoRA checkpoint holds adapters, read (and checked) by name
         check_weight_shapes(resume_from, saved)
     _check_same_architecture(saved, _fresh_model_config(cfg, tokenizer), resume_from, cfg)
-    _check_same_adapters(cfg, state.trainer.get("config"), resume_from)
+    _check_same_adapters(lora, state.trainer.get("config"), resume_from)
     trained_with = state.trainer.get("tokenizer")
     if trained_with is not None and trained_with != tokenizer.name:
         raise CheckpointError(f"--resume {resume_from}: the checkpoint trained with another tokenizer than "
@@ -137,15 +150,16 @@ def _check_same_architecture(saved: ModelConfig, fresh: ModelConfig, where: Path
                                   f"checkpoint trained")
 
 
-def _check_same_adapters(cfg: Config, trained: object, where: Path) -> None:
+def _check_same_adapters(lora: LoraSpec | None, trained: object, where: Path) -> None:
     """The LoRA settings that shape what trains, against the checkpoint's run config."""
     then = trained.get("lora") if isinstance(trained, dict) else None
     if not isinstance(then, dict):
         return
-    for key in ("rank", "targets", "train"):
-        if key in then and then[key] != getattr(cfg.lora, key):
-            raise CheckpointError(f"--resume {where}: lora.{key} is {getattr(cfg.lora, key)!r}, but the checkpoint "
-                                  f"trained with {then[key]!r}; resume with the adapters it trained")
+    now = {"rank": lora.rank, "targets": list(lora.targets), "train": list(lora.train)} if lora else {"rank": 0}
+    for key, value in now.items():
+        if key in then and then[key] != value:
+            raise CheckpointError(f"--resume {where}: lora.{key} is {value!r}, but the checkpoint trained with "
+                                  f"{then[key]!r}; resume with the adapters it trained")
 
 
 def _check_same_data(cfg: Config, saved: dict, data: TrainData, where: Path) -> None:
@@ -279,9 +293,9 @@ class WeightSource:
         return out
 
 
-def weights_source(cfg: Config, resume_from: Path | None) -> WeightSource:
+def weights_source(cfg: Config, model_cfg: ModelConfig, resume_from: Path | None) -> WeightSource:
     """Where the initial weights come from: the checkpoint resumed, the one fine-tuned, or the seed."""
-    if cfg.lora.rank > 0:
+    if model_cfg.lora is not None:
         return WeightSource(cfg.model.checkpoint, str(resume_from) if resume_from else None, cfg.train.seed)
     return WeightSource(str(resume_from) if resume_from is not None else cfg.model.checkpoint, None, cfg.train.seed)
 
@@ -290,7 +304,7 @@ def initial_model(cfg: Config, model_cfg: ModelConfig, resume_from: Path | None)
     """The whole model on the CPU: resumed, fine-tuned, or freshly initialised from the seed, each weight
     set once (:func:`~mobius.models.build_model`): copied from the checkpoints where they hold it, drawn
     from the seed otherwise (from scratch; a LoRA run's adapters at its start)."""
-    source = weights_source(cfg, resume_from)
+    source = weights_source(cfg, model_cfg, resume_from)
     given = source.read(model_cfg)
     return build_model(model_cfg, cfg.train.seed, given, source=str(source.base))
 

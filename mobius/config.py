@@ -120,6 +120,12 @@ class TrainSection(_Section):
     eval_batches: int = _f(8, "Micro-batches per evaluation.", ge=1)
     log_every: int = _f(1, "Write a metrics line every N steps.", ge=1)
 
+    @property
+    def barrier(self) -> bool:
+        """Whether a step's updates must wait for the global gradient norm: clipping scales every
+        gradient by it, and fp16 loss scaling skips the step on overflow. The plans carry it."""
+        return self.grad_clip > 0 or self.precision == "fp16"
+
 
 @dataclass
 class ParallelSection(_Section):

@@ -81,12 +81,6 @@ class LossScaler:
         self.scale, self.clean_steps = state["scale"], state["clean_steps"]
 
 
-def waits_for_norm(cfg: TrainSection) -> bool:
-    """Whether a step's updates must wait for the global gradient norm (the *barrier*): clipping
-    scales every gradient by it, and fp16 loss scaling skips the step on overflow."""
-    return cfg.grad_clip > 0 or cfg.precision == "fp16"
-
-
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """Factor that scales gradients to ``max_norm`` (1.0 when clipping is off or not needed),
     computed exactly as ``torch.nn.utils.clip_grad_norm_`` does."""
@@ -95,24 +89,43 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-def end_of_step(sumsq: float, scaler: LossScaler, grad_clip: float) -> tuple[float, bool, float]:
-    """The rule every engine ends a step with: from the sum of squares of the (loss-scaled)
-    gradients, the global norm (inf on overflow), whether the step is skipped (fp16 overflow; the
-    scaler learns of it), and the factor each gradient takes in its update (clipping, and the loss
-    scale removed): ``(norm, skipped, factor)``."""
-    scale = scaler.loss_factor()
-    norm = math.sqrt(sumsq) / scale if math.isfinite(sumsq) else math.inf
-    skipped = scaler.update(not math.isfinite(norm))
-    return norm, skipped, clip_coefficient(norm, grad_clip) / scale
+class UpdateRule:
+    """How every engine ends a training step (one per engine, from the run's ``train`` section): from
+    the step's gradients to the factor each takes in its update, with the state that rule keeps (the
+    fp16 loss scaler, the count of optimizer steps taken)."""
 
+    def __init__(self, cfg: TrainSection):
+        self.grad_clip = cfg.grad_clip
+        self.scaler = LossScaler(enabled=cfg.precision == "fp16")
+        self.optimizer_step = 0  # updates made (a skipped step makes none)
 
-def host_bytes_per_param(precision: str, half_grads: bool) -> int:
-    """Host bytes of a swapped pipeline stage's parameter: fp32 master (4) + AdamW moments (8) + the
-    pinned half-precision upload copy (2; the master itself in fp32) + the pinned fp32 gradient the
-    GPU's sums come down to (4; none when gradients come down in the half dtype, into the half copy)."""
-    if precision == "fp32":
-        return 16
-    return 14 if half_grads else 18
+    def loss_factor(self) -> float:
+        """What a micro-batch's loss is multiplied by before its backward (the fp16 loss scale, or 1)."""
+        return self.scaler.loss_factor()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler.enabled else 1.0
+
+    def end(self, sumsq: float) -> tuple[float, bool, float]:
+        """The end of a step, from the sum of squares of its (loss-scaled) gradients over all ranks:
+        the global norm (inf on overflow), whether the step is skipped (fp16 overflow; the scaler
+        learns of it) and the factor each gradient takes in its update (clipping, and the loss scale
+        removed): ``(norm, skipped, factor)``. A step not skipped counts as an optimizer step."""
+        scale = self.scaler.loss_factor()
+        norm = math.sqrt(sumsq) / scale if math.isfinite(sumsq) else math.inf
+        skipped = self.scaler.update(not math.isfinite(norm))
+        if not skipped:
+            self.optimizer_step += 1
+        return norm, skipped, clip_coefficient(norm, self.grad_clip) / scale
+
+    def state(self) -> tuple[int, dict]:
+        """What a checkpoint keeps of the rule: ``(optimizer steps, loss scaler state)``."""
+        return self.optimizer_step, self.scaler.state_dict()
+
+    def load(self, optimizer_step: int, scaler: dict) -> None:
+        self.optimizer_step = optimizer_step
+        self.scaler.load_state_dict(scaler)
 
 
 UPDATE_BLOCK = 1 << 24  # elements per block of a host update (bounds the scratch of half gradients: 64 MB)

@@ -13,7 +13,10 @@ Numbers in, plans out. The pieces, in the order a plan is made:
 * :mod:`partition.baselines` -- minimum-stage, maximum-stage, time-balanced; exhaustive search.
 * :mod:`partition.plan` -- :func:`plan_model`, the one entry point, and :class:`Plan`.
 
-Only ``partition.profile``'s measuring functions import torch.
+Importing the package and planning from unit descriptions with the estimated (datasheet) profile
+import no torch; only measuring does, inside the functions that measure: :mod:`partition.measure`
+(unit profiles), :mod:`partition.cpu_rate` (the CPU AdamW rate) and :func:`get_profile` when it may
+measure (``"auto"``, ``"measured"``).
 """
 
 from partition.baselines import BASELINES, exhaustive_search, maximum_stage, minimum_stage, time_balanced

@@ -4,6 +4,10 @@ A model is an ordered list of units (embedding, blocks, head). :class:`UnitCost`
 unit costs for one micro-batch; :class:`ModelProfile` holds all of them plus the setting they were
 measured or estimated for. :func:`stage_cost` sums a contiguous range of units into a
 :class:`StageCost`; how stages become a step (times and memory) is :mod:`partition.timing`.
+
+The bytes per element and per parameter every planner (and the runtimes' host-memory checks) count
+with are here, once: :data:`PRECISION_BYTES`, :data:`STATE_BYTES`, :data:`ADAM_BYTES` and
+:func:`host_bytes_per_param`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,24 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 ProfileSource = Literal["measured", "estimated"]
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # one element in each training precision (a frozen
+# parameter -- LoRA's base weights -- is one such copy wherever it lives)
+STATE_BYTES = 16  # device memory of a trainable parameter whose states live on the device: fp32 weight (master),
+# fp32 gradient, AdamW m and v (plain training; a zero chunk's shard kept on the GPU)
+ADAM_BYTES = 28  # memory traffic of one fused AdamW step per parameter: read fp32 p, g, m, v; write p, m, v (what
+# torch's fused kernel moves on a device; a resident stage also writes its half copy:
+# partition.hardware.DEVICE_ADAM_BYTES)
+
+
+def host_bytes_per_param(precision: str, half_grads: bool) -> int:
+    """Host bytes of a swapped pipeline stage's trainable parameter (``precision``: "fp32", or any
+    half precision): fp32 master (4) + AdamW moments (8) + the pinned half-precision upload copy (2;
+    in fp32 the master is the upload copy) + the pinned fp32 gradient the GPU's sums come down to (4;
+    none when gradients come down in the half dtype, into the half copy). Zero mode's offloaded chunk
+    shards hold the same as fp32 downloads. What ``scheduler/store.py`` allocates."""
+    if precision == "fp32":
+        return 16
+    return 14 if half_grads else 18
 
 
 @dataclass(frozen=True)

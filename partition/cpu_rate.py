@@ -14,7 +14,7 @@ from typing import Any
 
 from mobius.files import write_text_atomic
 from partition.hardware import CPU_UPDATE_IN_STEP
-from partition.measure import _dtype, _time
+from partition.measure import _time
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,10 @@ def _updater(numel: int, precision: str, half_grads: bool) -> Any:
     import torch
 
     from mobius.config import TrainSection
+    from mobius.engine import DTYPES
     from mobius.optim import FlatAdamW
 
-    dtype = _dtype(precision)
+    dtype = DTYPES[precision]
     half = torch.empty(numel, dtype=dtype) if precision != "fp32" else None
     grad = torch.full((numel,), 1e-3, dtype=dtype if half_grads else torch.float32)
     opt = FlatAdamW(torch.zeros(numel), half, [(0, numel, True)], TrainSection(weight_decay=0.1))

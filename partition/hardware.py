@@ -26,23 +26,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mobius.errors import ConfigError
-from partition.gpus import GB, PCIE_LANE_Bps, GiB, gpu_spec, lookup_gpu
+from partition.costs import ADAM_BYTES, PRECISION_BYTES
+from partition.estimate import MEMORY_EFFICIENCY
+from partition.gpus import GB, GPU_CATALOGUE, PCIE_LANE_Bps, GiB, gpu_spec, lookup_gpu
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE_BYTES = int(1.5 * GiB)  # CUDA context, cuBLAS workspace, allocator slack
 PAPER_LINK_Bps = 13.1e9  # the Mobius paper's maximum measured host<->GPU bandwidth (§4.2)
 PAPER_ADAM_PARAMS_PER_S = 4.0e9  # assumption: DeepSpeed-style CPU Adam on 2 x Xeon Gold 6130 (32 cores): the
-# whole two-socket host's rate, all its workers together (about 120 GB/s of DRAM traffic at 30 bytes per parameter)
+# whole two-socket host's rate, all its workers together (about 120 GB/s of DRAM traffic at 30 bytes per parameter:
+# the fused step and the half copy it writes, as DEVICE_ADAM_BYTES counts them on a GPU)
 CPU_UPDATE_IN_STEP = 0.68  # the CPU AdamW's rate inside a training step / its rate measured alone: with uploads,
 # downloads and kernel dispatch sharing the host's memory bandwidth and cores, an H100 box (16 cores, one worker)
 # ran 0.71 (1.42B) and 0.66 (3.94B) of the isolated rate in clipped steps (README, Performance)
 HOST_DEFAULT_SOURCE = (f"a default for a server planned from elsewhere: the Mobius paper's host (2 x Xeon Gold 6130) "
                        f"at {PAPER_ADAM_PARAMS_PER_S / 1e9:.1f} G params/s alone x {CPU_UPDATE_IN_STEP} inside a step; "
                        f"set partition.cpu_update_rate to the server's")
-HOST_COPY_Bps = 5e9  # a gloo send between two processes on one host (memory copies through a socket)
-DEVICE_ADAM_BYTES = 30  # a fused AdamW step on the device: master, m, v read and written, fp32 gradient, half copy
-DEVICE_ADAM_PARAMS_PER_S = 936e9 * 0.8 / DEVICE_ADAM_BYTES  # an RTX 3090's memory bandwidth at 80%
+HOST_COPY_Bps = 5e9  # assumed: memory copies within one host, the one figure for both a tensor sent between two
+# worker processes (a gloo send through a socket: a tied weight's exchange) and CPU workers' "links" (memcpy between
+# a worker's host and device buffers; mobius.app.planning's CPU workers)
+DEVICE_ADAM_BYTES = ADAM_BYTES + PRECISION_BYTES["bf16"]  # a resident stage's AdamW on its device, per parameter:
+# the fused step's traffic (partition.costs.ADAM_BYTES) and writing the half copy the stage computes with (2 bytes)
+
+
+def device_adam_rate(mem_GBps: float) -> float:
+    """Parameters per second of a resident stage's AdamW on a GPU with this memory bandwidth (GB/s,
+    datasheet): ``DEVICE_ADAM_BYTES`` per parameter at ``MEMORY_EFFICIENCY`` of it."""
+    return mem_GBps * 1e9 * MEMORY_EFFICIENCY / DEVICE_ADAM_BYTES
+
+
+DEVICE_ADAM_PARAMS_PER_S = device_adam_rate(GPU_CATALOGUE["rtx3090"].mem_GBps)  # an RTX 3090 (an unnamed GPU)
 
 
 @dataclass
@@ -247,7 +261,7 @@ class Hardware:
         pairs = _p2p_pairs(topo, gpus, bw, min(h2d), p2p)
         names = [g.name if g.name != "unknown" or s is None else s.name for g, s in zip(gpus, specs)]
         known = next((s for s in specs if s is not None), None)
-        device_adam = known.mem_GBps * 1e9 * 0.8 / DEVICE_ADAM_BYTES if known else DEVICE_ADAM_PARAMS_PER_S
+        device_adam = device_adam_rate(known.mem_GBps) if known else DEVICE_ADAM_PARAMS_PER_S
         return cls(num_gpus=len(gpus), gpu_memory_bytes=memory, h2d_Bps=h2d, d2h_Bps=d2h, groups=groups,
                    rc_h2d_Bps=rc_h, rc_d2h_Bps=rc_d, p2p_pairs_Bps=pairs, rc_h2d_by_streams=by_h,
                    rc_d2h_by_streams=by_d,

@@ -23,19 +23,15 @@ from partition.estimate import precision_bytes
 log = logging.getLogger(__name__)
 
 
-def _dtype(precision: str) -> Any:
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
 def profile_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str,
                   device: str = "auto", reps: int = 5, warmup: int = 2) -> ModelProfile:
     """Measure every distinct unit once (one at a time) and expand to all units."""
     import torch
 
+    from mobius.engine import DTYPES
+
     dev = _resolve_device(device)
-    dtype = _dtype(precision)
+    dtype = DTYPES[precision]
     t0 = time.perf_counter()
     by_sig: dict[str, UnitCost] = {}
     distinct = list({s.signature: s for s in specs}.values())

@@ -19,12 +19,11 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from partition.baselines import BASELINES
-from partition.costs import PRECISION_BYTES, ModelProfile, stage_costs
+from partition.costs import PRECISION_BYTES, ModelProfile, host_bytes_per_param, stage_costs
 from mobius.errors import ConfigError, MobiusError
-from mobius.optim import host_bytes_per_param
 from partition import residency
 from partition.evaluate import ModelEvaluator, stage_exprs
 from partition.gpus import GB, GiB
@@ -56,8 +55,12 @@ class StagePlan:
     bwd_peak_bytes: int  # ... and during its backward
     backward_in_place: bool  # the backward follows the forward on the GPU without re-uploading
     upload_wait_s: float  # simulated time its compute waited for its uploads (prefetch not hiding them)
-    resident: bool = False  # lives on its GPU: no uploads or downloads, a device AdamW
-    kept: bool = False  # keeps its forward's activations for the backward (no recompute)
+    # (whether it is resident or keeps its activations is the plan's options.resident / options.kept)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StagePlan":
+        """A stage as :meth:`Plan.to_json` wrote it (keys of older plans, such as ``resident``, ignored)."""
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass
@@ -71,7 +74,8 @@ class Plan:
     micro_batch_size: int
     seq_len: int
     precision: str
-    options: PipelineOptions  # the runtime's settings: device slots, offload, barrier, resident / kept stages, downloads
+    options: PipelineOptions  # the runtime's settings: device slots, offload, barrier, resident / kept stages,
+    # gradient download dtype, prefetch buffer (the one place the plan holds them)
     predicted_step_s: float  # the runtime's schedule simulated on the topology (contention included)
     model_step_s: float  # the MIP's own figure (no root-complex contention)
     solver: str
@@ -104,21 +108,12 @@ class Plan:
     def gpu_of_stage(self, j: int) -> int:
         return self.worker_gpus[j % len(self.worker_gpus)]
 
-    num_slots = property(lambda self: self.options.num_slots)
-    offload_inputs = property(lambda self: self.options.offload_inputs)
-    barrier = property(lambda self: self.options.barrier)
-    resident = property(lambda self: sorted(self.options.resident))  # stages kept on their GPU for good
-    kept = property(lambda self: sorted(self.options.kept))  # stages that keep their forward's activations
-    grad_dtype = property(lambda self: self.options.grad_dtype)  # gradient downloads: fp32 sums, or "half"
-    prefetch_bytes = property(lambda self: self.options.prefetch_bytes)  # one slot: the partial prefetch buffer
-
     def to_json(self) -> dict:
-        """A JSON-ready dict (also what ``mobius plan --json`` prints); the options are top-level keys."""
+        """A JSON-ready dict (also what ``mobius plan --json`` prints and ``plan.json`` holds); the
+        options' fields are top-level keys (:meth:`PipelineOptions.to_json`)."""
         out = asdict(self)
         out.pop("options")
-        out.update(num_slots=self.num_slots, offload_inputs=self.offload_inputs, barrier=self.barrier,
-                   resident=self.resident, kept=self.kept, grad_dtype=self.grad_dtype,
-                   prefetch_bytes=self.prefetch_bytes)
+        out.update(self.options.to_json())
         out["num_stages"] = self.num_stages
         out["mapping"] = {"kind": self.mapping_kind, "worker_gpus": self.worker_gpus,
                           "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)]}
@@ -126,20 +121,16 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
-        known = {f for f in cls.__dataclass_fields__}
-        kw = {k: v for k, v in data.items() if k in known}
-        kw["stages"] = [StagePlan(**s) for s in data["stages"]]
-        kw["options"] = PipelineOptions(data["num_slots"], data["offload_inputs"], data["barrier"],
-                                        frozenset(data.get("resident", ())), frozenset(data.get("kept", ())),
-                                        data.get("grad_dtype", "fp32"), data.get("prefetch_bytes", 0))
+        """A plan from :meth:`to_json`'s dict (``plan.json``; derived keys such as ``mapping`` ignored)."""
+        kw = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        kw["stages"] = [StagePlan.from_json(s) for s in data["stages"]]
+        kw["options"] = PipelineOptions.from_json(data)
         return cls(**kw)
 
     def runtime_settings(self) -> dict:
         """What the runtime takes from the plan (the test that the plan shown is the plan run compares these)."""
         return {"boundaries": list(self.boundaries), "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)],
-                "num_slots": self.num_slots, "offload_inputs": self.offload_inputs, "barrier": self.barrier,
-                "resident": sorted(self.resident), "kept": sorted(self.kept), "grad_dtype": self.grad_dtype,
-                "prefetch_bytes": self.prefetch_bytes}
+                **self.options.to_json()}
 
     def summary(self) -> str:
         """A human-readable report: stages table, settings, predicted time, memory, traffic, baselines."""
@@ -161,7 +152,7 @@ def _gb(n: float) -> str:
     return f"{n / GB:.2f} GB"
 
 
-def _stage_list(stages: list[int]) -> str:
+def _stage_list(stages: Collection[int]) -> str:
     return ", ".join(map(str, sorted(stages))) if stages else "none"
 
 
@@ -180,22 +171,25 @@ def _summary_lines(p: Plan) -> list[str]:
              f"(stage j runs on GPU worker_gpus[j % {len(p.worker_gpus)}])",
              f"  {'stage':>5}  {'units':<22} {'gpu':>3}  {'where':<8} {'params':>9}  {'fwd/mb':>8}  {'bwd/mb':>8}  "
              f"{'upload wait':>11}  {'peak fwd':>9}  {'peak bwd':>9}"]
+    opts = p.options
     for s in p.stages:
-        where = ("resident" if s.resident else "swapped")[:8]
+        where = ("resident" if s.index in opts.resident else "swapped")[:8]
         lines.append(f"  {s.index:>5}  {s.units:<22} {s.gpu:>3}  {where:<8} {_gb(s.param_bytes):>9}  "
-                     f"{s.fwd_s * 1e3:>6.1f}ms  {s.bwd_s * 1e3:>6.1f}ms{'K' if s.kept else ' '} "
+                     f"{s.fwd_s * 1e3:>6.1f}ms  {s.bwd_s * 1e3:>6.1f}ms{'K' if s.index in opts.kept else ' '} "
                      f"{s.upload_wait_s * 1e3:>9.1f}ms  {s.fwd_peak_bytes / GiB:>6.2f}GiB  {s.bwd_peak_bytes / GiB:>6.2f}GiB")
     lines.append("  resident: weights, fp32 master and AdamW states live on the GPU (device AdamW, no uploads); "
                  "K: keeps its forward's activations (no recompute)")
-    slots = ("2 per GPU (the next stage uploads while one computes)" if p.num_slots == 2 else
-             f"1 per GPU and a {p.prefetch_bytes / GiB:.2f} GiB prefetch buffer (the next stage's first bytes upload "
-             f"while one computes, the rest once its slot is free)" if p.prefetch_bytes else "1 per GPU (no prefetch)")
-    lines.append(f"runtime: device slots {slots}; boundary inputs {'in host memory' if p.offload_inputs else 'kept on the GPU'}"
+    slots = ("2 per GPU (the next stage uploads while one computes)" if opts.num_slots == 2 else
+             f"1 per GPU and a {opts.prefetch_bytes / GiB:.2f} GiB prefetch buffer (the next stage's first bytes "
+             f"upload while one computes, the rest once its slot is free)" if opts.prefetch_bytes else
+             "1 per GPU (no prefetch)")
+    lines.append(f"runtime: device slots {slots}; boundary inputs "
+                 f"{'in host memory' if opts.offload_inputs else 'kept on the GPU'}"
                  f"; CPU AdamW at {p.cpu_adam_params_per_s / 1e9:.2f} G params/s per worker (all updating), "
-                 + ("after the global norm (clipping or fp16), overlapping the next forward" if p.barrier
+                 + ("after the global norm (clipping or fp16), overlapping the next forward" if opts.barrier
                     else "as each stage's gradients arrive"))
-    lines.append(f"resident stages: {_stage_list(p.resident)}; kept activations: {_stage_list(p.kept)}; gradient "
-                 f"downloads in {p.grad_dtype} ({p.grad_choice}); host memory for the swapped stages: "
+    lines.append(f"resident stages: {_stage_list(opts.resident)}; kept activations: {_stage_list(opts.kept)}; "
+                 f"gradient downloads in {opts.grad_dtype} ({p.grad_choice}); host memory for the swapped stages: "
                  f"{p.host_bytes / GiB:.1f} GiB " + (f"of {p.host_memory_bytes / GiB:.1f} GiB available"
                                                      if p.host_memory_bytes is not None else
                                                      "(not checked: set partition.host_memory_gib)"))
@@ -552,7 +546,8 @@ def _check_host_memory(prof: ModelProfile, hw: Hardware, bounds: list[int], opti
     need = _host_bytes(prof, bounds, options)
     if hw.host_memory_bytes is not None and need > hw.host_memory_bytes:
         per = host_bytes_per_param(prof.precision, options.grad_dtype == "half")
-        frozen = f" ({PRECISION_BYTES[prof.precision]} per frozen one)" if any(u.frozen_count for u in prof.units) else ""
+        frozen = (f" ({PRECISION_BYTES[prof.precision]} per frozen one)" if any(u.frozen_count for u in prof.units)
+                  else "")
         raise MobiusError(f"host memory does not suffice: the swapped stages need {need / GiB:.1f} GiB ({per} bytes "
                           f"per parameter{frozen}, {options.grad_dtype} gradient downloads), "
                           f"{hw.host_memory_bytes / GiB:.1f} GiB is available (partition.host_memory_gib, or 85% of the "
@@ -560,7 +555,7 @@ def _check_host_memory(prof: ModelProfile, hw: Hardware, bounds: list[int], opti
 
 
 def _host_bytes(prof: ModelProfile, bounds: list[int], options: PipelineOptions) -> int:
-    """Host memory of the swapped stages' stores (:func:`mobius.optim.host_bytes_per_param`)."""
+    """Host memory of the swapped stages' stores (:func:`partition.costs.host_bytes_per_param`)."""
     per = host_bytes_per_param(prof.precision, options.grad_dtype == "half")
     frozen = PRECISION_BYTES[prof.precision]  # LoRA's base weights: one copy in the training dtype
     return sum(sc.trainable_count * per + sc.frozen_count * frozen
@@ -674,6 +669,5 @@ def _stage_plans(prof: ModelProfile, bounds: list[int], worker_gpus: list[int], 
                              bwd_s=sc.bwd_s + sc.acc_s - (sc.fwd_s if j in options.kept else 0.0),
                              fwd_peak_bytes=int(needs[f"stage {j} forward"] * GB),
                              bwd_peak_bytes=int(needs[f"stage {j} backward"] * GB),
-                             backward_in_place=shape.turns(j), upload_wait_s=sim.stages[j].upload_wait_s,
-                             resident=j in options.resident, kept=j in options.kept))
+                             backward_in_place=shape.turns(j), upload_wait_s=sim.stages[j].upload_wait_s))
     return out

@@ -688,7 +688,9 @@ def _fill(flows: list[_Flow], remaining: dict, capacity: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------- rendering
-_TRACKS = ["compute", "h2d", "d2h", "p2p"]
+TRACKS = ("compute", "h2d", "d2h", "p2p", "cpu")  # a step's tracks, in the order (and as the thread ids) of its
+# Chrome trace: a GPU's compute and its transfers by link, then the host's CPU updates; the runtime's measured
+# trace (scheduler/trace.py) uses the same
 
 
 def _ascii(res: SimResult, width: int) -> str:
@@ -698,7 +700,7 @@ def _ascii(res: SimResult, width: int) -> str:
     gpus = sorted({e.gpu for e in res.events if e.gpu >= 0})
     rows = []
     for g in gpus:
-        for track in _TRACKS:
+        for track in TRACKS[:-1]:  # the GPU's; the CPU's row follows
             evs = [e for e in res.events if e.gpu == g and e.track == track]
             if not evs and track != "compute":
                 continue
@@ -743,9 +745,9 @@ def _chrome_trace(res: SimResult) -> dict:
     for pid in pids:
         name = "CPU" if pid < 0 else f"GPU {pid}" + (f" ({res.gpu_names[pid]})" if pid < len(res.gpu_names) else "")
         events.append({"name": "process_name", "ph": "M", "pid": pid + 1, "args": {"name": name}})
-        for tid, track in enumerate(_TRACKS + ["cpu"]):
+        for tid, track in enumerate(TRACKS):
             events.append({"name": "thread_name", "ph": "M", "pid": pid + 1, "tid": tid, "args": {"name": track}})
-    tids = {t: i for i, t in enumerate(_TRACKS + ["cpu"])}
+    tids = {t: i for i, t in enumerate(TRACKS)}
     for e in res.events:
         events.append({"name": e.name, "cat": e.cat, "ph": "X", "ts": e.start * 1e6,
                        "dur": max(0.0, (e.end - e.start) * 1e6), "pid": e.gpu + 1, "tid": tids[e.track]})

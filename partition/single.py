@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from partition.costs import ModelProfile
+from partition.costs import PRECISION_BYTES, STATE_BYTES, ModelProfile
 from partition.zero.memory import Workload, activation_bytes, usable_bytes
 
 GiB = 2**30
-STATE_BYTES = 16  # per parameter: fp32 weight, fp32 gradient, AdamW exp_avg and exp_avg_sq
-FROZEN_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # per frozen parameter: its weight in the training dtype
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,8 @@ class SinglePlan:
             f"AdamW {self.update_s:.3f} s)",
             f"memory: {m['states'] / GiB:.2f} GiB of model states ({STATE_BYTES} bytes x "
             f"{(self.param_count - self.frozen_count) / 1e6:.1f}M parameters"
-            + (f" + {FROZEN_BYTES[self.precision]} x {self.frozen_count / 1e6:.1f}M frozen" if self.frozen_count else "")
+            + (f" + {PRECISION_BYTES[self.precision]} x {self.frozen_count / 1e6:.1f}M frozen"
+               if self.frozen_count else "")
             + f") + {m['activations'] / GiB:.2f} GiB of activations; the "
             f"states may use {m['usable'] / GiB:.2f} GiB of {m['capacity'] / GiB:.2f} GiB"
             + ("" if self.fits else " -- DOES NOT FIT"),
@@ -88,7 +87,7 @@ def plan_single(prof: ModelProfile, memory_bytes: int, *, micro_batches: int, ch
     params = prof.param_count() - prof.tied_params
     frozen = sum(u.frozen_count for u in prof.units)
     activations = activation_bytes(prof, Workload(1, prof.precision, checkpointing, barrier=False))
-    states = STATE_BYTES * (params - frozen) + FROZEN_BYTES[prof.precision] * frozen
+    states = STATE_BYTES * (params - frozen) + PRECISION_BYTES[prof.precision] * frozen  # a frozen one: its weight
     usable = usable_bytes(memory_bytes, activations)
     compute = micro_batches * micro_batch_seconds(prof, checkpointing)
     update = (params - frozen) / adam_params_per_s

@@ -24,10 +24,9 @@ from mobius.engine import DTYPES, Batch, StepStats
 from mobius.errors import CheckpointError, MobiusError
 from mobius.files import write_text_atomic
 from mobius.models import ModelConfig, dropout_active, hidden_size, tied_weights, unit_prefix
-from mobius.optim import LossScaler, waits_for_norm
+from mobius.optim import UpdateRule
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
-from partition.cpu_rate import record_in_step_rate
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
 from scheduler.arbiter import UploadArbiter, arbiter_name, remove_stale
 from scheduler.counters import Counters
@@ -58,39 +57,34 @@ class PipelineEngine:
         mine = [j for j in range(plan.num_stages) if self.gpu_of[j] == self.rank]
         if not mine:
             raise MobiusError(f"worker {self.rank} has no stage: {plan.num_stages} stages for {self.world} workers")
-        half_grads = plan.grad_dtype == "half"
+        half_grads = plan.options.grad_dtype == "half"
         if half_grads and self.dtype != torch.bfloat16:
             raise MobiusError(f"the plan downloads half-precision gradients, which needs bf16 training, not "
                               f"{cfg.train.precision}; plan again for this configuration")
-        swapped = [j for j in mine if j not in plan.resident]
+        swapped = [j for j in mine if j not in plan.options.resident]
         check_host_memory(host_bytes([self.layouts[j] for j in swapped], self.dtype, half_grads),
                           f"worker {self.rank}'s swapped stages")
         pin = device.type == "cuda"
         self.stores = {j: StageStore(self.layouts[j], self.dtype, cfg.train, pin, half_grads,
-                                     device if j in plan.resident else "cpu") for j in mine}
+                                     device if j in plan.options.resident else "cpu") for j in mine}
         self._load_weights(weights_from)
         self.counters = Counters()
         self.arbiter = self._arbiter()
         tied = self._tied_ranges()
-        self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
-        self.optimizer_step = 0
-        barrier = waits_for_norm(cfg.train)
-        if barrier != plan.barrier:
-            raise MobiusError("the plan was made for a run " + ("without" if barrier else "with") + " clipping or "
-                              "fp16 loss scaling; plan again for this configuration")
+        self.rule = UpdateRule(cfg.train)
         self.train_sched = build_schedule(plan.num_stages, self.world, cfg.train.micro_batches, list(self.gpu_of),
                                           plan.options, bool(tied))
         self.eval_scheds: dict[int, Schedule] = {}
         options = ExecutorOptions(plan.options, cfg.train.precision, self.dtype,
                                   (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg)),
-                                  cfg.train.grad_clip, tied, skip_updates)
-        hosts = {j: s for j, s in self.stores.items() if j not in plan.resident}
-        resident = {j: s for j, s in self.stores.items() if j in plan.resident}
+                                  tied, skip_updates)
+        hosts = {j: s for j, s in self.stores.items() if j not in plan.options.resident}
+        resident = {j: s for j, s in self.stores.items() if j in plan.options.resident}
         self.ex = Executor(self.rank, device, model_cfg, self.layouts, hosts, self._links(), self.arbiter,
-                           self.counters, Collectives(sum_over_ranks, self._exchange), self.scaler, options, resident)
+                           self.counters, Collectives(sum_over_ranks, self._exchange), self.rule, options, resident)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
         self.param_bytes = sum(lay.param_count for lay in self.layouts) * self.dtype.itemsize
-        self._update_rate = [0, 0.0, 0.0]  # steps seen, CPU AdamW seconds and parameters (see _note_update_rate)
+        self._update_rate = [0, 0.0, 0.0]  # steps seen, CPU AdamW seconds and parameters (see update_rate)
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _load_weights(self, source: WeightSource | None) -> None:
@@ -163,39 +157,37 @@ class PipelineEngine:
     # ---- a step ---------------------------------------------------------------------------------
     def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats:
         M = len(batches)
-        io = StepIO([x for x, _ in batches], [y for _, y in batches], step, self.scaler.loss_factor() / M,
+        io = StepIO([x for x, _ in batches], [y for _, y in batches], step, self.rule.loss_factor() / M,
                     self.dropout_seed, lr)
         trace = StepTrace(self.device) if self.cfg.parallel.trace_step == step + 1 else None
         out = self.ex.run(self.train_sched, io, trace)
-        if not out.skipped:
-            self.optimizer_step += 1
         if trace is not None:
             self._write_trace(trace, step + 1)
         s, n = out.stats, self.world
-        self._note_update_rate(s)
+        self._count_update_rate(s)
         moved = s["h2d_bytes"] + s["d2h_bytes"] + s["p2p_bytes"]
         extra = {"h2d_bytes": int(s["h2d_bytes"]), "d2h_bytes": int(s["d2h_bytes"]), "p2p_bytes": int(s["p2p_bytes"]),
                  "traffic_x_params": round(moved / self.param_bytes, 3), "stall_s": round(s["stall_s"] / n, 4),
                  "upload_wait_s": round(s["upload_wait_s"] / n, 4), "cpu_adam_s": round(s["cpu_adam_s"] / n, 4)}
-        return StepStats(out.loss, out.grad_norm, out.skipped, self.scaler.scale if self.scaler.enabled else 1.0, extra)
+        return StepStats(out.loss, out.grad_norm, out.skipped, self.rule.loss_scale, extra)
 
-    def _note_update_rate(self, stats: dict[str, float]) -> None:
+    def _count_update_rate(self, stats: dict[str, float]) -> None:
         """After ``IN_STEP_WARMUP`` steps, sum the CPU AdamW's seconds and parameters over the next
-        ``IN_STEP_STEPS`` (all workers) and keep the rate for the next plan on this machine."""
+        ``IN_STEP_STEPS`` (all workers; see :attr:`update_rate`)."""
         seen = self._update_rate
         seen[0] += 1
-        if seen[0] <= IN_STEP_WARMUP or seen[0] > IN_STEP_WARMUP + IN_STEP_STEPS:
-            return
-        seen[1] += stats["cpu_adam_s"]
-        seen[2] += stats["cpu_adam_params"]
-        if seen[0] < IN_STEP_WARMUP + IN_STEP_STEPS or seen[1] <= 0 or seen[2] <= 0 or not self.is_main:
-            return
-        rate = seen[2] / seen[1]  # per worker: each worker's threads update its own stages
-        record_in_step_rate(self.settings.cpu_threads, self.cfg.train.precision,
-                            Path(self.cfg.partition.cache_dir) / "partition", self.settings.device,
-                            self.plan.grad_dtype == "half", rate)
-        log.info("CPU AdamW inside training steps: %.2f G params/s per worker (planned with %.2f); kept for the "
-                 "next plan on this machine", rate / 1e9, self.plan.cpu_adam_params_per_s / 1e9)
+        if IN_STEP_WARMUP < seen[0] <= IN_STEP_WARMUP + IN_STEP_STEPS:
+            seen[1] += stats["cpu_adam_s"]
+            seen[2] += stats["cpu_adam_params"]
+
+    @property
+    def update_rate(self) -> float | None:
+        """The CPU AdamW's parameters per second per worker inside training steps (each worker's threads
+        update its own stages), once ``IN_STEP_WARMUP + IN_STEP_STEPS`` steps have run; else None."""
+        steps, seconds, params = self._update_rate
+        if steps < IN_STEP_WARMUP + IN_STEP_STEPS or seconds <= 0 or params <= 0:
+            return None
+        return params / seconds
 
     def _write_trace(self, trace: StepTrace, step: int) -> None:
         """Finish the traced step (its CPU updates included) and write one Chrome trace for all workers."""
@@ -231,15 +223,14 @@ class PipelineEngine:
             weights.update(host.weights())
             if with_moments:
                 moments.update(host.moments())
-        return RankState(weights, moments, self.optimizer_step, self.scaler.state_dict())
+        return RankState(weights, moments, *self.rule.state())
 
     def load_state(self, resume: ResumeState) -> None:
         """Optimizer moments by name (from a checkpoint of any mode or partition) and the loss scale."""
-        self.optimizer_step = resume.optimizer_step
-        self.scaler.load_state_dict(resume.scaler)
+        self.rule.load(resume.optimizer_step, resume.scaler)
         for j, host in self.stores.items():
             names = [p.names[0] for p in self.layouts[j].params if p.offset < self.layouts[j].trainable_numel]
-            host.load_moments(resume.moments(names, self.model_cfg), self.optimizer_step)
+            host.load_moments(resume.moments(names, self.model_cfg), resume.optimizer_step)
 
     def sync(self) -> None:
         self.ex.sync()

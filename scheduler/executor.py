@@ -38,7 +38,7 @@ import torch
 from mobius.engine import autocast
 from mobius.models import ModelConfig
 from mobius.models.base import lm_loss, run_units
-from mobius.optim import LossScaler, end_of_step
+from mobius.optim import UpdateRule
 from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.arbiter import UploadArbiter
 from scheduler.counters import Counters
@@ -62,7 +62,6 @@ class ExecutorOptions:
     precision: str  # fp32 | bf16 | fp16 (autocast)
     dtype: torch.dtype  # half-precision copy on the device (fp32 when precision is fp32)
     activation_shape: tuple[int, int, int]  # [B, T, H] of a boundary activation
-    grad_clip: float = 0.0
     tied: tuple[tuple[int, int, int], ...] = ()  # (stage, offset, numel) of a tied weight's ends on two stages
     skip_updates: bool = False  # benchmark ablation: no AdamW (the GPU side alone)
 
@@ -173,12 +172,12 @@ class Executor:
 
     def __init__(self, rank: int, device: torch.device, model_cfg: ModelConfig, layouts: list[StageLayout],
                  hosts: dict[int, StageStore], links: dict, arbiter: UploadArbiter, counters: Counters,
-                 collectives: Collectives, scaler: LossScaler, options: ExecutorOptions,
+                 collectives: Collectives, rule: UpdateRule, options: ExecutorOptions,
                  resident: dict[int, StageStore] | None = None):
         self.rank, self.device, self.layouts, self.hosts = rank, device, layouts, hosts
         self.resident = resident or {}
         self.links, self.arbiter, self.counters, self.coll = links, arbiter, counters, collectives
-        self.scaler, self.opt = scaler, options
+        self.rule, self.opt = rule, options
         self.num_units = layouts[-1].end_unit
         mine = sorted(set(hosts) | set(self.resident))
         self.units = {j: build_units(model_cfg, layouts[j].first_unit, layouts[j].end_unit) for j in mine}
@@ -654,7 +653,7 @@ class Executor:
         if not st.sched.train:
             st.outcome = StepOutcome(loss, 0.0, False, total)
             return
-        norm, st.skipped, st.factor = end_of_step(total["sumsq"], self.scaler, self.opt.grad_clip)
+        norm, st.skipped, st.factor = self.rule.end(total["sumsq"])
         st.outcome = StepOutcome(loss, norm, st.skipped, total)
 
     def _local_stats(self, st: StepState) -> dict[str, float]:

@@ -29,7 +29,8 @@ import torch
 
 from mobius.config import TrainSection
 from mobius.errors import MobiusError
-from mobius.optim import FlatAdamW, host_bytes_per_param
+from mobius.optim import FlatAdamW
+from partition.costs import host_bytes_per_param
 from scheduler.pinned import host_zeros
 from scheduler.stages import StageLayout
 from topology.host import HOST_USABLE_FRACTION, available_host_bytes

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from partition.simulate import TRACKS
+
 
 class StepTrace:
     """Spans of one step's work on the simulator's tracks (compute, h2d, d2h, cpu): CUDA events on
@@ -39,7 +41,7 @@ class StepTrace:
 
     def events(self, pid: int) -> list[dict]:
         """Chrome-trace events (call after the step's work has finished)."""
-        tracks = ["compute", "h2d", "d2h", "p2p", "cpu"]
+        tracks = TRACKS
         out = [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}
                for t, n in enumerate(tracks)]
         for track, name, a, b in self.spans:

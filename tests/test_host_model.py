@@ -161,7 +161,7 @@ def _fp32_or_half(host_memory_gib: float | None) -> tuple[str, str]:
     hw.host_memory_bytes = None if host_memory_gib is None else int(host_memory_gib * GiB)
     plan = plan_model(prof, hw, micro_batches=8, boundaries=[0, 7, prof.num_units], resident=[], kept=[],
                       with_baselines=False)
-    return plan.grad_dtype, plan.grad_choice
+    return plan.options.grad_dtype, plan.grad_choice
 
 
 def test_the_gradient_download_dtype_weighs_host_memory() -> None:

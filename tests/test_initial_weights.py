@@ -17,7 +17,7 @@ import torch
 from conftest import make_hf_llama, tiny_llama_config
 from mobius.assemble import initial_model, weights_source, with_adapters
 from mobius.config import config_from_dict
-from mobius.engine import SingleEngine
+from scheduler.single import SingleEngine
 from mobius.models import build_model, family_of, get_preset, initial_weights, unit_prefix, unit_specs
 from mobius.models.base import lm_loss, unit_seed
 from mobius.models.hf import from_hf, read_config, read_state_dict
@@ -105,7 +105,7 @@ def test_nothing_drawn_that_the_checkpoint_holds(tmp_path: Path, lora: dict | No
     assert set(state) - set(checkpoint) == {n for n in state if ".lora_" in n}
     for name, value in checkpoint.items():
         assert torch.equal(state[name], value), name
-    source = weights_source(cfg, None)
+    source = weights_source(cfg, mc, None)
     block0_q = "blocks.0.self_attn.q_proj"
     for units, names in [({0}, None), ({1, 2}, None), ({4}, None),  # pipeline stages: whole units
                          ({1, 3}, {f"{block0_q}.weight", f"{block0_q}.lora_A.weight", "blocks.2.mlp.up_proj.weight"})]:
@@ -129,8 +129,9 @@ def _reference(cfg, seed: int) -> dict[str, torch.Tensor]:
     unit) and copied in: N(0, 0.02) matrices (residual projections / sqrt(2 layers)), zero biases, unit norm
     gains, a tied head left to the embedding; each adapter A uniform in +-1/sqrt(in) from the generator
     of (seed, -2, -2, unit), B zero."""
-    cls = family_of(cfg).model_cls
-    model = cls(cfg)
+    family = family_of(cfg)
+    cls = family.model_cls
+    model = cls(cfg, family.unit_specs(cfg))
     tied = {head.split(".", 1)[1] for _, head in cfg.tied_weights()}
     last = len(model.units()) - 1
     with torch.no_grad():

@@ -14,7 +14,7 @@ import torch
 from conftest import make_hf_llama, make_hf_model, save_special_tokenizer
 from mobius.assemble import adapters, initial_model
 from mobius.config import config_from_dict
-from mobius.engine import SingleEngine
+from scheduler.single import SingleEngine
 from mobius.models.base import lm_loss
 from mobius.models import unit_specs
 from mobius.models.hf import read_config

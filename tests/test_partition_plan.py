@@ -70,6 +70,21 @@ def test_plan_json_round_trip() -> None:
     assert again.boundaries == plan.boundaries and again.stages[0] == plan.stages[0]
     assert set(data["baselines"]) == {"minimum-stage", "maximum-stage", "time-balanced"}
     assert data["mapping"]["stage_gpus"] == [plan.gpu_of_stage(j) for j in range(plan.num_stages)]
+    assert {k: data[k] for k in plan.options.to_json()} == plan.options.to_json()  # the options: top-level keys
+    older = {**data, "stages": [{**s, "resident": False, "kept": False} for s in data["stages"]]}
+    assert Plan.from_json(older).to_json() == data  # a plan.json that stored each stage's residency still reads
+
+
+def test_pipeline_options_serialise_by_field_name() -> None:
+    from partition import PipelineOptions
+
+    opts = PipelineOptions(num_slots=1, offload_inputs=True, barrier=True, resident=frozenset({3, 0}),
+                           kept=frozenset({1}), grad_dtype="half", prefetch_bytes=1 << 20)
+    data = json.loads(json.dumps(opts.to_json()))
+    assert data == {"num_slots": 1, "offload_inputs": True, "barrier": True, "resident": [0, 3], "kept": [1],
+                    "grad_dtype": "half", "prefetch_bytes": 1 << 20}
+    assert PipelineOptions.from_json({**data, "boundaries": [0, 4]}) == opts  # other keys ignored
+    assert PipelineOptions.from_json({"barrier": True}) == PipelineOptions(barrier=True)  # the rest: defaults
 
 
 @pytest.mark.slow
@@ -88,13 +103,13 @@ def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
             assert p.predicted_step_s >= p.model_step_s * 0.98
         assert all(v is None or v >= p.predicted_step_s * 0.98 for v in p.baselines.values())
         assert max(p.peak_bytes) <= hw.gpu_memory_bytes
-    assert plan.resident and plan.predicted_step_s < swapped.predicted_step_s
+    assert plan.options.resident and plan.predicted_step_s < swapped.predicted_step_s
     assert max(plan.peak_bytes) <= (1 - RESIDENCY_RESERVE) * hw.gpu_memory_bytes  # room for the allocator
     assert plan.traffic["x_param_bytes"] < swapped.traffic["x_param_bytes"]
     assert plan.host_bytes < swapped.host_bytes == 18 * swapped.param_count  # fp16: fp32 gradient buffers
     text = plan.summary()
     assert "predicted step time" in text and "baselines" in text and "peak GPU memory" in text
-    assert "resident stages: " + ", ".join(map(str, plan.resident)) in text
+    assert "resident stages: " + ", ".join(map(str, sorted(plan.options.resident))) in text
 
 
 def test_hardware_from_a_saved_nvidia_smi_topology_and_a_bandwidth_file() -> None:
@@ -238,13 +253,14 @@ def test_where_two_slots_do_not_fit_the_plan_prefetches_what_fits_of_the_next_st
     prof = toy_profile(blocks=8)
     hw = Hardware.uniform(2, int(1.25e9), 10e9, groups=[[0], [1]])
     plan = plan_model(prof, hw, micro_batches=4, time_limit_s=5, with_baselines=False)
-    largest = max(s.param_bytes for s in plan.stages if not s.resident)
-    assert plan.num_slots == 1 and 0 < plan.prefetch_bytes < largest, (plan.num_slots, plan.prefetch_bytes, largest)
+    largest = max(s.param_bytes for s in plan.stages if s.index not in plan.options.resident)
+    opts = plan.options
+    assert opts.num_slots == 1 and 0 < opts.prefetch_bytes < largest, (opts.num_slots, opts.prefetch_bytes, largest)
     assert max(plan.peak_bytes) <= hw.gpu_memory_bytes
     plain = simulate(prof, plan.boundaries, hw, plan.worker_gpus, 4,
                      dataclasses.replace(plan.options, prefetch_bytes=0))
     assert plan.predicted_step_s < 0.95 * plain.step_s
-    assert "prefetch buffer" in plan.summary() and plan.runtime_settings()["prefetch_bytes"] == plan.prefetch_bytes
+    assert "prefetch buffer" in plan.summary() and plan.runtime_settings()["prefetch_bytes"] == opts.prefetch_bytes
     assert Plan.from_json(plan.to_json()).options == plan.options
 
 

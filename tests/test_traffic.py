@@ -59,9 +59,10 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
            "partition": {"cache_dir": str(tmp_path / "cache")}, "output": {"dir": str(tmp_path / "run"), "plot": False}}
     train(config_from_dict(raw, "test.yaml"))
     plan = Plan.from_json(json.loads((tmp_path / "run" / "plan.json").read_text()))
-    assert (plan.resident, plan.kept, plan.offload_inputs) == (par["resident_stages"], par["kept_stages"],
-                                                               par.get("offload_inputs") == "on")
-    assert (plan.prefetch_bytes > 0) == (name in BUFFERED)
+    opts = plan.options
+    assert (sorted(opts.resident), sorted(opts.kept), opts.offload_inputs) == (par["resident_stages"], par["kept_stages"],
+                                                                             par.get("offload_inputs") == "on")
+    assert (plan.options.prefetch_bytes > 0) == (name in BUFFERED)
     measured = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     prof = estimate_units(unit_specs(read_config(aligned_checkpoint)), 2, 16, "fp32", "h100")
     hw = Hardware.uniform(workers, 2**34, 1e9)  # no peer access: activations take two host hops, as over gloo
@@ -69,7 +70,7 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
     assert measured["h2d_bytes"] == pytest.approx(sum(sim.h2d_bytes), rel=1e-9), sim.bytes_by_kind
     assert measured["d2h_bytes"] == pytest.approx(sum(sim.d2h_bytes), rel=1e-9), sim.bytes_by_kind
     assert measured["p2p_bytes"] == sum(sim.p2p_bytes) == 0
-    if plan.offload_inputs:
+    if plan.options.offload_inputs:
         assert sim.bytes_by_kind.get("ckpt", 0) > 0  # inputs did go to host memory
 
 
@@ -83,7 +84,7 @@ def _with_buffer(monkeypatch: pytest.MonkeyPatch, share: float) -> None:
 
     def buffered(*args, **kwargs):
         plan, prof, hw = plan_pipeline(*args, **kwargs)
-        largest = max(s.param_bytes for s in plan.stages if not s.resident)
+        largest = max(s.param_bytes for s in plan.stages if s.index not in plan.options.resident)
         plan.options = replace(plan.options, prefetch_bytes=int(share * largest))
         return plan, prof, hw
     monkeypatch.setitem(planning.PLANNERS, "pipeline", buffered)

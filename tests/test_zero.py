@@ -60,7 +60,7 @@ def _batches(step: int, count: int = MICRO) -> list:
 
 
 def _reference(ck: Path, case: dict) -> dict:
-    from mobius.engine import SingleEngine
+    from scheduler.single import SingleEngine
     from mobius.models.hf import load_checkpoint
     from mobius.optim import lr_at
 

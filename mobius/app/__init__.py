@@ -1,4 +1,5 @@
-"""The application layer: the only part of ``mobius`` that uses topology/, partition/ and scheduler/.
+"""The application layer: with the commands (:mod:`mobius.commands`), the only part of ``mobius`` that
+uses topology/, partition/ and scheduler/.
 
 * :mod:`mobius.app.settings` -- the machine and the parallel settings, resolved once;
 * :mod:`mobius.app.planning` -- the one planning function (``mobius plan`` and ``mobius train``);

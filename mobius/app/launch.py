@@ -9,6 +9,7 @@ rank and the cause.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -20,13 +21,14 @@ import torch
 import torch.distributed as dist
 
 from mobius.app.supervise import run_workers
-from mobius.assemble import WeightSource, prepare_data, run_model_config, weights_source
+from mobius.assemble import Prepared, WeightSource, prepare_data, weights_source
 from mobius.checkpoint import ResumeState
-from mobius.config import Config, config_from_dict
+from mobius.config import Config
 from mobius.engine import Engine
 from mobius.models import ModelConfig
 from mobius.parallel import ParallelSettings
 from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
+from partition.cpu_rate import record_in_step_rate
 from partition.plan import Plan
 from partition.zero import ZeroPlan
 from scheduler.engine import PipelineEngine
@@ -78,16 +80,20 @@ def make_engine(cfg: Config, model_cfg: ModelConfig, plan: Plan | ZeroPlan, sett
     return engine(cfg, model_cfg, plan, settings, device, weights_from)
 
 
-def worker(cfg_dict: dict, settings: ParallelSettings, plan: Plan | ZeroPlan, resume: str | None,
+def worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, ready: Prepared,
            startup: Startup) -> TrainResult:
-    """One supervised worker: join the group, then :func:`run_worker`."""
-    cfg = config_from_dict(cfg_dict["config"], cfg_dict["source"])
+    """One supervised worker: join the group, then :func:`run_worker` with the parent's resolved run
+    (``ready`` without its data: each worker maps the token cache the parent wrote)."""
     dist.init_process_group("gloo", timeout=TIMEOUT)
     startup.add("workers", time.time() - startup.launched)
-    return run_worker(cfg, settings, plan, Path(resume) if resume else None, startup)
+    with startup.phase("data"):
+        tokenizer, data = prepare_data(cfg)
+    resume = ResumeState(ready.resume_from) if ready.resume_from is not None else None
+    return run_worker(cfg, settings, plan, dataclasses.replace(ready, tokenizer=tokenizer, data=data, resume=resume),
+                      startup)
 
 
-def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, resume_from: Path | None,
+def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, ready: Prepared,
                startup: Startup) -> TrainResult:
     """This process's part of a pipeline or zero run, in the default (gloo) process group: build the
     mode's engine and run the shared training loop.
@@ -95,26 +101,38 @@ def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, r
     On failure it neither closes the engine nor leaves the group: the supervisor (or torchrun) ends
     the process and every other one (a graceful close could wait forever on a peer that is gone)."""
     device = open_device(settings, int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    with startup.phase("data"):
-        tokenizer, data = prepare_data(cfg)
-        model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_from)
     with startup.phase("weights"):
-        engine = make_engine(cfg, model_cfg, plan, settings, device, weights_source(cfg, resume_from))
-        trainer = Trainer(cfg, engine, data, tokenizer, model_cfg, save_dtype_for(cfg, ck_dtype), startup=startup)
-        if resume_from is not None:
-            trainer.restore(ResumeState(resume_from))
+        source = weights_source(cfg, ready.model_cfg, ready.resume_from)
+        engine = make_engine(cfg, ready.model_cfg, plan, settings, device, source)
+        trainer = Trainer(cfg, engine, ready.data, ready.tokenizer, ready.model_cfg,
+                          save_dtype_for(cfg, ready.ck_dtype), startup=startup)
+        if ready.resume is not None:
+            trainer.restore(ready.resume)
     trainer.run()
     result = trainer.finish()
+    if isinstance(engine, PipelineEngine) and engine.is_main:
+        keep_update_rate(cfg, settings, plan, engine.update_rate)
     engine.close()
     dist.destroy_process_group()
     return result
 
 
-def spawn(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, resume: str | None,
+def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: Plan, rate: float | None) -> None:
+    """Keep the CPU AdamW rate the pipeline measured inside its steps (per worker) for the next plan on
+    this machine (:mod:`partition.cpu_rate`); nothing when the run was too short to measure it."""
+    if rate is None:
+        return
+    record_in_step_rate(settings.cpu_threads, cfg.train.precision, Path(cfg.partition.cache_dir) / "partition",
+                        settings.device, plan.options.grad_dtype == "half", rate)
+    log.info("CPU AdamW inside training steps: %.2f G params/s per worker (planned with %.2f); kept for the "
+             "next plan on this machine", rate / 1e9, plan.cpu_adam_params_per_s / 1e9)
+
+
+def spawn(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, ready: Prepared,
           startup: Startup) -> TrainResult:
     """Run the workers (supervised) and return rank 0's result."""
-    cfg_dict = {"config": cfg.to_dict(), "source": cfg.source}
     startup.launched = time.time()
-    results = run_workers(worker, (cfg_dict, settings, plan, resume, startup), settings.workers,
+    parts = dataclasses.replace(ready, tokenizer=None, data=None, resume=None)  # each worker maps and reads its own
+    results = run_workers(worker, (cfg, settings, plan, parts, startup), settings.workers,
                           logging.getLogger().getEffectiveLevel())
     return results[0]

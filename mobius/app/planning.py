@@ -16,24 +16,23 @@ from mobius.config import Config
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import ModelConfig, tied_param_count, tied_weights, unit_specs
 from mobius.models.lora import trains
-from mobius.optim import waits_for_norm
 from mobius.parallel import Mode, ParallelSettings
 from partition import Hardware, ModelProfile, Plan, get_profile, lookup_gpu, plan_model
 from partition.estimate import estimate_units
 from partition.profile import apply_profile_file, read_profile_file
 from partition.gpus import gpu_spec
 from partition.cpu_rate import cpu_update_rate_in_step, host_update_rates_in_step
-from partition.hardware import CPU_UPDATE_IN_STEP, HOST_DEFAULT_SOURCE, PAPER_ADAM_PARAMS_PER_S
+from partition.costs import ADAM_BYTES
+from partition.estimate import MEMORY_EFFICIENCY
+from partition.hardware import CPU_UPDATE_IN_STEP, HOST_COPY_Bps, HOST_DEFAULT_SOURCE, PAPER_ADAM_PARAMS_PER_S
 from partition.single import SinglePlan
 from partition.single import plan_single as single_plan
 from partition.zero import ZeroHardware, ZeroPlan
 from partition.zero import plan as zero_plan
-from partition.zero.memory import ADAM_BYTES
 from topology.host import HOST_USABLE_FRACTION, available_host_bytes
 from mobius.models.params import model_params
 
 log = logging.getLogger(__name__)
-CPU_COPY_Bps = 5e9  # memcpy between the "host" and "device" buffers of a CPU worker
 SHARED_GPU_LINK_Bps = 25e9  # one GPU's host link, split among the workers sharing it
 NVLINK_Bps = 20e9  # one NVLink's effective rate per direction (NVLink 3: 25 GB/s), for an unmeasured box
 INTER_NODE_Bps = 12.5e9  # assumed network of one node to the others (100 Gb/s), shared by its ranks
@@ -45,7 +44,7 @@ def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidt
     and the host they share (:func:`_host`)."""
     n, mem = settings.workers, settings.memory_bytes
     if settings.device == "cpu":
-        hw = Hardware.uniform(n, mem, CPU_COPY_Bps, groups=[[w] for w in range(n)], name="CPU workers")
+        hw = Hardware.uniform(n, mem, HOST_COPY_Bps, groups=[[w] for w in range(n)], name="CPU workers")
     elif settings.shared_gpu:
         link = SHARED_GPU_LINK_Bps / max(len(g) for g in settings.groups)
         hw = Hardware.uniform(n, mem, link, groups=[list(g) for g in settings.groups], name="workers sharing GPUs")
@@ -220,10 +219,9 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
         raise ConfigError(f"parallel.stages={cfg.parallel.stages} cannot keep {settings.workers} workers busy; "
                           f"set parallel.stages >= {settings.workers}")
     t, p = cfg.train, cfg.partition
-    barrier = waits_for_norm(t)
     plan = plan_model(prof, hw, micro_batches=t.micro_batches, mapping=cfg.parallel.mapping, solver=p.solver,
                       time_limit_s=p.time_limit_s, prefetch=cfg.parallel.prefetch, min_stages=settings.workers,
-                      boundaries=forced, offload_inputs=cfg.parallel.offload_inputs, barrier=barrier,
+                      boundaries=forced, offload_inputs=cfg.parallel.offload_inputs, barrier=t.barrier,
                       resident=cfg.parallel.resident_stages, kept=cfg.parallel.kept_stages,
                       grad_download=cfg.parallel.grad_download)
     return plan, prof, hw
@@ -231,7 +229,6 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
 
 # ---------------------------------------------------------------------------------------------- zero mode
 GLOO_Bps = 2e9  # collectives between CPU worker processes
-DEVICE_EFFICIENCY = 0.8  # share of a GPU's memory bandwidth that casts, sums and AdamW reach
 
 
 def zero_hardware(cfg: Config, settings: ParallelSettings, machine: Machine, hw: Hardware) -> ZeroHardware:
@@ -241,7 +238,7 @@ def zero_hardware(cfg: Config, settings: ParallelSettings, machine: Machine, hw:
     n, mem = settings.workers, settings.memory_bytes
     cpu_adam = hw.cpu_update_rate(updating=settings.local_workers)
     if settings.device == "cpu":
-        return ZeroHardware(n, mem, CPU_COPY_Bps, CPU_COPY_Bps, GLOO_Bps, CPU_COPY_Bps, cpu_adam, cpu_adam,
+        return ZeroHardware(n, mem, HOST_COPY_Bps, HOST_COPY_Bps, GLOO_Bps, HOST_COPY_Bps, cpu_adam, cpu_adam,
                             name="CPU workers")
     local = range(hw.num_gpus)
     c2g = min(hw.shared_h2d(g) for g in local)
@@ -261,7 +258,7 @@ def device_Bps(cfg: Config, hw: Hardware) -> float:
     """The memory bandwidth that casts, sums and AdamW reach on the GPU planned for."""
     spec = (lookup_gpu(hw.gpu_names[0] if hw.gpu_names else "") or (gpu_spec(cfg.partition.gpu) if cfg.partition.gpu
                                                                      else None) or gpu_spec("h100"))
-    return DEVICE_EFFICIENCY * spec.mem_GBps * 1e9
+    return MEMORY_EFFICIENCY * spec.mem_GBps * 1e9  # the share that casts, sums and AdamW reach
 
 
 def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, machine: Machine,
@@ -273,7 +270,7 @@ def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, m
     t, z = cfg.train, cfg.zero
     plan = zero_plan(model_params(model_cfg), prof.num_units, prof, zhw, micro_batches=t.micro_batches,
                      checkpointing=cfg.model.activation_checkpointing,
-                     barrier=waits_for_norm(t), prefetch=cfg.parallel.prefetch,
+                     barrier=t.barrier, prefetch=cfg.parallel.prefetch,
                      chunk_size=z.chunk_size, cache_blocks=z.cache_blocks, gpu_chunks=z.gpu_chunks)
     return plan, prof, zhw  # one that does not fit: auto reports it in its comparison, train refuses it
 
@@ -318,7 +315,7 @@ class Planned:
         hw, n = self.host, self.settings.local_workers
         if hw is None:
             return {}
-        half = isinstance(self.plan, Plan) and self.plan.grad_dtype == "half"
+        half = isinstance(self.plan, Plan) and self.plan.options.grad_dtype == "half"
         return {"workers": n, "cpu_alone_params_per_s": hw.cpu_update_rate(half),
                 "cpu_shared_params_per_s": hw.cpu_update_rate(half, n),
                 "cpu_total_params_per_s": hw.host_update_total(half, n), "cpu_source": hw.host_sources.get("cpu", ""),

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,35 +24,23 @@ from mobius.app.planning import AnyPlan, ModeChoice, plan_run, profile_line
 from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static_mode
 from mobius.app.supervise import end_when_orphaned
-from mobius.assemble import check_inputs, check_resume, initial_model, prepare_data, resume_dir, run_model_config
+from mobius.assemble import (Prepared, check_inputs, check_resume, initial_model, prepare_data, resume_dir,
+                             run_model_config)
 from mobius.checkpoint import ResumeState, checkpoint_bytes
 from mobius.config import Config
-from mobius.data import TextTokenizer, TrainData
-from mobius.engine import SingleEngine
 from mobius.errors import ConfigError, size_text
 from mobius.files import write_failure, write_text_atomic
 from mobius.models import ModelConfig, param_count
 from mobius.parallel import Mode, ParallelSettings
 from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
 from partition.zero import ZeroPlan
+from scheduler.single import SingleEngine
 
 log = logging.getLogger(__name__)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
     write_text_atomic(path, json.dumps(data, indent=1) + "\n")
-
-
-@dataclass
-class Prepared:
-    """A run checked and ready to start: its data, architecture and (resuming) trainer state."""
-
-    tokenizer: TextTokenizer
-    data: TrainData
-    model_cfg: ModelConfig
-    ck_dtype: torch.dtype | None
-    resume_from: Path | None
-    resume: ResumeState | None
 
 
 def train(cfg: Config, resume: str | None = None, machine: Machine | None = None,
@@ -81,7 +68,7 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
         settings, plan = choice.chosen.settings, choice.chosen.plan
         if settings.mode == "single":
             return _run_single(cfg, settings, ready, startup)
-        return spawn(cfg, settings, plan, str(ready.resume_from) if ready.resume_from else None, startup)
+        return spawn(cfg, settings, plan, ready, startup)
     finally:
         rundir.release()
 
@@ -92,8 +79,8 @@ def prepare(cfg: Config, resume: str | None) -> Prepared:
     continues checked against the config."""
     resume_from = resume_dir(cfg, resume)
     tokenizer, data = prepare_data(cfg)
-    state = check_resume(cfg, resume_from, tokenizer, data) if resume_from is not None else None
     model_cfg, ck_dtype = run_model_config(cfg, tokenizer, resume_from)
+    state = check_resume(cfg, resume_from, tokenizer, data, model_cfg.lora) if resume_from is not None else None
     return Prepared(tokenizer, data, model_cfg, ck_dtype, resume_from, state)
 
 
@@ -212,7 +199,7 @@ def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | 
         mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, ready, machine, rundir))
         settings = torchrun.on_ranks(lambda: resolve(cfg, machine, mode, reason), True)  # this node's devices
     if mode != "single":
-        return run_worker(cfg, settings, plan, ready.resume_from, startup)
+        return run_worker(cfg, settings, plan, ready, startup)
     try:
         return _run_single(cfg, settings, ready, startup)
     finally:

@@ -37,6 +37,7 @@ from mobius.assemble import planned_architecture
 from mobius.config import Config, load_config
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import preset_names
+from mobius.models.lora import LoraSpec
 from partition import simulate
 from partition.costs import ModelProfile
 from partition.gpus import GB, gpu_spec
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     if machine.gpu_count and per_node > machine.gpu_count:
         raise ConfigError(f"parallel.devices is {cfg.parallel.devices} but the topology has {machine.gpu_count} GPU(s)"
                           + (f" per node ({args.nodes} nodes)" if args.nodes > 1 else ""))
-    choice = plan_run(cfg, planned_architecture(cfg), machine, args.bandwidth, plan_single=True)
+    model_cfg = planned_architecture(cfg)
+    choice = plan_run(cfg, model_cfg, machine, args.bandwidth, plan_single=True)
     chosen = choice.chosen
     if args.trace and choice.mode != "pipeline" or args.timeline and choice.mode == "single":
         raise ConfigError(f"--trace draws the pipeline's simulated step and --timeline the pipeline's or zero mode's "
@@ -123,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
                    host=chosen.host_resources())
         print(json.dumps(out))
     else:
-        print(_report(cfg, choice))
+        print(_report(cfg, model_cfg.lora, choice))
         if args.timeline:
-            print(sim.to_ascii(110) if sim is not None else _zero_program(chosen.plan, planned_architecture(cfg)))
+            print(sim.to_ascii(110) if sim is not None else _zero_program(chosen.plan, model_cfg))
         if args.trace:
             print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
     return 0
@@ -175,22 +177,22 @@ def _amount(n: float, unit: str = "") -> str:
     return f"{n:.0f}{' ' if unit else ''}{unit}"
 
 
-def _lora_part(cfg: Config, prof: ModelProfile) -> str:
+def _lora_part(lora: LoraSpec | None, prof: ModelProfile) -> str:
     """", LoRA rank r on ...: N trainable (x%), M frozen" when the run trains adapters."""
-    if not cfg.lora.rank:
+    if lora is None:
         return ""
     frozen = sum(u.frozen_count for u in prof.units)
     total = prof.param_count()
-    return (f", LoRA rank {cfg.lora.rank} on {' '.join(cfg.lora.targets)}: {_amount(total - frozen)} trainable "
+    return (f", LoRA rank {lora.rank} on {' '.join(lora.targets)}: {_amount(total - frozen)} trainable "
             f"({100 * (total - frozen) / total:.2f}%), {_amount(frozen)} frozen")
 
 
-def _report(cfg: Config, choice: ModeChoice) -> str:
+def _report(cfg: Config, lora: LoraSpec | None, choice: ModeChoice) -> str:
     chosen = choice.chosen
     prof, hw, plan = chosen.profile, chosen.hardware, chosen.plan
     lines = [choice.line() if choice.explicit else choice.table(),
              f"model: {_model_name(cfg)}: {prof.num_units} units, {_amount(prof.param_count())} parameters "
-             f"({_amount(prof.param_bytes(), 'B')} in {prof.precision}){_lora_part(cfg, prof)}; micro-batch "
+             f"({_amount(prof.param_bytes(), 'B')} in {prof.precision}){_lora_part(lora, prof)}; micro-batch "
              f"{prof.micro_batch_size} x "
              f"{prof.seq_len} tokens, {plan.micro_batches} micro-batches",
              f"hardware: {hw.describe()}",

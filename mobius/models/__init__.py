@@ -88,7 +88,8 @@ def build_model(cfg: ModelConfig, seed: int = 0, given: Mapping[str, torch.Tenso
     the model's names and shapes; ``source`` names it in errors) is copied from there, any other one is
     drawn from its unit's seeded generators, as in every mode (:func:`initial_weights`)."""
     with on_meta():
-        model = family_of(cfg).model_cls(cfg)
+        family = family_of(cfg)
+        model = family.model_cls(cfg, family.unit_specs(cfg))
     assert not list(model.buffers()), "units hold no buffers (to_empty would leave them without values)"
     given = _given_by_name(model, given or {}, source)
     model.to_empty(device="cpu")  # memory, no values

@@ -19,12 +19,23 @@ that puts the two ends on different stages keeps one copy per stage and sums the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Literal
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mobius.errors import ConfigError
+from mobius.models.lora import LoraSpec
+
+ACTIVATIONS = {  # by Hugging Face's name, for the families that name their MLP's activation (GPT-2, OPT)
+    "gelu_new": partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
 
 UnitKind = Literal["embed", "block", "head"]
 
@@ -56,41 +67,56 @@ class UnitSpec:
         return torch.randn(batch, seq, self.hidden_size, device=device, dtype=dtype)  # [B, T, H]
 
 
+@dataclass
 class ArchConfig:
-    """What every family's config says in its own field names: ``FIELDS`` maps the common words
-    (``layers``, ``width`` between units, ``embedding`` width, ``positions``) to the family's names."""
+    """What every family's config has, said in the family's own field names: ``FIELDS`` maps the common
+    words (``layers``, ``width`` between units, ``embedding`` width, ``positions``) to them,
+    ``POSITIVE_FIELDS`` names the sizes, ``DROPOUT_FIELDS`` the dropout probabilities and ``TIED`` the
+    (embedding, head) parameters that ``tie_word_embeddings`` makes one."""
 
-    FIELDS: dict[str, str] = {}
+    lora: LoraSpec | None = field(default=None, kw_only=True)  # adapters (lora.*): the base weights freeze
+
+    FIELDS: ClassVar[dict[str, str]] = {}
+    POSITIVE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    DROPOUT_FIELDS: ClassVar[tuple[str, ...]] = ()
+    TIED: ClassVar[tuple[str, str]]
 
     num_layers = property(lambda self: getattr(self, self.FIELDS["layers"]))
     width = property(lambda self: getattr(self, self.FIELDS["width"]))  # hidden states between units
     embedding_dim = property(lambda self: getattr(self, self.FIELDS["embedding"]))
     max_positions = property(lambda self: getattr(self, self.FIELDS["positions"]))
 
+    def __post_init__(self) -> None:
+        """The checks every family makes (a family's own follow): sizes positive, dropouts in [0, 1)."""
+        for name in self.POSITIVE_FIELDS:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{self.family} config: {name} must be positive, got {getattr(self, name)}")
+        for name in self.DROPOUT_FIELDS:
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{self.family} config: {name} must be in [0, 1), got {getattr(self, name)}")
+
     def check_sequence(self, seq_len: int) -> None:
         check_positions(self, seq_len)
 
+    def set_dropout(self, p: float) -> None:
+        """Use one dropout probability everywhere (fine-tuning runs often set 0)."""
+        for name in self.DROPOUT_FIELDS:
+            setattr(self, name, p)
 
-def check_positions(cfg: object, seq_len: int) -> None:
+    def dropout_active(self) -> bool:
+        """True when any of the architecture's dropout probabilities is non-zero (the adapters' aside)."""
+        return any(getattr(self, name) > 0 for name in self.DROPOUT_FIELDS)
+
+    def tied_weights(self) -> list[tuple[str, str]]:
+        """(embedding name, head name) when the head's projection is the token embedding."""
+        return [self.TIED] if self.tie_word_embeddings else []
+
+
+def check_positions(cfg: ArchConfig, seq_len: int) -> None:
     """Refuse a training length above the model's position limit (before any work starts)."""
-    from mobius.errors import ConfigError
-
     if seq_len > cfg.max_positions:
         raise ConfigError(f"data.seq_len ({seq_len}) exceeds the model's {cfg.max_positions} positions; set "
                           f"data.seq_len to at most {cfg.max_positions}")
-
-
-def embed_memory(hidden: int, batch: int, seq: int, elem: int) -> tuple[int, int]:
-    """(saved, working) bytes of an embedding's forward: the int64 token ids; the output twice over."""
-    tokens = batch * seq
-    return tokens * 8, 2 * tokens * hidden * elem
-
-
-def head_memory(hidden: int, vocab: int, batch: int, seq: int, elem: int) -> tuple[int, int]:
-    """(saved, working) bytes of a head's forward and loss: the final norm's output and the loss's fp32
-    log-softmax [B, T, V] saved; the fp32 logits and their gradient at once."""
-    tokens = batch * seq
-    return tokens * (hidden * elem + vocab * 4), 2 * tokens * vocab * 4
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -101,9 +127,19 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class CausalLM(nn.Module):
     """Base class of the model families: ``embed``, ``blocks`` and ``head`` run in order."""
 
+    config: ArchConfig
     embed: nn.Module
     blocks: nn.ModuleList
     head: nn.Module
+
+    def __init__(self, cfg: ArchConfig, specs: list[UnitSpec]):
+        """The units as their specs (the family's ``unit_specs``) build them, so that a unit built alone,
+        as a pipeline stage builds it, is the model's; in order, then :meth:`finish`."""
+        super().__init__()
+        self.config = cfg
+        embed, *blocks, head = (spec.build() for spec in specs)
+        self.embed, self.blocks, self.head = embed, nn.ModuleList(blocks), head
+        self.finish()
 
     def units(self) -> list[nn.Module]:
         """The units in execution order: embedding, every block, head."""

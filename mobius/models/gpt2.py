@@ -16,15 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import ArchConfig, CausalLM, UnitSpec, embed_memory, head_memory
-from mobius.models.lora import LoraSpec
-
-ACTIVATIONS = {
-    "gelu_new": partial(F.gelu, approximate="tanh"),
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-}
+from mobius.models.base import ACTIVATIONS, ArchConfig, CausalLM, UnitSpec
+from mobius.models.costs import embed_memory, head_memory, transformer_block_flops, transformer_block_memory
 
 
 @dataclass
@@ -46,41 +39,27 @@ class GPT2Config(ArchConfig):
     tie_word_embeddings: bool = True
     bos_token_id: int = 50256
     eos_token_id: int = 50256
-    lora: LoraSpec | None = None  # adapters (lora.*): the base weights freeze
 
     family = "gpt2"
     LORA_TARGETS = {"c_attn": ("attn.qkv",), "c_proj": ("attn.proj", "mlp.proj"), "c_fc": ("mlp.fc",)}  # HF names
     FIELDS = {"layers": "n_layer", "width": "n_embd", "embedding": "n_embd", "positions": "n_positions"}
     ARCH_FIELDS = ("n_embd", "n_layer", "n_head", "n_inner")  # what a checkpoint must share with a preset of its name
+    POSITIVE_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+    DROPOUT_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+    TIED = ("embed.wte.weight", "head.lm_head.weight")
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"gpt2 config: {name} must be positive, got {getattr(self, name)}")
+        super().__post_init__()
         if self.n_embd % self.n_head:
             raise ConfigError(f"gpt2 config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.activation_function not in ACTIVATIONS:
             raise ConfigError(
                 f"gpt2 config: activation_function {self.activation_function!r} is not one of {sorted(ACTIVATIONS)}"
             )
-        for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"gpt2 config: {name} must be in [0, 1), got {getattr(self, name)}")
 
     @property
     def ffn_dim(self) -> int:
         return self.n_inner or 4 * self.n_embd
-
-    def set_dropout(self, p: float) -> None:
-        """Use one dropout probability everywhere (fine-tuning runs often set 0)."""
-        self.resid_pdrop = self.embd_pdrop = self.attn_pdrop = p
-
-    def dropout_active(self) -> bool:
-        return max(self.resid_pdrop, self.embd_pdrop, self.attn_pdrop) > 0
-
-    def tied_weights(self) -> list[tuple[str, str]]:
-        """(embedding name, head name) when the head's projection is the token embedding."""
-        return [("embed.wte.weight", "head.lm_head.weight")] if self.tie_word_embeddings else []
 
 
 class GPT2Embedding(nn.Module):
@@ -162,14 +141,6 @@ class GPT2(CausalLM):
     """GPT-2 language model. With ``tie_word_embeddings`` the head's projection *is* ``embed.wte``'s
     weight (one Parameter); a pipeline that separates them keeps a copy per end and sums gradients."""
 
-    def __init__(self, cfg: GPT2Config):
-        super().__init__()
-        self.config = cfg
-        self.embed = GPT2Embedding(cfg)
-        self.blocks = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
-        self.head = GPT2Head(cfg)
-        self.finish()
-
     RESIDUAL_SUFFIXES = ("attn.proj.weight", "mlp.proj.weight")  # GPT-2's N(0, 0.02 / sqrt(2 * n_layer))
 
 
@@ -192,21 +163,6 @@ def unit_specs(cfg: GPT2Config) -> list[UnitSpec]:
         fwd_flops=lambda b, s: 2.0 * b * s * H * V, memory=partial(head_memory, H, V), hidden_size=H, vocab_size=V,
         out_numel=lambda b, s: b * s * V))
     return specs
-
-
-def transformer_block_flops(batch: int, seq: int, hidden: int, ffn: int) -> float:
-    """Forward FLOPs of one block: QKV/out projections, MLP, causal attention (half of T x T)."""
-    tokens = batch * seq
-    matmuls = 2.0 * tokens * (4 * hidden * hidden + 2 * hidden * ffn)
-    attention = 2.0 * batch * seq * seq * hidden  # QK^T and AV, each 2*B*T*T*H, halved by causality
-    return matmuls + attention
-
-
-def transformer_block_memory(hidden: int, ffn: int, batch: int, seq: int, elem: int) -> tuple[int, int]:
-    """(saved, working) bytes of one block's forward: norm inputs and outputs, q, k, v, the attention
-    output, the MLP's hidden layer before and after its activation; the widest pair of transients."""
-    tokens = batch * seq
-    return tokens * (8 * hidden + 2 * ffn) * elem, tokens * (2 * max(ffn, 3 * hidden) + 2 * hidden) * elem
 
 
 PRESETS: dict[str, GPT2Config] = {

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import ArchConfig, CausalLM, UnitSpec, check_positions, embed_memory, head_memory
-from mobius.models.lora import LoraSpec
+from mobius.models.base import ArchConfig, CausalLM, UnitSpec, check_positions
+from mobius.models.costs import embed_memory, head_memory
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -68,7 +68,6 @@ class LlamaConfig(ArchConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
-    lora: LoraSpec | None = None  # adapters (lora.*): the base weights freeze
 
     def __post_init__(self) -> None:
         where = f"{self.model_type} config"
@@ -78,10 +77,7 @@ class LlamaConfig(ArchConfig):
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and self.num_attention_heads > 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{where}: {name} must be positive, got {getattr(self, name)}")
+        super().__post_init__()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"{where}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_key_value_heads})")
@@ -89,8 +85,6 @@ class LlamaConfig(ArchConfig):
             raise ConfigError(f"{where}: head_dim must be even for rotary positions, got {self.head_dim}")
         if self.hidden_act != "silu":
             raise ConfigError(f"{where}: hidden_act={self.hidden_act!r} is not supported (only 'silu')")
-        if not 0.0 <= self.attention_dropout < 1.0:
-            raise ConfigError(f"{where}: attention_dropout must be in [0, 1), got {self.attention_dropout}")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise ConfigError(f"{where}: rms_norm_eps and rope_theta must be positive")
         self.rope_scaling = _check_rope_scaling(self.rope_scaling, where)
@@ -109,6 +103,10 @@ class LlamaConfig(ArchConfig):
               "positions": "max_position_embeddings"}
     ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "tie_word_embeddings")  # what a checkpoint shares with its preset
+    POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "max_position_embeddings")
+    DROPOUT_FIELDS = ("attention_dropout",)
+    TIED = ("embed.embed_tokens.weight", "head.lm_head.weight")
 
     @property
     def qkv_bias(self) -> bool:
@@ -136,16 +134,6 @@ class LlamaConfig(ArchConfig):
         if window is not None and window < seq_len:
             raise ConfigError(f"the checkpoint's sliding_window ({window}) is below data.seq_len ({seq_len}): "
                               f"mobius trains full attention only; set data.seq_len to at most {window}")
-
-    def set_dropout(self, p: float) -> None:
-        self.attention_dropout = p
-
-    def dropout_active(self) -> bool:
-        return self.attention_dropout > 0
-
-    def tied_weights(self) -> list[tuple[str, str]]:
-        """(embedding name, head name) when the head's projection is the token embedding."""
-        return [("embed.embed_tokens.weight", "head.lm_head.weight")] if self.tie_word_embeddings else []
 
 
 def _check_rope_scaling(rs: dict | None, where: str) -> dict | None:
@@ -339,14 +327,6 @@ class LlamaHead(nn.Module):
 
 class Llama(CausalLM):
     """A Llama-family language model; the head's projection is the embedding when the config ties them."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.config = cfg
-        self.embed = LlamaEmbedding(cfg)
-        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_hidden_layers))
-        self.head = LlamaHead(cfg)
-        self.finish()
 
     INIT_STD = 0.02  # N(0, 0.02) matrices (transformers' initializer_range), zero biases, unit norms
 

@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
-from mobius.models.base import ArchConfig, CausalLM, UnitSpec, embed_memory, head_memory
-from mobius.models.lora import LoraSpec
-from mobius.models.gpt2 import ACTIVATIONS, transformer_block_flops, transformer_block_memory
+from mobius.models.base import ACTIVATIONS, ArchConfig, CausalLM, UnitSpec
+from mobius.models.costs import embed_memory, head_memory, transformer_block_flops, transformer_block_memory
 
 POSITION_OFFSET = 2  # OPT's learned positions start at index 2 (a fairseq legacy)
 
@@ -44,7 +43,6 @@ class OPTConfig(ArchConfig):
     pad_token_id: int = 1
     bos_token_id: int = 2
     eos_token_id: int = 2
-    lora: LoraSpec | None = None  # adapters (lora.*): the base weights freeze
 
     family = "opt"
     LORA_TARGETS = {"q_proj": ("attn.q_proj",), "k_proj": ("attn.k_proj",), "v_proj": ("attn.v_proj",),
@@ -53,14 +51,15 @@ class OPTConfig(ArchConfig):
               "positions": "max_position_embeddings"}
     ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "word_embed_proj_dim",
                    "do_layer_norm_before")  # what a checkpoint must share with a preset of its name
+    POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim",
+                       "max_position_embeddings", "word_embed_proj_dim")
+    DROPOUT_FIELDS = ("dropout", "attention_dropout")
+    TIED = ("embed.embed_tokens.weight", "head.lm_head.weight")
 
     def __post_init__(self) -> None:
         if self.word_embed_proj_dim is None:
             self.word_embed_proj_dim = self.hidden_size
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim",
-                     "max_position_embeddings", "word_embed_proj_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"opt config: {name} must be positive, got {getattr(self, name)}")
+        super().__post_init__()
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"opt config: hidden_size ({self.hidden_size}) must be divisible by "
                               f"num_attention_heads ({self.num_attention_heads})")
@@ -69,9 +68,6 @@ class OPTConfig(ArchConfig):
                               f"{sorted(ACTIVATIONS)}")
         if not self.layer_norm_elementwise_affine:
             raise ConfigError("opt config: layer_norm_elementwise_affine=false is not supported")
-        for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"opt config: {name} must be in [0, 1), got {getattr(self, name)}")
 
     @property
     def projects(self) -> bool:
@@ -81,16 +77,6 @@ class OPTConfig(ArchConfig):
     @property
     def has_final_layer_norm(self) -> bool:
         return self.do_layer_norm_before
-
-    def set_dropout(self, p: float) -> None:
-        self.dropout = self.attention_dropout = p
-
-    def dropout_active(self) -> bool:
-        return max(self.dropout, self.attention_dropout) > 0
-
-    def tied_weights(self) -> list[tuple[str, str]]:
-        """(embedding name, head name) when the head's projection is the token embedding."""
-        return [("embed.embed_tokens.weight", "head.lm_head.weight")] if self.tie_word_embeddings else []
 
 
 class OPTEmbedding(nn.Module):
@@ -179,14 +165,6 @@ class OPTHead(nn.Module):
 
 class OPT(CausalLM):
     """OPT language model; the head's projection is tied to ``embed.embed_tokens`` by default."""
-
-    def __init__(self, cfg: OPTConfig):
-        super().__init__()
-        self.config = cfg
-        self.embed = OPTEmbedding(cfg)
-        self.blocks = nn.ModuleList(OPTBlock(cfg) for _ in range(cfg.num_hidden_layers))
-        self.head = OPTHead(cfg)
-        self.finish()
 
     INIT_STD = 0.02  # N(0, 0.02) weights (metaseq's init_std), zero biases, unit norms
 

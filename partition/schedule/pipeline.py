@@ -32,7 +32,7 @@ lists, so what is planned is what runs. They are built by small passes:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from typing import Literal
 
@@ -100,6 +100,22 @@ class PipelineOptions:
     def grad_bytes(self) -> float:
         """Bytes per parameter of a gradient download."""
         return 2.0 if self.grad_dtype == "half" else 4.0
+
+    def to_json(self) -> dict:
+        """The settings by field name, JSON-ready (a set of stages as a sorted list, a tuple as a list)."""
+        return {k: sorted(v) if isinstance(v, frozenset) else list(v) if isinstance(v, tuple) else v
+                for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PipelineOptions":
+        """Settings :meth:`to_json` wrote, by field name (other keys in ``data`` ignored; a missing field takes
+        its default), each set or tuple of stages restored."""
+        kw = {}
+        for f in fields(cls):
+            if f.name in data:
+                kind = type(f.default)
+                kw[f.name] = kind(data[f.name]) if kind in (frozenset, tuple) else data[f.name]
+        return cls(**kw)
 
 
 def offloaded_stages(gpu_of: tuple[int, ...], options: PipelineOptions) -> frozenset[int]:

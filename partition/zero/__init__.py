@@ -1,7 +1,8 @@
 """partition.zero: the plan of ``parallel.mode: zero`` (chunked, sharded model states with rCache; Elixir).
 
-Numbers in, a plan out; no torch. The chunk layout itself is :mod:`mobius.layout` (shared with the
-pipeline's stages) and the step's program :mod:`partition.schedule.zero` (beside the pipeline's
+Numbers in, a plan out; no torch (``tests/test_partition_torch_free.py`` plans without it). The chunk
+layout itself is :mod:`mobius.layout` (torch-free too, and shared with the pipeline's stages:
+``scheduler/stages.py``) and the step's program :mod:`partition.schedule.zero` (beside the pipeline's
 schedule); here:
 
 * :mod:`partition.zero.memory` -- the cost model's vocabulary (hardware, workload, setting) and memory;

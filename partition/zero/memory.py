@@ -20,16 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mobius.layout import ChunkLayout
-from mobius.optim import host_bytes_per_param
-from partition.costs import PRECISION_BYTES, ModelProfile
+from partition.costs import PRECISION_BYTES, STATE_BYTES, ModelProfile, host_bytes_per_param
 
 GiB = 2**30
 GB = 1e9
 F_ALLOC = 0.95  # Appendix A.1: share of the device Elixir can use
 F_FRAG = 1.25  # Appendix A.1: activations reserved with this factor for fragmentation
-STATE_BYTES = 16  # per shard element of a chunk on the GPU: fp32 master, AdamW m and v, fp32 gradient
-GRAD_BYTES = 4  # gradient buffers, reduce-scatters and downloads are fp32
-ADAM_BYTES = 28  # device bytes per parameter of a fused AdamW step (read p, g, m, v; write p, m, v)
+GRAD_BYTES = PRECISION_BYTES["fp32"]  # gradient buffers, reduce-scatters and downloads are fp32
+# STATE_BYTES: a GPU chunk's shard element (fp32 master, AdamW m and v, fp32 gradient), partition.costs's
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ from mobius.errors import CheckpointError, MobiusError
 from mobius.models import ModelConfig, dropout_active, unit_prefix, unit_specs
 from mobius.models.base import bind_parameters, lm_loss, run_units
 from mobius.models.params import build_units, model_params
-from mobius.optim import LossScaler, end_of_step, host_bytes_per_param, waits_for_norm
+from mobius.optim import UpdateRule
 from mobius.parallel import ParallelSettings
 from mobius.layout import build_layout
+from partition.costs import host_bytes_per_param
 from partition.schedule.zero import OpKind, eval_program, grad_flushes, train_program
 from partition.zero import ZeroPlan
 from scheduler.collectives import all_gather_flat
@@ -93,7 +94,6 @@ class ZeroEngine:
         self.program, self.eval_ops = train_program(num_units), eval_program(num_units)
         self.flushes = grad_flushes(self.program, self.layout)
         self.runs = {c: sum(c in f for f in self.flushes) for c in range(self.layout.num_chunks)}
-        self.barrier = waits_for_norm(cfg.train)  # updates wait for the global norm
         self._build_state(plan, device)
         self._load_weights(weights_from)
         self.streams = Streams(device)
@@ -106,8 +106,7 @@ class ZeroEngine:
         self.units = build_units(model_cfg, 0, num_units)
         self.updater = CpuUpdater()
         self.updated: torch.cuda.Event | None = None  # the last GPU update (gathers of the next pass wait)
-        self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
-        self.optimizer_step = 0
+        self.rule = UpdateRule(cfg.train)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
         log.debug("zero rank %d: %d chunks of %d (%d on %s, %d offloaded), %d rCache blocks", self.rank,
                   self.layout.num_chunks, self.layout.padded, len(self.gpu.chunks), device, len(self.hosts),
@@ -216,23 +215,22 @@ class ZeroEngine:
         M = len(batches)
         if M % self.world:
             raise MobiusError(f"{M} micro-batches cannot be split evenly among {self.world} zero ranks")
-        st = self._begin(True, step, batches, self.scaler.loss_factor() / M)
+        st = self._begin(True, step, batches, self.rule.loss_factor() / M)
         st.lr = lr
         self._run(st)
         gathers = list(self.cache.gathered)
         total = sum_over_ranks({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine)),
                               "sumsq": self.grads.take_sumsq()})
-        norm, skipped, factor = end_of_step(total["sumsq"], self.scaler, self.cfg.train.grad_clip)
+        norm, skipped, factor = self.rule.end(total["sumsq"])
         if not skipped:
             self.gpu.step(lr, factor)
-            self.optimizer_step += 1
         self.updated = self.streams.record()
-        if self.barrier:
+        if self.plan.barrier:  # the updates waited for the global norm
             for c, done in st.arrived:
                 self._queue_update(c, done, lr, factor, skipped)
         self.cache.invalidate()
-        return StepStats(total["loss_sum"] / total["micro"], norm, skipped,
-                         self.scaler.scale if self.scaler.enabled else 1.0, self._counters(gathers))
+        return StepStats(total["loss_sum"] / total["micro"], norm, skipped, self.rule.loss_scale,
+                         self._counters(gathers))
 
     def _counters(self, gathers: list[int]) -> dict:
         """Bytes this rank moved in the step (counted where each copy and collective is issued) and
@@ -335,7 +333,7 @@ class ZeroEngine:
         if host is not None and final:
             self.counters.add(d2h=target.nbytes)
             st.arrived.append((chunk, done))
-            if not self.barrier:  # the factor is 1: update as soon as the gradient is down
+            if not self.plan.barrier:  # the factor is 1: update as soon as the gradient is down
                 self._queue_update(chunk, done, st.lr, 1.0, False)
 
     def _queue_update(self, chunk: int, done: object, lr: float, factor: float, skip: bool) -> None:
@@ -387,7 +385,7 @@ class ZeroEngine:
         self.sync()
         owner = self._owners()
         mine = [i for i, r in enumerate(owner) if r == self.rank]
-        moments = with_moments and self.optimizer_step > 0
+        moments = with_moments and self.rule.optimizer_step > 0
         parts = 3 if moments else 1
         full = {i: torch.zeros(parts, self.layout.params[i].numel) for i in mine}  # [parts, numel]
         for c in range(self.layout.num_chunks):
@@ -402,7 +400,7 @@ class ZeroEngine:
                 weights[name] = full[i][0].view(p.shape)
             if moments and p.trains:
                 mom[p.names[0]] = (full[i][1].view(p.shape), full[i][2].view(p.shape))
-        return RankState(weights, mom, self.optimizer_step, self.scaler.state_dict())
+        return RankState(weights, mom, *self.rule.state())
 
     def _gather_state(self, chunk: int, moments: bool) -> torch.Tensor:
         """A whole chunk's fp32 master (and m, v) on every rank, on the CPU: [parts, P] (a frozen chunk:
@@ -423,8 +421,7 @@ class ZeroEngine:
     def load_state(self, resume: ResumeState) -> None:
         """AdamW moments by parameter name (from any mode's checkpoint), step count and loss scale."""
         self.sync()
-        self.optimizer_step = resume.optimizer_step
-        self.scaler.load_state_dict(resume.scaler)
+        self.rule.load(resume.optimizer_step, resume.scaler)
         s = self.layout.shard
         for c in range(self.layout.num_chunks):
             if c in self.frozen:
@@ -439,7 +436,7 @@ class ZeroEngine:
                 pm, pv = moments[self.layout.params[p].names[0]]
                 m[at:at + n] = pm.reshape(-1)[start:start + n]
                 v[at:at + n] = pv.reshape(-1)[start:start + n]
-            self._shards_of(c).load_moments_of(c, m, v, self.optimizer_step)
+            self._shards_of(c).load_moments_of(c, m, v, resume.optimizer_step)
 
     def close(self) -> None:
         self.sync()
