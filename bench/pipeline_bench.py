@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,10 @@ from mobius.config import Config  # noqa: E402
 from mobius.engine import DTYPES  # noqa: E402
 from mobius.errors import MobiusError  # noqa: E402
 from mobius.models import ModelConfig, build_model, param_count  # noqa: E402
+
+if TYPE_CHECKING:
+    from partition.plan import Plan
+    from scheduler.engine import PipelineEngine
 
 
 def make_cfg(args: argparse.Namespace, mode: str) -> Config:
@@ -226,39 +231,40 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
         oom = isinstance(exc, torch.OutOfMemoryError)
         row = {"name": name, "step_s": None, "error": "out of GPU memory" if oom else f"{type(exc).__name__}: {exc}"[:500],
                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else 0.0,
-               "grad_clip": args.grad_clip, "stages": plan.num_stages, "boundaries": list(plan.boundaries),
-               "predicted_step_s": round(plan.predicted_step_s, 4), "resident": sorted(plan.options.resident),
-               "kept": sorted(plan.options.kept), "grad_dtype": plan.options.grad_dtype,
-               "num_slots": plan.options.num_slots,
-               "offload_inputs": plan.options.offload_inputs, "profile_source": plan.profile_source,
-               "predicted_peak_gib": [round(b / 2**30, 2) for b in plan.peak_bytes],
-               "host_gib": round(plan.host_bytes / 2**30, 1), "host_rss_gib": round(rss_gib() - rss0, 1),
-               "grad_choice": plan.grad_choice}
-        if engine is not None:
-            engine.close()
-        engine = None
-        dist.destroy_process_group()
-        free_gpu()
+               "grad_clip": args.grad_clip, **plan_fields(plan), "host_rss_gib": round(rss_gib() - rss0, 1)}
+        _end(engine)
         return row
     tokens = args.mbs * args.micro_batches * args.seq
     row = result_row(name, t, param_count(mc), tokens, stats, flops_per_token(args, 1), grad_clip=args.grad_clip,
-                     stages=plan.num_stages, boundaries=list(plan.boundaries), plan_s=round(plan_s, 2),
-                     predicted_step_s=round(plan.predicted_step_s, 4), model_step_s=round(plan.model_step_s, 4),
-                     resident=sorted(plan.options.resident), kept=sorted(plan.options.kept),
-                     grad_dtype=plan.options.grad_dtype, grad_choice=plan.grad_choice,
-                     num_slots=plan.options.num_slots, offload_inputs=plan.options.offload_inputs,
-                     barrier=plan.options.barrier, profile_source=plan.profile_source,
-                     predicted_peak_gib=[round(b / 2**30, 2) for b in plan.peak_bytes],
-                     predicted_h2d_bytes=plan.traffic.get("h2d_bytes"), predicted_d2h_bytes=plan.traffic.get("d2h_bytes"),
-                     host_gib=round(plan.host_bytes / 2**30, 1), host_rss_gib=round(rss_gib() - rss0, 1),
-                     cpu_adam_params_per_s=plan.cpu_adam_params_per_s,
+                     plan_s=round(plan_s, 2), **plan_fields(plan), host_rss_gib=round(rss_gib() - rss0, 1),
+                     model_step_s=round(plan.model_step_s, 4), predicted_h2d_bytes=plan.traffic.get("h2d_bytes"),
+                     predicted_d2h_bytes=plan.traffic.get("d2h_bytes"), cpu_adam_params_per_s=plan.cpu_adam_params_per_s,
                      baselines=plan.baselines)
     row["measured_over_predicted"] = round(t / plan.predicted_step_s, 3) if plan.predicted_step_s else None
-    engine.close()
-    engine = None
+    _end(engine)
+    return row
+
+
+def plan_fields(plan: Plan) -> dict:
+    """What a row says of the plan it ran: stages, the runtime's settings (``PipelineOptions``), the
+    predicted step, GPU peaks and host memory."""
+    options = plan.options.to_json()
+    return {"stages": plan.num_stages, "boundaries": list(plan.boundaries),
+            "predicted_step_s": round(plan.predicted_step_s, 4),
+            **{k: options[k] for k in ("resident", "kept", "grad_dtype", "num_slots", "offload_inputs", "barrier")},
+            "grad_choice": plan.grad_choice, "profile_source": plan.profile_source,
+            "predicted_peak_gib": [round(b / 2**30, 2) for b in plan.peak_bytes],
+            "host_gib": round(plan.host_bytes / 2**30, 1)}
+
+
+def _end(engine: PipelineEngine | None) -> None:
+    """Close the engine (if it was made), leave the one-rank group and give the GPU's memory back."""
+    import torch.distributed as dist
+
+    if engine is not None:
+        engine.close()
     dist.destroy_process_group()
     free_gpu()
-    return row
 
 
 def main() -> None:
