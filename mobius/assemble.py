@@ -15,6 +15,7 @@ import torch
 
 from mobius.checkpoint import ResumeState
 from mobius.config import PLACEHOLDER, Config
+from mobius.engine import DTYPES
 from mobius.data import (BUILTIN_STDLIB, TextTokenizer, TrainData, build_data, load_tokenizer, source_files,
                          token_cache)
 from mobius.errors import CheckpointError, ConfigError
@@ -300,13 +301,16 @@ def weights_source(cfg: Config, model_cfg: ModelConfig, resume_from: Path | None
     return WeightSource(str(resume_from) if resume_from is not None else cfg.model.checkpoint, None, cfg.train.seed)
 
 
-def initial_model(cfg: Config, model_cfg: ModelConfig, resume_from: Path | None) -> CausalLM:
-    """The whole model on the CPU: resumed, fine-tuned, or freshly initialised from the seed, each weight
-    set once (:func:`~mobius.models.build_model`): copied from the checkpoints where they hold it, drawn
-    from the seed otherwise (from scratch; a LoRA run's adapters at its start)."""
+def initial_model(cfg: Config, model_cfg: ModelConfig, resume_from: Path | None,
+                  device: torch.device | str = "cpu") -> CausalLM:
+    """The whole model on ``device``, its frozen weights (LoRA's base) in the training dtype: resumed,
+    fine-tuned, or freshly initialised from the seed, each weight set once where it lives
+    (:func:`~mobius.models.build_model`): copied from the checkpoints where they hold it, one unit at
+    a time, drawn from the seed otherwise (from scratch; a LoRA run's adapters at its start)."""
     source = weights_source(cfg, model_cfg, resume_from)
-    given = source.read(model_cfg)
-    return build_model(model_cfg, cfg.train.seed, given, source=str(source.base))
+    return build_model(model_cfg, cfg.train.seed, source=str(source.base),
+                       read=lambda names: source.read(model_cfg, names), device=device,
+                       frozen_dtype=DTYPES[cfg.train.precision])
 
 
 def adapters(cfg: Config) -> LoraSpec | None:

@@ -195,6 +195,9 @@ def test_from_scratch_equals_the_reference_in_every_mode(name: str) -> None:
         for a, b in model.tied_weights():
             assert model.get_parameter(a) is model.get_parameter(b)
         assert all(p.requires_grad == trains(cfg, key) for key, p in model.named_parameters())
+        made_half = build_model(cfg, seed, frozen_dtype=torch.bfloat16).state_dict()  # single mode in bf16: in place
+        for key in want:
+            assert torch.equal(made_half[key], want[key] if trains(cfg, key) else want[key].bfloat16()), (seed, key)
         for units in ({0}, {n - 1}, {1, 2}, set(range(n))):
             weights = initial_weights(cfg, units, seed)
             mine = {k for k in want if k.startswith(tuple(unit_prefix(u, n) for u in units))}

@@ -41,6 +41,31 @@ engine.PipelineEngine.__init__, engine.PipelineEngine._load_weights = start, loa
 """
 
 
+SINGLE_HOOK = """
+import json, os
+from pathlib import Path
+from mobius import assemble
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith(key + ':'))
+
+build = assemble.initial_model
+
+def initial_model(*args, **kw):  # the whole model, from the checkpoint, where it lives
+    import torch
+    torch.nn.Linear(2, 2, device='meta').to_empty(device='cpu')  # torch maps ~34 MB of its own once, on the first
+    Path('/proc/self/clear_refs').write_text('5')
+    before = status('VmRSS')
+    model = build(*args, **kw)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    Path(os.environ['MOBIUS_RSS_FILE']).write_text(json.dumps({'before': before, 'peak': status('VmHWM'),
+                                                              'model': held}))
+    return model
+
+assemble.initial_model = initial_model
+"""
+
+
 def _peak_resets() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -49,37 +74,64 @@ def _peak_resets() -> bool:
         return False
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").is_file() or not _peak_resets(),
-                    reason="reads and resets the peak resident size through /proc")
-def test_a_checkpointed_lora_pipeline_starts_within_10_percent_of_its_plans_host_memory(tmp_path: Path,
-                                                                                        corpus: Path) -> None:
+needs_proc = pytest.mark.skipif(not Path("/proc/self/status").is_file() or not _peak_resets(),
+                                reason="reads and resets the peak resident size through /proc")
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    """A Llama of 102M parameters (408 MB in fp32) in 34 units, saved by transformers in fp32: the
+    largest unit is 3% of it."""
     import torch
     import transformers
 
-    ck = tmp_path / "llama"  # 102M parameters (408 MB in fp32) in 34 units: the largest unit is 3% of them
+    ck = tmp_path / "llama"
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=32,
                                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
                                       tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(ck)
-    run = {"model": {"checkpoint": str(ck)}, "lora": {"rank": 8, "targets": ["all-linear"]},
+    return ck
+
+
+def _train(tmp_path: Path, corpus: Path, hook_text: str, train: dict, parallel: dict) -> dict:
+    """``mobius train`` of a LoRA run on :func:`_checkpoint` with ``hook_text`` loaded first (as
+    ``sitecustomize``); what the hook measured."""
+    run = {"model": {"checkpoint": str(_checkpoint(tmp_path))}, "lora": {"rank": 8, "targets": ["all-linear"]},
            "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
-           "train": {"max_steps": 1, "micro_batch_size": 1, "micro_batches": 2, "precision": "fp32", "eval_every": 0,
-                     "eval_batches": 1},
-           "parallel": {"mode": "pipeline", "devices": 1, "stages": 4, "resident_stages": [], "device": "cpu"},
+           "train": {"max_steps": 1, "micro_batch_size": 1, "micro_batches": 2, "eval_every": 0, "eval_batches": 1,
+                     **train},
+           "parallel": {"device": "cpu", **parallel},
            "partition": {"cache_dir": str(tmp_path / "cache")},
            "output": {"dir": str(tmp_path / "out"), "plot": False}}
     (tmp_path / "run.yaml").write_text(json.dumps(run))
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOOK)
+    (hook / "sitecustomize.py").write_text(hook_text)
     rss = tmp_path / "rss.json"
     env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "MOBIUS_RSS_FILE": str(rss)}
     r = subprocess.run([sys.executable, "-m", "mobius", "train", str(tmp_path / "run.yaml")], capture_output=True,
                        text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(rss.read_text())
+
+
+@needs_proc
+def test_a_checkpointed_lora_pipeline_starts_within_10_percent_of_its_plans_host_memory(tmp_path: Path,
+                                                                                        corpus: Path) -> None:
+    measured = _train(tmp_path, corpus, HOOK, {"precision": "fp32"},
+                      {"mode": "pipeline", "devices": 1, "stages": 4, "resident_stages": []})
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
-    measured = json.loads(rss.read_text())
     took = measured["peak"] - measured["before"]
     assert plan["host_bytes"] > 400e6 and not plan["resident"]  # every stage swapped: the stores are the plan's host
     assert 0.5 * plan["host_bytes"] < took <= 1.10 * plan["host_bytes"], (took, plan["host_bytes"])
+
+
+@needs_proc
+def test_a_checkpointed_lora_single_run_builds_its_model_where_it_lives(tmp_path: Path, corpus: Path) -> None:
+    """Single mode makes the model in place, its frozen base in the training dtype (bf16: 2 bytes a
+    parameter), reading the fp32 checkpoint one unit at a time: not the whole model in fp32 beside the
+    whole checkpoint (8 bytes a parameter, four times as much) and then a copy."""
+    measured = _train(tmp_path, corpus, SINGLE_HOOK, {"precision": "bf16"}, {"mode": "single"})
+    took = measured["peak"] - measured["before"]
+    assert measured["model"] > 200e6  # 102M parameters, nearly all of them frozen in bf16
+    assert 0.5 * measured["model"] < took <= 1.10 * measured["model"], (took, measured["model"])

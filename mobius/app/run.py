@@ -157,7 +157,8 @@ def _announce(cfg: Config, choice: ModeChoice) -> None:
 def _run_single(cfg: Config, settings: ParallelSettings, ready: Prepared, startup: Startup) -> TrainResult:
     """The reference engine: the whole model on this process's device."""
     with startup.phase("weights"):
-        engine = SingleEngine(initial_model(cfg, ready.model_cfg, ready.resume_from), cfg, open_device(settings, 0))
+        device = open_device(settings, 0)
+        engine = SingleEngine(initial_model(cfg, ready.model_cfg, ready.resume_from, device), cfg, device)
         trainer = Trainer(cfg, engine, ready.data, ready.tokenizer, ready.model_cfg,
                           save_dtype_for(cfg, ready.ck_dtype), startup=startup)
         if ready.resume is not None:

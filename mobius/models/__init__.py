@@ -81,24 +81,51 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, given: Mapping[str, torch.Tensor] | None = None,
-                source: str = "checkpoint") -> CausalLM:
-    """Build a model for a config on the CPU, each weight set once: built on the meta device (no torch
-    default initialisation), then every unit given memory and values (:func:`fill_unit`, the units in
-    parallel threads): a weight ``given`` names (mobius names: a checkpoint's tensors, checked against
-    the model's names and shapes; ``source`` names it in errors) is copied from there, any other one is
-    drawn from its unit's seeded generators, as in every mode (:func:`initial_weights`)."""
+                source: str = "checkpoint", *, read: Callable[[set[str]], Mapping[str, torch.Tensor]] | None = None,
+                device: torch.device | str = "cpu", frozen_dtype: torch.dtype | None = None) -> CausalLM:
+    """Build a model for a config, each weight set once: built on the meta device (no torch default
+    initialisation), given memory where it will live (``device``; a frozen parameter, LoRA's base, in
+    ``frozen_dtype``, fp32 by default), then every unit given values (:func:`fill_unit`, the units in
+    parallel threads): a weight the checkpoint holds is copied from there, any other one is drawn from
+    its unit's seeded generators, as in every mode (:func:`initial_weights`). The checkpoint's tensors
+    are ``given`` (by mobius name; checked against the model's names and shapes, ``source`` naming it
+    in errors), or ``read`` one unit at a time (from the names of a unit's parameters, those it holds):
+    then no more than a few units' tensors exist beside the model."""
     with on_meta():
         family = family_of(cfg)
         model = family.model_cls(cfg, family.unit_specs(cfg))
     assert not list(model.buffers()), "units hold no buffers (to_empty would leave them without values)"
-    given = _given_by_name(model, given or {}, source)
-    model.to_empty(device="cpu")  # memory, no values
+    reading = read is not None
+    if given is not None or read is None:
+        given = _given_by_name(model, given or {}, source)
+        read = lambda names: {n: given[n] for n in names if n in given}  # noqa: E731
+    if frozen_dtype is not None:
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(frozen_dtype)  # (on the meta device: no values to convert)
+    model.to_empty(device=device)  # memory, no values
     model.tie_weights()  # (to_empty gave each end of a tied weight its own tensor)
     units = model.units()
-    prefixes = [unit_prefix(k, len(units)) for k in range(len(units))]
-    shares = [{n[len(pre):]: t for n, t in given.items() if n.startswith(pre)} for pre in prefixes]
-    fill_units([(unit, k, shares[k], None) for k, unit in enumerate(units)], cfg, seed)
+    jobs = [(unit, k, _unit_reader(model, unit, k, read, source), None) for k, unit in enumerate(units)]
+    fill_units(jobs, cfg, seed, threads=1 if reading else None)  # one unit's checkpoint tensors at a time
     return model
+
+
+def _unit_reader(model: CausalLM, unit: nn.Module, k: int, read: Callable[[set[str]], Mapping[str, torch.Tensor]],
+                 source: str) -> Callable[[], dict[str, torch.Tensor]]:
+    """What the checkpoint holds of unit ``k``, by the unit's own names, read when called (in the thread
+    that fills the unit), every shape checked against the model's."""
+    prefix = unit_prefix(k, len(model.units()))
+
+    def given() -> dict[str, torch.Tensor]:
+        own = dict(unit.named_parameters())
+        out = {n[len(prefix):]: t for n, t in read({prefix + n for n in own}).items()}
+        for name, t in out.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise CheckpointError(f"{source}: weight {prefix + name!r} has shape {tuple(t.shape)}, the model "
+                                      f"expects {tuple(own[name].shape)}")
+        return out
+    return given
 
 
 def _given_by_name(model: CausalLM, given: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
@@ -132,23 +159,46 @@ def fill_unit(cfg: ModelConfig, unit: nn.Module, index: int, seed: int, given: M
     adapters = {n for n in draw if lora.ADAPTER in f".{n}"}
     if draw:
         init = family_of(cfg).model_cls.init_unit
-        init(cfg, unit, index, seed, base=bool(draw - adapters), adapters=bool(adapters))
+        base = bool(draw - adapters)  # init draws all the unit's base weights, or all its adapters, or both
+        touched = [p for n, p in params.items() if (lora.ADAPTER in f".{n}" and adapters) or
+                   (lora.ADAPTER not in f".{n}" and base)]
+        in_place = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in touched)
+        target = unit if in_place else _cpu_twin(cfg, index)  # the draws are fp32 on the CPU in every mode
+        init(cfg, target, index, seed, base=base, adapters=bool(adapters))
+        if target is not unit:
+            drawn = dict(target.named_parameters())
+            with torch.no_grad():
+                for name in draw:
+                    params[name].copy_(drawn[name])
     with torch.no_grad():
         for name, value in given.items():
             if name not in tied:
                 params[name].copy_(value)
 
 
-def fill_units(jobs: list[tuple[nn.Module, int, Mapping[str, torch.Tensor], Collection[str] | None]],
-               cfg: ModelConfig, seed: int) -> None:
+def _cpu_twin(cfg: ModelConfig, index: int) -> nn.Module:
+    """Unit ``index`` alone, fp32 on the CPU, its parameters in memory without values: where the draws of
+    a unit whose own parameters are elsewhere (a GPU, a half dtype) are made, as every mode makes them."""
+    with on_meta():
+        unit = unit_specs(cfg)[index].build()
+    return unit.to_empty(device="cpu")
+
+
+Given = Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
+
+
+def fill_units(jobs: list[tuple[nn.Module, int, Given, Collection[str] | None]], cfg: ModelConfig, seed: int,
+               threads: int | None = None) -> None:
     """:func:`fill_unit` for each (unit, index, given, wanted), in parallel threads (torch releases the
-    GIL; each unit draws from its own generators, so the order changes no value), the largest first."""
+    GIL; each unit draws from its own generators, so the order changes no value; ``threads``, by default
+    :func:`init_threads`), the largest first; a ``given`` that is a function is called in the unit's
+    thread (a unit's checkpoint tensors, read then)."""
     def fill(job: tuple) -> None:
         unit, index, given, wanted = job
-        fill_unit(cfg, unit, index, seed, given, wanted)
+        fill_unit(cfg, unit, index, seed, given() if callable(given) else given, wanted)
 
     jobs = sorted(jobs, key=lambda job: -sum(p.numel() for p in job[0].parameters()))
-    threads = min(len(jobs), init_threads())
+    threads = min(len(jobs), threads or init_threads())
     log.debug("initial weights of %d units in %d threads", len(jobs), threads)
     if threads <= 1:
         for job in jobs:
