@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import OUT  # noqa: E402
+from mobius.app.launch import phases  # noqa: E402
 from mobius.app.run import train  # noqa: E402
 from mobius.checkpoint import save_model  # noqa: E402
 from mobius.config import config_from_dict  # noqa: E402
@@ -38,6 +39,7 @@ from mobius.data import byte_tokenizer  # noqa: E402
 from mobius.models import build_model  # noqa: E402
 from mobius.models.gpt2 import GPT2Config  # noqa: E402
 
+PHASE_KEYS = ("forward_s", "backward_s", "upload_wait_s")  # [predicted, measured] in each row
 VARIANTS = {
     "as planned": {},
     "clipping (grad_clip 1.0)": {"train": {"grad_clip": 1.0}},
@@ -78,7 +80,9 @@ def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = statistics.median(r["step_s"] for r in rows[args.warmup:])
     predicted = plan["predicted_step_s"]
-    return {"variant": name, "repeat": repeat, "stages": plan["num_stages"], "num_slots": plan["num_slots"],
+    split = phases(predicted, plan["time_split"], rows, args.warmup) or {}
+    return {**{f"{phase}_s": [round(a, 4), round(b, 4)] for phase, (a, b) in split.items() if phase != "step"},
+            "variant": name, "repeat": repeat, "stages": plan["num_stages"], "num_slots": plan["num_slots"],
             "offload_inputs": plan["offload_inputs"], "barrier": plan["barrier"],
             "resident": plan["resident"], "kept": plan["kept"], "predicted_s": round(predicted, 4),
             "measured_s": round(measured, 4), "error": round(predicted / measured - 1, 4),
@@ -92,7 +96,10 @@ def summarize(rows: list[dict]) -> list[dict]:
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(r["variant"], []).append(r)
-    return [{"variant": name, "repeats": len(rs),
+    def both(key: str, rs: list[dict]) -> list[float]:
+        return [round(statistics.median(r[key][i] for r in rs), 4) for i in (0, 1)]
+
+    return [{"variant": name, "repeats": len(rs), **{k: both(k, rs) for k in PHASE_KEYS},
              "predicted_s": round(statistics.median(r["predicted_s"] for r in rs), 4),
              "measured_s": round(statistics.median(r["measured_s"] for r in rs), 4),
              "error": round(statistics.median(r["error"] for r in rs), 4),
@@ -121,10 +128,12 @@ def main() -> None:
                 rows.append(run_variant(name, VARIANTS[name], ck, root, repeat, args))
                 print(json.dumps(rows[-1]), flush=True)
     summary = summarize(rows)
-    print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s}")
+    print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s}   "
+          "forward, backward, upload wait: predicted / measured s")
     for r in summary:
+        split = ", ".join(f"{r[k][0]:.3f} / {r[k][1]:.3f}" for k in PHASE_KEYS)
         print(f"{r['variant']:32s} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} {100 * r['error']:+6.1f}% "
-              f"{100 * r['error_min']:+7.1f}..{100 * r['error_max']:+.1f}%")
+              f"{100 * r['error_min']:+7.1f}..{100 * r['error_max']:+.1f}%   {split}")
     out = Path(args.out) / "cpu_pipeline_bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "rows": rows, "summary": summary},

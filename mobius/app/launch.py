@@ -10,9 +10,11 @@ rank and the cause.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
+import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -112,6 +114,7 @@ def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, r
     result = trainer.finish()
     if isinstance(engine, PipelineEngine) and engine.is_main:
         keep_update_rate(cfg, settings, plan, engine.update_rate)
+        log_phases(plan, Path(cfg.output.dir) / "metrics.jsonl")
     engine.close()
     dist.destroy_process_group()
     return result
@@ -126,6 +129,34 @@ def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: Plan, rate: 
                         settings.device, plan.options.grad_dtype == "half", rate)
     log.info("CPU AdamW inside training steps: %.2f G params/s per worker (planned with %.2f); kept for the "
              "next plan on this machine", rate / 1e9, plan.cpu_adam_params_per_s / 1e9)
+
+
+PHASES = {"forward": "forward_s", "backward": "backward_s", "upload_wait": "upload_wait_s"}  # plan -> metrics
+STEADY_FROM = 2  # steps before the measured medians (warm-up, the first uploads)
+
+
+def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
+           steady_from: int = STEADY_FROM) -> dict[str, tuple[float, float]] | None:
+    """Predicted beside measured, per phase of a pipeline step (seconds per worker; the median of the
+    metrics lines after ``steady_from``): the whole step, and where the plan's simulated step spends it
+    (``split``: forward, backward with recompute, waiting for uploads). None without steady steps."""
+    steady = [r for r in rows if "step_s" in r and "forward_s" in r][steady_from:]
+    if not steady:
+        return None
+    out = {"step": (predicted_step_s, statistics.median(r["step_s"] for r in steady))}
+    for phase, key in PHASES.items():
+        out[phase] = (split.get(phase, 0.0), statistics.median(r[key] for r in steady))
+    return out
+
+
+def log_phases(plan: Plan, metrics: Path) -> None:
+    """Log :func:`phases` of the run whose metrics are in ``metrics`` in one line."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    table = phases(plan.predicted_step_s, plan.time_split, rows)
+    if table is None:
+        return
+    log.info("predicted / measured per step: " + ", ".join(f"{p.replace('_', ' ')} {a:.3f} / {b:.3f} s"
+                                                             for p, (a, b) in table.items()))
 
 
 def spawn(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, ready: Prepared,
