@@ -95,12 +95,14 @@ def summarise(args: argparse.Namespace, preset: str, name: str, out: Path, wall:
     row = {"name": name, "step_s": round(step, 4), **rates(tokens, model_flops(args, preset), step),
            "peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in lines), "ready_s": lines[0]["ready_s"],
            "ready": lines[0]["ready"], "wall_s": round(wall, 1), "loss": lines[-1]["loss"]}
-    for key in ("h2d_bytes", "d2h_bytes", "upload_wait_s", "cpu_adam_s"):
+    for key in ("h2d_bytes", "d2h_bytes", "upload_wait_s", "cpu_adam_s", "forward_s", "backward_s"):
         if key in timed[-1]:
             row[key] = round(sum(r[key] for r in timed) / len(timed), 4)
     plan = out / "plan.json"
     if plan.is_file():
-        row["predicted_step_s"] = json.loads(plan.read_text())["predicted_step_s"]
+        planned = json.loads(plan.read_text())
+        row["predicted_step_s"] = planned["predicted_step_s"]
+        row["predicted_split"] = planned.get("time_split", {})  # beside forward_s, backward_s, upload_wait_s
     traces = sorted(out.glob("trace-step*.json"))
     if traces:
         row["trace"] = str(traces[0])
