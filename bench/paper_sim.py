@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mobius.models import unit_specs  # noqa: E402
 from mobius.models.gpt2 import GPT2Config  # noqa: E402
-from partition import (Hardware, ModelProfile, PipelineOptions, UnitCost, estimate_units, plan_model,  # noqa: E402
-                       simulate)
+from partition import (Hardware, ModelProfile, PipelineOptions, PlanRequest, UnitCost, estimate_units,  # noqa: E402
+                       plan_model, simulate)
 from partition.hardware import PAPER_LINK_Bps  # noqa: E402
 from topology import cross_mapping  # noqa: E402
 
@@ -75,9 +75,10 @@ def profile_of(model: PaperModel, mbs: int) -> ModelProfile:
 
 
 def plan(prof: ModelProfile, hw: Hardware, micro_batches: int, **kw):
-    """``plan_model`` as every experiment here runs it (fp16: updates after the global norm)."""
-    return plan_model(prof, hw, micro_batches=micro_batches, barrier=True, rel_gap=GAP, time_limit_s=TIME_LIMIT_S,
-                      **kw)
+    """``plan_model`` as every experiment here runs it (fp16: updates after the global norm); ``kw``:
+    the rest of the :class:`PlanRequest`."""
+    return plan_model(prof, hw, PlanRequest(micro_batches=micro_batches, barrier=True, rel_gap=GAP,
+                                            time_limit_s=TIME_LIMIT_S, **kw))
 
 
 PLANS_2X2: dict[tuple[str, str], tuple] = {}  # (model, variant) -> (plan, seconds): Fig. 9's plans, reused

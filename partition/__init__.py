@@ -11,7 +11,8 @@ Numbers in, plans out. The pieces, in the order a plan is made:
   when the free licence refuses), seeded by :mod:`partition.heuristic`.
 * :mod:`partition.simulate` -- discrete-event simulation of the schedule's action lists with contention.
 * :mod:`partition.baselines` -- minimum-stage, maximum-stage, time-balanced; exhaustive search.
-* :mod:`partition.plan` -- :func:`plan_model`, the one entry point, and :class:`Plan`.
+* :mod:`partition.plan` -- :func:`plan_model`, the one entry point, and :class:`Plan`; what it is asked
+  for is a :class:`PlanRequest` (:mod:`partition.request`).
 
 Importing the package and planning from unit descriptions with the estimated (datasheet) profile
 import no torch; only measuring does, inside the functions that measure: :mod:`partition.measure`
@@ -29,13 +30,14 @@ from partition.plan import Plan, StagePlan, plan_model
 from partition.estimate import estimate_units
 from partition.measure import profile_units
 from partition.profile import get_profile
+from partition.request import PlanRequest
 from partition.schedule import PipelineOptions
 from partition.simulate import SimResult, simulate
 
 __all__ = [
     "BASELINES", "GPU_CATALOGUE", "GPUSpec", "Hardware", "MipResult", "ModelEvaluator", "ModelProfile", "Plan",
-    "SimResult", "StageCost", "StagePlan", "UnitCost", "build_model", "estimate_units", "exhaustive_search",
-    "get_profile", "gpu_spec", "lookup_gpu", "maximum_stage", "minimum_stage", "model_step_time", "PipelineOptions",
-    "plan_model", "profile_units", "simulate", "solve_partition", "solve_stage_count", "stage_cost", "stage_costs",
-    "time_balanced",
+    "PlanRequest", "SimResult", "StageCost", "StagePlan", "UnitCost", "build_model", "estimate_units",
+    "exhaustive_search", "get_profile", "gpu_spec", "lookup_gpu", "maximum_stage", "minimum_stage", "model_step_time",
+    "PipelineOptions", "plan_model", "profile_units", "simulate", "solve_partition", "solve_stage_count", "stage_cost",
+    "stage_costs", "time_balanced",
 ]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Callable, Literal, Sequence
 
-from mobius.errors import ConfigError
-
 MappingKind = Literal["cross", "sequential"]
 GpusFor = Callable[[int], list[int]]
 
@@ -19,9 +17,7 @@ def gpus_function(groups: Sequence[Sequence[int]], kind: MappingKind | str = "cr
     """``num_stages -> worker_gpus`` for the root complexes ``groups`` (GPU indices 0..N-1)."""
     import topology
 
-    if kind not in ("cross", "sequential"):
-        raise ConfigError(f"parallel.mapping must be cross or sequential, got {kind!r}")
-    search = topology.cross_mapping if kind == "cross" else topology.sequential_mapping
+    search = {"cross": topology.cross_mapping, "sequential": topology.sequential_mapping}[kind]
     cache: dict[int, list[int]] = {}
     groups = [list(g) for g in groups]
 
@@ -34,12 +30,11 @@ def gpus_function(groups: Sequence[Sequence[int]], kind: MappingKind | str = "cr
 
 
 def as_gpus_function(mapping: MappingKind | str | Sequence[int] | GpusFor, groups: Sequence[Sequence[int]]) -> GpusFor:
-    """Accept a mapping kind, a fixed slot order, or a function, and return a function."""
+    """A function for a mapping kind, a fixed slot order, or a function (as
+    :class:`partition.request.PlanRequest` checks them)."""
     if callable(mapping):
         return mapping
     if isinstance(mapping, str):
         return gpus_function(groups, mapping)
     fixed = [int(s) for s in mapping]
-    if sorted(fixed) != list(range(len(fixed))):
-        raise ConfigError(f"worker_gpus {fixed} must be a permutation of the GPUs 0..{len(fixed) - 1}")
     return lambda num_stages: fixed

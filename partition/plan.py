@@ -1,14 +1,15 @@
 """The plan the trainer runs: stages, their GPUs, the runtime's memory settings, predicted time and
 memory, and how it was found.
 
-:func:`plan_model` is the one entry point: profile (or estimate) the units, solve the MIP over every
-stage count under each memory setting the run allows (two device slots or one; boundary inputs kept
-on the GPU or in host memory), choose the resident and kept stages of its partition
-(:mod:`partition.residency`), simulate the plan's schedule on the real topology (root-complex
-contention included) -- and, where the simulated step shows contention the MIP's rates did not,
-plan again at the rates the simulated step reached, keeping the faster -- then choose the gradient
-download dtype and simulate the baselines beside it. The runtime takes :meth:`Plan.runtime_settings`
-from the plan and builds the same schedule the simulator ran.
+:func:`plan_model` is the one entry point: given the units' profile, the machine and what is asked
+(:class:`partition.request.PlanRequest`), solve the MIP over every stage count under each memory
+setting the request allows (two device slots or one; boundary inputs kept on the GPU or in host
+memory), choose the resident and kept stages of its partition (:mod:`partition.residency`),
+simulate the plan's schedule on the real topology (root-complex contention included) -- and, where
+the simulated step shows contention the MIP's rates did not, plan again at the rates the simulated
+step reached, keeping the faster -- then choose the gradient download dtype and simulate the
+baselines beside it. The runtime takes :meth:`Plan.runtime_settings` from the plan and builds the
+same schedule the simulator ran.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Collection, Sequence
 
 from partition.baselines import BASELINES
 from partition.costs import PRECISION_BYTES, ModelProfile, host_bytes_per_param, stage_costs
@@ -29,11 +30,10 @@ from partition.evaluate import ModelEvaluator, stage_exprs
 from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
-from partition.lp import SolverName
-from partition.mapping import MappingKind, GpusFor, as_gpus_function
-from partition.mip import (DEFAULT_REL_GAP, BandwidthView, MipResult, StageCountResult, explain_infeasible,
-                           given_partition, solve_partition)
-from partition.simulate import SimResult, Sharing, simulate
+from partition.mapping import GpusFor, as_gpus_function
+from partition.mip import MipResult, StageCountResult, explain_infeasible, given_partition, solve_partition
+from partition.request import PlanRequest
+from partition.simulate import SimResult, simulate
 from partition.timing import Numbers, Shape, worker_needs
 
 log = logging.getLogger(__name__)
@@ -220,86 +220,72 @@ def _summary_lines(p: Plan) -> list[str]:
 
 
 CONTENTION_GAP = 0.03  # re-plan when the simulated step exceeds the MIP's model of it by more than this
-CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
 CONTENTION_REL_GAP = 0.02  # the re-plan's optimality gap: its rates are one simulated step's estimates
 MIN_SEARCH_S = 1.0  # the least time a search gets, whatever the limit left
 ALTERNATIVES_SHARE = 0.5  # of the time limit: the residency passes on a search's partitions (the best's included)
 
 
+@dataclass(frozen=True)
+class PlanContext:
+    """What the helpers of one planning share: the request, the profile, the machine the plan runs
+    on (the MIP may see it at other rates: their ``model_hw``), the stage-to-GPU slot orders, and
+    when the planning started (the request's time limit counts from then)."""
+
+    req: PlanRequest
+    prof: ModelProfile
+    hw: Hardware
+    gpus_for: GpusFor
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def of(cls, prof: ModelProfile, hw: Hardware, req: PlanRequest) -> PlanContext:
+        """The context of planning ``req`` for ``prof`` on ``hw``; stops where the request asks what
+        the profile cannot give."""
+        if req.grad_download == "half" and prof.precision != "bf16":
+            raise ConfigError(f"parallel.grad_download=half needs train.precision bf16, got {prof.precision} (fp32 has "
+                              f"no half copy to land in; fp16 sums of loss-scaled gradients can overflow)")
+        if req.boundaries is not None and req.boundaries[-1] != prof.num_units:
+            raise ConfigError(f"PlanRequest.boundaries {list(req.boundaries)} must end at the model's "
+                              f"{prof.num_units} units")
+        return cls(req, prof, hw, as_gpus_function(req.mapping, hw.groups))
+
+    def time_left(self) -> float:
+        """What the request's time limit leaves, at least ``MIN_SEARCH_S``."""
+        return max(MIN_SEARCH_S, self.req.time_limit_s - (time.perf_counter() - self.started))
+
+    def evaluator(self, model_hw: Hardware, options: PipelineOptions) -> ModelEvaluator:
+        """The timing model of the request's step at ``model_hw``'s rates under ``options``."""
+        return ModelEvaluator(self.prof, model_hw, self.gpus_for, self.req.micro_batches, self.req.bandwidth_view,
+                              options)
+
+    def simulate(self, bounds: Sequence[int], options: PipelineOptions, record: bool = True) -> SimResult:
+        """The partition ``bounds`` under ``options`` simulated on the machine."""
+        return simulate(self.prof, bounds, self.hw, self.gpus_for(len(bounds) - 1), self.req.micro_batches, options,
+                        self.req.sharing, record=record)
+
+
 # ---------------------------------------------------------------------------------- entry point
-def plan_model(specs_or_profile: Sequence[Any] | ModelProfile, hardware: Hardware, *, micro_batches: int,
-               micro_batch_size: int = 1, seq_len: int = 512, precision: str = "bf16",
-               mapping: MappingKind | str | Sequence[int] | GpusFor = "cross", solver: SolverName = "auto",
-               time_limit_s: float = 3.0, profile: str = "auto", gpu: Any = None, cache_dir: str | None = None,
-               bandwidth_view: BandwidthView = "link", sharing: Sharing = "priority",
-               with_baselines: bool = True, rel_gap: float = DEFAULT_REL_GAP, prefetch: bool = True,
-               min_stages: int = 1, boundaries: list[int] | None = None, offload_inputs: str = "auto",
-               barrier: bool = False, resident: Sequence[int] | None = None, kept: Sequence[int] | None = None,
-               grad_download: str = "auto", contention_rounds: int = CONTENTION_ROUNDS) -> Plan:
-    """Profile (or take) the unit costs, find the best partition and runtime settings, simulate it
-    and the baselines.
+def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) -> Plan:
+    """Find the best partition and runtime settings of ``request`` for the unit costs ``profile`` on
+    ``hardware``, simulate the plan and (``request.with_baselines``) the baselines.
 
-    ``mapping``: "cross" or "sequential" (``topology``'s search for each stage count), a fixed slot
-    order, or a function of the stage count. ``bandwidth_view``: how the MIP sees shared root
-    complexes (see :func:`partition.mip.build_model`); the simulator always models them.
-    ``min_stages``: the fewest stages allowed (a runtime that keeps every GPU busy needs ``N``).
-    ``boundaries``: a partition to evaluate instead of solving for one (``parallel.stages``).
-    ``prefetch``: two device slots allowed; ``offload_inputs``: "on", "off" or "auto" (both tried);
-    ``barrier``: the run clips gradients or scales fp16 losses (updates wait for the global norm).
-    ``resident`` / ``kept``: the stages that stay on their GPU / keep their activations (None: the
-    second pass chooses, see :mod:`partition.residency`). ``grad_download``: "fp32", "half" or
-    "auto" (half when host memory needs it or the simulator finds it clearly faster).
-    ``contention_rounds``: how often to re-plan at the simulated transfer rates when contention
-    the MIP does not see slows the simulated step (0: never; see :func:`_replan_under_contention`).
-    """
-    prof = _profile(specs_or_profile, micro_batch_size, seq_len, precision, profile, gpu, cache_dir)
-    _check_grad_download(grad_download, prof.precision)
-    gpus_for = as_gpus_function(mapping, hardware.groups)
-    t0 = time.perf_counter()
-    want = (None if resident is None else frozenset(resident), None if kept is None else frozenset(kept))
-
-    replans = contention_rounds > 0 and boundaries is None
-
-    def plan_at(model_hw: Hardware, gap: float = rel_gap) -> _Candidate:
-        """The MIP's partition (to ``gap``) and the residency pass at ``model_hw``'s rates, simulated on
-        the machine (a re-plan gets what time is left, at least ``MIN_SEARCH_S``)."""
-        left = max(MIN_SEARCH_S, time_limit_s - (time.perf_counter() - t0))
-        res, options = _search(prof, model_hw, gpus_for, micro_batches, solver, left, bandwidth_view, gap,
-                               prefetch, min_stages, boundaries, offload_inputs, barrier,
-                               "half" if grad_download == "half" else "fp32")
-        chosen, sim, tried = _fastest_residency(prof, hardware, gpus_for, micro_batches, res, options, bandwidth_view,
-                                                sharing, want, model_hw, ALTERNATIVES_SHARE * time_limit_s)
-        if options.num_slots == 1 and prefetch:  # two slots do not fit: prefetch what fits of the next stage
-            chosen, sim = _partial_prefetch(prof, hardware, gpus_for, micro_batches, res.best.boundaries, options,
-                                            bandwidth_view, sharing, want, model_hw, (chosen, sim))
-        return _Candidate(model_hw, res, chosen, sim, tried)
-
-    best, tried = plan_at(hardware), []
-    if replans:
-        best, tried = _replan_under_contention(best, plan_at, prof, hardware, gpus_for, micro_batches, bandwidth_view,
-                                               contention_rounds, max(rel_gap, CONTENTION_REL_GAP))
-    res, options, sim, bounds = best.res, best.options, best.sim, best.res.best.boundaries
-    worker_gpus = gpus_for(len(bounds) - 1)
-    options, sim, choice = _grad_dtype(prof, hardware, worker_gpus, micro_batches, bounds, options, sharing, grad_download,
-                                       sim)
-    _check_host_memory(prof, hardware, bounds, options)
-    base, base_bounds = {}, {}
-    if with_baselines:
-        swapped = dataclasses.replace(options, resident=frozenset(), kept=frozenset(), prefetch_bytes=0)
-        timed: dict[tuple[int, ...], float] = {}  # baselines that land on one partition (large models) share its time
-        for name, fn in BASELINES.items():
-            b = fn(prof, hardware, len(worker_gpus), micro_batches, swapped)
-            base_bounds[name] = b
-            if b and tuple(b) not in timed:
-                timed[tuple(b)] = _baseline_time(prof, hardware, gpus_for, micro_batches, b, options, bandwidth_view,
-                                                 sharing, want, best.model_hw)
-            base[name] = timed[tuple(b)] if b else None
-    res.solve_s = time.perf_counter() - t0
-    label = mapping if isinstance(mapping, str) else "given"
-    plan = _assemble(prof, hardware, bounds, worker_gpus, micro_batches, options, sim, res, base, base_bounds, label)
+    The MIP's partition gets its resident and kept stages (:func:`_fastest_residency`); where the
+    simulated step shows contention the MIP's rates did not, the planner plans again at the rates
+    the simulated step reached (:func:`_replan_under_contention`); then the gradient download dtype
+    (:func:`_grad_dtype`). A profile comes from :func:`partition.profile.get_profile` (or
+    :func:`partition.estimate.estimate_units`)."""
+    ctx = PlanContext.of(profile, hardware, request)
+    best, tried = _plan_at(ctx, hardware, request.rel_gap), []
+    if request.contention_rounds > 0 and request.boundaries is None:
+        best, tried = _replan_under_contention(ctx, best)
+    res, bounds = best.res, best.res.best.boundaries
+    options, sim, choice = _grad_dtype(ctx, bounds, best.options, best.sim)
+    _check_host_memory(ctx, bounds, options)
+    base, base_bounds = _baselines(ctx, bounds, options, best.model_hw) if request.with_baselines else ({}, {})
+    res.solve_s = time.perf_counter() - ctx.started
+    plan = _assemble(ctx, bounds, options, sim, res, base, base_bounds)
     plan.grad_choice = choice
-    plan.model_step_s = ModelEvaluator(prof, best.model_hw, gpus_for, micro_batches, bandwidth_view,
-                                       options).step_time(bounds)
+    plan.model_step_s = ctx.evaluator(best.model_hw, options).step_time(bounds)
     plan.mip["contention_plans"] = tried
     plan.mip["alternatives"] = best.alternatives
     if best.model_hw is not hardware:
@@ -320,27 +306,37 @@ class _Candidate:
     alternatives: list[dict]  # each partition the residency pass tried (:func:`_fastest_residency`)
 
 
-def _replan_under_contention(best: _Candidate, plan_at: Callable[[Hardware, float], _Candidate], prof: ModelProfile,
-                             hw: Hardware, gpus_for: GpusFor, M: int, view: BandwidthView, rounds: int,
-                             gap: float) -> tuple[_Candidate, list[dict]]:
-    """The outer loop of MIP and simulator: while the simulated step exceeds the model's by more
-    than ``CONTENTION_GAP`` (uploads and downloads slowed by the root complex they share, or by
-    activations on their links), plan again at the rates the simulated step reached
-    (:func:`simulated_rates`, the MIP to ``gap``) and keep the new plan if it simulates faster.
-    Also returns each plan tried: its rates, partition, resident and kept stages, model and simulated step."""
+def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float) -> _Candidate:
+    """The MIP's partition (to ``rel_gap``) and the residency pass at ``model_hw``'s rates, simulated
+    on the machine (a re-plan gets what time is left, at least ``MIN_SEARCH_S``)."""
+    res, options = _search(ctx, model_hw, ctx.time_left(), rel_gap)
+    chosen, sim, tried = _fastest_residency(ctx, res, options, model_hw, ALTERNATIVES_SHARE * ctx.req.time_limit_s)
+    if options.num_slots == 1 and ctx.req.prefetch:  # two slots do not fit: prefetch what fits of the next stage
+        chosen, sim = _partial_prefetch(ctx, res.best.boundaries, options, model_hw, (chosen, sim))
+    return _Candidate(model_hw, res, chosen, sim, tried)
+
+
+def _replan_under_contention(ctx: PlanContext, best: _Candidate) -> tuple[_Candidate, list[dict]]:
+    """The outer loop of MIP and simulator, ``ctx.req.contention_rounds`` rounds at most: while the
+    simulated step exceeds the model's by more than ``CONTENTION_GAP`` (uploads and downloads slowed
+    by the root complex they share, or by activations on their links), plan again at the rates the
+    simulated step reached (:func:`simulated_rates`, the MIP to the request's gap or
+    ``CONTENTION_REL_GAP``, the larger) and keep the new plan if it simulates faster. Also returns
+    each plan tried: its rates, partition, resident and kept stages, model and simulated step."""
     def row(c: _Candidate, model_s: float) -> dict:
-        return {"rates": "link" if c.model_hw is hw else "simulated", "boundaries": c.res.best.boundaries,
+        return {"rates": "link" if c.model_hw is ctx.hw else "simulated", "boundaries": c.res.best.boundaries,
                 "resident": sorted(c.options.resident), "kept": sorted(c.options.kept), "model_step_s": model_s,
                 "simulated_step_s": c.sim.step_s}
 
     def model_of(c: _Candidate) -> float:
-        return ModelEvaluator(prof, c.model_hw, gpus_for, M, view, c.options).step_time(c.res.best.boundaries)
+        return ctx.evaluator(c.model_hw, c.options).step_time(c.res.best.boundaries)
 
+    gap = max(ctx.req.rel_gap, CONTENTION_REL_GAP)
     tried = [row(best, model_of(best))]
-    for _ in range(rounds):
+    for _ in range(ctx.req.contention_rounds):
         if best.sim.step_s <= tried[-1]["model_step_s"] * (1 + CONTENTION_GAP):
             break
-        again = plan_at(simulated_rates(hw, best.sim), gap)
+        again = _plan_at(ctx, simulated_rates(ctx.hw, best.sim), gap)
         tried.append(row(again, model_of(again)))
         log.info("contention: the simulated step %.3f s exceeds the model's %.3f s; re-planned at the simulated rates: "
                  "%.3f s simulated (%d stages)", best.sim.step_s, tried[-2]["model_step_s"], again.sim.step_s,
@@ -373,37 +369,27 @@ def simulated_rates(hw: Hardware, sim: SimResult) -> Hardware:
                                bidir_Bps=None, name=f"{hw.name} at its simulated rates")
 
 
-def _check_grad_download(grad_download: str, precision: str) -> None:
-    if grad_download not in ("auto", "fp32", "half"):
-        raise ConfigError(f"parallel.grad_download must be auto, fp32 or half, got {grad_download!r}")
-    if grad_download == "half" and precision != "bf16":
-        raise ConfigError(f"parallel.grad_download=half needs train.precision bf16, got {precision} (fp32 has no half "
-                          f"copy to land in; fp16 sums of loss-scaled gradients can overflow)")
-
-
 RESIDENCY_RESERVE = 0.06  # of the usable GPU memory, kept free by the automatic residency choice: the memory
 # model's error and the allocator's fragmentation (an H100 capped at 24 GiB ran out with 23.9 GiB planned)
 
 
-def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
-               options: PipelineOptions, view: BandwidthView, sharing: Sharing, resident: frozenset[int] | None,
-               kept: frozenset[int] | None, model_hw: Hardware | None = None,
+def _residency(ctx: PlanContext, bounds: list[int], options: PipelineOptions, model_hw: Hardware | None = None,
                against_none: bool = True) -> tuple[PipelineOptions, SimResult]:
-    """The partition's resident and kept stages (given, or chosen by the second pass at
+    """The partition's resident and kept stages (the request's, or chosen by the second pass at
     ``model_hw``'s rates, by default the machine's) and its simulation on the machine; an automatic
     choice the simulator finds slower than none is dropped (unless ``against_none`` is off: the
     caller checks)."""
-    model_hw = model_hw or hw
-    ev = ModelEvaluator(prof, model_hw, gpus_for, M, view, options)
-    worker_gpus = gpus_for(len(bounds) - 1)
+    model_hw = model_hw or ctx.hw
+    resident, kept = ctx.req.resident, ctx.req.kept
+    ev = ctx.evaluator(model_hw, options)
     if resident or kept:
         wrong = residency.check_choice(ev, bounds, resident or frozenset(), kept or frozenset())
         if wrong:
             raise ConfigError(f"parallel.{wrong[0]}_stages: {wrong[1]}")
     res, kp, t = frozenset(), frozenset(), math.inf
     if resident is None or kept is None:  # what the planner adds leaves RESIDENCY_RESERVE of the GPU free
-        spare = dataclasses.replace(model_hw, gpu_memory_bytes=int(hw.gpu_memory_bytes * (1 - RESIDENCY_RESERVE)))
-        res, kp, t = residency.choose(ModelEvaluator(prof, spare, gpus_for, M, view, options), bounds, resident, kept)
+        spare = dataclasses.replace(model_hw, gpu_memory_bytes=int(ctx.hw.gpu_memory_bytes * (1 - RESIDENCY_RESERVE)))
+        res, kp, t = residency.choose(ctx.evaluator(spare, options), bounds, resident, kept)
     if not math.isfinite(t):  # or what the config forces does not fit that way
         res, kp, t = residency.choose(ev, bounds, resident, kept)
     chosen = dataclasses.replace(options, resident=res, kept=kp)
@@ -411,18 +397,17 @@ def _residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, boun
         broken = ev.evaluate(bounds, chosen).violations[0]
         raise MobiusError(f"resident stages {sorted(res)} and kept stages {sorted(kp)} do not fit: {broken[0]} needs "
                           f"{broken[1]:.2f} GB of the {broken[2]:.2f} GB usable per GPU")
-    sim = simulate(prof, bounds, hw, worker_gpus, M, chosen, sharing)
+    sim = ctx.simulate(bounds, chosen)
     if (res or kp) and (resident is None or kept is None) and not (resident or kept) and against_none:
-        return _unless_none_is_faster(prof, hw, worker_gpus, M, bounds, options, sharing, chosen, sim)
+        return _unless_none_is_faster(ctx, bounds, options, chosen, sim)
     return chosen, sim
 
 
-def _unless_none_is_faster(prof: ModelProfile, hw: Hardware, worker_gpus: list[int], M: int, bounds: list[int],
-                           options: PipelineOptions, sharing: Sharing, chosen: PipelineOptions,
+def _unless_none_is_faster(ctx: PlanContext, bounds: list[int], options: PipelineOptions, chosen: PipelineOptions,
                            sim: SimResult) -> tuple[PipelineOptions, SimResult]:
     """The automatic resident/kept choice (``chosen``, simulated as ``sim``), or none (``options``) where
     the simulator finds none faster."""
-    plain = simulate(prof, bounds, hw, worker_gpus, M, options, sharing)
+    plain = ctx.simulate(bounds, options)
     if plain.step_s <= sim.step_s:
         log.info("the resident/kept choice %s/%s simulates slower (%.3f s) than none (%.3f s): dropped",
                  sorted(chosen.resident), sorted(chosen.kept), sim.step_s, plain.step_s)
@@ -430,20 +415,17 @@ def _unless_none_is_faster(prof: ModelProfile, hw: Hardware, worker_gpus: list[i
     return chosen, sim
 
 
-def _fastest_residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, res: MipResult,
-                       options: PipelineOptions, view: BandwidthView, sharing: Sharing,
-                       want: tuple[frozenset[int] | None, frozenset[int] | None],
-                       model_hw: Hardware, budget_s: float) -> tuple[PipelineOptions, SimResult, list[dict]]:
+def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOptions, model_hw: Hardware,
+                       budget_s: float) -> tuple[PipelineOptions, SimResult, list[dict]]:
     """The residency pass on the search's best partition and, when the pass chooses both lists, on its
     near-best alternatives (:func:`partition.mip.near_best`) that fit in ``budget_s`` (their cost
     estimated from the first pass's, as the cube of the stage count): the fastest simulated becomes
     ``res.best`` (resident stages and kept activations can reorder partitions the timing model puts
     within a few percent of each other). Also returns a row per partition tried."""
     start = time.perf_counter()
-    chosen, sim = _residency(prof, hw, gpus_for, M, res.best.boundaries, options, view, sharing, *want,
-                             model_hw=model_hw)
+    chosen, sim = _residency(ctx, res.best.boundaries, options, model_hw=model_hw)
     first_s, tried = time.perf_counter() - start, [_alternative_row(res.best, chosen, sim)]
-    if want != (None, None):
+    if (ctx.req.resident, ctx.req.kept) != (None, None):
         return chosen, sim, tried
     first = res.best
     for alt in res.alternatives[1:]:
@@ -451,16 +433,14 @@ def _fastest_residency(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: i
         if time.perf_counter() - start + expected > budget_s:
             continue
         try:  # (checked against no residency only if it wins)
-            alt_chosen, alt_sim = _residency(prof, hw, gpus_for, M, alt.boundaries, options, view, sharing, *want,
-                                             model_hw=model_hw, against_none=False)
+            alt_chosen, alt_sim = _residency(ctx, alt.boundaries, options, model_hw=model_hw, against_none=False)
         except MobiusError:
             continue
         tried.append(_alternative_row(alt, alt_chosen, alt_sim))
         if alt_sim.step_s < sim.step_s:
             chosen, sim, res.best = alt_chosen, alt_sim, alt
     if res.best is not first and (chosen.resident or chosen.kept):
-        chosen, sim = _unless_none_is_faster(prof, hw, gpus_for(res.best.num_stages), M, res.best.boundaries,
-                                             options, sharing, chosen, sim)
+        chosen, sim = _unless_none_is_faster(ctx, res.best.boundaries, options, chosen, sim)
     return chosen, sim, tried
 
 
@@ -469,28 +449,23 @@ def _alternative_row(r: StageCountResult, chosen: PipelineOptions, sim: SimResul
             "resident": len(chosen.resident), "kept": len(chosen.kept)}
 
 
-def _partial_prefetch(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
-                      options: PipelineOptions, view: BandwidthView, sharing: Sharing,
-                      want: tuple[frozenset[int] | None, frozenset[int] | None], model_hw: Hardware,
+def _partial_prefetch(ctx: PlanContext, bounds: list[int], options: PipelineOptions, model_hw: Hardware,
                       plain: tuple[PipelineOptions, SimResult]) -> tuple[PipelineOptions, SimResult]:
     """One device slot: a prefetch buffer for the next stage's first bytes in the memory that remains
     (the Mobius paper's eqs. 5-6). The memory goes either to the residency pass first and the buffer
     to what it leaves, or to the largest buffer first and the residency pass to the rest; the fastest
     simulated of those and ``plain`` (no buffer) wins."""
-    worker_gpus = gpus_for(len(bounds) - 1)
-    largest = max((c.param_bytes for j, c in enumerate(stage_costs(prof, bounds)) if j not in plain[0].resident),
+    largest = max((c.param_bytes for j, c in enumerate(stage_costs(ctx.prof, bounds)) if j not in plain[0].resident),
                   default=0)
     found = [plain]
-    after = _buffer_bytes(hw, plain[1], largest)
+    after = _buffer_bytes(ctx.hw, plain[1], largest)
     if after > 0:
         opts = dataclasses.replace(plain[0], prefetch_bytes=after)
-        found.append((opts, simulate(prof, bounds, hw, worker_gpus, M, opts, sharing)))
-    bare = simulate(prof, bounds, hw, worker_gpus, M, options, sharing, record=False)
-    first = _buffer_bytes(hw, bare, largest)
+        found.append((opts, ctx.simulate(bounds, opts)))
+    first = _buffer_bytes(ctx.hw, ctx.simulate(bounds, options, record=False), largest)
     if first > 0 and first != after:
         with contextlib.suppress(MobiusError):
-            found.append(_residency(prof, hw, gpus_for, M, bounds, dataclasses.replace(options, prefetch_bytes=first),
-                                    view, sharing, *want, model_hw=model_hw))
+            found.append(_residency(ctx, bounds, dataclasses.replace(options, prefetch_bytes=first), model_hw=model_hw))
     return min(found, key=lambda c: c[1].step_s)
 
 
@@ -508,30 +483,30 @@ def _buffer_bytes(hw: Hardware, sim: SimResult, largest: float) -> int:
 GRAD_HALF_GAIN = 0.05  # what auto's gradient download dtype must gain in simulated step time to be chosen
 
 
-def _grad_dtype(prof: ModelProfile, hw: Hardware, worker_gpus: list[int], M: int, bounds: list[int],
-                options: PipelineOptions, sharing: Sharing, grad_download: str,
+def _grad_dtype(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
                 sim: SimResult) -> tuple[PipelineOptions, SimResult, str]:
     """The gradient download dtype: as asked, or (auto) half when the host memory needs it or the
     simulator finds it at least ``GRAD_HALF_GAIN`` faster. Otherwise fp32 (the reference's numbers,
     4 more host bytes per parameter) where the host memory is known to hold it; where it is not
     known (a saved topology), fp32 only when it is at least ``GRAD_HALF_GAIN`` faster than half."""
-    if grad_download != "auto":
+    prof, host_memory = ctx.prof, ctx.hw.host_memory_bytes
+    if ctx.req.grad_download != "auto":
         return options, sim, "as configured"
     if prof.precision != "bf16":
         return options, sim, f"{prof.precision} training"
     half = dataclasses.replace(options, grad_dtype="half")
     need = _host_bytes(prof, bounds, options)
-    if hw.host_memory_bytes is not None and need > hw.host_memory_bytes:
-        return half, simulate(prof, bounds, hw, worker_gpus, M, half, sharing), (
-            f"fp32 gradient buffers would need {need / GiB:.1f} GiB of host memory, {hw.host_memory_bytes / GiB:.1f} "
+    if host_memory is not None and need > host_memory:
+        return half, ctx.simulate(bounds, half), (
+            f"fp32 gradient buffers would need {need / GiB:.1f} GiB of host memory, {host_memory / GiB:.1f} "
             f"GiB is available")
     if not sim.bytes_by_kind.get("grad"):
         return options, sim, "no gradient downloads"
-    fast = simulate(prof, bounds, hw, worker_gpus, M, half, sharing)
+    fast = ctx.simulate(bounds, half)
     gain = 1 - fast.step_s / sim.step_s
     if gain >= GRAD_HALF_GAIN:
         return half, fast, f"simulated {100 * gain:.1f}% faster than fp32"
-    if hw.host_memory_bytes is None and sim.step_s > fast.step_s * (1 - GRAD_HALF_GAIN):
+    if host_memory is None and sim.step_s > fast.step_s * (1 - GRAD_HALF_GAIN):
         extra = need - _host_bytes(prof, bounds, half)
         return half, fast, (f"host memory not known: fp32 would take {extra / GiB:.1f} GiB more for "
                             f"{100 * max(0.0, 1 - sim.step_s / fast.step_s):.1f}% of the step (< "
@@ -541,16 +516,17 @@ def _grad_dtype(prof: ModelProfile, hw: Hardware, worker_gpus: list[int], M: int
     return options, sim, f"half would save {100 * gain:.1f}% of the step (< {100 * GRAD_HALF_GAIN:.0f}%)"
 
 
-def _check_host_memory(prof: ModelProfile, hw: Hardware, bounds: list[int], options: PipelineOptions) -> None:
+def _check_host_memory(ctx: PlanContext, bounds: list[int], options: PipelineOptions) -> None:
     """Stop when the chosen plan's host stores exceed the host memory (when it is known)."""
+    prof, host_memory = ctx.prof, ctx.hw.host_memory_bytes
     need = _host_bytes(prof, bounds, options)
-    if hw.host_memory_bytes is not None and need > hw.host_memory_bytes:
+    if host_memory is not None and need > host_memory:
         per = host_bytes_per_param(prof.precision, options.grad_dtype == "half")
         frozen = (f" ({PRECISION_BYTES[prof.precision]} per frozen one)" if any(u.frozen_count for u in prof.units)
                   else "")
         raise MobiusError(f"host memory does not suffice: the swapped stages need {need / GiB:.1f} GiB ({per} bytes "
                           f"per parameter{frozen}, {options.grad_dtype} gradient downloads), "
-                          f"{hw.host_memory_bytes / GiB:.1f} GiB is available (partition.host_memory_gib, or 85% of the "
+                          f"{host_memory / GiB:.1f} GiB is available (partition.host_memory_gib, or 85% of the "
                           f"free memory of this machine)")
 
 
@@ -562,47 +538,65 @@ def _host_bytes(prof: ModelProfile, bounds: list[int], options: PipelineOptions)
                for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident)
 
 
-def _baseline_time(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, bounds: list[int],
-                   options: PipelineOptions, view: BandwidthView, sharing: Sharing,
-                   want: tuple[frozenset[int] | None, frozenset[int] | None], model_hw: Hardware) -> float:
-    """A baseline partition simulated the same way (with its own automatic residency choice, at
-    the rates the plan's was made at)."""
-    base = dataclasses.replace(options, resident=frozenset(), kept=frozenset(), prefetch_bytes=0)
-    auto = tuple(None if w is None else frozenset() for w in want)
+def _baselines(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
+               model_hw: Hardware) -> tuple[dict[str, float | None], dict[str, list[int] | None]]:
+    """Each baseline's partition on the GPUs of the plan's partition ``bounds`` and its step
+    simulated the same way (None: it does not fit)."""
+    workers = len(ctx.gpus_for(len(bounds) - 1))
+    swapped = dataclasses.replace(options, resident=frozenset(), kept=frozenset(), prefetch_bytes=0)
+    base, base_bounds = {}, {}
+    timed: dict[tuple[int, ...], float] = {}  # baselines that land on one partition (large models) share its time
+    for name, fn in BASELINES.items():
+        b = fn(ctx.prof, ctx.hw, workers, ctx.req.micro_batches, swapped)
+        base_bounds[name] = b
+        if b and tuple(b) not in timed:
+            timed[tuple(b)] = _baseline_time(ctx, b, swapped, model_hw)
+        base[name] = timed[tuple(b)] if b else None
+    return base, base_bounds
+
+
+def _baseline_time(ctx: PlanContext, bounds: list[int], swapped: PipelineOptions, model_hw: Hardware) -> float:
+    """A baseline partition simulated the same way: under ``swapped`` (the plan's settings, no stage
+    resident or kept) with its own residency choice where the request's is automatic, none where the
+    request forces stages (at the rates the plan's was made at)."""
+    req = ctx.req
+    auto = dataclasses.replace(req, resident=None if req.resident is None else frozenset(),
+                               kept=None if req.kept is None else frozenset())
     try:
-        _, sim = _residency(prof, hw, gpus_for, M, bounds, base, view, sharing, *auto, model_hw=model_hw)
+        _, sim = _residency(dataclasses.replace(ctx, req=auto), bounds, swapped, model_hw=model_hw)
     except MobiusError:
         return math.inf
     return sim.step_s
 
 
-def _option_sets(prefetch: bool, offload_inputs: str, barrier: bool,
-                 grad_dtype: str = "fp32") -> list[list[PipelineOptions]]:
+def _option_sets(req: PlanRequest) -> list[list[PipelineOptions]]:
     """The runtime settings to try, in tiers: one slot is tried only when no two-slot plan fits."""
-    offloads = {"on": [True], "off": [False]}.get(offload_inputs, [False, True])
-    tiers = [[PipelineOptions(k, o, barrier, grad_dtype=grad_dtype) for o in offloads]
-             for k in ((2, 1) if prefetch else (1,))]
-    return tiers
+    offloads = {"on": [True], "off": [False]}.get(req.offload_inputs, [False, True])
+    grad_dtype = "half" if req.grad_download == "half" else "fp32"
+    return [[PipelineOptions(k, o, req.barrier, grad_dtype=grad_dtype) for o in offloads]
+            for k in ((2, 1) if req.prefetch else (1,))]
 
 
-def _search(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, solver: SolverName, time_limit_s: float,
-            view: BandwidthView, rel_gap: float, prefetch: bool, min_stages: int, boundaries: list[int] | None,
-            offload_inputs: str, barrier: bool, grad_dtype: str) -> tuple[MipResult, PipelineOptions]:
-    """The best partition under the best runtime settings (the MIP's model decides); the result's
-    lower bound is the lowest of its tier's settings (what no setting tried can beat) and its
-    untried stage counts are theirs together."""
-    t0 = time.perf_counter()
-    counts = list(range(max(1, min_stages), prof.num_units + 1))
+def _search(ctx: PlanContext, model_hw: Hardware, time_limit_s: float,
+            rel_gap: float) -> tuple[MipResult, PipelineOptions]:
+    """The best partition (the request's, or the MIP's to ``rel_gap`` within ``time_limit_s``) under
+    the best runtime settings at ``model_hw``'s rates (the MIP's model decides); the result's lower
+    bound is the lowest of its tier's settings (what no setting tried can beat) and its untried
+    stage counts are theirs together."""
+    req, t0 = ctx.req, time.perf_counter()
+    counts = list(range(req.min_stages, ctx.prof.num_units + 1))
     best: tuple[MipResult, PipelineOptions] | None = None
-    for tier in _option_sets(prefetch, offload_inputs, barrier, grad_dtype):
+    for tier in _option_sets(req):
         bounds, skipped = [], 0
         for i, options in enumerate(tier):
-            if boundaries is not None:
-                res = given_partition(prof, hw, gpus_for, M, boundaries, view, options)
+            if req.boundaries is not None:
+                res = given_partition(ctx.prof, model_hw, ctx.gpus_for, req.micro_batches, list(req.boundaries),
+                                      req.bandwidth_view, options)
             else:  # the tier's settings share the time left
                 left = max(MIN_SEARCH_S, (time_limit_s - (time.perf_counter() - t0)) / (len(tier) - i))
-                res = solve_partition(prof, hw, gpus_for, M, solver, left, stage_counts=counts, bandwidth=view,
-                                      rel_gap=rel_gap, options=options)
+                res = solve_partition(ctx.prof, model_hw, ctx.gpus_for, req.micro_batches, req.solver, left,
+                                      stage_counts=counts, bandwidth=req.bandwidth_view, rel_gap=rel_gap,
+                                      options=options)
             bounds.append(res.lower_bound)
             skipped += res.stage_counts_skipped
             if res.best is not None and res.best.boundaries is not None and math.isfinite(res.best.predicted_s):
@@ -611,23 +605,13 @@ def _search(prof: ModelProfile, hw: Hardware, gpus_for: GpusFor, M: int, solver:
         if best is not None:
             best[0].lower_bound, best[0].stage_counts_skipped = min(bounds), skipped
             return best
-    raise explain_infeasible(prof, hw, M, _option_sets(prefetch, offload_inputs, barrier, grad_dtype)[-1][-1])
+    raise explain_infeasible(ctx.prof, model_hw, req.micro_batches, _option_sets(req)[-1][-1])
 
 
-def _profile(specs_or_profile: Any, mbs: int, seq: int, precision: str, mode: str, gpu: Any,
-             cache_dir: str | None) -> ModelProfile:
-    if isinstance(specs_or_profile, ModelProfile):
-        return specs_or_profile
-    from partition.profile import get_profile
-
-    return get_profile(list(specs_or_profile), mbs, seq, precision, mode, gpu, cache_dir=cache_dir)
-
-
-def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], worker_gpus: list[int], M: int,
-              options: PipelineOptions, sim: SimResult, res: MipResult, base: dict, base_bounds: dict,
-              mapping: str) -> Plan:
-    stages = _stage_plans(prof, bounds, worker_gpus, M, options, sim)
-    host = _host_bytes(prof, bounds, options)
+def _assemble(ctx: PlanContext, bounds: list[int], options: PipelineOptions, sim: SimResult, res: MipResult,
+              base: dict, base_bounds: dict) -> Plan:
+    """The plan of the partition ``bounds`` under ``options``, simulated as ``sim``, found as ``res``."""
+    prof, hw, worker_gpus = ctx.prof, ctx.hw, ctx.gpus_for(len(bounds) - 1)
     total = sim.total_bytes()
     traffic = {"total_bytes": total, "h2d_bytes": sum(sim.h2d_bytes), "d2h_bytes": sum(sim.d2h_bytes),
                "p2p_bytes": sum(sim.p2p_bytes), "x_param_bytes": total / max(prof.param_bytes(), 1),
@@ -640,32 +624,34 @@ def _assemble(prof: ModelProfile, hw: Hardware, bounds: list[int], worker_gpus: 
                 "stage_counts_tried": len(res.per_stage_count), "stage_counts_skipped": res.stage_counts_skipped,
                 "max_variables": res.max_size[0], "max_constraints": res.max_size[1],
                 "lower_bound_s": res.lower_bound, "per_stage_count": per_count}
-    return Plan(boundaries=bounds, worker_gpus=worker_gpus, num_gpus=hw.num_gpus, micro_batches=M,
+    mapping = ctx.req.mapping if isinstance(ctx.req.mapping, str) else "given"
+    return Plan(boundaries=bounds, worker_gpus=worker_gpus, num_gpus=hw.num_gpus, micro_batches=ctx.req.micro_batches,
                 micro_batch_size=prof.micro_batch_size, seq_len=prof.seq_len, precision=prof.precision,
                 options=options, predicted_step_s=sim.step_s, model_step_s=best.predicted_s, solver=res.solver,
-                solve_s=res.solve_s,
-                gap=res.gap, status=res.status_text(), baselines=base, baseline_boundaries=base_bounds,
-                profile_source=prof.source, device_name=prof.device_name, stages=stages,
-                peak_bytes=list(sim.peak_bytes), traffic=traffic, unit_names=[u.name for u in prof.units],
-                mapping_kind=mapping, hardware=hw.describe(), gpu_memory_bytes=hw.gpu_memory_bytes,
-                param_count=prof.param_count(),
+                solve_s=res.solve_s, gap=res.gap, status=res.status_text(), baselines=base,
+                baseline_boundaries=base_bounds, profile_source=prof.source, device_name=prof.device_name,
+                stages=_stage_plans(ctx, bounds, options, sim), peak_bytes=list(sim.peak_bytes), traffic=traffic,
+                unit_names=[u.name for u in prof.units], mapping_kind=mapping, hardware=hw.describe(),
+                gpu_memory_bytes=hw.gpu_memory_bytes, param_count=prof.param_count(),
                 cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half", len(worker_gpus)),
-                mip=mip_info, host_bytes=host, host_memory_bytes=hw.host_memory_bytes, time_split=sim.time_split())
+                mip=mip_info, host_bytes=_host_bytes(prof, bounds, options), host_memory_bytes=hw.host_memory_bytes,
+                time_split=sim.time_split())
 
 
-def _stage_plans(prof: ModelProfile, bounds: list[int], worker_gpus: list[int], M: int, options: PipelineOptions,
-                 sim: SimResult) -> list[StagePlan]:
-    costs = stage_costs(prof, bounds)
-    half = prof.precision != "fp32"
-    shape = Shape(len(costs), len(worker_gpus), M, options, prof.tied_params > 0 and len(costs) > 1)
+def _stage_plans(ctx: PlanContext, bounds: list[int], options: PipelineOptions, sim: SimResult) -> list[StagePlan]:
+    """Each stage of the partition: its units, GPU, costs and memory peaks under ``options``."""
+    costs = stage_costs(ctx.prof, bounds)
+    worker_gpus, half = ctx.gpus_for(len(bounds) - 1), ctx.prof.precision != "fp32"
+    shape = Shape(len(costs), len(worker_gpus), ctx.req.micro_batches, options,
+                  ctx.prof.tied_params > 0 and len(costs) > 1)
     needs = {what: float(n) for per in worker_needs(Numbers(), [stage_exprs(c, half) for c in costs], shape).values()
              for what, n in per}
-    names = [u.name for u in prof.units]
+    names = [u.name for u in ctx.prof.units]
     out = []
     for j, sc in enumerate(costs):
         units = names[sc.first] if sc.end - sc.first == 1 else f"{names[sc.first]}..{names[sc.end - 1]}"
-        out.append(StagePlan(index=j, first_unit=sc.first, end_unit=sc.end, units=units, gpu=worker_gpus[j % len(worker_gpus)],
-                             param_bytes=sc.param_bytes, fwd_s=sc.fwd_s,
+        out.append(StagePlan(index=j, first_unit=sc.first, end_unit=sc.end, units=units,
+                             gpu=worker_gpus[j % len(worker_gpus)], param_bytes=sc.param_bytes, fwd_s=sc.fwd_s,
                              bwd_s=sc.bwd_s + sc.acc_s - (sc.fwd_s if j in options.kept else 0.0),
                              fwd_peak_bytes=int(needs[f"stage {j} forward"] * GB),
                              bwd_peak_bytes=int(needs[f"stage {j} backward"] * GB),

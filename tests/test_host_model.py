@@ -15,7 +15,7 @@ from mobius.layout import build_layout
 from mobius.models import get_preset, unit_specs
 from mobius.models.params import model_params
 from fixtures.partition.profiles import hand_profile
-from partition import Hardware, ModelEvaluator, ModelProfile, PipelineOptions, plan_model, simulate
+from partition import Hardware, ModelEvaluator, ModelProfile, PipelineOptions, PlanRequest, plan_model, simulate
 from partition import cpu_rate
 from partition.estimate import estimate_units
 from partition.evaluate import rates_for
@@ -159,8 +159,8 @@ def _fp32_or_half(host_memory_gib: float | None) -> tuple[str, str]:
     prof = estimate_units(unit_specs(get_preset("opt-125m")), 1, 2048, "bf16", "rtx3090")
     hw = Hardware.uniform(2, 20 * GiB, 50e9, groups=[[0], [1]], cpu_adam_params_per_s=4e9)
     hw.host_memory_bytes = None if host_memory_gib is None else int(host_memory_gib * GiB)
-    plan = plan_model(prof, hw, micro_batches=8, boundaries=[0, 7, prof.num_units], resident=[], kept=[],
-                      with_baselines=False)
+    plan = plan_model(prof, hw, PlanRequest(micro_batches=8, boundaries=[0, 7, prof.num_units], resident=[], kept=[],
+                                            with_baselines=False))
     return plan.options.grad_dtype, plan.grad_choice
 
 

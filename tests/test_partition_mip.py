@@ -13,8 +13,8 @@ import pytest
 
 from fixtures.partition.profiles import random_case, random_profile, toy_profile
 from mobius.errors import MobiusError
-from partition import (Hardware, ModelEvaluator, PipelineOptions, build_model, exhaustive_search, plan_model,
-                       simulate, solve_partition, solve_stage_count)
+from partition import (Hardware, ModelEvaluator, PipelineOptions, PlanRequest, build_model, exhaustive_search,
+                       plan_model, simulate, solve_partition, solve_stage_count)
 from partition.baselines import all_partitions, is_valid
 from partition.lp import solve
 from partition.mip import StageCountResult
@@ -240,7 +240,7 @@ def test_a_model_that_cannot_fit_names_the_unit_and_the_shortfall() -> None:
     prof.units[2] = big
     hw = Hardware.uniform(2, 4 * GiB, 10e9)
     with pytest.raises(MobiusError) as err:
-        plan_model(prof, hw, micro_batches=2, mapping=[0, 1], with_baselines=False)
+        plan_model(prof, hw, PlanRequest(micro_batches=2, mapping=[0, 1], with_baselines=False))
     msg = str(err.value)
     one_slot = 6 * GiB + 4 * big.param_count + 2 * big.in_bytes + big.saved_bytes + big.work_bytes
     assert "'block.1'" in msg and f"{one_slot - 4 * GiB:,} bytes" in msg and "1 device slot" in msg

@@ -15,7 +15,7 @@ from mobius import cli
 from mobius.commands import plan as plan_cmd
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import get_preset, unit_specs
-from partition import Hardware, Plan, plan_model
+from partition import Hardware, Plan, PlanRequest, estimate_units, plan_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "partition"
 SMI_2X2 = FIXTURES / "paper_topo2x2_nvidia_smi.txt"
@@ -63,7 +63,7 @@ def opt13b_yaml(tmp_path: Path) -> Path:
 def test_plan_json_round_trip() -> None:
     prof = toy_profile(blocks=8)
     hw = Hardware.uniform(2, 2 * GiB, 10e9, groups=[[0], [1]])
-    plan = plan_model(prof, hw, micro_batches=2, mapping=[0, 1])
+    plan = plan_model(prof, hw, PlanRequest(micro_batches=2, mapping=[0, 1]))
     data = json.loads(json.dumps(plan.to_json()))
     again = Plan.from_json(data)
     assert again.to_json() == plan.to_json()
@@ -91,12 +91,12 @@ def test_pipeline_options_serialise_by_field_name() -> None:
 def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
     specs = unit_specs(get_preset("gpt2-xl"))
     hw = Hardware.paper_3090ti()
-    kw = dict(micro_batches=4, micro_batch_size=2, seq_len=512, precision="fp16", profile="estimated", gpu="rtx3090ti",
-              barrier=True, rel_gap=0.02)  # fp16 updates after the global norm; no 0.5% proof needed here
-    swapped = plan_model(specs, hw, resident=[], kept=[], **kw)  # the paper's pipeline: every stage swapped
+    prof = estimate_units(specs, 2, 512, "fp16", "rtx3090ti")
+    kw = dict(micro_batches=4, barrier=True, rel_gap=0.02)  # fp16 updates after the global norm; no 0.5% proof needed
+    swapped = plan_model(prof, hw, PlanRequest(resident=[], kept=[], **kw))  # the paper's pipeline: all swapped
     assert swapped.profile_source == "estimated" and swapped.boundaries[-1] == len(specs)
     assert 3.0 < swapped.traffic["x_param_bytes"] < 5.0  # two half-precision uploads, fp32 gradients down
-    plan = plan_model(specs, hw, **kw)  # the second pass uses the memory the swapped plan leaves free
+    plan = plan_model(prof, hw, PlanRequest(**kw))  # the second pass uses the memory the swapped plan leaves free
     for p in (swapped, plan):
         if "simulated_rates_GBps" not in p.mip:  # the contention-free model: contention only adds time (the
             # model gives each worker the CPU share of all updating at once, the simulator of those updating then)
@@ -195,11 +195,36 @@ def test_mobius_plan_reads_the_architecture_of_a_checkpoint_directory(gpt2_dir: 
     assert {c["mode"] for c in out["mode"]["candidates"]} == {"single", "pipeline", "zero"}
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("micro_batches", 0, ">= 1, got 0"), ("min_stages", 0, ">= 1, got 0"), ("contention_rounds", -1, ">= 0, got -1"),
+    ("solver", "cplex", "auto|gurobi|highs, got 'cplex'"), ("sharing", "round-robin", "priority|fair"),
+    ("bandwidth_view", "root", "link|shared, got 'root'"), ("offload_inputs", "yes", "auto|on|off, got 'yes'"),
+    ("grad_download", "fp16", "auto|fp32|half, got 'fp16'"), ("time_limit_s", 0, "> 0, got 0"),
+    ("rel_gap", 1.0, ">= 0 and < 1, got 1.0"), ("mapping", "diagonal", "cross or sequential"),
+    ("mapping", [0, 2], "[0, 2] must be a permutation of the GPUs 0..1"),
+    ("boundaries", [0, 3, 3, 8], "[0, 3, 3, 8] must start at 0 and increase"), ("resident", [-1], "[-1]")])
+def test_a_plan_request_names_the_value_it_refuses_and_the_limit(field: str, value: object, says: str) -> None:
+    with pytest.raises(ConfigError, match=f"PlanRequest.{field}") as err:
+        PlanRequest(**{"micro_batches": 2, field: value})
+    assert says in str(err.value)
+
+
+def test_a_plan_request_holds_its_sequences_frozen_and_the_profile_bounds_its_partition() -> None:
+    request = PlanRequest(micro_batches=2, mapping=[1, 0], boundaries=[0, 4, 10], resident=[1], kept=[])
+    assert (request.mapping, request.boundaries, request.resident, request.kept) == ((1, 0), (0, 4, 10),
+                                                                                      frozenset({1}), frozenset())
+    hw = Hardware.uniform(2, 2 * GiB, 10e9, groups=[[0], [1]])
+    with pytest.raises(ConfigError, match=r"boundaries \[0, 4, 10\] must end at the model's 11 units"):
+        plan_model(toy_profile(blocks=9), hw, request)
+    with pytest.raises(ConfigError, match="grad_download=half needs train.precision bf16"):
+        plan_model(toy_profile(blocks=9), hw, PlanRequest(micro_batches=2, grad_download="half"))
+
+
 def test_plan_respects_a_minimum_stage_count() -> None:
     prof = toy_profile(blocks=3, fwd_s=1e-5, param_bytes=1e6, act_bytes=20e6)  # moving activations dominates
     hw = Hardware.uniform(4, 8 * GiB, 10e9, groups=[[0], [1], [2], [3]])
-    free = plan_model(prof, hw, micro_batches=4, mapping=[0, 1, 2, 3], with_baselines=False)
-    forced = plan_model(prof, hw, micro_batches=4, mapping=[0, 1, 2, 3], with_baselines=False, min_stages=4)
+    kw = dict(micro_batches=4, mapping=[0, 1, 2, 3], with_baselines=False)
+    free, forced = plan_model(prof, hw, PlanRequest(**kw)), plan_model(prof, hw, PlanRequest(**kw, min_stages=4))
     assert forced.num_stages >= 4 and free.num_stages < 4
 
 
@@ -217,8 +242,8 @@ def test_the_plan_adapts_its_partition_to_root_complex_contention() -> None:
     model's figure comes close to the simulated one."""
     prof = toy_profile(blocks=8, fwd_s=0.01, param_bytes=200e6)
     hw = Hardware.uniform(4, 6 * GiB, 5e9, groups=[[0], [1, 2, 3]], cpu_adam_params_per_s=1e12)
-    free = plan_model(prof, hw, micro_batches=4, with_baselines=False, contention_rounds=0)
-    aware = plan_model(prof, hw, micro_batches=4, with_baselines=False)
+    free = plan_model(prof, hw, PlanRequest(micro_batches=4, with_baselines=False, contention_rounds=0))
+    aware = plan_model(prof, hw, PlanRequest(micro_batches=4, with_baselines=False))
     assert aware.boundaries != free.boundaries
     assert aware.predicted_step_s < free.predicted_step_s * 0.9, (aware.predicted_step_s, free.predicted_step_s)
     assert free.model_step_s < free.predicted_step_s * 0.8  # what the contention-free model did not see
@@ -235,8 +260,8 @@ def test_without_shared_root_complexes_the_plan_is_not_re_planned() -> None:
     """A root complex per GPU: the simulated step is what the model says, so nothing is re-planned."""
     prof = toy_profile(blocks=8, fwd_s=0.01, param_bytes=200e6)
     hw = Hardware.uniform(4, 6 * GiB, 5e9, groups=[[0], [1], [2], [3]], cpu_adam_params_per_s=1e12)
-    free = plan_model(prof, hw, micro_batches=4, with_baselines=False, contention_rounds=0)
-    aware = plan_model(prof, hw, micro_batches=4, with_baselines=False)
+    free = plan_model(prof, hw, PlanRequest(micro_batches=4, with_baselines=False, contention_rounds=0))
+    aware = plan_model(prof, hw, PlanRequest(micro_batches=4, with_baselines=False))
     assert aware.boundaries == free.boundaries and aware.predicted_step_s == free.predicted_step_s
     assert "simulated_rates_GBps" not in aware.mip and "contention-free" in aware.summary()
 
@@ -248,11 +273,11 @@ def test_where_two_slots_do_not_fit_the_plan_prefetches_what_fits_of_the_next_st
     import dataclasses
 
     from fixtures.partition.profiles import toy_profile
-    from partition import Hardware, plan_model, simulate
+    from partition import Hardware, PlanRequest, plan_model, simulate
 
     prof = toy_profile(blocks=8)
     hw = Hardware.uniform(2, int(1.25e9), 10e9, groups=[[0], [1]])
-    plan = plan_model(prof, hw, micro_batches=4, time_limit_s=5, with_baselines=False)
+    plan = plan_model(prof, hw, PlanRequest(micro_batches=4, time_limit_s=5, with_baselines=False))
     largest = max(s.param_bytes for s in plan.stages if s.index not in plan.options.resident)
     opts = plan.options
     assert opts.num_slots == 1 and 0 < opts.prefetch_bytes < largest, (opts.num_slots, opts.prefetch_bytes, largest)
@@ -276,12 +301,12 @@ def test_the_residency_pass_chooses_among_the_near_best_partitions() -> None:
     from fixtures.partition.profiles import random_case
 
     prof, hw, M = random_case(3)
-    plan = plan_model(prof, hw, micro_batches=M, time_limit_s=5, with_baselines=False, contention_rounds=0)
-    gpus_for = lambda S: plan.worker_gpus[:S]  # noqa: E731 (4 GPUs, fewer than any stage count here)
-    res, options = pp._search(prof, hw, gpus_for, M, "auto", 5, "link", 0.005, True, 1, None, "auto", False, "fp32")
+    request = PlanRequest(micro_batches=M, time_limit_s=5, with_baselines=False, contention_rounds=0)
+    plan = plan_model(prof, hw, request)
+    ctx = pp.PlanContext(request, prof, hw, lambda S: plan.worker_gpus[:S])  # (4 GPUs, fewer than any stage count)
+    res, options = pp._search(ctx, hw, 5, 0.005)
     assert len(res.alternatives) >= 2 and res.alternatives[0] is res.best
-    steps = [pp._residency(prof, hw, gpus_for, M, alt.boundaries, options, "link", "priority", None, None)[1].step_s
-             for alt in res.alternatives]
+    steps = [pp._residency(ctx, alt.boundaries, options)[1].step_s for alt in res.alternatives]
     fastest = min(range(len(steps)), key=steps.__getitem__)
     assert fastest != 0 and steps[fastest] < 0.85 * steps[0], steps
     assert plan.boundaries == res.alternatives[fastest].boundaries

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fixtures.partition.profiles import random_case
-from partition import Hardware, ModelEvaluator, PipelineOptions, plan_model, residency
+from partition import Hardware, ModelEvaluator, PipelineOptions, PlanRequest, plan_model, residency
 from partition.baselines import all_partitions, is_valid
 from partition.evaluate import GB
 from partition.mip import fewest_stages
@@ -157,7 +157,7 @@ def test_a_plan_costs_a_bounded_number_of_evaluations_and_simulations(monkeypatc
     monkeypatch.setattr(plan_module, "simulate", counted(plan_module.simulate, "simulations"))
     prof = estimate_units(unit_specs(get_preset("opt-1.3b")), 1, 1024, "bf16", "rtx3090")
     hw = Hardware.uniform(8, 22 * 2**30, 26e9, groups=[[0, 1, 2, 3], [4, 5, 6, 7]])
-    plan = plan_model(prof, hw, micro_batches=4, barrier=True, min_stages=8)
+    plan = plan_model(prof, hw, PlanRequest(micro_batches=4, barrier=True, min_stages=8))
     print(f"\nOPT-1.3B on 4+4: {counts['evaluations']} evaluations, {counts['simulations']} simulations, "
           f"{plan.solve_s:.2f} s, {plan.status}")
     assert counts["simulations"] <= 8 + 2 * 3

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''
     import partition.single
     import partition.zero
     from mobius.layout import ParamInfo
-    from partition import Hardware, Plan, estimate_units, plan_model
+    from partition import Hardware, Plan, PlanRequest, estimate_units, plan_model
     from partition.zero import ZeroHardware
 
     H, V = 256, 1000  # a small GPT-shaped model: the unit descriptions mobius.models.unit_specs gives, by hand
@@ -49,11 +49,10 @@ SCRIPT = textwrap.dedent('''
     specs = ([unit("embed", "embed", V * H, 0)] + [unit(f"block.{i}", "block", 12 * H * H, 12 * H * H)
                                                     for i in range(6)] + [unit("head", "head", V * H, V * H)])
     hw = Hardware.uniform(2, 2 * 2**30, 10e9, groups=[[0], [1]])
-    plan = plan_model(specs, hw, micro_batches=2, micro_batch_size=1, seq_len=64, precision="bf16",
-                      profile="estimated", gpu="rtx3090", time_limit_s=2, with_baselines=False)
+    prof = estimate_units(specs, 1, 64, "bf16", "rtx3090")
+    plan = plan_model(prof, hw, PlanRequest(micro_batches=2, time_limit_s=2, with_baselines=False))
     again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again.options == plan.options and again.boundaries == plan.boundaries
-    prof = estimate_units(specs, 1, 64, "bf16", "rtx3090")
     params = [ParamInfo((f"{s.name}.weight",), (s.param_count,), (i,), True) for i, s in enumerate(specs)]
     zhw = ZeroHardware(1, 2 * 2**30, 10e9, 10e9, 10e9, 700e9, 1e9, 25e9)
     zero = partition.zero.plan(params, len(specs), prof, zhw, micro_batches=2, checkpointing=True, barrier=False)

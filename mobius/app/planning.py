@@ -17,7 +17,7 @@ from mobius.errors import ConfigError, MobiusError
 from mobius.models import ModelConfig, tied_param_count, tied_weights, unit_specs
 from mobius.models.lora import trains
 from mobius.parallel import Mode, ParallelSettings
-from partition import Hardware, ModelProfile, Plan, get_profile, lookup_gpu, plan_model
+from partition import Hardware, ModelProfile, Plan, PlanRequest, get_profile, lookup_gpu, plan_model
 from partition.estimate import estimate_units
 from partition.profile import apply_profile_file, read_profile_file
 from partition.gpus import gpu_spec
@@ -218,13 +218,12 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
     if forced is not None and len(forced) - 1 < settings.workers:
         raise ConfigError(f"parallel.stages={cfg.parallel.stages} cannot keep {settings.workers} workers busy; "
                           f"set parallel.stages >= {settings.workers}")
-    t, p = cfg.train, cfg.partition
-    plan = plan_model(prof, hw, micro_batches=t.micro_batches, mapping=cfg.parallel.mapping, solver=p.solver,
-                      time_limit_s=p.time_limit_s, prefetch=cfg.parallel.prefetch, min_stages=settings.workers,
-                      boundaries=forced, offload_inputs=cfg.parallel.offload_inputs, barrier=t.barrier,
-                      resident=cfg.parallel.resident_stages, kept=cfg.parallel.kept_stages,
-                      grad_download=cfg.parallel.grad_download)
-    return plan, prof, hw
+    t, p, par = cfg.train, cfg.partition, cfg.parallel
+    request = PlanRequest(micro_batches=t.micro_batches, mapping=par.mapping, solver=p.solver,
+                          time_limit_s=p.time_limit_s, prefetch=par.prefetch, min_stages=settings.workers,
+                          boundaries=forced, offload_inputs=par.offload_inputs, barrier=t.barrier,
+                          resident=par.resident_stages, kept=par.kept_stages, grad_download=par.grad_download)
+    return plan_model(prof, hw, request), prof, hw
 
 
 # ---------------------------------------------------------------------------------------------- zero mode
