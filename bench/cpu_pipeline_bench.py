@@ -39,7 +39,7 @@ from mobius.data import byte_tokenizer  # noqa: E402
 from mobius.models import build_model  # noqa: E402
 from mobius.models.gpt2 import GPT2Config  # noqa: E402
 
-PHASE_KEYS = ("forward_s", "backward_s", "upload_wait_s")  # [predicted, measured] in each row
+PHASE_KEYS = ("forward_s", "backward_s", "upload_wait_s", "dispatch_s")  # [predicted, measured] in each row
 VARIANTS = {
     "as planned": {},
     "clipping (grad_clip 1.0)": {"train": {"grad_clip": 1.0}},
@@ -129,7 +129,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
     summary = summarize(rows)
     print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s}   "
-          "forward, backward, upload wait: predicted / measured s")
+          "forward, backward, upload wait, dispatch: predicted / measured s")
     for r in summary:
         split = ", ".join(f"{r[k][0]:.3f} / {r[k][1]:.3f}" for k in PHASE_KEYS)
         print(f"{r['variant']:32s} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} {100 * r['error']:+6.1f}% "

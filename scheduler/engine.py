@@ -169,7 +169,8 @@ class PipelineEngine:
         extra = {"h2d_bytes": int(s["h2d_bytes"]), "d2h_bytes": int(s["d2h_bytes"]), "p2p_bytes": int(s["p2p_bytes"]),
                  "traffic_x_params": round(moved / self.param_bytes, 3), "stall_s": round(s["stall_s"] / n, 4),
                  "upload_wait_s": round(s["upload_wait_s"] / n, 4), "cpu_adam_s": round(s["cpu_adam_s"] / n, 4),
-                 "forward_s": round(s["forward_s"] / n, 4), "backward_s": round(s["backward_s"] / n, 4)}
+                 "forward_s": round(s["forward_s"] / n, 4), "backward_s": round(s["backward_s"] / n, 4),
+                 "dispatch_s": round(s["dispatch_s"] / n, 4)}
         return StepStats(out.loss, out.grad_norm, out.skipped, self.rule.loss_scale, extra)
 
     def _count_update_rate(self, stats: dict[str, float]) -> None:

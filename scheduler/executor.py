@@ -154,6 +154,7 @@ class StepState:
     losses: int = 0
     stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
     wait_s: float = 0.0  # dispatch thread blocked on uploads (which wait for the stage's CPU update)
+    dispatch_s: float = 0.0  # dispatch thread in actions other than compute and the reduce (host time)
     uploads: list[Future] = field(default_factory=list)
     prefetched: dict[int, int] = field(default_factory=dict)  # stage -> its first elements in the prefetch buffer
     reloads: dict[int, Future] = field(default_factory=dict)  # stage -> its offloaded inputs' way back
@@ -228,8 +229,12 @@ class Executor:
                 start = trace.mark(stream)
                 self.handlers[action.kind](action)
                 trace.add("compute", str(action), start, trace.mark(stream))
-            else:
+            elif action.kind in COMPUTE or action.kind == Kind.REDUCE:
                 self.handlers[action.kind](action)
+            else:  # the dispatch thread's own time on everything else (messages, uploads issued, downloads)
+                t0 = time.perf_counter()
+                self.handlers[action.kind](action)
+                self.st.dispatch_s += time.perf_counter() - t0
         assert self.st.outcome is not None
         return self.st.outcome
 
@@ -692,4 +697,5 @@ class Executor:
         return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "stall_s": st.stall_s,
                 "upload_wait_s": st.wait_s, "cpu_adam_s": update_s, "cpu_adam_params": float(update_params),
                 "forward_s": self._computed_seconds("forward"), "backward_s": self._computed_seconds("backward"),
+                "dispatch_s": st.dispatch_s,
                 **{f"{kind}_bytes": float(n) for kind, n in moved.items()}}
