@@ -95,7 +95,7 @@ def summarise(args: argparse.Namespace, preset: str, name: str, out: Path, wall:
     row = {"name": name, "step_s": round(step, 4), **rates(tokens, model_flops(args, preset), step),
            "peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in lines), "ready_s": lines[0]["ready_s"],
            "ready": lines[0]["ready"], "wall_s": round(wall, 1), "loss": lines[-1]["loss"]}
-    for key in ("h2d_bytes", "d2h_bytes", "upload_wait_s", "cpu_adam_s", "forward_s", "backward_s"):
+    for key in ("h2d_bytes", "d2h_bytes", "upload_wait_s", "cpu_adam_s", "forward_s", "backward_s", "dispatch_s"):
         if key in timed[-1]:
             row[key] = round(sum(r[key] for r in timed) / len(timed), 4)
     plan = out / "plan.json"
@@ -120,19 +120,29 @@ def model_flops(args: argparse.Namespace, preset: str) -> float:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | system | ready (s) | where the start went | step (s) | tokens/s | TFLOP/s | peak GiB | "
-             "vs all-in-GPU | predicted (s) | measured / predicted |", "|" + "---|" * 11]
+             "vs all-in-GPU | predicted (s) | measured / predicted | forward, backward, dispatch: measured "
+             "(predicted) s |", "|" + "---|" * 12]
     base = {r["preset"]: r["step_s"] for r in rows if r["name"].startswith("all-in-GPU") and "step_s" in r}
     for r in rows:
         if "step_s" not in r:
-            lines.append(f"| {r['preset']} | {r['name']} | failed: {r['error']} |" + " |" * 8)
+            lines.append(f"| {r['preset']} | {r['name']} | failed: {r['error']} |" + " |" * 9)
             continue
         split = ", ".join(f"{k} {v:.1f}" for k, v in r["ready"].items())
         pred = r.get("predicted_step_s")
         vs = f"{base[r['preset']] / r['step_s']:.2f}" if r["preset"] in base else ""
         lines.append(f"| {r['preset']} | {r['name']} | {r['ready_s']:.1f} | {split} | {r['step_s']:.3f} | "
                      f"{r['tokens_per_s']:,} | {r['tflops']:.0f} | {r['peak_gib']:.1f} | {vs} | "
-                     + (f"{pred:.3f} | {r['step_s'] / pred:.2f} |" if pred else " | |"))
+                     + (f"{pred:.3f} | {r['step_s'] / pred:.2f} |" if pred else " | |") + f" {phases(r)} |")
     return "\n".join(lines)
+
+
+def phases(row: dict) -> str:
+    """The step's compute and dispatch per worker, measured beside the plan's split (pipeline runs)."""
+    if "forward_s" not in row:
+        return ""
+    split = row.get("predicted_split", {})
+    return ", ".join(f"{row[key]:.3f} ({split.get(phase, 0.0):.3f})" for phase, key in
+                     (("forward", "forward_s"), ("backward", "backward_s"), ("dispatch", "dispatch_s")) if key in row)
 
 
 def main() -> None:
