@@ -9,7 +9,6 @@ rank and the cause.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -82,17 +81,17 @@ def make_engine(cfg: Config, model_cfg: ModelConfig, plan: Plan | ZeroPlan, sett
     return engine(cfg, model_cfg, plan, settings, device, weights_from)
 
 
-def worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, ready: Prepared,
-           startup: Startup) -> TrainResult:
-    """One supervised worker: join the group, then :func:`run_worker` with the parent's resolved run
-    (``ready`` without its data: each worker maps the token cache the parent wrote)."""
+def worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, model_cfg: ModelConfig,
+           ck_dtype: torch.dtype | None, resume_from: Path | None, startup: Startup) -> TrainResult:
+    """One supervised worker: join the group, then :func:`run_worker` with what the parent resolved
+    (the architecture, the checkpoint's dtype, the checkpoint resumed); each worker maps the token
+    cache the parent wrote and reads the trainer state it resumes."""
     dist.init_process_group("gloo", timeout=TIMEOUT)
     startup.add("workers", time.time() - startup.launched)
     with startup.phase("data"):
         tokenizer, data = prepare_data(cfg)
-    resume = ResumeState(ready.resume_from) if ready.resume_from is not None else None
-    return run_worker(cfg, settings, plan, dataclasses.replace(ready, tokenizer=tokenizer, data=data, resume=resume),
-                      startup)
+    resume = ResumeState(resume_from) if resume_from is not None else None
+    return run_worker(cfg, settings, plan, Prepared(tokenizer, data, model_cfg, ck_dtype, resume_from, resume), startup)
 
 
 def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, ready: Prepared,
@@ -165,7 +164,6 @@ def spawn(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, ready:
           startup: Startup) -> TrainResult:
     """Run the workers (supervised) and return rank 0's result."""
     startup.launched = time.time()
-    parts = dataclasses.replace(ready, tokenizer=None, data=None, resume=None)  # each worker maps and reads its own
-    results = run_workers(worker, (cfg, settings, plan, parts, startup), settings.workers,
-                          logging.getLogger().getEffectiveLevel())
+    args = (cfg, settings, plan, ready.model_cfg, ready.ck_dtype, ready.resume_from, startup)
+    results = run_workers(worker, args, settings.workers, logging.getLogger().getEffectiveLevel())
     return results[0]
