@@ -218,8 +218,9 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     plan_s = time.perf_counter() - t_plan
     device = open_device(settings, 0)
     reset_peak()
-    print(f"{name}: plan stages {plan.num_stages} resident {sorted(plan.options.resident)} kept "
-          f"{sorted(plan.options.kept)} grads {plan.options.grad_dtype} slots {plan.options.num_slots} predicted {plan.predicted_step_s:.3f} s, peak "
+    opts = plan.options
+    print(f"{name}: plan stages {plan.num_stages} resident {sorted(opts.resident)} kept {sorted(opts.kept)} grads "
+          f"{opts.grad_dtype} slots {opts.num_slots} predicted {plan.predicted_step_s:.3f} s, peak "
           f"{[round(b / 2**30, 2) for b in plan.peak_bytes]} GiB, profile {plan.profile_source}", flush=True)
     engine, rss0 = None, rss_gib()
     try:
@@ -238,8 +239,8 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     row = result_row(name, t, param_count(mc), tokens, stats, flops_per_token(args, 1), grad_clip=args.grad_clip,
                      plan_s=round(plan_s, 2), **plan_fields(plan), host_rss_gib=round(rss_gib() - rss0, 1),
                      model_step_s=round(plan.model_step_s, 4), predicted_h2d_bytes=plan.traffic.get("h2d_bytes"),
-                     predicted_d2h_bytes=plan.traffic.get("d2h_bytes"), cpu_adam_params_per_s=plan.cpu_adam_params_per_s,
-                     baselines=plan.baselines)
+                     predicted_d2h_bytes=plan.traffic.get("d2h_bytes"),
+                     cpu_adam_params_per_s=plan.cpu_adam_params_per_s, baselines=plan.baselines)
     row["measured_over_predicted"] = round(t / plan.predicted_step_s, 3) if plan.predicted_step_s else None
     _end(engine)
     return row
