@@ -1,4 +1,5 @@
-"""Learning-rate schedule, AdamW parameter groups and dynamic loss scaling, shared by every engine."""
+"""Learning-rate schedule, AdamW parameter groups, dynamic loss scaling and the update rule that ends every
+engine's step (:class:`UpdateRule`), and the flat AdamW the runtimes run on host memory and GPU chunks."""
 
 from __future__ import annotations
 

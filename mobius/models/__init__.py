@@ -114,12 +114,14 @@ def build_model(cfg: ModelConfig, seed: int = 0, given: Mapping[str, torch.Tenso
 def _unit_reader(model: CausalLM, unit: nn.Module, k: int, read: Callable[[set[str]], Mapping[str, torch.Tensor]],
                  source: str) -> Callable[[], dict[str, torch.Tensor]]:
     """What the checkpoint holds of unit ``k``, by the unit's own names, read when called (in the thread
-    that fills the unit), every shape checked against the model's."""
+    that fills the unit), every shape checked against the model's. A tied head weight is not asked for:
+    it is the embedding's, read with the embedding's unit."""
     prefix = unit_prefix(k, len(model.units()))
+    tied = {head for _, head in model.tied_weights()}
 
     def given() -> dict[str, torch.Tensor]:
         own = dict(unit.named_parameters())
-        out = {n[len(prefix):]: t for n, t in read({prefix + n for n in own}).items()}
+        out = {n[len(prefix):]: t for n, t in read({prefix + n for n in own} - tied).items()}
         for name, t in out.items():
             if tuple(t.shape) != tuple(own[name].shape):
                 raise CheckpointError(f"{source}: weight {prefix + name!r} has shape {tuple(t.shape)}, the model "
