@@ -8,6 +8,8 @@ A checkpoint directory::
     mobius.json                           step and run config
     optimizer-0000r-of-0000w.safetensors  AdamW moments by parameter name, one file per rank (resumable only)
     trainer_state.json                    step, data position, losses, RNG, loss scale, optimizer step (resumable only)
+    compute-weights.safetensors           train.update=delayed: the fp32 weights the next step computes with (the
+                                          update in flight), what trains only, by parameter name (resumable only)
 
 Every rank of a run contributes a :class:`RankState` (complete fp32 tensors by mobius parameter
 name, each name on exactly one rank) and writes its own shards into one temporary directory; rank 0
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 STATE_FORMAT = "mobius.trainer_state/1"
 MAX_SHARD_BYTES = 5 * 2**30
+COMPUTE_FILE = "compute-weights.safetensors"  # train.update=delayed: the weights one update behind the newest
 TMP_MARK = ".tmp-"  # temporary directories are named ".<name>.tmp-<suffix>" next to their target
 
 
@@ -90,6 +93,7 @@ class RankState:
     moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> (exp_avg, exp_avg_sq)
     optimizer_step: int = 0  # AdamW steps taken (equal on every rank)
     scaler: dict = field(default_factory=dict)  # LossScaler.state_dict() (equal on every rank)
+    compute: dict[str, torch.Tensor] | None = None  # train.update=delayed: what trains, as the next step computes it
 
 
 def canonical_name(name: str, model_cfg: ModelConfig) -> str:
@@ -123,6 +127,8 @@ def save(path: str | os.PathLike, model_cfg: ModelConfig, dtype: torch.dtype, st
             index = _write_weights(tmp, model_cfg, dtype, state.weights, comm, max_shard_bytes)
         if resumable:
             _write_moments(tmp, model_cfg, state, comm)
+            if state.compute is not None:
+                _write_compute_weights(tmp, model_cfg, state.compute, comm)
         comm.barrier()
         if comm.rank == 0:
             (tmp / "config.json").write_text(json.dumps(config_to_hf(model_cfg, dtype), indent=2) + "\n")
@@ -142,15 +148,16 @@ def save(path: str | os.PathLike, model_cfg: ModelConfig, dtype: torch.dtype, st
     return path
 
 
-def checkpoint_bytes(model_cfg: ModelConfig, dtype: torch.dtype, resumable: bool) -> int:
+def checkpoint_bytes(model_cfg: ModelConfig, dtype: torch.dtype, resumable: bool, delayed: bool = False) -> int:
     """About how many bytes one checkpoint of this model takes: the weights in ``dtype`` (under LoRA
-    only what trains) and, when ``resumable``, two fp32 AdamW moments of what trains."""
+    only what trains) and, when ``resumable``, two fp32 AdamW moments of what trains (and, ``delayed``,
+    its fp32 compute weights)."""
     from mobius.models.params import model_params
 
     params = model_params(model_cfg)
     trains = sum(p.numel for p in params if p.trains)
     saved = trains if model_cfg.lora is not None else sum(p.numel for p in params)
-    return saved * dtype.itemsize + (8 * trains if resumable else 0)
+    return saved * dtype.itemsize + ((12 if delayed else 8) * trains if resumable else 0)
 
 
 def save_model(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -249,6 +256,19 @@ def _write_moments(tmp: Path, model_cfg: ModelConfig, state: RankState, comm: Co
         out[f"{key}.exp_avg_sq"] = v.detach().to("cpu", torch.float32).contiguous()
     file = tmp / f"optimizer-{comm.rank + 1:05d}-of-{comm.world:05d}.safetensors"
     save_file(out, str(file), metadata={"optimizer_step": str(state.optimizer_step)})
+
+
+def _write_compute_weights(tmp: Path, model_cfg: ModelConfig, compute: dict[str, torch.Tensor],
+                           comm: Collective) -> None:
+    """The weights the next step computes with (train.update=delayed), fp32 by parameter name (a tied
+    head under the embedding's name); one process holds them all (single mode)."""
+    from safetensors.torch import save_file
+
+    if comm.world != 1:
+        raise CheckpointError(f"compute weights come from one process, but {comm.world} ranks write this checkpoint")
+    out = {canonical_name(name, model_cfg): t.detach().to("cpu", torch.float32).contiguous()
+           for name, t in compute.items()}
+    save_file(out, str(tmp / COMPUTE_FILE))
 
 
 def replace_dir(tmp: Path, path: Path) -> None:
@@ -375,3 +395,28 @@ class ResumeState:
                     pair.append(h.get_tensor(f"{key}.{part}"))
             out[name] = (pair[0], pair[1])
         return out
+
+    @property
+    def delayed(self) -> bool:
+        """Whether the checkpoint holds compute weights (a train.update=delayed run's update in flight)."""
+        return (self.path / COMPUTE_FILE).is_file()
+
+    def compute_weights(self, names: list[str], model_cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+        """The weights the next step computes with, for ``names`` (a tied head gets the embedding's),
+        when the checkpoint holds them (train.update=delayed); None for a sync checkpoint."""
+        from safetensors import safe_open
+
+        file = self.path / COMPUTE_FILE
+        if not self.delayed:
+            return None
+        try:
+            with safe_open(str(file), framework="pt") as h:
+                held = {k: h.get_tensor(k) for k in h.keys()}
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{file}: cannot be read, the file is truncated or corrupt ({e})") from None
+        keys = {n: canonical_name(n, model_cfg) for n in names}
+        missing = sorted({k for k in keys.values() if k not in held})
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise CheckpointError(f"{file}: no compute weights for {', '.join(missing[:3])}{more}")
+        return {n: held[k] for n, k in keys.items()}

@@ -119,6 +119,14 @@ class TrainSection(_Section):
     eval_every: int = _f(50, "Evaluate on the held-out blocks every N steps (0: only at the end).", ge=0)
     eval_batches: int = _f(8, "Micro-batches per evaluation.", ge=1)
     log_every: int = _f(1, "Write a metrics line every N steps.", ge=1)
+    update: Literal["sync", "delayed"] = _f("sync", "sync: each step computes with the newest weights. delayed "
+                                            "(RoundPipe's one-step-delayed update): each step computes with the "
+                                            "weights one update older than the newest (step t with w_{t-2}; steps 1 "
+                                            "and 2 with the initial ones), the schedule that lets an update run while "
+                                            "the next step computes; each update is the sync one (AdamW on the newest "
+                                            "weights, clipping and fp16 loss scaling from its step's gradients). "
+                                            "Costs one more fp32 copy of what trains, in memory and in resumable "
+                                            "checkpoints. parallel.mode=single only, for now.")
 
     @property
     def barrier(self) -> bool:
@@ -189,6 +197,10 @@ class PartitionSection(_Section):
                                "datasheet of a server planned from elsewhere (a saved topology that does not name its "
                                "GPUs, --gpus N), or of any machine with partition.profile=estimated.")
     gpu_memory_gib: float | None = _f(None, "Usable GPU memory per device; null: the device's own.", gt=0)
+    round_robin: bool = _f(False, "Also plan the round-robin schedule (RoundPipe's class: stages dispatched to the "
+                           "GPUs in rotation, separate forward and backward cuts) on the same GPUs and print its "
+                           "prediction, under both update rules, beside the swapped pipeline's. For comparison: "
+                           "mobius train runs the swapped pipeline (the round-robin runtime is not built yet).")
     host_memory_gib: float | None = _f(None, "Host memory the pipeline's host stores may take (weights, AdamW "
                                        "states, transfer buffers), in GiB; a plan that needs more stops with the "
                                        "two figures. null: 85% of this machine's available memory when planning on "

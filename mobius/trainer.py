@@ -4,6 +4,7 @@ Run directory layout (``output.dir``)::
 
     metrics.jsonl                 one JSON object per logged step (step, loss, lr, tokens_per_s, ...)
     checkpoints/step-000050/      HF checkpoint (fp32) + tokenizer + optimizer moments + trainer_state.json
+                                  (+ the compute weights under train.update=delayed)
     final/                        HF checkpoint in output.save_dtype + tokenizer
     loss.png                      the loss curve (output.plot)
     .mobius-lock                  while a run uses the directory (mobius.app.rundir)
@@ -299,7 +300,8 @@ class Trainer:
         t = self.cfg.train
         record = {"step": self.step, "loss": round(stats.loss, 6), "lr": lr,
                   "tokens_per_s": round(self.tokens_per_step / dt, 1), "step_s": round(dt, 4),
-                  "grad_norm": round(stats.grad_norm, 6) if math.isfinite(stats.grad_norm) else None}
+                  "grad_norm": round(stats.grad_norm, 6) if math.isfinite(stats.grad_norm) else None,
+                  "update": t.update}
         if stats.skipped or stats.loss_scale != 1.0:
             record.update(skipped=stats.skipped, loss_scale=stats.loss_scale)
         if stats.extra:

@@ -13,6 +13,9 @@ Numbers in, plans out. The pieces, in the order a plan is made:
 * :mod:`partition.baselines` -- minimum-stage, maximum-stage, time-balanced; exhaustive search.
 * :mod:`partition.plan` -- :func:`plan_model`, the one entry point, and :class:`Plan`; what it is asked
   for is a :class:`PlanRequest` (:mod:`partition.request`).
+* :mod:`partition.roundrobin` -- the round-robin schedule family (RoundPipe's class): its memory model,
+  its simulation by the same simulator, its cuts; planned beside the swapped pipeline for comparison
+  (``PlanRequest.round_robin``; the runtime does not run it yet).
 
 Importing the package and planning from unit descriptions with the estimated (datasheet) profile
 import no torch; only measuring does, inside the functions that measure: :mod:`partition.measure`

@@ -33,6 +33,7 @@ from partition.schedule import PipelineOptions
 from partition.mapping import GpusFor, as_gpus_function
 from partition.mip import MipResult, StageCountResult, explain_infeasible, given_partition, solve_partition
 from partition.request import PlanRequest
+from partition.roundrobin import plan_round_robin
 from partition.simulate import SimResult, simulate
 from partition.timing import Numbers, Shape, worker_needs
 
@@ -100,6 +101,8 @@ class Plan:
     host_memory_bytes: int | None = None  # what the stores may take on the host (None: not known)
     grad_choice: str = ""  # why this gradient dtype
     time_split: dict[str, float] = field(default_factory=dict)  # SimResult.time_split of the predicted step
+    round_robin: dict = field(default_factory=dict)  # the round-robin family's plan (RoundRobinPlan.to_json; {}:
+    # not asked for), for comparison: the runtime runs the swapped pipeline
 
     @property
     def num_stages(self) -> int:
@@ -216,6 +219,9 @@ def _summary_lines(p: Plan) -> list[str]:
     for name, v in p.baselines.items():
         base.append(f"{name} {v:.3f} s ({100 * (v / p.predicted_step_s - 1):+.1f}%)" if v else f"{name}: does not fit")
     lines.append("baselines (simulated the same way): " + ", ".join(base))
+    rr = p.round_robin
+    if rr:
+        lines += rr["summary"] if "summary" in rr else [f"round-robin schedule: {rr['error']}"]
     return lines
 
 
@@ -288,10 +294,23 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     plan.model_step_s = ctx.evaluator(best.model_hw, options).step_time(bounds)
     plan.mip["contention_plans"] = tried
     plan.mip["alternatives"] = best.alternatives
+    if request.round_robin and len(plan.worker_gpus) > 1:
+        plan.round_robin = _round_robin(ctx, plan)
     if best.model_hw is not hardware:
         plan.mip["simulated_rates_GBps"] = {"h2d": [r / GB for r in best.model_hw.h2d_Bps],
                                             "d2h": [r / GB for r in best.model_hw.d2h_Bps]}
     return plan
+
+
+def _round_robin(ctx: PlanContext, plan: Plan) -> dict:
+    """The round-robin family planned on the same GPUs under the same update rule and gradient dtype, or why
+    it cannot be ({"error": ...})."""
+    try:
+        rr = plan_round_robin(ctx.prof, ctx.hw, plan.worker_gpus, ctx.req.micro_batches, plan.options,
+                              ctx.hw.gpu_memory_bytes, ctx.req.sharing)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {**rr.to_json(), "summary": rr.lines(plan.predicted_step_s)}
 
 
 @dataclass
@@ -573,7 +592,8 @@ def _option_sets(req: PlanRequest) -> list[list[PipelineOptions]]:
     """The runtime settings to try, in tiers: one slot is tried only when no two-slot plan fits."""
     offloads = {"on": [True], "off": [False]}.get(req.offload_inputs, [False, True])
     grad_dtype = "half" if req.grad_download == "half" else "fp32"
-    return [[PipelineOptions(k, o, req.barrier, grad_dtype=grad_dtype) for o in offloads]
+    delayed = req.update == "delayed"
+    return [[PipelineOptions(k, o, req.barrier, grad_dtype=grad_dtype, delayed=delayed) for o in offloads]
             for k in ((2, 1) if req.prefetch else (1,))]
 
 

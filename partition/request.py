@@ -16,7 +16,8 @@ from partition.simulate import Sharing
 CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
 
 _CHOICES = {"solver": get_args(SolverName), "bandwidth_view": get_args(BandwidthView), "sharing": get_args(Sharing),
-            "offload_inputs": ("auto", "on", "off"), "grad_download": ("auto", "fp32", "half")}
+            "offload_inputs": ("auto", "on", "off"), "grad_download": ("auto", "fp32", "half"),
+            "update": ("sync", "delayed")}
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,10 @@ class PlanRequest:
     :mod:`partition.residency`). ``grad_download``: "fp32", "half" or "auto" (half when host memory
     needs it or the simulator finds it clearly faster). ``contention_rounds``: how often to re-plan
     at the simulated transfer rates when contention the MIP does not see slows the simulated step
-    (0: never). Sequences are stored as tuples and frozensets."""
+    (0: never). ``update``: "sync", or "delayed" (a step computes with the weights one update older and
+    does not wait for its CPU updates). ``round_robin``: also plan the round-robin family
+    (:mod:`partition.roundrobin`) on the same GPUs, for comparison. Sequences are stored as tuples and
+    frozensets."""
 
     micro_batches: int
     mapping: MappingKind | str | Sequence[int] | GpusFor = "cross"
@@ -54,6 +58,8 @@ class PlanRequest:
     kept: Collection[int] | None = None
     grad_download: str = "auto"
     contention_rounds: int = CONTENTION_ROUNDS
+    update: str = "sync"
+    round_robin: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():

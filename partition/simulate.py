@@ -24,6 +24,7 @@ then input offloads; ``sharing="fair"``: everything shares equally.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -166,6 +167,9 @@ class _Task:
     occ: int = -1  # the occupancy (upload) it belongs to
     trigger: int = -1  # a d2h task: the compute task whose end produces its data
     reload: bool = False  # an upload followed by the stage's offloaded inputs (RELOAD, on the same copy thread)
+    round: int = -1  # round-robin: the round of an upload or download
+    unit: int = -1  # round-robin: the unit whose input an OFFLOAD keeps
+    tstep: int = 0  # the training step of the lists it belongs to (round-robin lists hold several)
 
 
 class _Worker:
@@ -176,33 +180,47 @@ class _Worker:
         self.compute: list[_Task] = []  # compute stream: forwards, backwards, device AdamWs
         self.uploads: list[_Task] = []
         self.d2h: list[_Task] = []  # gradient downloads and input offloads, in issue order
-        self.updates: list[int] = []  # stages with a CPU update, in the list's order
+        self.updates: dict[int, list[int]] = {}  # step -> stages with a CPU update after its REDUCE, in order
+        self.reloads: list[int] = []  # compute tasks that first bring their input back from host memory
         self._split(sched.actions[w])
         self.reset()
 
     def _split(self, actions: tuple) -> None:
         """The list's actions per engine. Device updates that follow REDUCE (a barrier) run on the
         compute stream before the next step's first forward: they open the step's compute list."""
-        occ_of = {(a.stage, a.phase): k for k, a in enumerate(x for x in actions if x.kind == Kind.UPLOAD)}
+        sched = self.sched
+        occ_of = {(a.stage, a.phase, a.round): k for k, a in enumerate(x for x in actions if x.kind == Kind.UPLOAD)}
+        rounds = getattr(sched, "rounds", 1)
         opening: list[_Task] = []
-        reduced = False
+        reduces, reload_unit = 0, -1
         for a in actions:
+            tstep = max(a.round, 0) // rounds
             if a.kind in (Kind.UPLOAD, Kind.PREFETCH):
-                self.uploads.append(_Task(a.kind, a.stage, phase=a.phase, occ=occ_of[(a.stage, a.phase)]))
-            elif a.kind == Kind.RELOAD:
+                self.uploads.append(_Task(a.kind, a.stage, phase=a.phase, occ=occ_of[(a.stage, a.phase, a.round)],
+                                          round=a.round, tstep=tstep))
+            elif a.kind == Kind.RELOAD and a.micro < 0:  # all of a stage's inputs, with its backward upload
                 self.uploads[-1].reload = True
+            elif a.kind == Kind.RELOAD:  # one micro-batch's input, before its backward (round-robin)
+                reload_unit = a.unit
             elif a.kind in COMPUTE:
-                phase = "b" if a.kind == Kind.BACKWARD and (a.stage, "b") in occ_of else "f"
-                self.compute.append(_Task(a.kind, a.stage, a.micro, occ=occ_of.get((a.stage, phase), -1)))
+                r = sched.round_of(a.micro)
+                phase = "b" if a.kind in (Kind.BACKWARD, Kind.RECOMPUTE) and (a.stage, "b", r) in occ_of else "f"
+                self.compute.append(_Task(a.kind, a.stage, a.micro, occ=occ_of.get((a.stage, phase, r), -1),
+                                          tstep=max(r, 0) // rounds, unit=reload_unit))
+                if reload_unit >= 0:
+                    self.reloads.append(len(self.compute) - 1)
+                reload_unit = -1
             elif a.kind == Kind.OFFLOAD:
-                self.d2h.append(_Task(a.kind, a.stage, a.micro, trigger=len(self.compute) - 1))
+                self.d2h.append(_Task(a.kind, a.stage, a.micro, trigger=len(self.compute) - 1, unit=a.unit,
+                                      tstep=self.compute[-1].tstep))
             elif a.kind == Kind.DOWNLOAD:
-                self.d2h.append(_Task(a.kind, a.stage, occ=self.compute[-1].occ, trigger=len(self.compute) - 1))
+                self.d2h.append(_Task(a.kind, a.stage, occ=self.compute[-1].occ, trigger=len(self.compute) - 1,
+                                      round=a.round, tstep=tstep))
             elif a.kind == Kind.UPDATE:
-                self.updates.append(a.stage)
+                self.updates.setdefault(max(reduces - 1, 0) if sched.barrier else 0, []).append(a.stage)
             elif a.kind == Kind.DEVICE_UPDATE:
-                (opening if reduced else self.compute).append(_Task(a.kind, a.stage))
-            reduced |= a.kind == Kind.REDUCE
+                (opening if reduces else self.compute).append(_Task(a.kind, a.stage))
+            reduces += a.kind == Kind.REDUCE
         self.compute = opening + self.compute
         for t in self.d2h:
             t.trigger += len(opening)
@@ -214,7 +232,7 @@ class _Worker:
             self.triggers.setdefault(t.trigger, []).append(k)
 
     def reset(self) -> None:
-        self.ci = self.ui = self.di = 0
+        self.ci = self.ui = self.di = self.ri = 0
         self.busy_until: float | None = None
         self.last_end = 0.0
         self.uploading = self.downloading = False
@@ -244,22 +262,31 @@ class _Sim:
         self.step = 0
         self.step_start = 0.0
         self.step_ends: list[float] = []
-        self.updated: dict[int, float | None] = {j: 0.0 for j in range(self.S)}  # None: an update is pending
+        self.version = [0] * self.S  # updates each stage has completed
+        self.delay = int(sched.options.delayed)  # how many updates behind its step an upload may be
+        self.rounds = getattr(sched, "rounds", 1)
+        self.program = sched.steps > 1  # one list of several steps (round-robin): no per-step restart
+        self.downloads_due = _downloads_per_step(sched)  # (step, stage) -> downloads before its update
+        self.downloads_done: dict[tuple[int, int], int] = {}
+        self.step_end: dict[int, float] = {}  # the last compute or download of each step of a program
+        self.step_left = {s: sum(n for (st, _), n in self.downloads_due.items() if st == s) for s in
+                          range(sched.steps)}  # a program's downloads outstanding per step (its barrier)
         self.opt_queue: list[list[tuple[int, int]]] = [[] for _ in range(self.N)]  # (step, stage) in order
         self.opt_busy: list[float | None] = [None] * self.N  # when the running update ends at its current rate
         self.opt_running: list[tuple[int, int] | None] = [None] * self.N
         self.opt_left = [0.0] * self.N  # parameters the running update has left
         self.opt_rate = [0.0] * self.N  # its parameters per second: its share of the host (:meth:`_share_cpu`)
         self.opt_start = [0.0] * self.N
-        self.tie_at: float | None = None
-        self.tie_s = _tie_seconds(profile, hw, worker_gpus, self.S)
+        self.reduced_steps: set[int] = set()  # a program's steps whose gradients are all down
+        self.tie_at: dict[int, float] = {}  # step -> when its tied ends' gradients are summed
+        self.tie_s = _tie_seconds(profile, hw, worker_gpus, self.S, self.program)
         self._new_step_state()
 
     # ---- steps -------------------------------------------------------------------------------
     def _new_step_state(self) -> None:
         self.arrived: dict[tuple[str, int, int], float] = {}
-        self.downloaded: dict[int, float] = {}
-        self.tie_at = None
+        self.kept_at: dict[tuple[int, int], float] = {}  # (unit, micro) -> its input is in host memory
+        self.downloaded: dict[tuple[int, int], float] = {}  # (step, stage) -> its last download of the step
         self.reduced = False
         self.timing = [StageTiming() for _ in range(self.S)]
         self.bytes = {"h2d": [0.0] * self.hw.num_gpus, "d2h": [0.0] * self.hw.num_gpus,
@@ -273,6 +300,11 @@ class _Sim:
             w.last_end = self.step_start
 
     def run(self, steps: int) -> SimResult:
+        if self.program:  # the lists hold every step
+            self._loop()
+            self._check_reduced()
+            self.step_ends = [self.step_end[s] for s in range(self.sched.steps)]
+            return self._result()
         while self.step < steps:
             self._loop()
             self._check_reduced()
@@ -310,8 +342,12 @@ class _Sim:
                 started |= self._start_compute(w)
             if not w.downloading and w.di in w.d2h_ready:
                 started |= self._start_d2h(w)
-        started |= self._start_updates()
+            if w.ri < len(w.reloads):
+                started |= self._start_reloads(w)
         started |= self._start_tie()
+        if self.program:
+            started |= self._program_reduces()
+        started |= self._start_updates()
         return started
 
     def _start_upload(self, w: _Worker) -> bool:
@@ -319,9 +355,10 @@ class _Sim:
             return False
         task = w.uploads[w.ui]
         K = self.sched.num_slots
-        if self.updated[task.stage] is None:
-            return False  # the stage's CPU update is pending
-        order = self.step * 10**6 + self.sched.upload_order[(task.stage, task.phase)]
+        due = self.step + task.tstep - self.delay  # updates its weights must have had
+        if any(self.version[d] < due for d in self.sched.update_deps(task.stage)):
+            return False  # a CPU update of its weights is pending
+        order = self.step * 10**6 + self.sched.upload_rank(task.stage, task.phase, task.round)
         param_bytes = self.costs[task.stage].param_bytes
         if task.kind == Kind.PREFETCH:  # into the buffer: it waits for no slot
             nbytes = min(float(self.sched.options.prefetch_bytes), param_bytes)
@@ -332,12 +369,31 @@ class _Sim:
         else:  # what the buffer does not hold (its part moves into the slot on the device: not a transfer)
             nbytes = param_bytes - w.prefetched.pop(task.occ, 0.0)
             if task.reload:
-                nbytes += self.M * self.costs[task.stage].in_bytes
+                nbytes += len(self.sched.reload_micros(task.stage, task.round)) * self.costs[task.stage].in_bytes
             done = lambda t, w=w, occ=task.occ: self._upload_done(w, occ, t)
         w.uploading = True
         w.ui += 1
         self._h2d_flow(w.gpu, f"{task.kind.value}{task.phase}{task.stage}", "upload", nbytes, (1, order), done)
         return True
+
+    def _start_reloads(self, w: _Worker) -> bool:
+        """Bring back, in order, each micro-batch input a backward needs once its occupancy is uploaded and a
+        forward has put the input in host memory (several may be in flight)."""
+        started = False
+        while w.ri < len(w.reloads):
+            task = w.compute[w.reloads[w.ri]]
+            if task.occ not in w.upload_done or (task.unit, task.micro) not in self.kept_at:
+                break
+            key = ("k", task.stage, task.micro)
+
+            def back(t: float, key: tuple = key, w: _Worker = w) -> None:
+                self.arrived[key], w.woken = t, True
+
+            self._h2d_flow(w.gpu, f"L{task.stage}.{task.micro}", "ckpt", self.profile.units[task.unit].in_bytes, (0,),
+                           back)
+            w.ri += 1
+            started = True
+        return started
 
     def _upload_done(self, w: _Worker, occ: int, t: float) -> None:
         w.uploading, w.woken = False, True
@@ -362,8 +418,8 @@ class _Sim:
         dur = self._duration(task)
         w.busy_until = start + dur
         tm = self.timing[task.stage]
-        if task.micro == 0:
-            if task.kind == Kind.BACKWARD:
+        if self._opens(task):
+            if task.kind in (Kind.BACKWARD, Kind.RECOMPUTE):
                 tm.bwd_start = start - self.step_start
             else:
                 tm.fwd_start = start - self.step_start
@@ -375,7 +431,16 @@ class _Sim:
         self._event(w.gpu, "compute", f"{task.kind.value}{task.stage}.{task.micro}", start, start + dur, cat)
         return True
 
+    def _opens(self, task: _Task) -> bool:
+        """A stage's first compute of the reported step (round-robin: of each of its rounds there)."""
+        if not self.program:
+            return task.micro == 0
+        return (task.tstep == self.sched.steps - 1 and task.micro % self.M % self.N == 0
+                and task.kind != Kind.BACKWARD)  # a backward's round opens with its recompute
+
     def _input_ready(self, task: _Task) -> float | None:
+        if task.kind == Kind.RECOMPUTE:  # its input brought back from host memory (token ids: none)
+            return self.arrived.get(("k", task.stage, task.micro)) if task.unit >= 0 else self.step_start
         if task.kind == Kind.BACKWARD:
             return self.arrived.get(("g", task.stage, task.micro))
         if task.stage == 0 or task.kind == Kind.DEVICE_UPDATE:
@@ -384,8 +449,10 @@ class _Sim:
 
     def _duration(self, task: _Task) -> float:
         sc = self.costs[task.stage]
-        if task.kind == Kind.FORWARD:
+        if task.kind in (Kind.FORWARD, Kind.RECOMPUTE):
             return sc.fwd_s
+        if task.kind == Kind.BACKWARD and self.program:
+            return sc.bwd_s + sc.acc_s - sc.fwd_s  # after its RECOMPUTE (round-robin)
         if task.kind == Kind.DEVICE_UPDATE:
             return sc.trainable_count / self.hw.device_adam_params_per_s
         if task.kind == Kind.BACKWARD and task.stage in self.sched.kept:
@@ -401,35 +468,78 @@ class _Sim:
         w.downloading = True
         w.di += 1
         if task.kind == Kind.DOWNLOAD:
-            self.updated[task.stage] = None
             nbytes = self.grad_bytes * self.costs[task.stage].trainable_count  # fp32 sums or half
             self._d2h_flow(w.gpu, f"G{task.stage}", "grad", nbytes, (2, self.S - task.stage),
                            lambda t, w=w, task=task: self._downloaded(w, task, t))
         else:
-            self._d2h_flow(w.gpu, f"ckpt{task.stage}.{task.micro}", "ckpt", self.costs[task.stage].in_bytes,
-                           (3, task.stage), lambda t, w=w: setattr(w, "downloading", False))
+            nbytes = self.costs[task.stage].in_bytes if task.unit < 0 else self.profile.units[task.unit].in_bytes
+            self._d2h_flow(w.gpu, f"ckpt{task.stage}.{task.micro}", "ckpt", nbytes, (3, task.stage),
+                           lambda t, w=w, task=task: self._offloaded(w, task, t))
         return True
+
+    def _offloaded(self, w: _Worker, task: _Task, t: float) -> None:
+        w.downloading = False
+        self.kept_at[(task.unit, task.micro)] = t
 
     def _downloaded(self, w: _Worker, task: _Task, t: float) -> None:
+        """A gradient is down; the stage's last of the step queues its update (without a barrier)."""
         w.downloading = False
-        self.downloaded[task.stage] = t
         w.released[task.occ] = t  # the slot is reused only after the copy has read it
+        step = self.step + task.tstep
+        key = (step, task.stage)
+        self.downloads_done[key] = self.downloads_done.get(key, 0) + 1
+        self._ends(task.tstep, t)
+        if self.program:
+            self.step_left[task.tstep] -= 1
+        if self.downloads_done[key] < self.downloads_due[(task.tstep, task.stage)]:
+            return  # round-robin: earlier rounds' gradients are summed in host memory
+        self.downloaded[key] = t
         if not self.sched.barrier and not self._tied_end(task.stage):
-            self.opt_queue[w.w].append((self.step, task.stage))
+            self.opt_queue[w.w].append((step, task.stage))
+
+    def _ends(self, tstep: int, t: float) -> None:
+        self.step_end[tstep] = max(self.step_end.get(tstep, 0.0), t)
 
     def _tied_end(self, j: int) -> bool:
-        return self.sched.tied and j in (0, self.S - 1)
+        return self.sched.tied and j in self.sched.tie_ends
+
+    def _updates_of(self, w: _Worker, step: int) -> list[int]:
+        """The stages whose CPU updates of ``step`` worker ``w`` runs (a step's lists repeat unless they are
+        a program of several)."""
+        return w.updates.get(step if self.program else 0, [])
 
     def _start_tie(self) -> bool:
-        if not self.sched.tied or self.tie_at is not None:
+        """Once both ends of a tied weight are down in a step, their gradients are summed (``TIE``)."""
+        if not self.sched.tied:
             return False
-        if 0 not in self.downloaded or self.S - 1 not in self.downloaded:
-            return False
-        self.tie_at = max(self.downloaded[0], self.downloaded[self.S - 1]) + self.tie_s
-        if not self.sched.barrier:
-            for w in self.workers:
-                self.opt_queue[w.w] += [(self.step, j) for j in w.updates if self._tied_end(j)]
-        return True
+        started = False
+        for step in range(self.step, self.step + self.sched.steps):
+            ends = [(step, j) for j in self.sched.tie_ends]
+            if step in self.tie_at or not all(e in self.downloaded for e in ends):
+                continue
+            self.tie_at[step] = max(self.downloaded[e] for e in ends) + self.tie_s
+            if not self.sched.barrier:
+                for w in self.workers:
+                    self.opt_queue[w.w] += [(step, j) for j in self._updates_of(w, step) if self._tied_end(j)]
+            started = True
+        return started
+
+    def _program_reduces(self) -> bool:
+        """A program's step reduces once all of its gradients are down (and summed where tied); with a
+        barrier its updates follow then."""
+        started = False
+        for step, left in self.step_left.items():
+            if left or step in self.reduced_steps:
+                continue
+            tie = self.tie_at.get(step, -math.inf if not self.sched.tied else None)
+            if tie is None or tie > self.t + _EPS_T:
+                continue
+            self.reduced_steps.add(step)
+            if self.sched.barrier:
+                for w in self.workers:
+                    self.opt_queue[w.w] += [(step, j) for j in self._updates_of(w, step)]
+            started = True
+        return started
 
     def _start_updates(self) -> bool:
         started = False
@@ -437,8 +547,8 @@ class _Sim:
             if self.opt_busy[w] is not None or not self.opt_queue[w]:
                 continue
             step, j = self.opt_queue[w][0]
-            if self._tied_end(j) and step == self.step and not self.sched.barrier and \
-                    (self.tie_at is None or self.tie_at > self.t + _EPS_T):
+            tie = self.tie_at.get(step)
+            if self._tied_end(j) and not self.sched.barrier and (tie is None or tie > self.t + _EPS_T):
                 continue
             self.opt_queue[w].pop(0)
             self.opt_running[w], self.opt_start[w] = (step, j), self.t
@@ -463,24 +573,35 @@ class _Sim:
                 return False
             if w.di < len(w.d2h) or w.downloading or w.pending_sends:
                 return False
-            if not self.sched.barrier and (self.opt_queue[w.w] or self.opt_busy[w.w] is not None):
+            if not (self.sched.barrier or self.delay) and (self.opt_queue[w.w] or self.opt_busy[w.w] is not None):
                 return False
-        if self.sched.tied and (self.tie_at is None or self.tie_at > self.t + _EPS_T):
+        if self.program:
+            return self._reduce_program()
+        tie = self.tie_at.get(self.step)
+        if self.sched.tied and (tie is None or tie > self.t + _EPS_T):
             return False
         if any(f.kind == "act" for f in self.flows):
             return False
         self.reduced = True
         if self.sched.barrier:
             for w in self.workers:
-                self.opt_queue[w.w] += [(self.step, j) for j in w.updates]
+                self.opt_queue[w.w] += [(self.step, j) for j in self._updates_of(w, self.step)]
+        return True
+
+    def _reduce_program(self) -> bool:
+        """A program ends when every step has reduced and, in sync, every update has run."""
+        if len(self.reduced_steps) < self.sched.steps or self.flows:
+            return False
+        if not self.delay and any(self.opt_queue[w] or self.opt_busy[w] is not None for w in range(self.N)):
+            return False
+        self.reduced = True
         return True
 
     # ---- time ----------------------------------------------------------------------------------
     def _next_time(self) -> float:
         times = [w.busy_until for w in self.workers if w.busy_until is not None]
         times += [b for b in self.opt_busy if b is not None]
-        if self.tie_at is not None and self.tie_at > self.t + _EPS_T:
-            times.append(self.tie_at)
+        times += [t for t in self.tie_at.values() if t > self.t + _EPS_T]
         times += [self.t + f.remaining() / f.rate for f in self.flows if f.rate > 0]
         return max(min(times), self.t) if times else math.inf
 
@@ -511,7 +632,7 @@ class _Sim:
             if self.opt_busy[w] is not None and self.opt_busy[w] <= self.t + _EPS_T:
                 _, j = self.opt_running[w]
                 self._event(-1, "cpu", f"adam{j}", self.opt_start[w], self.t, "adam")
-                self.updated[j] = self.t
+                self.version[j] += 1
                 self.opt_busy[w], self.opt_running[w] = None, None
 
     def _compute_done(self, w: _Worker) -> None:
@@ -519,17 +640,18 @@ class _Sim:
         j, m = task.stage, task.micro
         w.last_end = self.t
         self.compute_end_s = max(self.compute_end_s, self.t - self.step_start)
-        tm = self.timing[j]
-        if task.kind == Kind.DEVICE_UPDATE:
+        self._ends(task.tstep, self.t)
+        tm = self.timing[j] if not self.program or task.tstep == self.sched.steps - 1 else StageTiming()
+        if task.kind in (Kind.DEVICE_UPDATE, Kind.RECOMPUTE):
             pass
         elif task.kind == Kind.FORWARD:
             tm.fwd_end = self.t - self.step_start
-            self._send(w, j, j + 1, m, backward=False)
+            self._send(w, j, self.sched.consumer(j, False), m, backward=False)
         else:
             tm.bwd_end = self.t - self.step_start
             if task.kind == Kind.FB:
                 tm.fwd_end = tm.bwd_end
-            self._send(w, j, j - 1, m, backward=True)
+            self._send(w, j, self.sched.consumer(j, True), m, backward=True)
         for k in w.triggers.get(w.ci, []):
             w.d2h_ready[k] = self.t
         if w.ci in w.release_at:
@@ -543,7 +665,7 @@ class _Sim:
         key = ("g" if backward else "a", dst, m)
         sc = self.costs[src]
         nbytes = sc.in_bytes if backward else sc.out_bytes
-        dst_w = self.workers[dst % self.N]
+        dst_w = self.workers[self.sched.worker_for(dst, m)]
         if dst_w is w or nbytes == 0:
             self.arrived[key], dst_w.woken = self.t, True
             return
@@ -636,11 +758,26 @@ class _Sim:
     def _result(self) -> SimResult:
         ends = self.step_ends
         step = ends[-1] - ends[-2] if len(ends) > 1 else ends[-1]
+        if self.program:
+            return self._program_result(step)
         return SimResult(step_s=step, compute_end_s=self.compute_end_s, peak_bytes=self._peaks(),
                          h2d_bytes=self.bytes["h2d"], d2h_bytes=self.bytes["d2h"], p2p_bytes=self.bytes["p2p"],
                          rc_h2d_bytes=self.bytes["rc_h2d"], rc_d2h_bytes=self.bytes["rc_d2h"],
                          bytes_by_kind=self.by_kind, stages=self.timing, events=self.events,
                          gpu_names=list(self.hw.gpu_names), step_ends=list(ends))
+
+    def _program_result(self, step: float) -> SimResult:
+        """A program's figures: bytes per step (its steps move the same), the last step's window of events."""
+        n = self.sched.steps
+        lo = self.step_ends[-2] if n > 1 else 0.0
+        per = {k: [x / n for x in v] for k, v in self.bytes.items()}
+        events = [dataclasses.replace(e, start=e.start - lo, end=e.end - lo) for e in self.events if e.end > lo
+                  and e.start < self.step_ends[-1]]
+        return SimResult(step_s=step, compute_end_s=step, peak_bytes=[0] * self.hw.num_gpus, h2d_bytes=per["h2d"],
+                         d2h_bytes=per["d2h"], p2p_bytes=per["p2p"], rc_h2d_bytes=per["rc_h2d"],
+                         rc_d2h_bytes=per["rc_d2h"], bytes_by_kind={k: v / n for k, v in self.by_kind.items()},
+                         stages=self.timing, events=events, gpu_names=list(self.hw.gpu_names),
+                         step_ends=list(self.step_ends))
 
     def _peaks(self) -> list[int]:
         st: list[StageExprs] = [stage_exprs(c, self.half) for c in self.costs]
@@ -652,8 +789,22 @@ class _Sim:
         return out
 
 
-def _tie_seconds(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], S: int) -> float:
-    split = S > 1 and worker_gpus[0] != worker_gpus[(S - 1) % len(worker_gpus)]
+def _downloads_per_step(sched) -> dict[tuple[int, int], int]:
+    """(step of the lists, stage) -> the gradient downloads of that stage in that step."""
+    rounds = getattr(sched, "rounds", 1)
+    out: dict[tuple[int, int], int] = {}
+    for acts in sched.actions:
+        for a in acts:
+            if a.kind == Kind.DOWNLOAD:
+                key = (max(a.round, 0) // rounds, a.stage)
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _tie_seconds(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], S: int, anywhere: bool = False) -> float:
+    """The tied ends' exchange through host memory (none when one worker holds both; ``anywhere``: the
+    ends run on changing workers, so always)."""
+    split = S > 1 and (anywhere or worker_gpus[0] != worker_gpus[(S - 1) % len(worker_gpus)])
     return 4 * profile.tied_params / hw.host_copy_Bps if profile.tied_params and split else 0.0
 
 
@@ -729,7 +880,7 @@ def _row(evs: list[SimEvent], cell: float, width: int) -> str:
 
 def _glyph(e: SimEvent) -> str:
     if e.cat in ("fwd", "bwd"):
-        stage = int(e.name.lstrip("FBX").split(".")[0])
+        stage = int(e.name.lstrip("FBXC").split(".")[0])
         ch = chr(ord("a") + stage % 26)
         return ch.upper() if e.cat == "bwd" else ch
     if e.cat == "adam":

@@ -2,19 +2,29 @@
 
 fp32 master weights (a frozen LoRA base in the training dtype), autocast for bf16/fp16, torch's
 AdamW, and the end of the step every engine shares (:class:`~mobius.optim.UpdateRule`: fp16 loss
-scaling, global-norm clipping). Every parallel engine is tested against it.
+scaling, global-norm clipping). Every parallel engine is tested against it. ``train.update``: the
+optimizer updates the weights the model computes with (:class:`SyncWeights`), or a master copy one
+update ahead of them (:class:`DelayedWeights`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Iterator
+
 import torch
+from torch import nn
 
 from mobius.checkpoint import RankState, ResumeState, SingleProcess
 from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats, autocast
-from mobius.models import dropout_active
+from mobius.models import ModelConfig, dropout_active
 from mobius.models.base import CausalLM, lm_loss, run_units
 from mobius.optim import UpdateRule, make_adamw, set_lr
+
+log = logging.getLogger(__name__)
+Named = list[tuple[str, nn.Parameter]]
 
 
 def sum_of_squares(grads: list[torch.Tensor]) -> float:
@@ -22,6 +32,81 @@ def sum_of_squares(grads: list[torch.Tensor]) -> float:
     if not grads:
         return 0.0
     return float(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum())
+
+
+class SyncWeights:
+    """``train.update: sync``: the optimizer updates the parameters the model computes with."""
+
+    def __init__(self, named: Named):
+        self.named = named  # what the optimizer updates, by name
+
+    def hand_over(self) -> None:
+        """After a step's backward: nothing to do, the gradients are where the optimizer looks."""
+
+    def newest(self) -> contextlib.AbstractContextManager:
+        """While open, the model holds the newest weights (it always does)."""
+        return contextlib.nullcontext()
+
+    def in_flight(self) -> dict[str, torch.Tensor] | None:
+        """What a checkpoint keeps besides the newest weights: nothing."""
+        return None
+
+    def resume(self, state: ResumeState, model_cfg: ModelConfig) -> None:
+        """Continue a checkpoint with its newest weights (already in the model); a delayed checkpoint's
+        compute weights are dropped."""
+        if state.delayed:
+            log.info("train.update=sync: resuming a delayed checkpoint from its newest weights; the compute weights "
+                     "of its update in flight are dropped")
+
+
+class DelayedWeights(SyncWeights):
+    """``train.update: delayed``: the model computes with weights one update older than the newest.
+
+    The optimizer updates an fp32 master copy of the trainable parameters (the newest weights); the
+    model's own parameters are the compute weights. :meth:`hand_over`, after step t's backward, moves
+    the model's gradients to the master and copies the master (still w_{t-1}) into the model; the
+    optimizer step that follows makes w_t. So step t computes with w_{t-2} (steps 1 and 2 with w_0).
+    """
+
+    def __init__(self, named: Named):
+        self.compute = named
+        super().__init__([(n, nn.Parameter(p.detach().float().clone())) for n, p in named])
+
+    @torch.no_grad()
+    def hand_over(self) -> None:
+        """The gradients of step t become the master's; the model computes step t+1 with w_{t-1}."""
+        for (_, c), (_, m) in zip(self.compute, self.named):
+            m.grad, c.grad = c.grad, None
+            c.copy_(m)
+
+    @contextlib.contextmanager
+    def newest(self) -> Iterator[None]:
+        """While open, the model holds the master (evaluation, the weights a checkpoint writes)."""
+        self._swap()
+        try:
+            yield
+        finally:
+            self._swap()
+
+    def _swap(self) -> None:
+        for (_, c), (_, m) in zip(self.compute, self.named):
+            c.data, m.data = m.data, c.data
+
+    def in_flight(self) -> dict[str, torch.Tensor]:
+        """The compute weights (one update behind the newest), fp32 by name, for a checkpoint."""
+        return {n: p.detach().float().cpu() for n, p in self.compute}
+
+    @torch.no_grad()
+    def resume(self, state: ResumeState, model_cfg: ModelConfig) -> None:
+        """Continue a checkpoint: its compute weights into the model (the master holds the newest, which
+        the model was built with); a sync checkpoint has none, and its newest weights are computed with."""
+        compute = state.compute_weights([n for n, _ in self.compute], model_cfg)
+        if compute is None:
+            log.info("train.update=delayed: resuming a sync checkpoint; the first step computes with its newest "
+                     "weights")
+            return
+        for n, p in self.compute:
+            p.copy_(compute[n])
 
 
 class SingleEngine:
@@ -39,7 +124,8 @@ class SingleEngine:
         self.named = [(n, p) for n, p in dict((id(p), (n, p)) for n, p in model.named_parameters()).values()
                       if p.requires_grad]  # tied weights once; what trains (LoRA freezes the base weights)
         self.params = [p for _, p in self.named]
-        self.optimizer = make_adamw(self.named, cfg.train, fused=device.type == "cuda")
+        self.weights = DelayedWeights(self.named) if cfg.train.update == "delayed" else SyncWeights(self.named)
+        self.optimizer = make_adamw(self.weights.named, cfg.train, fused=device.type == "cuda")
         self.rule = UpdateRule(cfg.train)
         self.dropout = dropout_active(model.config)
 
@@ -61,6 +147,7 @@ class SingleEngine:
             total += loss.detach()
         grads = [p.grad for p in self.params if p.grad is not None]
         norm, skipped, coef = self.rule.end(sum_of_squares(grads))
+        self.weights.hand_over()  # delayed: `grads` move to the master, the master (w_{t-1}) into the model
         if not skipped:
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
@@ -72,29 +159,36 @@ class SingleEngine:
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:
         self.model.eval()
-        losses = [float(self._forward_loss(x, y, None)) for x, y in batches]
+        with self.weights.newest():
+            losses = [float(self._forward_loss(x, y, None)) for x, y in batches]
         return sum(losses) / max(1, len(losses))
 
     def rank_state(self, with_moments: bool) -> RankState:
-        weights = {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
+        """The newest weights and, ``with_moments`` (a resumable checkpoint), the AdamW moments and under
+        train.update=delayed the compute weights."""
+        with self.weights.newest():
+            weights = {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
         moments = {}
         if with_moments:
-            for name, p in self.named:
+            for name, p in self.weights.named:
                 st = self.optimizer.state.get(p)
                 if st:
                     moments[name] = (st["exp_avg"].float().cpu(), st["exp_avg_sq"].float().cpu())
-        return RankState(weights, moments, *self.rule.state())
+        return RankState(weights, moments, *self.rule.state(),
+                         compute=self.weights.in_flight() if with_moments else None)
 
     def load_state(self, resume: ResumeState) -> None:
-        """AdamW moments by parameter name (from any mode's checkpoint), step count and loss scale."""
+        """AdamW moments by parameter name (from any mode's checkpoint), step count, loss scale and, under
+        train.update=delayed, the compute weights (a sync checkpoint: its newest weights)."""
         moments = resume.moments([n for n, _ in self.named], self.model.config)
         self.rule.load(resume.optimizer_step, resume.scaler)
+        self.weights.resume(resume, self.model.config)
         if not moments:
             return
         index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         step = float(self.rule.optimizer_step)
         state = {index[id(p)]: {"step": torch.tensor(step), "exp_avg": moments[n][0], "exp_avg_sq": moments[n][1]}
-                 for n, p in self.named}
+                 for n, p in self.weights.named}
         self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
 
     def sync(self) -> None:

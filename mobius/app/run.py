@@ -85,11 +85,16 @@ def prepare(cfg: Config, resume: str | None) -> Prepared:
 
 
 def check_parallel(cfg: Config, machine: Machine) -> None:
-    """The parallel settings' errors, before any work (auto: the errors that rule out every mode)."""
+    """The parallel settings' errors, before any work (auto: the errors that rule out every mode, and
+    train.update=delayed where single mode, the only one that runs it, cannot run)."""
     if static_mode(cfg, machine) is not None:
         resolve(cfg, machine)
-    else:
-        mode_options(cfg, machine)
+        return
+    why_not = mode_options(cfg, machine)["single"]
+    if cfg.train.update == "delayed" and why_not:
+        raise ConfigError(f"train.update=delayed runs in parallel.mode=single only for now, and parallel.mode=auto "
+                          f"cannot choose it here ({why_not}): set train.update=sync, or parallel.mode=single with "
+                          f"parallel.devices=1")
 
 
 def _check_before_start(cfg: Config, choice: ModeChoice, ready: Prepared, machine: Machine) -> None:
@@ -126,9 +131,11 @@ def _zero_too_big(plan: ZeroPlan) -> str:
 
 def check_disk(out: Path, cfg: Config, model_cfg: ModelConfig, save_dtype: torch.dtype) -> None:
     """``output.dir``'s disk holds the largest checkpoint the run writes (estimated from the model)."""
-    sizes = {"the final checkpoint": checkpoint_bytes(model_cfg, save_dtype, save_dtype == torch.float32)}
+    delayed = cfg.train.update == "delayed"
+    sizes = {"the final checkpoint": checkpoint_bytes(model_cfg, save_dtype, save_dtype == torch.float32, delayed)}
     if cfg.output.save_every and cfg.output.save_every < cfg.train.max_steps:
-        sizes["a step checkpoint (fp32 weights and AdamW moments)"] = checkpoint_bytes(model_cfg, torch.float32, True)
+        sizes["a step checkpoint (fp32 weights and AdamW moments)"] = checkpoint_bytes(model_cfg, torch.float32,
+                                                                                       True, delayed)
     if model_cfg.lora is not None and cfg.output.save_merged:
         sizes["the merged model"] = checkpoint_bytes(dataclasses.replace(model_cfg, lora=None), save_dtype, False)
     what, need = max(sizes.items(), key=lambda kv: kv[1])
@@ -143,6 +150,9 @@ def _announce(cfg: Config, choice: ModeChoice) -> None:
     plan; keep the plan a pipeline or zero run runs in ``output.dir``."""
     log.info("%s", choice.line())
     log.info("%s", choice.chosen.settings.describe())
+    if cfg.train.update == "delayed":
+        log.info("train.update=delayed: each step computes with the weights one update older than the newest "
+                 "(step t with w_{t-2}); evaluation and saved weights are the newest")
     if choice.chosen.profile is not None:
         log.info("profile: %s", profile_line(choice.chosen.profile))
     if choice.mode != "single":

@@ -46,6 +46,7 @@ class Kind(enum.Enum):
     FORWARD = "F"
     FB = "FB"
     BACKWARD = "B"
+    RECOMPUTE = "C"  # round-robin: a backward's recompute, ahead of the gradient it waits for
     RECV_ACT = "ra"
     SEND_ACT = "sa"
     RECV_GRAD = "rg"
@@ -59,7 +60,7 @@ class Kind(enum.Enum):
     REDUCE = "R"
 
 
-COMPUTE = frozenset({Kind.FORWARD, Kind.FB, Kind.BACKWARD})
+COMPUTE = frozenset({Kind.FORWARD, Kind.FB, Kind.BACKWARD, Kind.RECOMPUTE})
 Phase = Literal["f", "b"]
 
 
@@ -70,12 +71,16 @@ class Action:
     micro: int = -1  # -1 for per-stage actions (UPLOAD, FREE, RELOAD, DOWNLOAD, UPDATE)
     phase: Phase = "f"  # which pass an UPLOAD / PREFETCH / FREE belongs to
     peer: int = -1  # the other worker of a send / receive
+    round: int = -1  # round-robin schedules: the round of an UPLOAD / FREE / RELOAD / DOWNLOAD (-1: none)
+    unit: int = -1  # round-robin schedules: the unit whose input an OFFLOAD keeps (-1: the stage's own input)
 
     def __str__(self) -> str:
         m = f",{self.micro}" if self.micro >= 0 else ""
         p = self.phase if self.kind in (Kind.UPLOAD, Kind.PREFETCH, Kind.FREE) else ""
         s = str(self.stage) if self.stage >= 0 else ""
-        return f"{self.kind.value}{p}{s}{m}"
+        r = f"r{self.round}" if self.round >= 0 and self.micro < 0 else ""
+        u = f"@{self.unit}" if self.unit >= 0 else ""
+        return f"{self.kind.value}{p}{s}{u}{r}{m}"
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class PipelineOptions:
     kept: frozenset[int] = frozenset()  # stages whose backward uses the forward's graph (no recompute)
     grad_dtype: str = "fp32"  # gradient downloads: fp32 sums, or "half" (the training dtype)
     prefetch_bytes: int = 0  # one slot: a buffer for the first bytes of the next residency's weights (0: none)
+    delayed: bool = False  # train.update: delayed -- a step computes with the weights one update older (its
+    # uploads wait for the update of the step before the previous one, and the step does not wait for its updates)
 
     def __post_init__(self) -> None:
         if self.prefetch_bytes < 0 or self.prefetch_bytes and self.num_slots != 1:
@@ -156,6 +163,34 @@ class Schedule:
 
     def stages_of(self, worker: int) -> list[int]:
         return [j for j in range(self.num_stages) if self.gpu_of[j] == worker]
+
+    # ---- what the simulator asks of every schedule family (partition.schedule.roundrobin answers the same) ----
+    steps = 1  # training steps the lists hold
+    tie_ends = property(lambda self: (0, self.num_stages - 1))  # the stages holding the two ends of a tied weight
+
+    def worker_for(self, stage: int, micro: int) -> int:
+        """The worker that computes ``stage`` on micro-batch ``micro``."""
+        return self.gpu_of[stage]
+
+    def round_of(self, micro: int) -> int:
+        """The round of micro-batch ``micro`` (a round-robin notion: -1 here, where a stage has one worker)."""
+        return -1
+
+    def consumer(self, stage: int, backward: bool) -> int:
+        """The stage a compute action of ``stage`` hands its output to (out of range: none)."""
+        return stage - 1 if backward else stage + 1
+
+    def update_deps(self, stage: int) -> tuple[int, ...]:
+        """The stages whose updates an upload of ``stage`` waits for (the weights it copies)."""
+        return (stage,)
+
+    def upload_rank(self, stage: int, phase: str, round: int) -> int:
+        """An upload's place in :func:`uploads_in_order` (the order copies sharing a root complex are served)."""
+        return self.upload_order[(stage, phase)]
+
+    def reload_micros(self, stage: int, round: int) -> range:
+        """The micro-batches whose offloaded inputs a RELOAD of ``stage`` brings back."""
+        return range(self.micro_batches)
 
 
 def compute_order(num_stages: int, gpu_of: tuple[int, ...], micro_batches: int, worker: int,

@@ -1,0 +1,218 @@
+"""The round-robin schedule family (RoundPipe's class): its memory model, its simulation and its cuts.
+
+:mod:`partition.schedule.roundrobin` builds the action lists; :func:`simulate_round_robin` runs them
+through the pipeline's simulator (:mod:`partition.simulate`, the same engines, links, root complexes
+and CPU update model) over several consecutive steps, so that with ``train.update: delayed`` the
+next step's rounds fill the GPUs while the last one drains. :func:`search_cuts` chooses the two
+partitions: for each split of the units into forward, fused and backward parts and each target op
+time, the fewest-ops minimax cuts (exact, by dynamic programming) that fit the GPUs, judged by the
+simulator; the best predicted step wins. Pure numbers: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+
+from partition.costs import ModelProfile, StageCost, stage_cost
+from partition.evaluate import GB, stage_exprs
+from partition.hardware import Hardware
+from partition.schedule import PipelineOptions
+from partition.schedule.pipeline import Kind
+from partition.schedule.roundrobin import Cuts, RoundRobinSchedule, build_round_robin
+from partition.simulate import SimResult, Sharing, _Sim
+
+log = logging.getLogger(__name__)
+
+STEPS = 4  # steps simulated at once: the last one's period is the steady state
+
+
+def op_costs(profile: ModelProfile, cuts: Cuts) -> list[StageCost]:
+    """One :class:`StageCost` per op of a round, in the order the round runs them."""
+    return [stage_cost(profile, *cuts.units(k)) for k in range(cuts.num_ops)]
+
+
+def op_need_gb(sc: StageCost, kind: Kind, workers: int, half: bool) -> tuple[float, float]:
+    """(what op ``sc`` needs on its GPU while it computes, what it holds while it waits in the second slot),
+    in GB. A forward holds its parameters and passes one micro-batch at a time (the input received and the
+    output sent, both double-buffered); the fused op and a backward hold their slot (parameters, gradient
+    sums), the autograd state of one micro-batch and its gradients in and out; a backward also holds its
+    round's ``workers`` reloaded inputs."""
+    st = stage_exprs(sc, half)
+    if kind == Kind.FORWARD:
+        return st.pbytes + 2 * (st.in_b + st.out_b) + st.work, st.pbytes
+    need = st.slot + st.saved + st.work + 3 * st.in_b
+    if kind == Kind.BACKWARD:
+        need += workers * st.in_b
+    return need, st.slot
+
+
+def round_robin_peaks(profile: ModelProfile, cuts: Cuts, workers: int, num_slots: int) -> float:
+    """The largest GPU memory (GB) any worker needs: an op computing while the op its worker runs next
+    (``workers`` ops later in the rotation) waits in the second slot."""
+    half = profile.precision != "fp32"
+    K = cuts.num_ops
+    needs = [op_need_gb(c, cuts.kind(k), workers, half) for k, c in enumerate(op_costs(profile, cuts))]
+    nxt = [needs[(k + workers) % K][1] if num_slots > 1 and K > 1 else 0.0 for k in range(K)]
+    return max(n + h for (n, _), h in zip(needs, nxt))
+
+
+def simulate_round_robin(profile: ModelProfile, cuts: Cuts, hardware: Hardware, worker_gpus: list[int] | None = None,
+                         micro_batches: int = 4, options: PipelineOptions = PipelineOptions(),
+                         sharing: Sharing = "priority", record: bool = True, steps: int = STEPS) -> SimResult:
+    """Simulate ``steps`` consecutive round-robin steps (one program: with a delayed update they overlap);
+    report the last one's period, its bytes (every step moves the same) and every GPU's memory peak."""
+    worker_gpus = list(range(hardware.num_gpus)) if worker_gpus is None else list(worker_gpus)
+    tied = profile.tied_params > 0
+    sched = build_round_robin(cuts, len(worker_gpus), micro_batches, steps, options, tied)
+    res = _Sim(profile, op_costs(profile, cuts), hardware, worker_gpus, sched, sharing, record).run(steps)
+    peak = int(round_robin_peaks(profile, cuts, len(worker_gpus), options.num_slots) * GB)
+    res.peak_bytes = [peak if g in worker_gpus else 0 for g in range(hardware.num_gpus)]
+    return res
+
+
+def minimax_cuts(times: list[float], parts: int) -> tuple[int, ...]:
+    """Boundaries ``[0, .., len(times)]`` cutting ``times`` into ``parts`` contiguous non-empty parts whose
+    largest sum is the smallest possible (exact: dynamic programming over prefix sums)."""
+    n = len(times)
+    assert 1 <= parts <= n, (parts, n)
+    pre = [0.0]
+    for t in times:
+        pre.append(pre[-1] + t)
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]  # best[p][i]: first i items in p parts
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for p in range(1, parts + 1):
+        for i in range(p, n - parts + p + 1):
+            for j in range(p - 1, i):
+                v = max(best[p - 1][j], pre[i] - pre[j])
+                if v < best[p][i] - 1e-15:
+                    best[p][i], cut[p][i] = v, j
+    bounds = [n]
+    for p in range(parts, 0, -1):
+        bounds.append(cut[p][bounds[-1]])
+    return tuple(reversed(bounds))
+
+
+def parts_for(times: list[float], target: float) -> int:
+    """The fewest contiguous parts of ``times`` none of which exceeds ``target`` (greedy packing is exact),
+    at least one; a single item above ``target`` takes a part of its own."""
+    parts, acc = 1, 0.0
+    for t in times:
+        if acc and acc + t > target:
+            parts, acc = parts + 1, 0.0
+        acc += t
+    return parts
+
+
+@dataclass
+class RoundRobinChoice:
+    """The cuts :func:`search_cuts` chose, their simulated step, and what it compared."""
+
+    cuts: Cuts
+    result: SimResult
+    tried: int
+    search_s: float
+    rejected: list[str] = field(default_factory=list)  # candidates over the memory budget, why
+
+
+def candidate_cuts(profile: ModelProfile, workers: int, fused_choices: int = 2) -> list[Cuts]:
+    """Cuts to compare: for the fused stage from the head alone up to ``fused_choices`` units, and for target
+    op times around the fused op's, the fewest forward and backward ops under the target, each cut minimax."""
+    U, out = profile.num_units, []
+    for c in range(U - 1, max(U - 1 - fused_choices, 0), -1):
+        head = stage_cost(profile, c, U)
+        fwd = [u.fwd_s for u in profile.units[:c]]
+        bwd = [u.bwd_s + u.acc_s for u in profile.units[:c]]
+        fused = head.bwd_s + head.acc_s
+        targets = {fused * x / 10 for x in range(5, 21)} | {max(bwd) * k for k in range(1, 7)}
+        pairs = {(min(parts_for(fwd, t), c), min(parts_for(bwd, t), c)) for t in targets}
+        for F, B in sorted(pairs):
+            out.append(Cuts(minimax_cuts(fwd, F), minimax_cuts(bwd, B), U))
+    return out
+
+
+def search_cuts(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int], micro_batches: int,
+                options: PipelineOptions, budget_gb: float, sharing: Sharing = "priority") -> RoundRobinChoice:
+    """The candidate cuts (:func:`candidate_cuts`) that fit ``budget_gb`` per GPU, each simulated; the fastest
+    predicted step wins (ties: fewer ops). Raises ``ValueError`` when none fits."""
+    import time
+
+    t0 = time.perf_counter()
+    best: tuple[float, int, Cuts, SimResult] | None = None
+    rejected, tried = [], 0
+    for cuts in candidate_cuts(profile, len(worker_gpus)):
+        need = round_robin_peaks(profile, cuts, len(worker_gpus), options.num_slots)
+        if need > budget_gb:
+            rejected.append(f"{cuts.num_forward}+1+{cuts.num_backward} ops need {need:.1f} GB")
+            continue
+        res = simulate_round_robin(profile, cuts, hardware, worker_gpus, micro_batches, options, sharing,
+                                   record=False)
+        tried += 1
+        key = (res.step_s, cuts.num_ops)
+        if best is None or key < best[:2]:
+            best = (res.step_s, cuts.num_ops, cuts, res)
+    if best is None:
+        raise ValueError(f"no round-robin cuts fit {budget_gb:.1f} GB per GPU ({'; '.join(rejected[:3])})")
+    log.debug("round-robin cuts: %d simulated in %.1f s", tried, time.perf_counter() - t0)
+    return RoundRobinChoice(best[2], best[3], tried, time.perf_counter() - t0, rejected)
+
+
+@dataclass
+class RoundRobinPlan:
+    """The round-robin family's plan of a run: its cuts and their simulated step under the run's update rule
+    and under the other one (same cuts), as the planner compares it with the swapped pipeline's. mobius's
+    runtime does not run this schedule yet: ``mobius train`` runs the swapped pipeline."""
+
+    cuts: Cuts
+    update: str  # the run's rule: "sync" or "delayed"
+    step_s: float  # simulated steady-state step under ``update``
+    other_step_s: float  # the same cuts under the other rule
+    first_step_s: float  # the first step from empty GPUs (the period before the steady state)
+    tokens_per_step: int
+    peak_bytes: int
+    traffic_bytes: float
+    tried: int
+    search_s: float
+
+    def tokens_per_s(self, step_s: float | None = None) -> float:
+        return self.tokens_per_step / (step_s if step_s is not None else self.step_s)
+
+    def to_json(self) -> dict:
+        other = "delayed" if self.update == "sync" else "sync"
+        return {**self.cuts.to_json(), "update": self.update, "step_s": self.step_s, f"{other}_step_s":
+                self.other_step_s, "first_step_s": self.first_step_s, "tokens_per_s": self.tokens_per_s(),
+                f"{other}_tokens_per_s": self.tokens_per_s(self.other_step_s), "peak_bytes": self.peak_bytes,
+                "traffic_bytes": self.traffic_bytes, "cuts_simulated": self.tried, "search_s": self.search_s,
+                "runs": False}
+
+    def lines(self, swapped_step_s: float) -> list[str]:
+        """What ``mobius plan`` prints of it, beside the swapped pipeline's ``swapped_step_s``."""
+        c, other = self.cuts, "delayed" if self.update == "sync" else "sync"
+        faster = swapped_step_s / self.step_s
+        return [f"round-robin schedule (RoundPipe's class; not run by mobius train yet): {c.num_forward} forward + 1 "
+                f"fused + {c.num_backward} backward stages per round, forward cuts {list(c.forward)}, fused units "
+                f"[{c.fused_from}, {c.num_units}), backward cuts {list(c.backward)}",
+                f"  predicted {self.step_s:.3f} s per step = {self.tokens_per_s():,.0f} tokens/s with update "
+                f"{self.update} ({faster:.2f}x the swapped pipeline's {swapped_step_s:.3f} s), "
+                f"{self.other_step_s:.3f} s = {self.tokens_per_s(self.other_step_s):,.0f} tokens/s with {other}; "
+                f"first step from empty GPUs {self.first_step_s:.3f} s; peak {self.peak_bytes / 2**30:.1f} GiB per "
+                f"GPU, {self.traffic_bytes / 1e9:.1f} GB moved per step; {self.tried} cuts simulated in "
+                f"{self.search_s:.1f} s"]
+
+
+def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int], micro_batches: int,
+                     options: PipelineOptions, budget_bytes: float, sharing: Sharing = "priority") -> RoundRobinPlan:
+    """Search the cuts for the run's update rule (``options.delayed``) and simulate them under both rules. Of the
+    swapped pipeline's ``options`` the barrier, the gradient dtype and the rule apply (two device slots)."""
+    options = PipelineOptions(barrier=options.barrier, grad_dtype=options.grad_dtype, delayed=options.delayed)
+    choice = search_cuts(profile, hardware, worker_gpus, micro_batches, options, budget_bytes / GB, sharing)
+    flipped = dataclasses.replace(options, delayed=not options.delayed)
+    other = simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, flipped, sharing,
+                                 record=False)
+    res = choice.result
+    return RoundRobinPlan(choice.cuts, "delayed" if options.delayed else "sync", res.step_s, other.step_s,
+                          res.step_ends[0], micro_batches * profile.micro_batch_size * profile.seq_len,
+                          max(res.peak_bytes), res.total_bytes(), choice.tried + 1, choice.search_s)

@@ -1,0 +1,144 @@
+"""The round-robin schedule family (RoundPipe's class): literal lists, invariants, its simulation by the
+pipeline's simulator, the exact minimax cuts and the planner's comparison."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partition.costs import ModelProfile, UnitCost
+from partition.hardware import Hardware
+from partition.roundrobin import candidate_cuts, minimax_cuts, parts_for, round_robin_peaks, simulate_round_robin
+from partition.schedule import COMPUTE, Kind, PipelineOptions, ScheduleError
+from partition.schedule.roundrobin import Cuts, build_round_robin, round_robin_timeline
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lists(s) -> list[str]:
+    return [" ".join(str(a) for a in acts) for acts in s.actions]
+
+
+def test_literal_round_robin_lists_two_workers() -> None:
+    """Units [0, 3): one forward op (units 0-1, keeping unit 1's input), the fused op (unit 2), two backward ops
+    (unit 1, then unit 0); 2 workers, 2 micro-batches: one round of K=4 ops, op k on worker k mod 2. Each
+    worker uploads its next op while the current one computes; a backward brings its kept input back (L@1),
+    recomputes (C) before it waits for the gradient (rg), downloads (D) and updates (O) its gradients."""
+    s = build_round_robin(Cuts((0, 2), (0, 1, 2), 3), 2, 2)
+    assert _lists(s) == [
+        "Uf0r0 Ub2r0 F0,0 H0@1,0 sa0,0 F0,1 H0@1,1 sa0,1 Xf0r0 L2@1,0 C2,0 rg2,0 B2,0 sg2,0 L2@1,1 C2,1 rg2,1 B2,1 "
+        "sg2,1 Xb2r0 D2r0 O2 R",
+        "Uf1r0 Ub3r0 ra1,0 FB1,0 sg1,0 ra1,1 FB1,1 sg1,1 Xf1r0 D1r0 O1 C3,0 rg3,0 B3,0 C3,1 rg3,1 B3,1 Xb3r0 D3r0 "
+        "O3 R",
+    ]
+    assert "op k of round q on gpu" in round_robin_timeline(s)
+
+
+def test_the_rotation_continues_across_rounds_and_steps_and_a_barrier_updates_after_the_reduce() -> None:
+    s = build_round_robin(Cuts((0, 2, 4), (0, 1, 2, 3, 4), 6), 3, 4, steps=2,
+                          options=PipelineOptions(barrier=True))
+    assert s.rounds == 2 and s.num_stages == 7
+    for q, k in itertools.product(range(4), range(7)):  # op k of global round q on worker (q*7 + k) mod 3
+        assert s.worker_of(k, q) == (q * 7 + k) % 3
+    computes = [(a.stage, a.micro, w) for w, acts in enumerate(s.actions) for a in acts if a.kind in COMPUTE
+                and a.kind != Kind.RECOMPUTE]
+    assert sorted((k, m) for k, m, _ in computes) == [(k, m) for k in range(7) for m in range(8)]
+    assert all(w == s.worker_for(k, m) for k, m, w in computes)
+    for acts in s.actions:  # with a barrier every update follows its step's REDUCE
+        seen_reduce = 0
+        for a in acts:
+            seen_reduce += a.kind == Kind.REDUCE
+            assert a.kind != Kind.UPDATE or seen_reduce >= 1
+    updates = [a.stage for acts in s.actions for a in acts if a.kind == Kind.UPDATE]
+    assert sorted(updates) == sorted(list(range(2, 7)) * 2)  # the fused and backward ops, once per step
+
+
+@pytest.mark.parametrize("fwd,bwd,units,N,M,steps,slots", [
+    ((0, 2, 4), (0, 1, 2, 3, 4), 6, 3, 4, 2, 2), ((0, 5), (0, 2, 5), 6, 4, 8, 3, 1), ((0, 1), (0, 1), 3, 2, 3, 1, 2),
+    ((0, 3, 6, 9), (0, 1, 2, 3, 4, 5, 6, 7, 8, 9), 10, 8, 16, 2, 2)])
+def test_round_robin_invariants(fwd, bwd, units, N, M, steps, slots) -> None:
+    s = build_round_robin(Cuts(fwd, bwd, units), N, M, steps, PipelineOptions(num_slots=slots))  # checked inside
+    sends = sorted((a.stage + 1, a.micro) for acts in s.actions for a in acts if a.kind in (Kind.SEND_ACT,
+                                                                                              Kind.SEND_GRAD))
+    recvs = sorted((a.stage, a.micro) for acts in s.actions for a in acts if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD))
+    assert sends == recvs
+    kept = {(a.unit, a.micro) for acts in s.actions for a in acts if a.kind == Kind.OFFLOAD}
+    reloaded = {(a.unit, a.micro) for acts in s.actions for a in acts if a.kind == Kind.RELOAD}
+    assert reloaded == kept  # every input a backward brings back, a forward put in host memory
+
+
+def test_bad_cuts_are_refused() -> None:
+    with pytest.raises(ScheduleError, match="must both end"):
+        Cuts((0, 2), (0, 1, 3), 4)
+    with pytest.raises(ScheduleError, match="no resident or kept"):
+        build_round_robin(Cuts((0, 2), (0, 1, 2), 3), 2, 2, options=PipelineOptions(resident=frozenset({1})))
+
+
+def test_minimax_cuts_are_exact() -> None:
+    times = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    for parts in range(1, len(times) + 1):
+        bounds = minimax_cuts(times, parts)
+        got = max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = min(max(sum(times[a:b]) for a, b in zip((0, *c), (*c, len(times))))
+                   for c in itertools.combinations(range(1, len(times)), parts - 1))
+        assert len(bounds) == parts + 1 and got == pytest.approx(best)
+    assert parts_for(times, 9.0) == 4 and parts_for([10.0, 1.0], 5.0) == 2
+
+
+def _profile(blocks: int = 8, tied: bool = False) -> ModelProfile:
+    def unit(kind: str, i: int, fwd: float, params: int) -> UnitCost:
+        return UnitCost(f"{kind}.{i}", kind, kind, params, fwd, 3 * fwd, 2 * params, 2 * params, 8 << 20, 8 << 20,
+                        64 << 20, 16 << 20)
+    units = [unit("embed", 0, 0.001, 50_000_000)] + [unit("block", i, 0.010, 100_000_000) for i in range(blocks)]
+    units.append(unit("head", 0, 0.020, 50_000_000))
+    return ModelProfile(units, 1, 1024, "bf16", "test", "estimated", tied_params=50_000_000 if tied else 0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_simulator_runs_the_lists_and_a_delayed_update_is_not_slower(tied: bool) -> None:
+    prof, hw = _profile(tied=tied), Hardware.paper_3090ti()
+    cuts = Cuts((0, 3, 6, 9), (0, 2, 4, 6, 7, 8, 9), prof.num_units)
+    sync = simulate_round_robin(prof, cuts, hw, [0, 1, 2, 3], 8, PipelineOptions(barrier=True))
+    delayed = simulate_round_robin(prof, cuts, hw, [0, 1, 2, 3], 8, PipelineOptions(barrier=True, delayed=True))
+    assert len(sync.step_ends) == 4 and delayed.step_s <= sync.step_s + 1e-9
+    work = sum(u.fwd_s + u.bwd_s for u in prof.units) * 8 / 4 - prof.units[-1].fwd_s * 8 / 4  # FB: no recompute
+    assert delayed.step_s >= work * 0.999  # at least the compute per GPU
+    ops = [cuts.units(k) for k in range(cuts.num_ops)]
+    uploads = 2 * sum(sum(u.param_bytes for u in prof.units[a:b]) for a, b in ops)  # each op once per round
+    kept = sum(prof.units[u].in_bytes for u in cuts.backward[1:-1]) * 8
+    assert delayed.bytes_by_kind["upload"] == pytest.approx(uploads)
+    assert delayed.bytes_by_kind["ckpt"] == pytest.approx(2 * kept)  # kept once, brought back once
+    grads = 2 * 4 * sum(sum(u.trainable_count for u in prof.units[a:b]) for a, b in ops[cuts.num_forward:])
+    assert delayed.bytes_by_kind["grad"] == pytest.approx(grads)  # fp32, every round
+    assert "C" in delayed.to_ascii(80) or "c" in delayed.to_ascii(80)
+
+
+def test_the_memory_model_counts_the_next_op_in_the_second_slot() -> None:
+    prof = _profile()
+    cuts = Cuts((0, 9), (0, 9), prof.num_units)
+    one, two = round_robin_peaks(prof, cuts, 2, 1), round_robin_peaks(prof, cuts, 2, 2)
+    assert two > one > 9 * 2 * 100_000_000 / 1e9  # a forward op holds its 9 units' half weights at least
+    assert all(c.fused_from in (prof.num_units - 1, prof.num_units - 2) for c in candidate_cuts(prof, 4))
+
+
+def test_mobius_plan_prints_the_round_robin_prediction_under_both_update_rules(tmp_path) -> None:
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"gpu": "rtx4090", "micro_batch_size": 1, "seq_len": 512, "precision": "bf16",
+                                "units": {"block": {"forward_ms": 2.0, "backward_ms": 4.0},
+                                          "head": {"forward_ms": 3.0, "backward_ms": 6.0}}}))
+    args = [sys.executable, "-m", "mobius", "plan", "configs/finetune-opt-1.3b.yaml", "--gpus", "4",
+            "--partition.gpu=rtx4090", "--train.micro_batch_size=1", "--data.seq_len=512", "--train.micro_batches=8",
+            f"--partition.profile_file={prof}", "--partition.round_robin=true", "--partition.time_limit_s=1"]
+    text = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    assert text.returncode == 0, text.stderr[-2000:]
+    assert "round-robin schedule (RoundPipe's class; not run by mobius train yet)" in text.stdout
+    assert "tokens/s with update sync" in text.stdout and "tokens/s with delayed" in text.stdout
+    out = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, cwd=ROOT).stdout)
+    rr = out["round_robin"]
+    assert rr["runs"] is False and rr["update"] == "sync" and rr["delayed_step_s"] <= rr["step_s"] + 1e-9
+    assert rr["forward"][0] == 0 and rr["forward"][-1] == rr["backward"][-1] == rr["fused"][0]
