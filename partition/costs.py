@@ -26,14 +26,17 @@ ADAM_BYTES = 28  # memory traffic of one fused AdamW step per parameter: read fp
 # partition.hardware.DEVICE_ADAM_BYTES)
 
 
-def host_bytes_per_param(precision: str, half_grads: bool) -> int:
+def host_bytes_per_param(precision: str, half_grads: bool, delayed: bool = False) -> int:
     """Host bytes of a swapped pipeline stage's trainable parameter (``precision``: "fp32", or any
     half precision): fp32 master (4) + AdamW moments (8) + the pinned half-precision upload copy (2;
     in fp32 the master is the upload copy) + the pinned fp32 gradient the GPU's sums come down to (4;
-    none when gradients come down in the half dtype, into the half copy). Zero mode's offloaded chunk
-    shards hold the same as fp32 downloads. What ``scheduler/store.py`` allocates."""
+    none when gradients come down in the half dtype, into the half copy). ``delayed``
+    (train.update=delayed): the upload copy holds the compute weights, one update behind the master,
+    so fp32 training keeps a separate pinned fp32 copy (4 more); a half-precision copy is separate
+    already (and takes no gradients then: delayed downloads fp32 gradients). Zero mode's offloaded
+    chunk shards hold the same as fp32 downloads. What ``scheduler/store.py`` allocates."""
     if precision == "fp32":
-        return 16
+        return 20 if delayed else 16
     return 14 if half_grads else 18
 
 

@@ -135,6 +135,20 @@ class Plan:
         return {"boundaries": list(self.boundaries), "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)],
                 **self.options.to_json()}
 
+    def headline(self) -> str:
+        """One line: the schedule, the update rule and the predicted step and tokens/s (and the round-robin
+        family's, when it was planned beside)."""
+        tokens = self.micro_batches * self.micro_batch_size * self.seq_len
+        rule = "delayed" if self.options.delayed else "sync"
+        line = (f"schedule: swapped pipeline ({self.num_stages} stages on {len(self.worker_gpus)} GPUs), update {rule}: "
+                f"{self.predicted_step_s:.3f} s per step predicted, {tokens / self.predicted_step_s:,.0f} tokens/s")
+        rr = self.round_robin
+        if rr and "error" not in rr:
+            other = "delayed" if rr["update"] == "sync" else "sync"
+            line += (f"; round-robin (not run yet): {rr['tokens_per_s']:,.0f} tokens/s {rr['update']}, "
+                     f"{rr[f'{other}_tokens_per_s']:,.0f} {other}")
+        return line
+
     def summary(self) -> str:
         """A human-readable report: stages table, settings, predicted time, memory, traffic, baselines."""
         return "\n".join(_summary_lines(self))
@@ -250,6 +264,9 @@ class PlanContext:
         if req.grad_download == "half" and prof.precision != "bf16":
             raise ConfigError(f"parallel.grad_download=half needs train.precision bf16, got {prof.precision} (fp32 has "
                               f"no half copy to land in; fp16 sums of loss-scaled gradients can overflow)")
+        if req.grad_download == "half" and req.update == "delayed":
+            raise ConfigError("parallel.grad_download=half cannot go with train.update=delayed: the half copy holds "
+                              "the weights the next step computes with; set parallel.grad_download=fp32 or auto")
         if req.boundaries is not None and req.boundaries[-1] != prof.num_units:
             raise ConfigError(f"PlanRequest.boundaries {list(req.boundaries)} must end at the model's "
                               f"{prof.num_units} units")
@@ -513,6 +530,8 @@ def _grad_dtype(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
         return options, sim, "as configured"
     if prof.precision != "bf16":
         return options, sim, f"{prof.precision} training"
+    if options.delayed:
+        return options, sim, "train.update=delayed: the half copy holds the weights the next step computes with"
     half = dataclasses.replace(options, grad_dtype="half")
     need = _host_bytes(prof, bounds, options)
     if host_memory is not None and need > host_memory:
@@ -540,7 +559,7 @@ def _check_host_memory(ctx: PlanContext, bounds: list[int], options: PipelineOpt
     prof, host_memory = ctx.prof, ctx.hw.host_memory_bytes
     need = _host_bytes(prof, bounds, options)
     if host_memory is not None and need > host_memory:
-        per = host_bytes_per_param(prof.precision, options.grad_dtype == "half")
+        per = host_bytes_per_param(prof.precision, options.grad_dtype == "half", options.delayed)
         frozen = (f" ({PRECISION_BYTES[prof.precision]} per frozen one)" if any(u.frozen_count for u in prof.units)
                   else "")
         raise MobiusError(f"host memory does not suffice: the swapped stages need {need / GiB:.1f} GiB ({per} bytes "
@@ -551,7 +570,7 @@ def _check_host_memory(ctx: PlanContext, bounds: list[int], options: PipelineOpt
 
 def _host_bytes(prof: ModelProfile, bounds: list[int], options: PipelineOptions) -> int:
     """Host memory of the swapped stages' stores (:func:`partition.costs.host_bytes_per_param`)."""
-    per = host_bytes_per_param(prof.precision, options.grad_dtype == "half")
+    per = host_bytes_per_param(prof.precision, options.grad_dtype == "half", options.delayed)
     frozen = PRECISION_BYTES[prof.precision]  # LoRA's base weights: one copy in the training dtype
     return sum(sc.trainable_count * per + sc.frozen_count * frozen
                for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident)

@@ -34,29 +34,32 @@ def op_costs(profile: ModelProfile, cuts: Cuts) -> list[StageCost]:
     return [stage_cost(profile, *cuts.units(k)) for k in range(cuts.num_ops)]
 
 
-def op_need_gb(sc: StageCost, kind: Kind, workers: int, half: bool) -> tuple[float, float]:
-    """(what op ``sc`` needs on its GPU while it computes, what it holds while it waits in the second slot),
-    in GB. A forward holds its parameters and passes one micro-batch at a time (the input received and the
-    output sent, both double-buffered); the fused op and a backward hold their slot (parameters, gradient
-    sums), the autograd state of one micro-batch and its gradients in and out; a backward also holds its
-    round's ``workers`` reloaded inputs."""
+def op_need_gb(sc: StageCost, kind: Kind, workers: int, half: bool) -> tuple[float, float, float]:
+    """(what op ``sc`` needs on its GPU while it computes, the weights it holds while it waits in the second
+    slot, the gradients it holds while they download after it computed), in GB. A forward holds its
+    parameters and passes one micro-batch at a time (the input received and the output sent, both
+    double-buffered); the fused op and a backward hold their slot (parameters, gradient sums), the autograd
+    state of one micro-batch and its gradients in and out; a backward also holds its round's ``workers``
+    reloaded inputs."""
     st = stage_exprs(sc, half)
     if kind == Kind.FORWARD:
-        return st.pbytes + 2 * (st.in_b + st.out_b) + st.work, st.pbytes
+        return st.pbytes + 2 * (st.in_b + st.out_b) + st.work, st.pbytes, 0.0
     need = st.slot + st.saved + st.work + 3 * st.in_b
     if kind == Kind.BACKWARD:
         need += workers * st.in_b
-    return need, st.slot
+    return need, st.pbytes, st.slot - st.pbytes
 
 
 def round_robin_peaks(profile: ModelProfile, cuts: Cuts, workers: int, num_slots: int) -> float:
-    """The largest GPU memory (GB) any worker needs: an op computing while the op its worker runs next
-    (``workers`` ops later in the rotation) waits in the second slot."""
+    """The largest GPU memory (GB) any worker needs: an op computing beside, in the second slot, the weights
+    of the op its worker runs next (``workers`` ops later in the rotation), or beside the gradients of the op
+    it ran before while they download."""
     half = profile.precision != "fp32"
     K = cuts.num_ops
     needs = [op_need_gb(c, cuts.kind(k), workers, half) for k, c in enumerate(op_costs(profile, cuts))]
-    nxt = [needs[(k + workers) % K][1] if num_slots > 1 and K > 1 else 0.0 for k in range(K)]
-    return max(n + h for (n, _), h in zip(needs, nxt))
+    if num_slots < 2 or K < 2:
+        return max(n for n, _, _ in needs)
+    return max(n + max(needs[(k + workers) % K][1], needs[(k - workers) % K][2]) for k, (n, _, _) in enumerate(needs))
 
 
 def simulate_round_robin(profile: ModelProfile, cuts: Cuts, hardware: Hardware, worker_gpus: list[int] | None = None,

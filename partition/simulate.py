@@ -263,7 +263,8 @@ class _Sim:
         self.step_start = 0.0
         self.step_ends: list[float] = []
         self.version = [0] * self.S  # updates each stage has completed
-        self.delay = int(sched.options.delayed)  # how many updates behind its step an upload may be
+        self.begun = [0] * self.S  # ... and started
+        self.delay = int(sched.options.delayed)  # train.update: delayed (see :meth:`_weights_ready`)
         self.rounds = getattr(sched, "rounds", 1)
         self.program = sched.steps > 1  # one list of several steps (round-robin): no per-step restart
         self.downloads_due = _downloads_per_step(sched)  # (step, stage) -> downloads before its update
@@ -355,8 +356,7 @@ class _Sim:
             return False
         task = w.uploads[w.ui]
         K = self.sched.num_slots
-        due = self.step + task.tstep - self.delay  # updates its weights must have had
-        if any(self.version[d] < due for d in self.sched.update_deps(task.stage)):
+        if not all(self._weights_ready(d, self.step + task.tstep) for d in self.sched.update_deps(task.stage)):
             return False  # a CPU update of its weights is pending
         order = self.step * 10**6 + self.sched.upload_rank(task.stage, task.phase, task.round)
         param_bytes = self.costs[task.stage].param_bytes
@@ -394,6 +394,18 @@ class _Sim:
             w.ri += 1
             started = True
         return started
+
+    def _weights_ready(self, stage: int, step: int) -> bool:
+        """Whether ``stage``'s weights for ``step`` are in its host copy. Sync: every earlier step's update has
+        run. Delayed, with one compute copy per stage (the swapped pipeline): the previous step's update has
+        begun (it first copies the master, one update old, into the compute copy), and a download waits until
+        that update has read the stage's one gradient buffer; with two copies of both that alternate by step
+        (round-robin): the update before the previous one has run (it wrote its copy)."""
+        if not self.delay:
+            return self.version[stage] >= step
+        if self.sched.compute_copies == 1:
+            return self.begun[stage] >= step
+        return self.version[stage] >= step - 1
 
     def _upload_done(self, w: _Worker, occ: int, t: float) -> None:
         w.uploading, w.woken = False, True
@@ -465,6 +477,9 @@ class _Sim:
         if w.d2h_ready[w.di] > self.t + _EPS_T:
             return False
         task = w.d2h[w.di]
+        if (task.kind == Kind.DOWNLOAD and self.delay and self.sched.compute_copies == 1
+                and self.version[task.stage] < self.step + task.tstep):
+            return False  # the previous step's update still reads the stage's one gradient buffer
         w.downloading = True
         w.di += 1
         if task.kind == Kind.DOWNLOAD:
@@ -552,6 +567,7 @@ class _Sim:
                 continue
             self.opt_queue[w].pop(0)
             self.opt_running[w], self.opt_start[w] = (step, j), self.t
+            self.begun[j] += 1
             self.opt_left[w] = float(self.costs[j].trainable_count)
             self.opt_busy[w] = self.t  # timed by _share_cpu
             started = True

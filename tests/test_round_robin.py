@@ -136,9 +136,32 @@ def test_mobius_plan_prints_the_round_robin_prediction_under_both_update_rules(t
             f"--partition.profile_file={prof}", "--partition.round_robin=true", "--partition.time_limit_s=1"]
     text = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     assert text.returncode == 0, text.stderr[-2000:]
+    first = text.stdout.splitlines()[0]  # the schedule, the update rule and the predictions come first
+    assert first.startswith("schedule: swapped pipeline") and "update sync" in first and "round-robin" in first
     assert "round-robin schedule (RoundPipe's class; not run by mobius train yet)" in text.stdout
     assert "tokens/s with update sync" in text.stdout and "tokens/s with delayed" in text.stdout
     out = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, cwd=ROOT).stdout)
     rr = out["round_robin"]
     assert rr["runs"] is False and rr["update"] == "sync" and rr["delayed_step_s"] <= rr["step_s"] + 1e-9
     assert rr["forward"][0] == 0 and rr["forward"][-1] == rr["backward"][-1] == rr["fused"][0]
+
+
+def test_a_delayed_update_takes_the_cpu_update_off_the_swapped_pipelines_step() -> None:
+    """The swapped pipeline keeps one compute copy per stage: with a barrier, a sync step's uploads wait for
+    the previous step's whole CPU update, a delayed step's only for its start (the copy of the master)."""
+    import dataclasses
+
+    from partition.simulate import simulate
+
+    prof = _profile()
+    hw = Hardware.paper_3090ti()
+    slow = dataclasses.replace(hw, cpu_adam_params_per_s=hw.cpu_adam_params_per_s / 4,
+                               host_adam_params_per_s=hw.host_adam_params_per_s / 4)
+    bounds = [0, 3, 5, 7, prof.num_units]
+    sync = simulate(prof, bounds, slow, [0, 1], 4, PipelineOptions(barrier=True), record=False)
+    delayed = simulate(prof, bounds, slow, [0, 1], 4, PipelineOptions(barrier=True, delayed=True), record=False)
+    assert delayed.step_s < 0.8 * sync.step_s
+    assert delayed.total_bytes() == pytest.approx(sync.total_bytes())  # the same traffic, another order
+    fast_sync = simulate(prof, bounds, hw, [0, 1], 4, PipelineOptions(barrier=True), record=False)
+    fast_delayed = simulate(prof, bounds, hw, [0, 1], 4, PipelineOptions(barrier=True, delayed=True), record=False)
+    assert fast_delayed.step_s <= fast_sync.step_s + 1e-9

@@ -40,6 +40,7 @@ from mobius.models import preset_names
 from mobius.models.lora import LoraSpec
 from partition import simulate
 from partition.costs import ModelProfile
+from partition.plan import Plan
 from partition.gpus import GB, gpu_spec
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,8 @@ def _lora_part(lora: LoraSpec | None, prof: ModelProfile) -> str:
 def _report(cfg: Config, lora: LoraSpec | None, choice: ModeChoice) -> str:
     chosen = choice.chosen
     prof, hw, plan = chosen.profile, chosen.hardware, chosen.plan
-    lines = [choice.line() if choice.explicit else choice.table(),
+    head = [plan.headline()] if isinstance(plan, Plan) else []
+    lines = head + [choice.line() if choice.explicit else choice.table(),
              f"model: {_model_name(cfg)}: {prof.num_units} units, {_amount(prof.param_count())} parameters "
              f"({_amount(prof.param_bytes(), 'B')} in {prof.precision}){_lora_part(lora, prof)}; micro-batch "
              f"{prof.micro_batch_size} x "

@@ -95,6 +95,8 @@ class RoundRobinSchedule:
     tied: bool = False
     first: int = 0  # the worker of the first op of the first round
     train = True
+    compute_copies = 2  # train.update: delayed: two host copies of the weights (each update writes one) and of
+    # the gradient sums alternate by step
     resident = frozenset()
     kept = frozenset()
     offloaded = frozenset()

@@ -1,0 +1,127 @@
+"""The round-robin schedule (RoundPipe's class) against the swapped pipeline, in simulation, on RoundPipe's
+own workloads: its RTX 4090 unit times, 8 x 24 GB GPUs in two root complexes of four, no P2P,
+micro-batches of 4 x 2048 tokens, 16 per step, bf16. Both mobius figures come from the plans `mobius plan
+--partition.round_robin=true` makes; RoundPipe's are its artifact's (measured, and its simulator's).
+
+Also the round-robin steady state with two of mobius's costs removed, to show where the difference from
+RoundPipe's simulator goes: the fp32 gradient sums per micro-batch (``acc_s``), and the host links.
+
+    python bench/roundrobin_bench.py                 # the three models, clipping off and at 1.0 (about 2 min)
+    python bench/roundrobin_bench.py --models llama-3.1-8b --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mobius.app.planning import plan_pipeline  # noqa: E402
+from mobius.app.settings import Machine, resolve  # noqa: E402
+from mobius.assemble import planned_architecture  # noqa: E402
+from mobius.config import load_config  # noqa: E402
+from partition.roundrobin import simulate_round_robin  # noqa: E402
+from partition.schedule import PipelineOptions  # noqa: E402
+from partition.schedule.roundrobin import Cuts  # noqa: E402
+
+TOPOLOGY = ROOT / "tests/fixtures/topology/topo8_4x4_nic.txt"
+UNITS = {  # RoundPipe's pp-simulate/run.sh: ms per micro-batch of 4 x 2048 (block fwd, block bwd, head fwd, head bwd)
+    "llama-3.1-8b": (18.5037, 41.2066, 37.2255, 74.501),
+    "qwen3-1.7b": (7.429, 15.831, 22.0655, 43.707),
+    "qwen3-32b": (40.5610625, 91.17429688, 54.928, 108.294),
+}
+ROUNDPIPE = {  # tokens/s: measured sync, measured delayed (exp/raw-data.csv), its simulator's one step (pp-simulate/log)
+    "llama-3.1-8b": (18888, 24275, 21485), "qwen3-1.7b": (56489, 65417, 57337), "qwen3-32b": (4164, 5516, 5466)}
+TOKENS = 16 * 4 * 2048
+
+
+def _plan(model: str, clip: float, profile_file: Path):
+    """The pipeline plan ``mobius plan`` makes, with the round-robin family beside it."""
+    import topology
+
+    overrides = [f"--model.preset={model}", "--parallel.devices=8", "--train.micro_batch_size=4",
+                 "--train.micro_batches=16", f"--partition.profile_file={profile_file}", "--partition.gpu=rtx4090",
+                 "--partition.round_robin=true", f"--train.grad_clip={clip}"]
+    cfg = load_config(str(ROOT / "configs/finetune-llama-3.1-8b.yaml"), overrides)
+    machine = Machine.saved(topology.load_topology(str(TOPOLOGY)))
+    settings = resolve(cfg, machine, "pipeline", "")
+    return plan_pipeline(cfg, planned_architecture(cfg), settings, machine)
+
+
+def _ablations(prof, hw, plan) -> dict[str, float]:
+    """The round-robin delayed steady state with the fp32 sums free, and with 100 GB/s host links too."""
+    rr = plan.round_robin
+    cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), prof.num_units)
+    opts = PipelineOptions(grad_dtype=plan.options.grad_dtype, delayed=True)
+    no_acc = dataclasses.replace(prof, units=[dataclasses.replace(u, acc_s=0.0) for u in prof.units])
+    fast = dataclasses.replace(hw, rc_h2d_Bps=[1e11] * len(hw.groups), rc_d2h_Bps=[1e11] * len(hw.groups),
+                               h2d_Bps=[1e11] * hw.num_gpus, d2h_Bps=[1e11] * hw.num_gpus)
+    return {"delayed_no_fp32_sums_s": simulate_round_robin(no_acc, cuts, hw, plan.worker_gpus, 16, opts,
+                                                           record=False).step_s,
+            "delayed_no_fp32_sums_fast_links_s": simulate_round_robin(no_acc, cuts, fast, plan.worker_gpus, 16,
+                                                                      opts, record=False).step_s}
+
+
+def run(models: list[str], clips: list[float]) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            bf, bb, hf, hb = UNITS[model]
+            path = Path(tmp) / f"{model}.json"
+            path.write_text(json.dumps({"gpu": "rtx4090", "micro_batch_size": 4, "seq_len": 2048, "precision": "bf16",
+                                        "units": {"block": {"forward_ms": bf, "backward_ms": bb},
+                                                  "head": {"forward_ms": hf, "backward_ms": hb}}}))
+            for clip in clips:
+                t0 = time.perf_counter()
+                plan, prof, hw = _plan(model, clip, path)
+                rr = plan.round_robin
+                row = {"model": model, "grad_clip": clip, "swapped_step_s": plan.predicted_step_s,
+                       "swapped_tokens_per_s": TOKENS / plan.predicted_step_s, "round_robin": rr,
+                       "roundpipe_measured_sync": ROUNDPIPE[model][0], "roundpipe_measured_delayed": ROUNDPIPE[model][1],
+                       "roundpipe_simulator_one_step": ROUNDPIPE[model][2]}
+                if "error" not in rr and clip == 0:
+                    row.update(_ablations(prof, hw, plan))
+                row["plan_s"] = time.perf_counter() - t0
+                rows.append(row)
+                print(_line(row), flush=True)
+    return rows
+
+
+def _line(r: dict) -> str:
+    rr = r["round_robin"]
+    if "error" in rr:
+        robin = f"round-robin: {rr['error'][:60]}"
+    else:
+        sync = rr["step_s"] if rr["update"] == "sync" else rr["sync_step_s"]
+        delayed = rr.get("delayed_step_s", rr["step_s"])
+        robin = f"round-robin sync {TOKENS / sync:>8,.0f}  delayed {TOKENS / delayed:>8,.0f}"
+        if "delayed_no_fp32_sums_s" in r:
+            robin += (f"  (delayed without fp32 sums {TOKENS / r['delayed_no_fp32_sums_s']:,.0f}, and fast links "
+                      f"{TOKENS / r['delayed_no_fp32_sums_fast_links_s']:,.0f})")
+    return (f"{r['model']:<13} clip {r['grad_clip']:<4} swapped {r['swapped_tokens_per_s']:>8,.0f}  {robin}  | "
+            f"RoundPipe measured {r['roundpipe_measured_sync']:,} / {r['roundpipe_measured_delayed']:,}, its "
+            f"simulator {r['roundpipe_simulator_one_step']:,}  [{r['plan_s']:.0f} s]")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(UNITS), help="comma-separated: " + ", ".join(UNITS))
+    ap.add_argument("--clips", default="0,1.0", help="train.grad_clip values (0: off)")
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args()
+    print("tokens/s per step of 16 x 4 x 2048 tokens, predicted by mobius's simulator (8 x RTX 4090 times, two root "
+          "complexes, no P2P)")
+    rows = run(a.models.split(","), [float(c) for c in a.clips.split(",")])
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
