@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,14 +263,42 @@ def _write_moments(tmp: Path, model_cfg: ModelConfig, state: RankState, comm: Co
 def _write_compute_weights(tmp: Path, model_cfg: ModelConfig, compute: dict[str, torch.Tensor],
                            comm: Collective) -> None:
     """The weights the next step computes with (train.update=delayed), fp32 by parameter name (a tied
-    head under the embedding's name); one process holds them all (single mode)."""
+    head under the embedding's name), in one file whichever ranks hold them: several ranks (a
+    pipeline's workers, each holding its stages') agree on the file's layout, rank 0 writes its header
+    and each rank writes its own tensors' bytes in place, so no rank holds more than its own."""
     from safetensors.torch import save_file
 
-    if comm.world != 1:
-        raise CheckpointError(f"compute weights come from one process, but {comm.world} ranks write this checkpoint")
-    out = {canonical_name(name, model_cfg): t.detach().to("cpu", torch.float32).contiguous()
-           for name, t in compute.items()}
-    save_file(out, str(tmp / COMPUTE_FILE))
+    mine: dict[str, torch.Tensor] = {}
+    for name, t in compute.items():
+        mine.setdefault(canonical_name(name, model_cfg), t.detach().to("cpu", torch.float32).contiguous())
+    file = tmp / COMPUTE_FILE
+    if comm.world == 1:
+        save_file(mine, str(file))
+        return
+    owner: dict[str, tuple[int, list[int]]] = {}  # name -> (the rank that writes it, shape); a tied weight once
+    for rank, held in enumerate(comm.all_gather_object(sorted((k, list(t.shape)) for k, t in mine.items()))):
+        for name, shape in held:
+            owner.setdefault(name, (rank, shape))
+    header: dict[str, dict] = {}
+    end = 0
+    for name in sorted(owner):
+        shape = owner[name][1]
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [end, end + size]}
+        end += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes
+    start = 8 + len(text)
+    if comm.rank == 0:
+        with open(file, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            f.truncate(start + end)
+    comm.barrier()
+    with open(file, "r+b") as f:
+        for name, t in mine.items():
+            if owner[name][0] == comm.rank and t.numel():
+                f.seek(start + header[name]["data_offsets"][0])
+                f.write(memoryview(t.reshape(-1).numpy()).cast("B"))  # little-endian, as safetensors stores
 
 
 def replace_dir(tmp: Path, path: Path) -> None:
@@ -409,14 +439,15 @@ class ResumeState:
         file = self.path / COMPUTE_FILE
         if not self.delayed:
             return None
+        keys = {n: canonical_name(n, model_cfg) for n in names}
         try:
-            with safe_open(str(file), framework="pt") as h:
-                held = {k: h.get_tensor(k) for k in h.keys()}
+            with safe_open(str(file), framework="pt") as h:  # only the tensors asked for (a worker's stages)
+                held = set(h.keys())
+                missing = sorted({k for k in keys.values() if k not in held})
+                read = {k: h.get_tensor(k) for k in set(keys.values()) if k in held}
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"{file}: cannot be read, the file is truncated or corrupt ({e})") from None
-        keys = {n: canonical_name(n, model_cfg) for n in names}
-        missing = sorted({k for k in keys.values() if k not in held})
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise CheckpointError(f"{file}: no compute weights for {', '.join(missing[:3])}{more}")
-        return {n: held[k] for n, k in keys.items()}
+        return {n: read[k] for n, k in keys.items()}

@@ -126,7 +126,7 @@ class TrainSection(_Section):
                                             "the next step computes; each update is the sync one (AdamW on the newest "
                                             "weights, clipping and fp16 loss scaling from its step's gradients). "
                                             "Costs one more fp32 copy of what trains, in memory and in resumable "
-                                            "checkpoints. parallel.mode=single only, for now.")
+                                            "checkpoints. parallel.mode=single or pipeline (not zero).")
 
     @property
     def barrier(self) -> bool:

@@ -6,13 +6,19 @@ resident and kept stages, the gradient download dtype): the schedule is built fr
 :class:`~scheduler.executor.Executor` dispatches them. Weights and optimizer moments are held per
 stage (:mod:`scheduler.store`): in host memory, or on the GPU for resident stages; checkpoints go
 through :mod:`mobius.checkpoint` like every other mode's.
+
+``train.update: delayed``: each store's copy the GPU computes with holds the compute weights, one
+update behind the master (:class:`~scheduler.store.StageStore`); evaluation puts the newest weights
+there meanwhile, and a resumable checkpoint keeps the compute weights beside the newest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,12 +67,16 @@ class PipelineEngine:
         if half_grads and self.dtype != torch.bfloat16:
             raise MobiusError(f"the plan downloads half-precision gradients, which needs bf16 training, not "
                               f"{cfg.train.precision}; plan again for this configuration")
+        self.delayed = cfg.train.update == "delayed"
+        if plan.options.delayed != self.delayed:
+            raise MobiusError(f"the plan was made for train.update={'delayed' if plan.options.delayed else 'sync'}, "
+                              f"but the run has train.update={cfg.train.update}; plan again for this configuration")
         swapped = [j for j in mine if j not in plan.options.resident]
-        check_host_memory(host_bytes([self.layouts[j] for j in swapped], self.dtype, half_grads),
+        check_host_memory(host_bytes([self.layouts[j] for j in swapped], self.dtype, half_grads, self.delayed),
                           f"worker {self.rank}'s swapped stages")
         pin = device.type == "cuda"
         self.stores = {j: StageStore(self.layouts[j], self.dtype, cfg.train, pin, half_grads,
-                                     device if j in plan.options.resident else "cpu") for j in mine}
+                                     device if j in plan.options.resident else "cpu", self.delayed) for j in mine}
         self._load_weights(weights_from)
         self.counters = Counters()
         self.arbiter = self._arbiter()
@@ -207,32 +217,64 @@ class PipelineEngine:
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:
+        """The held-out loss with the newest weights (under delayed, not the ones the next step computes
+        with)."""
         self.ex.sync()
         M = len(batches)
         if M not in self.eval_scheds:
             self.eval_scheds[M] = build_eval_schedule(self.plan.num_stages, self.world, M, list(self.gpu_of),
                                                       self.plan.options)
         io = StepIO([x for x, _ in batches], [y for _, y in batches], 0, 1.0, None, training=False)
-        return self.ex.run(self.eval_scheds[M], io).loss
+        with self._newest():
+            return self.ex.run(self.eval_scheds[M], io).loss
+
+    @contextlib.contextmanager
+    def _newest(self) -> Iterator[None]:
+        """While open, every stage computes with its newest weights (see StageStore.newest)."""
+        with contextlib.ExitStack() as stack:
+            for store in self.stores.values():
+                stack.enter_context(store.newest())
+            yield
 
     # ---- state ----------------------------------------------------------------------------------
     def rank_state(self, with_moments: bool) -> RankState:
-        """This worker's stages: fp32 weights (and AdamW moments) by parameter name."""
+        """This worker's stages: fp32 weights (the newest) and, ``with_moments`` (a resumable checkpoint),
+        AdamW moments and under train.update=delayed the compute weights, by parameter name; every
+        queued update has ended first."""
         self.ex.sync()
         weights: dict[str, torch.Tensor] = {}
         moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        compute: dict[str, torch.Tensor] | None = {} if with_moments and self.delayed else None
         for j, host in self.stores.items():
             weights.update(host.weights())
             if with_moments:
                 moments.update(host.moments())
-        return RankState(weights, moments, *self.rule.state())
+            if compute is not None:
+                compute.update(host.compute_weights())
+        return RankState(weights, moments, *self.rule.state(), compute=compute)
 
     def load_state(self, resume: ResumeState) -> None:
-        """Optimizer moments by name (from a checkpoint of any mode or partition) and the loss scale."""
+        """Optimizer moments by name (from a checkpoint of any mode or partition), the loss scale and,
+        under train.update=delayed, the compute weights (a sync checkpoint has none: the first step
+        computes with its newest weights, which the stores hold)."""
         self.rule.load(resume.optimizer_step, resume.scaler)
+        trained = {j: [p.names[0] for p in self.layouts[j].params if p.offset < self.layouts[j].trainable_numel]
+                   for j in self.stores}
         for j, host in self.stores.items():
-            names = [p.names[0] for p in self.layouts[j].params if p.offset < self.layouts[j].trainable_numel]
-            host.load_moments(resume.moments(names, self.model_cfg), resume.optimizer_step)
+            host.load_moments(resume.moments(trained[j], self.model_cfg), resume.optimizer_step)
+        if not self.delayed:
+            if resume.delayed and self.is_main:
+                log.info("train.update=sync: resuming a delayed checkpoint from its newest weights; the compute "
+                         "weights of its update in flight are dropped")
+            return
+        compute = resume.compute_weights([n for names in trained.values() for n in names], self.model_cfg)
+        if compute is None:
+            if self.is_main:
+                log.info("train.update=delayed: resuming a sync checkpoint; the first step computes with its newest "
+                         "weights")
+            return
+        for host in self.stores.values():
+            host.load_compute(compute)
 
     def sync(self) -> None:
         self.ex.sync()

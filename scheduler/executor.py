@@ -10,7 +10,9 @@ Threads and streams (see scheduler/README.md for who owns which buffer and event
   (:class:`~scheduler.arbiter.UploadArbiter`);
 * the **download stream** brings each stage's gradient sums (fp32, or rounded to the half dtype)
   to its pinned host buffer;
-* the **optimizer thread** runs each stage's CPU AdamW (``UPDATE``) once its gradients are down.
+* the **optimizer thread** runs each stage's CPU AdamW (``UPDATE``) once its gradients are down
+  (``train.update: delayed``: after copying the master into the upload copy, which is all the next
+  step's uploads wait for; :class:`~scheduler.store.StageStore`).
 
 Device memory holds ``num_slots`` *slots* (the running stage and the prefetched one), each with
 the stage's half-precision parameters, their gradients and an fp32 gradient sum -- or, with one
@@ -69,6 +71,12 @@ class ExecutorOptions:
     def half_grads(self) -> bool:
         """Gradients come down rounded to the half dtype, into the stage's half copy."""
         return self.pipeline.grad_dtype == "half"
+
+    @property
+    def step_waits_for_updates(self) -> bool:
+        """Whether a step without a barrier ends only when its CPU updates have (sync: the next step's
+        uploads would wait for them anyway); a delayed step's updates run beside the next step."""
+        return not self.pipeline.delayed
 
 
 @dataclass
@@ -239,10 +247,12 @@ class Executor:
         return self.st.outcome
 
     def sync(self) -> None:
-        """Wait for every queued CPU update (and surface a failure of one)."""
+        """Wait for every queued CPU update, all of it (under delayed the AdamW after the copy too),
+        and surface a failure of one."""
         self.updater.sync()
         for host in self.hosts.values():
             host.updated.wait()
+            host.consumed.wait()
         self.check()
 
     def check(self) -> None:
@@ -291,7 +301,8 @@ class Executor:
 
     def _copy(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int) -> None:
         host = self.hosts[j]
-        host.updated.wait()  # the CPU update of the previous step has written this stage's copy
+        host.updated.wait()  # the CPU update of the previous step has written this stage's copy (delayed: its
+        # first part, the compute weights)
         if self.failure is not None:
             raise RuntimeError("not uploading after an earlier failure")
         src, dst = host.half, slot.params if slot is not None else self.buffer
@@ -586,7 +597,13 @@ class Executor:
         the half copy); the CPU update takes them from there."""
         j, st = a.stage, self.st
         slot, host, n = self.slot_of[j], self.hosts[j], self.layouts[j].trainable_numel  # what trains comes down
+        if not host.consumed.is_set():  # delayed: the previous step's AdamW still reads the gradient buffer
+            t0 = time.perf_counter()
+            host.consumed.wait()
+            st.wait_s += time.perf_counter() - t0
+        self.check()
         host.updated.clear()
+        host.consumed.clear()
         src = slot.acc[:n] if slot.acc is not None else slot.grads[:n]  # fp32 either way
         st.sumsq.append(self._sumsq(src, self.tied.get(j)))  # the exact norm, before any rounding
         if self.opt.half_grads:
@@ -623,26 +640,27 @@ class Executor:
 
     # ---- the CPU side ---------------------------------------------------------------------------
     def _update(self, a: Action) -> None:
-        """Queue stage j's AdamW on the optimizer thread (it waits for the gradients' download)."""
+        """Queue stage j's update on the optimizer thread (it waits for the gradients' download); the
+        store sets ``updated`` when the next upload may read its copy (sync: the job's end, delayed:
+        after the copy that starts it), ``consumed`` at the job's end."""
         j, st = a.stage, self.st
         host, skip = self.hosts[j], st.skipped or self.opt.skip_updates
         lr, factor, trace = st.io.lr, st.factor, st.trace
 
         def update() -> int:
-            if skip:
-                return 0
-            host.update(lr, factor)
-            return self.layouts[j].trainable_numel
+            host.update(lr, factor, skip=skip)
+            return 0 if skip else self.layouts[j].trainable_numel
 
         timed = (lambda t0, t1: trace.add("cpu", f"O{j}", t0, t1)) if trace is not None else None
-        self.updater.submit(update, st.arrived.get(j), host.updated, timed)
+        self.updater.submit(update, st.arrived.get(j), host.consumed, timed)
 
     def _device_update(self, a: Action) -> None:
-        """A resident stage's AdamW on the compute stream, from its fp32 gradient sums."""
+        """A resident stage's update on the compute stream, from its fp32 gradient sums (delayed: its
+        half copy takes the master first, then AdamW updates the master alone)."""
         j, st = a.stage, self.st
         slot, n = self.slot_of[j], self.layouts[j].trainable_numel
-        if not (st.skipped or self.opt.skip_updates):
-            self.resident[j].update(st.io.lr, st.factor, slot.acc[:n] if slot.acc is not None else slot.grads[:n])
+        self.resident[j].update(st.io.lr, st.factor, slot.acc[:n] if slot.acc is not None else slot.grads[:n],
+                                skip=st.skipped or self.opt.skip_updates)
         slot.grads_live = False  # zeroed before the next backward
 
     def _tie(self, a: Action) -> None:
@@ -674,8 +692,8 @@ class Executor:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             st.stall_s += sum(x.elapsed_time(y) for x, y in st.stall_events) / 1e3
-        if st.sched.train and not st.sched.barrier:
-            self.sync()  # without a barrier a step ends when its updates have
+        if st.sched.train and not st.sched.barrier and self.opt.step_waits_for_updates:
+            self.sync()  # without a barrier a (sync) step ends when its updates have
         if st.sched.train:  # resident gradients are still on the device (an update without a factor leaves them)
             for j in self.resident:
                 slot, n = self.slot_of[j], self.layouts[j].trainable_numel

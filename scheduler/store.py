@@ -10,6 +10,7 @@ train precision / gradients    B     what
 bf16/fp16, fp32 downloads      18    4 master + 8 AdamW (m, v) + 2 pinned half copy + 4 pinned fp32 gradient
 bf16, half downloads           14    the gradient lands in the half copy (it is rewritten by the update)
 fp32                           16    the master is the upload copy; 4 pinned fp32 gradient
+fp32, train.update=delayed     20    a separate pinned fp32 upload copy (the compute weights)
 =============================  ====  ==========================================================
 
 fp32 downloads carry the gradient sums exactly as the GPU accumulated them (the reference trainer's
@@ -17,13 +18,21 @@ numbers); half downloads round them to bf16 first (half the GPU->host bytes and 
 per parameter). Every gradient of a step waits in host memory for the global norm when the run clips
 (or scales fp16 losses), so a smaller pool of fp32 buffers would not bound anything there.
 :func:`check_host_memory` computes the need before anything is allocated.
+
+Under ``train.update: delayed`` the copy the GPU computes with (``half``; in fp32 a separate fp32
+copy) holds the *compute weights*, one update behind the master: a stage's update first copies the
+master (w_{t-1}) into it and lets the uploads go (``updated``), then runs AdamW on the master alone,
+beside the next step's compute; the next download of the stage's gradients waits for that AdamW
+(``consumed``). Gradients then come down in fp32 only (a half download would land on the compute
+weights).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 
@@ -38,11 +47,12 @@ from topology.host import HOST_USABLE_FRACTION, available_host_bytes
 log = logging.getLogger(__name__)
 
 
-def host_bytes(layouts: list[StageLayout], train_dtype: torch.dtype, half_grads: bool = False) -> int:
+def host_bytes(layouts: list[StageLayout], train_dtype: torch.dtype, half_grads: bool = False,
+               delayed: bool = False) -> int:
     """Host memory the stores of these swapped stages need (see the module docstring): what trains at
     its bytes per parameter, a frozen parameter only its copy in the training dtype."""
     precision = "fp32" if train_dtype == torch.float32 else "half"
-    per = host_bytes_per_param(precision, half_grads)
+    per = host_bytes_per_param(precision, half_grads, delayed)
     return sum(lay.trainable_numel * per + (lay.numel - lay.trainable_numel) * train_dtype.itemsize for lay in layouts)
 
 
@@ -57,28 +67,41 @@ def check_host_memory(needed: int, what: str) -> None:
 class StageStore:
     """One stage's flat buffers and its AdamW, in host memory (``device`` cpu) or on a GPU (resident).
 
-    ``half`` is the copy the GPU computes with (the master itself in fp32). On the host it is pinned
-    for uploads, and the stage's gradients arrive in ``grad`` (fp32) or, with ``half_grads``, in
-    ``half`` itself; a resident stage's gradients stay in its device slot.
+    ``half`` is the copy the GPU computes with (the master itself in fp32, unless ``delayed``). On
+    the host it is pinned for uploads, and the stage's gradients arrive in ``grad`` (fp32) or, with
+    ``half_grads``, in ``half`` itself; a resident stage's gradients stay in its device slot.
+
+    ``delayed`` (train.update=delayed): ``half`` holds the compute weights, one update behind the
+    master (a separate fp32 copy in fp32 training); :meth:`update` refreshes it from the master
+    before its AdamW, which then leaves it alone.
     """
 
     def __init__(self, layout: StageLayout, train_dtype: torch.dtype, cfg: TrainSection, pin: bool = False,
-                 half_grads: bool = False, device: torch.device | str = "cpu"):
-        self.layout, self.dtype = layout, train_dtype
+                 half_grads: bool = False, device: torch.device | str = "cpu", delayed: bool = False):
+        self.layout, self.dtype, self.delayed = layout, train_dtype, delayed
         n, t, device = layout.numel, layout.trainable_numel, torch.device(device)
         on_host = device.type == "cpu"
         fp32 = train_dtype == torch.float32
+        shared = fp32 and not delayed  # the master is the copy the GPU computes with
         if on_host:  # page-locked at the exact size (scheduler/pinned.py): what host_bytes counts
             self.half = host_zeros(n, train_dtype, pin, self)
-            self.master = self.half[:t] if fp32 else host_zeros(t, torch.float32, False, self)
+            self.master = self.half[:t] if shared else host_zeros(t, torch.float32, False, self)
         else:
             self.half = torch.zeros(n, dtype=train_dtype, device=device)
-            self.master = self.half[:t] if fp32 else torch.zeros(t, dtype=torch.float32, device=device)
+            self.master = self.half[:t] if shared else torch.zeros(t, dtype=torch.float32, device=device)
         assert not (half_grads and fp32), "half-precision downloads need a half-precision copy"
+        if half_grads and delayed:
+            raise MobiusError("internal error: half-precision gradient downloads land in the half copy, which under "
+                              "train.update=delayed holds the compute weights; a delayed run's plan must download "
+                              "fp32 gradients (parallel.grad_download=fp32)")
         self.grad = host_zeros(t, torch.float32, pin, self) if on_host and not half_grads else None
-        self.optimizer = FlatAdamW(self.master, None if fp32 else self.half[:t], layout.runs, cfg)
-        self.updated = threading.Event()  # set when master/half hold this step's weights
+        self.optimizer = FlatAdamW(self.master, None if shared or delayed else self.half[:t], layout.runs, cfg)
+        self.updated = threading.Event()  # set when `half` holds the weights the next upload must copy
         self.updated.set()
+        # set when the last update has read its gradients (the next download may overwrite them): under
+        # delayed when its AdamW ends, after `updated`; otherwise the same moment, the same event
+        self.consumed = threading.Event() if delayed else self.updated
+        self.consumed.set()
 
     @property
     def grads_in(self) -> torch.Tensor:
@@ -105,10 +128,58 @@ class StageStore:
             filled.update(p.names)
         return filled
 
-    def update(self, lr: float, grad_factor: float, grad: torch.Tensor | None = None) -> None:
-        """AdamW with gradient ``grad * grad_factor`` (default: the downloaded gradients); the half
-        copy is rewritten in the same pass."""
-        self.optimizer.step(self.grads_in if grad is None else grad, lr, grad_factor)
+    def update(self, lr: float, grad_factor: float, grad: torch.Tensor | None = None, skip: bool = False) -> None:
+        """The stage's optimizer step: AdamW with gradient ``grad * grad_factor`` (default: the
+        downloaded gradients), the half copy rewritten in the same pass; ``skip`` (an fp16 overflow):
+        none. ``delayed``: first the half copy takes the master (w_{t-1}, what the next step computes
+        with; a skipped step too) and ``updated`` is set, so that uploads wait for that copy only;
+        then AdamW makes the newest weights in the master alone."""
+        if self.delayed:
+            try:
+                self._master_to_compute()
+            finally:  # uploads go on after a failure too: the dispatch thread raises it
+                self.updated.set()
+        if not skip:
+            self.optimizer.step(self.grads_in if grad is None else grad, lr, grad_factor)
+
+    def _master_to_compute(self) -> None:
+        self.half[:self.layout.trainable_numel].copy_(self.master)
+
+    @contextlib.contextmanager
+    def newest(self) -> Iterator[None]:
+        """While open, the copy the GPU computes with holds the newest weights (an evaluation): under
+        delayed the master is put there and the compute weights are set aside (in host memory), then
+        put back; otherwise it holds them already. Call with no update in flight."""
+        t = self.layout.trainable_numel
+        if not self.delayed or t == 0:
+            yield
+            return
+        aside = self.half[:t].to("cpu", copy=True)
+        self._master_to_compute()
+        try:
+            yield
+        finally:
+            self.half[:t].copy_(aside)
+
+    def compute_weights(self) -> dict[str, torch.Tensor]:
+        """What trains as the next step computes it (the half copy), fp32 on the CPU by parameter name:
+        under delayed, one update behind :meth:`weights`."""
+        t = self.layout.trainable_numel
+        half = self.half[:t].cpu().float()
+        out = {}
+        for p in self.layout.params:
+            if p.offset < t:
+                out.update({n: half[p.offset:p.offset + p.numel].view(p.shape) for n in p.names})
+        return out
+
+    def load_compute(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Fill the half copy of what trains (the compute weights of a delayed checkpoint) from fp32
+        weights by name (every trainable parameter of the stage, by one of its names)."""
+        t = self.layout.trainable_numel
+        for p in self.layout.params:
+            if p.offset < t:
+                name = next(n for n in p.names if n in weights)
+                self.half[p.offset:p.offset + p.numel].copy_(weights[name].reshape(-1))
 
     def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """AdamW (exp_avg, exp_avg_sq) by parameter name, in host memory (so a run can resume under

@@ -97,17 +97,23 @@ def _layout(numel_blocks: int = 2):
     return stage_layouts(cfg, [0, 1 + numel_blocks, 2 + numel_blocks])[0]
 
 
-@pytest.mark.parametrize("dtype,half_grads,locked", [(torch.bfloat16, False, 6), (torch.bfloat16, True, 2),
-                                                     (torch.float32, False, 8)])
+@pytest.mark.parametrize("dtype,half_grads,locked,delayed", [(torch.bfloat16, False, 6, False),
+                                                             (torch.bfloat16, True, 2, False),
+                                                             (torch.float32, False, 8, False),
+                                                             (torch.bfloat16, False, 6, True),
+                                                             (torch.float32, False, 8, True)])
 def test_a_stage_store_locks_exactly_what_the_host_memory_check_counts(cudart: FakeCudart, dtype: torch.dtype,
-                                                                       half_grads: bool, locked: int) -> None:
+                                                                       half_grads: bool, locked: int,
+                                                                       delayed: bool) -> None:
     """bf16: the half copy (2) and the fp32 gradient (4) page-locked, master and moments (12) pageable;
-    fp32: the master is the upload copy (4) and the gradient (4); none of it rounded up."""
+    fp32: the master is the upload copy (4) and the gradient (4); none of it rounded up. train.update=
+    delayed in fp32: the upload copy (the compute weights) and the gradient locked, the master beside
+    them pageable (4 more); in bf16 the same as sync."""
     lay = _layout()
-    store = StageStore(lay, dtype, TrainSection(), pin=True, half_grads=half_grads)
+    store = StageStore(lay, dtype, TrainSection(), pin=True, half_grads=half_grads, delayed=delayed)
     assert sum(cudart.registered.values()) == locked * lay.numel
-    pageable = 8 if dtype == torch.float32 else 12  # AdamW's m and v, and the fp32 master beside a half copy
-    assert host_bytes([lay], dtype, half_grads) == (locked + pageable) * lay.numel
+    pageable = 8 if dtype == torch.float32 and not delayed else 12  # AdamW's m and v (and a separate fp32 master)
+    assert host_bytes([lay], dtype, half_grads, delayed) == (locked + pageable) * lay.numel
     del store
     gc.collect()
     assert cudart.registered == {}

@@ -86,15 +86,15 @@ def prepare(cfg: Config, resume: str | None) -> Prepared:
 
 def check_parallel(cfg: Config, machine: Machine) -> None:
     """The parallel settings' errors, before any work (auto: the errors that rule out every mode, and
-    train.update=delayed where single mode, the only one that runs it, cannot run)."""
+    train.update=delayed where neither single nor pipeline mode, the ones that run it, can run)."""
     if static_mode(cfg, machine) is not None:
         resolve(cfg, machine)
         return
-    why_not = mode_options(cfg, machine)["single"]
-    if cfg.train.update == "delayed" and why_not:
-        raise ConfigError(f"train.update=delayed runs in parallel.mode=single only for now, and parallel.mode=auto "
-                          f"cannot choose it here ({why_not}): set train.update=sync, or parallel.mode=single with "
-                          f"parallel.devices=1")
+    why_not = mode_options(cfg, machine)
+    if cfg.train.update == "delayed" and why_not["single"] and why_not["pipeline"]:
+        raise ConfigError(f"train.update=delayed runs in parallel.mode=single or pipeline, and parallel.mode=auto "
+                          f"can choose neither here (single: {why_not['single']}; pipeline: {why_not['pipeline']}): "
+                          f"set train.update=sync")
 
 
 def _check_before_start(cfg: Config, choice: ModeChoice, ready: Prepared, machine: Machine) -> None:

@@ -1,0 +1,301 @@
+"""``train.update: delayed`` in the pipeline runtime, against single mode's delayed engine (the reference
+that tests/test_delayed_update.py holds to a plain torch loop), on CPU worker processes (gloo): swapped,
+resident and kept stages, a tied head, LoRA, bf16, an fp16 overflow, evaluation with the newest weights,
+and resuming with an update in flight (in the pipeline, and in single mode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mobius.app.run import train
+from mobius.checkpoint import COMPUTE_FILE, canonical_name
+from mobius.config import config_from_dict
+from mobius.models.hf import read_state_dict
+from spawned import case_model, spawn_cases, token_batches
+
+STEPS, MICRO = 4, 3
+SWAPPED = {"resident_stages": [], "kept_stages": []}
+
+# name -> checkpoint fixture, parallel settings, train settings, update rule, tolerance (losses, weights)
+CASES = {
+    # 6 stages on 2 workers (0, 2, 4 and 1, 3, 5), all swapped: the tied embedding and head on two workers
+    "swapped-2x6-clipped": ("deep", {"stages": 6, **SWAPPED}, {}, "delayed", 1e-5),
+    # swapped kept stages, a resident one (device AdamW), clipping: every update after the global norm
+    "kept-swapped-and-resident": ("deep", {"stages": 6, "resident_stages": [3], "kept_stages": [0, 2, 3]}, {},
+                                  "delayed", 1e-5),
+    # no barrier: updates as gradients arrive, a step does not wait for them (downloads wait for the AdamW)
+    "resident-kept-no-clip": ("deep", {"stages": 6, "resident_stages": [2, 3], "kept_stages": [2, 3, 4]},
+                              {"grad_clip": 0.0}, "delayed", 1e-5),
+    "one-slot-offload-no-clip": ("deep", {"stages": 5, **SWAPPED, "prefetch": False, "offload_inputs": "on"},
+                                 {"grad_clip": 0.0}, "delayed", 1e-5),
+    # LoRA (frozen base weights behind what trains in each flat buffer), resident and kept stages; lr 1e-3 as
+    # in tests/test_lora.py (summation-order rounding in an adapter with near-zero gradients stays in 1e-5)
+    "lora-resident-kept": ("llama", {"stages": 6, "resident_stages": [1, 5], "kept_stages": [0, 2, 3]},
+                           {"lr": 1e-3}, "delayed", 1e-5),
+    # bf16: half-precision compute copies and activations vs fp32 autocast (fp32 gradient downloads)
+    "bf16-resident": ("deep", {"stages": 4, "resident_stages": [1], "kept_stages": [], "grad_download": "fp32"},
+                      {"precision": "bf16"}, "delayed", 3e-2),
+    "sync-swapped-2x6": ("deep", {"stages": 6, **SWAPPED}, {}, "sync", 1e-5),  # what delayed must differ from
+}
+OVERFLOW_STEP = 1  # the fp16 case's step whose loss scale overflows
+
+
+def _cfg(case: dict, world: int, tmp: Path):
+    raw = {"model": {"checkpoint": str(case["ck"])},
+           "data": {"seq_len": 16},
+           "train": {"max_steps": STEPS, "micro_batch_size": 2, "micro_batches": MICRO, "lr": 1e-2, "warmup_steps": 1,
+                     "weight_decay": 0.1, "seed": 3, "update": case["update"], **case["train"]},
+           "parallel": {"mode": "pipeline" if world else "single", "device": "cpu", "devices": max(world, 1),
+                        **(case["parallel"] if world else {})},
+           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / "out")}}
+    if case["lora"]:
+        raw["lora"] = {"rank": 4, "alpha": 8.0, "train": ["norms"]}
+    return config_from_dict(raw, case["name"])
+
+
+def _model_cfg(case: dict, cfg):
+    from mobius.assemble import with_adapters
+
+    return with_adapters(case_model(case["ck"], None), cfg)
+
+
+def _batches(step: int, count: int = MICRO) -> list:
+    return token_batches(step, count, 300)
+
+
+def _train(engine, cfg, overflow: bool = False) -> dict:
+    """STEPS steps with an evaluation after the second (the compute weights set aside and put back) and at
+    the end; ``overflow``: step OVERFLOW_STEP + 1's loss scale overflows (and the stores' state is kept
+    around it, where the engine has stores)."""
+    from mobius.optim import lr_at
+
+    out: dict = {"losses": [], "skipped": [], "evals": []}
+    for s in range(STEPS):
+        if overflow and s == OVERFLOW_STEP:
+            engine.rule.scaler.scale = 2.0**127
+            engine.sync()  # the updates of the step before are done
+            out["before"] = _store_state(engine)
+        stats = engine.train_step(s, _batches(s), lr_at(s, cfg.train))
+        if overflow and s == OVERFLOW_STEP:
+            engine.sync()
+            out["after"] = _store_state(engine)
+            engine.rule.scaler.scale = 2.0**10
+        out["losses"].append(stats.loss)
+        out["skipped"].append(stats.skipped)
+        if s == 1 or s == STEPS - 1:
+            out["evals"].append(engine.evaluate(_batches(99, 2)))
+    state = engine.rank_state(True)
+    out.update(weights=state.weights, compute=state.compute or {}, optimizer_step=state.optimizer_step)
+    return out
+
+
+def _store_state(engine) -> dict:
+    """Each store's master and the trainable part of its compute copy (pipeline engines only)."""
+    stores = getattr(engine, "stores", {})
+    return {j: (s.master.clone(), s.half[:s.layout.trainable_numel].clone()) for j, s in stores.items()}
+
+
+def _run_case(case: dict, world: int) -> dict:
+    """(In a worker) one planned case through the engine `mobius train` builds."""
+    from mobius.app.launch import make_engine, open_device
+    from mobius.assemble import WeightSource
+
+    cfg = case["cfg"]
+    engine = make_engine(cfg, case["model_cfg"], case["plan"], case["settings"],
+                         open_device(case["settings"], int(os.environ["LOCAL_RANK"])),
+                         WeightSource(str(case["ck"]), None, cfg.train.seed))
+    try:
+        out = _train(engine, cfg, case.get("overflow", False))
+    finally:
+        engine.close()
+    numpy = lambda d: {k: v.numpy().copy() for k, v in d.items()}  # noqa: E731
+    out["weights"], out["compute"] = numpy(out["weights"]), numpy(out["compute"])
+    for key in ("before", "after"):
+        if key in out:
+            out[key] = {j: (m.numpy().copy(), h.float().numpy().copy()) for j, (m, h) in out[key].items()}
+    return out
+
+
+def _reference(case: dict, tmp: Path) -> dict:
+    from mobius.assemble import initial_model
+    from scheduler.single import SingleEngine
+
+    cfg = _cfg(case, 0, tmp)
+    model = initial_model(cfg, _model_cfg(case, cfg), None)
+    return _train(SingleEngine(model, cfg, torch.device("cpu")), cfg, case.get("overflow", False))
+
+
+def _planned(case: dict, world: int, tmp: Path) -> dict:
+    from mobius.app.planning import plan_pipeline
+    from mobius.app.settings import Machine, resolve
+
+    cfg = _cfg(case, world, tmp)
+    machine = Machine.detect(cfg)
+    settings = resolve(cfg, machine)
+    mc = _model_cfg(case, cfg)
+    plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
+    par = case["parallel"]
+    for key in ("resident", "kept"):
+        if f"{key}_stages" in par:
+            assert sorted(getattr(plan.options, key)) == par[f"{key}_stages"], case["name"]
+    assert plan.options.delayed == (case["update"] == "delayed") and plan.options.grad_dtype == "fp32", case["name"]
+    return {**case, "cfg": cfg, "settings": settings, "plan": plan, "model_cfg": mc}
+
+
+def _joined(ranks: list[dict], key: str, where: str) -> dict[str, torch.Tensor]:
+    """The workers' tensors of ``key`` by name; a tied weight (on two workers) must agree."""
+    got: dict = {}
+    for part in ranks:
+        for name, w in part[key].items():
+            assert name not in got or (got[name] == w).all(), f"{where}: {name} differs between ranks"
+            got[name] = w
+    return {k: torch.from_numpy(v) for k, v in got.items()}
+
+
+def _case(name: str, cks: dict[str, Path]) -> dict:
+    ck, par, tr, update, atol = CASES[name]
+    return {"name": name, "ck": cks[ck], "parallel": par, "train": tr, "update": update, "atol": atol,
+            "lora": ck == "llama"}
+
+
+@pytest.mark.slow
+def test_pipeline_delayed_equals_single_delayed(tmp_path: Path, deep_checkpoint: Path, llama_checkpoint: Path) -> None:
+    """Every case on 2 workers against single mode's delayed engine on the same batches: the losses of 4
+    steps, both evaluations (the newest weights, the compute weights put back after the first), every
+    weight and the compute weights a checkpoint keeps within 1e-5 (fp32; bf16 within 3e-2 on the
+    losses); the sync pipeline computes step 1 alike and differs from step 2 on."""
+    cks = {"deep": deep_checkpoint, "llama": llama_checkpoint}
+    cases = [_planned(_case(name, cks), 2, tmp_path) for name in CASES]
+    results = dict(zip(CASES, spawn_cases(_run_case, cases, 2)))
+    for case in cases:
+        ranks, where, atol = results[case["name"]], case["name"], case["atol"]
+        ref = _reference(case, tmp_path)
+        assert all(r["optimizer_step"] == ref["optimizer_step"] == STEPS for r in ranks), where
+        for key in ("losses", "evals"):
+            torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(ref[key]), rtol=0, atol=atol,
+                                       msg=lambda m, key=key: f"{where}: {key}: {m}")
+        if case["train"].get("precision") == "bf16":
+            continue
+        weights = _joined(ranks, "weights", where)
+        assert set(weights) == set(ref["weights"]), where
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(weights[name], w, rtol=0, atol=atol, msg=f"{where}: {name}")
+        compute = {canonical_name(k, case["model_cfg"]): v for k, v in _joined(ranks, "compute", where).items()}
+        if case["update"] == "sync":
+            assert not compute and not ref["compute"]
+            continue
+        assert set(compute) == set(ref["compute"]) and compute, where
+        for name, w in ref["compute"].items():
+            torch.testing.assert_close(compute[name], w, rtol=0, atol=atol, msg=f"{where}: compute {name}")
+        assert any((compute[n] - weights[n]).abs().max() > 1e-4 for n in compute), where  # one update behind
+    delayed, sync = results["swapped-2x6-clipped"][0]["losses"], results["sync-swapped-2x6"][0]["losses"]
+    assert delayed[0] == pytest.approx(sync[0], abs=1e-6) and all(abs(a - b) > 1e-4 for a, b in zip(delayed[1:],
+                                                                                                     sync[1:]))
+
+
+def test_pipeline_delayed_fp16_overflow_skips_the_update_and_still_hands_over(tmp_path: Path,
+                                                                               deep_checkpoint: Path) -> None:
+    """fp16 with a swapped and a resident stage per worker: an overflowing step 2 makes no update (every
+    store's master unchanged: w_2 == w_1) yet the compute copies take the master (step 3 computes with
+    w_1), on both workers; the run goes on like single mode's (fp16 tolerance) with the same skips."""
+    case = {"name": "fp16-overflow", "ck": deep_checkpoint, "update": "delayed", "lora": False, "overflow": True,
+            "parallel": {"stages": 4, "resident_stages": [1, 2], "kept_stages": [1]}, "train": {"precision": "fp16"}}
+    case = _planned(case, 2, tmp_path)
+    ranks = spawn_cases(_run_case, [case], 2)[0]
+    ref = _reference(case, tmp_path)
+    assert [r["skipped"] for r in ranks] == [ref["skipped"]] * 2 == [[s == OVERFLOW_STEP for s in range(STEPS)]] * 2
+    assert all(r["optimizer_step"] == STEPS - 1 for r in ranks)
+    for rank in ranks:
+        assert len(rank["after"]) == 2
+        for j, (master, compute) in rank["after"].items():
+            before_master, before_compute = rank["before"][j]
+            assert (master == before_master).all(), j  # no update
+            assert (compute == torch.from_numpy(master).half().float().numpy()).all(), j  # w_1 in the compute copy
+            assert (compute != before_compute).any(), j  # it held w_0 before
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=3e-2)
+
+
+# ---- resuming with an update in flight, through `mobius train` -------------------------------------------
+def _run_cfg(tmp: Path, ck: Path, corpus: Path, out: str, **sections: dict):
+    raw = {"model": {"checkpoint": str(ck)},
+           "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp / "cache")},
+           "train": {"max_steps": 4, "micro_batch_size": 2, "micro_batches": 3, "lr": 1e-2, "warmup_steps": 4,
+                     "weight_decay": 0.1, "eval_every": 2, "eval_batches": 2, "seed": 3, "update": "delayed"},
+           "parallel": {"mode": "pipeline", "device": "cpu", "devices": 2, "stages": 4, "resident_stages": [1],
+                        "kept_stages": []},
+           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / out), "plot": False}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return config_from_dict(raw, "test.yaml")
+
+
+def _resume_from(tmp: Path, run: str, step: int, into: str) -> Path:
+    name = f"step-{step:06d}"
+    (tmp / into / "checkpoints").mkdir(parents=True)
+    return Path(shutil.copytree(tmp / run / "checkpoints" / name, tmp / into / "checkpoints" / name))
+
+
+def _rows(run: Path, after: int = 0) -> list[tuple]:
+    """The metrics lines of steps after ``after``: step, loss, evaluation loss, update rule (no timings)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r.get("eval_loss"), r["update"]) for r in rows if r["step"] > after]
+
+
+def test_pipeline_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
+    """4 delayed pipeline steps (4 stages on 2 workers, one resident, the tied head on the other worker,
+    evaluations after steps 2 and 4) == 2 steps, the step-2 checkpoint, --resume, 2 more: the same losses,
+    evaluations and weights. The checkpoint holds the compute weights (every trainable weight once, fp32,
+    one update behind its newest), written by both workers into one file; resumed in single mode it
+    continues as 4 delayed steps in single mode do."""
+    from safetensors.torch import load_file
+
+    from mobius.models.hf import load_checkpoint
+
+    first = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "first", output={"save_every": 2, "keep_last": 1}))
+    step2 = _resume_from(tmp_path, "first", 2, "second")
+    compute, newest = load_file(str(step2 / COMPUTE_FILE)), load_checkpoint(step2).state_dict()
+    assert set(compute) == set(newest) - {"head.lm_head.weight"}  # the tied head under the embedding's name
+    assert all(v.dtype == torch.float32 for v in compute.values())
+    assert any(not torch.equal(v, newest[k]) for k, v in compute.items())  # one update behind
+    second = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "second"), resume="auto")
+    assert second.losses == first.losses
+    assert _rows(tmp_path / "second") == _rows(tmp_path / "first", after=2)
+    assert [r[2] is not None for r in _rows(tmp_path / "first")] == [False, True, False, True]
+    a, b = read_state_dict(first.final_dir), read_state_dict(second.final_dir)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # the same checkpoint in single mode continues as single mode's own delayed run
+    single = {"parallel": {"mode": "single", "devices": 1, "stages": 0, "resident_stages": None,
+                           "kept_stages": None}}
+    straight = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "single", **single))
+    torch.testing.assert_close(torch.tensor(first.losses), torch.tensor(straight.losses), rtol=0, atol=1e-5)
+    _resume_from(tmp_path, "first", 2, "third")
+    third = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "third", **single), resume="auto")
+    torch.testing.assert_close(torch.tensor(third.losses), torch.tensor(straight.losses), rtol=0, atol=1e-5)
+    c, d = read_state_dict(straight.final_dir), read_state_dict(third.final_dir)
+    for k in c:
+        torch.testing.assert_close(d[k], c[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_delayed_refuses_half_gradient_downloads_and_counts_its_compute_copy() -> None:
+    """Half-precision gradients would land on the compute weights: an internal error; fp32 training
+    allocates (and counts) a separate pinned fp32 compute copy, half precision nothing more."""
+    from mobius.config import TrainSection
+    from mobius.errors import MobiusError
+    from mobius.models import get_preset
+    from scheduler.stages import stage_layouts
+    from scheduler.store import StageStore, host_bytes
+
+    layouts = stage_layouts(get_preset("gpt2-tiny"), [0, 2, 4])
+    with pytest.raises(MobiusError, match="internal error: half-precision gradient downloads .* fp32 gradients"):
+        StageStore(layouts[0], torch.bfloat16, TrainSection(), half_grads=True, delayed=True)
+    lay = layouts[1]
+    assert host_bytes([lay], torch.float32, delayed=True) == 20 * lay.numel
+    assert host_bytes([lay], torch.bfloat16, delayed=True) == host_bytes([lay], torch.bfloat16) == 18 * lay.numel
+    store = StageStore(lay, torch.float32, TrainSection(), delayed=True)
+    assert store.half.data_ptr() != store.master.data_ptr() and store.optimizer.half is None
