@@ -8,7 +8,9 @@ A GPT-2 style model (hidden 256, 8 blocks, sequence 128, 4 micro-batches of 4) i
 scratch on the standard library's docstrings with ``mobius train`` as a user runs it, on 2 CPU
 worker processes (gloo), in several variants: as planned; with clipping; with one device slot
 (no prefetch); with 8 even stages; with boundary inputs in host memory; with no kept activations
-(every backward recomputes its forward). For each: the plan's
+(every backward recomputes its forward); with clipping and the delayed update (``train.update: delayed``,
+the CPU update off the step's critical path), and both again with 2 micro-batches, where the CPU update
+weighs more. For each: the plan's
 predicted step time (``plan.json``, the simulator) and the measured median step time of the
 steady-state steps (``metrics.jsonl``). ``--repeats R`` runs the whole set R times, interleaved, each
 time with a fresh cache (the units profiled and the CPU update rate learnt anew, as on a new machine),
@@ -47,6 +49,10 @@ VARIANTS = {
     "8 even stages": {"parallel": {"stages": 8}},
     "inputs in host memory": {"parallel": {"offload_inputs": "on"}},
     "no kept activations": {"parallel": {"kept_stages": []}},
+    "delayed update (clipping)": {"train": {"grad_clip": 1.0, "update": "delayed"}},
+    "2 micro-batches with clipping": {"train": {"grad_clip": 1.0, "micro_batches": 2}},
+    "2 micro-batches with clipping and delayed update": {"train": {"grad_clip": 1.0, "micro_batches": 2,
+                                                                   "update": "delayed"}},
 }
 
 

@@ -11,6 +11,8 @@ Parts, in the order a short GPU session should take them (``--parts all`` runs t
 train      ``mobius train`` as a user runs it (bench/train_bench.py): OPT-2.7B and Llama-3.2-3B from checkpoints written
            on the machine, all-in-GPU (single, uncapped) against the pipeline and zero mode at 24 GiB; ready time and
            its split, step, predicted beside measured, a trace of one pipeline step (5.6 min on one H100)
+delayed    the same two pipelines at 24 GiB with ``train.update: delayed``, beside ``train``'s sync and all-in-GPU
+           rows of the same session: is the CPU update's tail gone (about 3 min)?
 threads    OPT-2.7B's pipeline at 24 GiB with the workers' default CPU threads, 8 and 4: does the CPU AdamW starve the
            thread that launches the kernels (the traced step's forwards took 2.6x their profile)?
 train-lora the same for Llama-3.1-8B LoRA (rank 16, all linear layers), single and pipeline (2 min)
@@ -62,6 +64,8 @@ def _zero(*extra: str) -> list[str]:
 PARTS: dict[str, list[tuple[str, list[str], int]]] = {
     "train": [("train-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b", "--modes",
                                                 "single,pipeline,zero"], 480)],
+    "delayed": [("delayed-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b",
+                                                  "--modes", "pipeline", "--set=--train.update=delayed"], 300)],
     "threads": [(f"threads-{n or 'auto'}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline",
                                             *([f"--set=--parallel.cpu_threads={n}"] if n else [])], 150)
                 for n in (0, 8, 4)],

@@ -37,7 +37,7 @@ UNITS = {  # RoundPipe's pp-simulate/run.sh: ms per micro-batch of 4 x 2048 (blo
     "qwen3-1.7b": (7.429, 15.831, 22.0655, 43.707),
     "qwen3-32b": (40.5610625, 91.17429688, 54.928, 108.294),
 }
-ROUNDPIPE = {  # tokens/s: measured sync, measured delayed (exp/raw-data.csv), its simulator's one step (pp-simulate/log)
+ROUNDPIPE = {  # tokens/s: measured sync and delayed (exp/raw-data.csv), its simulator's one step (pp-simulate/log)
     "llama-3.1-8b": (18888, 24275, 21485), "qwen3-1.7b": (56489, 65417, 57337), "qwen3-32b": (4164, 5516, 5466)}
 TOKENS = 16 * 4 * 2048
 
@@ -84,7 +84,8 @@ def run(models: list[str], clips: list[float]) -> list[dict]:
                 rr = plan.round_robin
                 row = {"model": model, "grad_clip": clip, "swapped_step_s": plan.predicted_step_s,
                        "swapped_tokens_per_s": TOKENS / plan.predicted_step_s, "round_robin": rr,
-                       "roundpipe_measured_sync": ROUNDPIPE[model][0], "roundpipe_measured_delayed": ROUNDPIPE[model][1],
+                       "roundpipe_measured_sync": ROUNDPIPE[model][0],
+                       "roundpipe_measured_delayed": ROUNDPIPE[model][1],
                        "roundpipe_simulator_one_step": ROUNDPIPE[model][2]}
                 if "error" not in rr and clip == 0:
                     row.update(_ablations(prof, hw, plan))
