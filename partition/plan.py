@@ -204,7 +204,9 @@ def _summary_lines(p: Plan) -> list[str]:
                  f"{'in host memory' if opts.offload_inputs else 'kept on the GPU'}"
                  f"; CPU AdamW at {p.cpu_adam_params_per_s / 1e9:.2f} G params/s per worker (all updating), "
                  + ("after the global norm (clipping or fp16), overlapping the next forward" if opts.barrier
-                    else "as each stage's gradients arrive"))
+                    else "as each stage's gradients arrive")
+                 + ("; update delayed: a stage's next uploads wait only for its master's copy into the compute copy"
+                    if opts.delayed else ""))
     lines.append(f"resident stages: {_stage_list(opts.resident)}; kept activations: {_stage_list(opts.kept)}; "
                  f"gradient downloads in {opts.grad_dtype} ({p.grad_choice}); host memory for the swapped stages: "
                  f"{p.host_bytes / GiB:.1f} GiB " + (f"of {p.host_memory_bytes / GiB:.1f} GiB available"
