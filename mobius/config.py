@@ -125,8 +125,8 @@ class TrainSection(_Section):
                                             "and 2 with the initial ones), the schedule that lets an update run while "
                                             "the next step computes; each update is the sync one (AdamW on the newest "
                                             "weights, clipping and fp16 loss scaling from its step's gradients). "
-                                            "Costs one more fp32 copy of what trains, in memory and in resumable "
-                                            "checkpoints. parallel.mode=single or pipeline (not zero).")
+                                            "Costs up to one more copy of what trains in memory and one more fp32 "
+                                            "copy in resumable checkpoints. Runs in every parallel.mode.")
 
     @property
     def barrier(self) -> bool:

@@ -48,7 +48,7 @@ from mobius.models.params import build_units
 from scheduler.stages import StageLayout, bind
 from scheduler.store import StageStore
 from scheduler.trace import StepTrace
-from scheduler.updater import CpuUpdater
+from scheduler.updater import CpuUpdater, Events
 
 log = logging.getLogger(__name__)
 UPLOAD_CHUNK = 64 << 20  # bytes per arbitrated upload chunk
@@ -652,7 +652,8 @@ class Executor:
             return 0 if skip else self.layouts[j].trainable_numel
 
         timed = (lambda t0, t1: trace.add("cpu", f"O{j}", t0, t1)) if trace is not None else None
-        self.updater.submit(update, st.arrived.get(j), host.consumed, timed)
+        # its end (or failure, even before the copy) releases the uploads and the next download alike
+        self.updater.submit(update, st.arrived.get(j), Events(host.updated, host.consumed), timed)
 
     def _device_update(self, a: Action) -> None:
         """A resident stage's update on the compute stream, from its fp32 gradient sums (delayed: its

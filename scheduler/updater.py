@@ -24,6 +24,23 @@ class Waitable(Protocol):
     def synchronize(self) -> None: ...
 
 
+class Settable(Protocol):
+    """What a job signals when it has finished or failed: an event, or several (``set`` them all)."""
+
+    def set(self) -> None: ...
+
+
+class Events:
+    """Several events set as one (a job's end releases everything that waits on it)."""
+
+    def __init__(self, *events: threading.Event):
+        self.events = events
+
+    def set(self) -> None:
+        for e in self.events:
+            e.set()
+
+
 class CpuUpdater:
     """One optimizer thread: jobs run one at a time, in the order :meth:`submit` queues them."""
 
@@ -35,7 +52,7 @@ class CpuUpdater:
         self._seconds = 0.0  # in updates since the last take(), waits for gradients excluded
         self._params = 0  # parameters those updates covered
 
-    def submit(self, update: Callable[[], int], arrived: Waitable | None, done: threading.Event,
+    def submit(self, update: Callable[[], int], arrived: Waitable | None, done: Settable,
                on_timed: Callable[[float, float], None] | None = None) -> None:
         """Queue ``update`` (it returns how many parameters it updated) to run once ``arrived`` has
         happened; ``done`` is set when it has finished or failed; ``on_timed(start, end)`` reports
@@ -43,7 +60,7 @@ class CpuUpdater:
         self.jobs = [j for j in self.jobs if not j.done()]
         self.jobs.append(self.pool.submit(self._run, update, arrived, done, on_timed))
 
-    def _run(self, update: Callable[[], int], arrived: Waitable | None, done: threading.Event,
+    def _run(self, update: Callable[[], int], arrived: Waitable | None, done: Settable,
              on_timed: Callable[[float, float], None] | None) -> None:
         t0, updated = time.perf_counter(), 0
         try:

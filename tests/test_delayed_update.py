@@ -1,7 +1,8 @@
 """``train.update: delayed`` (RoundPipe's one-step-delayed update) in single mode: against a plain torch
 loop that implements the rule (full fine-tuning and LoRA), exact resume with an update in flight, fp16
-overflow, the mode that refuses it (zero), and the metrics lines. The pipeline runtime's delayed
-updates are held to single mode's in tests/test_pipeline_delayed.py."""
+overflow, the setting it refuses (half-precision gradient downloads), and the metrics lines. The
+pipeline's and zero mode's delayed updates are held to single mode's in tests/test_pipeline_delayed.py
+and tests/test_zero_delayed.py."""
 
 from __future__ import annotations
 
@@ -213,19 +214,18 @@ def test_fp16_overflow_skips_the_update_and_still_hands_over(tmp_path: Path, cor
     assert any(not torch.equal(a, b) for a, b in zip(snapshot(engine.weights.named), w1))
 
 
-@pytest.mark.parametrize("mode,devices", [("zero", 2)])
-def test_parallel_modes_refuse_delayed(mode: str, devices: int, tmp_path: Path, corpus: Path,
-                                       capsys: pytest.CaptureFixture) -> None:
-    """zero mode stops before any work: one line, exit 2 (single and pipeline mode run delayed updates:
-    tests/test_pipeline_delayed.py)."""
+def test_delayed_refuses_half_gradient_downloads(tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture) -> None:
+    """Every mode runs delayed updates (pipeline: tests/test_pipeline_delayed.py, zero:
+    tests/test_zero_delayed.py), but not with the pipeline's half-precision gradient downloads, which would
+    land on the compute weights: one error line naming both settings, exit 2, no run directory left."""
     run_yaml = tmp_path / "run.yaml"
-    cfg = _cfg(tmp_path, corpus, "out")
+    cfg = _cfg(tmp_path, corpus, "out", train={"precision": "bf16"}, partition={"cache_dir": str(tmp_path / "cache")})
     run_yaml.write_text(json.dumps(cfg.to_dict()))
-    code = cli.main(["train", str(run_yaml), f"--parallel.mode={mode}", f"--parallel.devices={devices}"])
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("mobius: error: "), lines
-    assert "train.update=delayed" in lines[0] and "parallel.mode=single" in lines[0]
-    assert f"parallel.mode={mode}" in lines[0]
+    code = cli.main(["train", str(run_yaml), "--parallel.mode=pipeline", "--parallel.devices=2",
+                     "--parallel.grad_download=half"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mobius: error: ")]
+    assert code == 2 and len(errors) == 1, errors
+    assert "parallel.grad_download=half" in errors[0] and "train.update=delayed" in errors[0]
     assert not (tmp_path / "out").exists()
 
 

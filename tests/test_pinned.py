@@ -119,14 +119,21 @@ def test_a_stage_store_locks_exactly_what_the_host_memory_check_counts(cudart: F
     assert cudart.registered == {}
 
 
-def test_an_offloaded_zero_chunk_locks_its_gradient_shard_and_half_copy(cudart: FakeCudart) -> None:
+@pytest.mark.parametrize("dtype,delayed,locked", [(torch.bfloat16, False, [2, 4]), (torch.float32, False, [4, 4]),
+                                                  (torch.bfloat16, True, [2, 4]), (torch.float32, True, [4, 4])])
+def test_an_offloaded_zero_chunk_locks_its_gradient_shard_and_half_copy(cudart: FakeCudart, dtype: torch.dtype,
+                                                                        delayed: bool, locked: list[int]) -> None:
+    """The half copy (fp32: the master, or under train.update=delayed the separate compute copy) and the
+    fp32 gradient shard are page-locked, at their exact size; the AdamW of a delayed chunk writes no copy."""
     from mobius.layout import ParamInfo, build_layout
     from scheduler.zero.store import HostChunk
 
     params = [ParamInfo((f"u{u}.w",), (1000, 3), (u,), decay=True) for u in range(2)]
     layout = build_layout(params, 2, chunk_size=4096, world=2, align=16)
-    chunk = HostChunk(layout, 0, 1, torch.bfloat16, TrainSection(), pin=True)
-    assert sorted(cudart.registered.values()) == [2 * layout.shard, 4 * layout.shard]  # bf16 copy, fp32 gradient
+    chunk = HostChunk(layout, 0, 1, dtype, TrainSection(), pin=True, delayed=delayed)
+    assert sorted(cudart.registered.values()) == [n * layout.shard for n in locked]  # half copy, fp32 gradient
+    assert (chunk.half.data_ptr() == chunk.shards.master.data_ptr()) == (dtype == torch.float32 and not delayed)
+    assert (chunk.shards.optimizer.half is None) == (delayed or dtype == torch.float32)
     del chunk
     gc.collect()
     assert cudart.registered == {}

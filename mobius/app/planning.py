@@ -263,7 +263,8 @@ def device_Bps(cfg: Config, hw: Hardware) -> float:
 
 def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, machine: Machine,
               bandwidth_file: str | None = None) -> tuple[ZeroPlan, ModelProfile, ZeroHardware]:
-    """The zero plan of a run: chunk size, rCache blocks and GPU chunks from the search, or ``zero.*``."""
+    """The zero plan of a run: chunk size, rCache blocks and GPU chunks from the search, or ``zero.*``
+    (the memory of train.update=delayed's compute copies counted)."""
     hw = hardware(cfg, settings, machine, bandwidth_file)
     prof = profile(cfg, model_cfg, settings, machine, hw)
     zhw = zero_hardware(cfg, settings, machine, hw)
@@ -271,7 +272,8 @@ def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, m
     plan = zero_plan(model_params(model_cfg), prof.num_units, prof, zhw, micro_batches=t.micro_batches,
                      checkpointing=cfg.model.activation_checkpointing,
                      barrier=t.barrier, prefetch=cfg.parallel.prefetch,
-                     chunk_size=z.chunk_size, cache_blocks=z.cache_blocks, gpu_chunks=z.gpu_chunks)
+                     chunk_size=z.chunk_size, cache_blocks=z.cache_blocks, gpu_chunks=z.gpu_chunks,
+                     delayed=t.update == "delayed")
     return plan, prof, zhw  # one that does not fit: auto reports it in its comparison, train refuses it
 
 

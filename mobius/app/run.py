@@ -85,16 +85,12 @@ def prepare(cfg: Config, resume: str | None) -> Prepared:
 
 
 def check_parallel(cfg: Config, machine: Machine) -> None:
-    """The parallel settings' errors, before any work (auto: the errors that rule out every mode, and
-    train.update=delayed where neither single nor pipeline mode, the ones that run it, can run)."""
+    """The parallel settings' errors, before any work (auto: the errors that rule out every mode; every
+    mode runs either train.update)."""
     if static_mode(cfg, machine) is not None:
         resolve(cfg, machine)
-        return
-    why_not = mode_options(cfg, machine)
-    if cfg.train.update == "delayed" and why_not["single"] and why_not["pipeline"]:
-        raise ConfigError(f"train.update=delayed runs in parallel.mode=single or pipeline, and parallel.mode=auto "
-                          f"can choose neither here (single: {why_not['single']}; pipeline: {why_not['pipeline']}): "
-                          f"set train.update=sync")
+    else:
+        mode_options(cfg, machine)
 
 
 def _check_before_start(cfg: Config, choice: ModeChoice, ready: Prepared, machine: Machine) -> None:

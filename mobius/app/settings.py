@@ -189,9 +189,6 @@ def _check_mode(cfg: Config, machine: Machine, mode: Mode, device: str, workers:
     devices, nodes = cfg.parallel.devices, machine.nodes
     if devices % nodes:
         raise ConfigError(f"parallel.devices={devices} cannot be split evenly over {nodes} nodes")
-    if mode == "zero" and cfg.train.update == "delayed":
-        raise ConfigError("train.update=delayed runs in parallel.mode=single or parallel.mode=pipeline, not in "
-                          "parallel.mode=zero: set train.update=sync, or parallel.mode=pipeline")
     if mode == "single" and devices != 1 and (cfg.parallel.mode == "single" or machine.torchrun):
         raise ConfigError(f"parallel.mode=single runs on one device, but parallel.devices={devices}"
                           + (" (the processes torchrun started)" if machine.torchrun else ""))

@@ -25,12 +25,13 @@ def rcache_benefit(hw: ZeroHardware, elem: int) -> float:
     return 1.0 / (hw.ranks * hw.c2g_Bps)
 
 
-def gpu_benefit(hw: ZeroHardware, elem: int) -> float:
+def gpu_benefit(hw: ZeroHardware, elem: int, state_bytes: int = STATE_BYTES) -> float:
     """J: seconds per byte saved by keeping one more chunk on the GPU -- its two uploads, its fp32
-    gradient download and its CPU update, less its GPU update -- over its ``16 s`` bytes."""
+    gradient download and its CPU update, less its GPU update -- over its ``16 s`` bytes (``state_bytes``
+    per element: more under train.update=delayed, :attr:`Workload.state_bytes`)."""
     saved = 2 * elem / hw.c2g_Bps + GRAD_BYTES / hw.g2c_Bps + 1 / hw.cpu_adam_params_per_s \
         - 1 / hw.gpu_adam_params_per_s
-    return saved / STATE_BYTES
+    return saved / state_bytes
 
 
 def prefetch_window(layout: ChunkLayout) -> int:
@@ -48,8 +49,8 @@ def choose_setting(layout: ChunkLayout, hw: ZeroHardware, allowed: int, w: Workl
         raise ConfigError(f"zero.cache_blocks={cache_blocks} must be between {n_min} (the most chunks one unit "
                           f"uses with zero.chunk_size={layout.chunk_size}) and {n_max} (every chunk)")
     elem = w.elem
-    block, chunk = layout.padded * elem, layout.shard * STATE_BYTES
-    fixed = sum(model_state_bytes(layout, Setting(0, 0), elem).values())
+    block, chunk = layout.padded * elem, layout.shard * w.state_bytes
+    fixed = sum(model_state_bytes(layout, Setting(0, 0), elem, w.delayed).values())
     start = cache_blocks or n_min
     window = prefetch_window(layout)
     if not cache_blocks and w.prefetch and fixed + window * block <= allowed:
@@ -64,7 +65,7 @@ def choose_setting(layout: ChunkLayout, hw: ZeroHardware, allowed: int, w: Workl
         return Setting(cache_blocks, max(0, min(n_max, free // chunk)))
     if gpu >= 0:
         return Setting(min(n_max, start + max(0, (free - gpu * chunk) // block)), gpu)
-    if gpu_benefit(hw, elem) >= rcache_benefit(hw, elem):
+    if gpu_benefit(hw, elem, w.state_bytes) >= rcache_benefit(hw, elem):
         g = min(n_max, free // chunk)
         return Setting(min(n_max, start + (free - g * chunk) // block), g)
     extra = min(n_max - start, free // block)

@@ -8,6 +8,8 @@ compute precision's bytes):
 * reduce-scatter staging: ``2 x s x 4``;
 * a chunk kept on the GPU: ``16 s`` (fp32 master, AdamW m and v, fp32 gradient shard); an offloaded
   chunk keeps these (and a pinned half-precision copy) in host memory and costs the GPU nothing;
+  ``train.update: delayed`` adds a compute copy of each trainable shard in the training dtype
+  (``(16 + L_c) s`` on the GPU; on the host a separate fp32 copy in fp32 training, 4 bytes more);
 * activations from the profile (checkpointed: every unit's input for each of the rank's
   micro-batches, plus one unit's recompute; otherwise every unit's saved activations).
 
@@ -64,10 +66,22 @@ class Workload:
     checkpointing: bool
     barrier: bool  # updates wait for the global norm (clipping, fp16 loss scaling)
     prefetch: bool = True
+    delayed: bool = False  # train.update: delayed (a compute copy of every trainable shard)
 
     @property
     def elem(self) -> int:
         return PRECISION_BYTES[self.precision]
+
+    @property
+    def state_bytes(self) -> int:
+        """GPU bytes of one element of a trainable chunk's shard kept on the GPU: :func:`gpu_state_bytes`."""
+        return gpu_state_bytes(self.elem, self.delayed)
+
+
+def gpu_state_bytes(elem: int, delayed: bool = False) -> int:
+    """GPU bytes of one element of a trainable chunk's shard kept on the GPU: fp32 master, AdamW m and v,
+    fp32 gradient (STATE_BYTES) and, ``delayed``, the compute copy in the training dtype (``elem``)."""
+    return STATE_BYTES + (elem if delayed else 0)
 
 
 @dataclass(frozen=True)
@@ -96,18 +110,21 @@ def usable_bytes(capacity: int, activations: int) -> int:
     return int(F_ALLOC * (capacity - F_FRAG * activations))
 
 
-def model_state_bytes(layout: ChunkLayout, s: Setting, elem: int) -> dict[str, int]:
-    """GPU bytes per rank of rCache, gradient buffers, staging and the GPU chunks' shards."""
+def model_state_bytes(layout: ChunkLayout, s: Setting, elem: int, delayed: bool = False) -> dict[str, int]:
+    """GPU bytes per rank of rCache, gradient buffers, staging and the GPU chunks' shards (``delayed``:
+    with their compute copies)."""
+    state = gpu_state_bytes(elem, delayed)
     return {"rcache": s.cache_blocks * layout.padded * elem,
             "grad_buffers": (layout.min_blocks + 1) * layout.padded * GRAD_BYTES,
             "staging": 2 * layout.shard * GRAD_BYTES,
-            "gpu_shards": sum(STATE_BYTES if layout.trains(c) else elem
+            "gpu_shards": sum(state if layout.trains(c) else elem
                               for c in range(min(s.gpu_chunks, layout.num_chunks))) * layout.shard}
 
 
-def host_bytes(layout: ChunkLayout, s: Setting, precision: str) -> int:
+def host_bytes(layout: ChunkLayout, s: Setting, precision: str, delayed: bool = False) -> int:
     """Host bytes per rank of the offloaded chunks' shards: fp32 master, AdamW moments, fp32 gradient
-    and (bf16/fp16) the pinned half copy -- as a swapped pipeline stage's with fp32 downloads."""
-    per = host_bytes_per_param(precision, half_grads=False)
+    and (bf16/fp16) the pinned half copy -- as a swapped pipeline stage's with fp32 downloads (``delayed``:
+    the half copy holds the compute weights, a separate fp32 copy in fp32 training)."""
+    per = host_bytes_per_param(precision, half_grads=False, delayed=delayed)
     frozen = PRECISION_BYTES[precision]  # LoRA's base weights: one copy in the training dtype
     return sum(per if layout.trains(c) else frozen for c in range(s.gpu_chunks, layout.num_chunks)) * layout.shard

@@ -38,6 +38,7 @@ class ZeroPlan:
     benefits: dict[str, float]  # I and J in seconds per GiB
     alternatives: dict[str, dict | None]  # rcache-min, rcache-max, all-offload: setting and prediction
     candidates: list[dict] = field(default_factory=list)  # the chunk-size search
+    delayed: bool = False  # train.update: delayed (the memory figures count the compute copies)
     decided: dict[str, str] = field(default_factory=dict)  # key -> "search" or "config"
     param_count: int = 0
     waste: float = 0.0
@@ -82,7 +83,8 @@ def _summary_lines(p: ZeroPlan) -> list[str]:
     offloaded = p.num_chunks - p.gpu_chunks
     lines = [
         f"zero: {p.world} rank(s), {p.micro_batches // p.world} of the step's {p.micro_batches} micro-batches each; "
-        f"activation checkpointing {'on' if p.checkpointing else 'off'}",
+        f"activation checkpointing {'on' if p.checkpointing else 'off'}"
+        + ("; train.update=delayed (a compute copy of every trainable shard)" if p.delayed else ""),
         f"chunks: {p.num_chunks} of {_size(p.chunk_size)} parameters ({p.chunk_size * e / 2**20:.1f} MiB in "
         f"{p.precision}; buffers of {_size(p.padded_chunk)}, shards of {_size(p.padded_chunk // p.world)}), "
         f"{100 * p.waste:.1f}% padding [{p.decided.get('chunk_size', 'search')}]",

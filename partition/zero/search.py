@@ -39,7 +39,7 @@ def chunk_candidates(params: list[ParamInfo], num_units: int, elem: int, align: 
 def _evaluate(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, w: Workload, s: Setting,
               act: int) -> dict:
     pred = predict(layout, prof, hw, s, w)
-    peak = sum(model_state_bytes(layout, s, w.elem).values()) + act
+    peak = sum(model_state_bytes(layout, s, w.elem, w.delayed).values()) + act
     return {"cache_blocks": s.cache_blocks, "gpu_chunks": s.gpu_chunks, "step_s": pred.step_s, "peak_bytes": peak,
             "replaced_bytes": pred.traffic["replaced_bytes"], "prediction": pred}
 
@@ -49,7 +49,7 @@ def alternatives(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, w: W
     """rCache-min, rCache-max and all-offload, each filling the memory left the paper's way."""
     out: dict[str, dict | None] = {}
     block = layout.padded * w.elem
-    fixed = sum(model_state_bytes(layout, Setting(0, 0), w.elem).values())
+    fixed = sum(model_state_bytes(layout, Setting(0, 0), w.elem, w.delayed).values())
     fill = {"rcache-min": layout.min_blocks, "rcache-max": layout.num_chunks}
     for name, n in fill.items():
         s = choose_setting(layout, hw, allowed, w, cache_blocks=n) if fixed + n * block <= allowed else None
@@ -129,7 +129,8 @@ def _table(rows: list[dict]) -> list[dict]:
 
 
 def _too_small(rows: list[dict], hw: ZeroHardware, act: int, allowed: int, w: Workload) -> str:
-    need = min(sum(model_state_bytes(r["layout"], Setting(r["layout"].min_blocks, 0), w.elem).values()) for r in rows)
+    need = min(sum(model_state_bytes(r["layout"], Setting(r["layout"].min_blocks, 0), w.elem, w.delayed).values())
+               for r in rows)
     return (f"zero mode does not fit in {size_text(hw.memory_bytes)} per rank (partition.gpu_memory_gib, or the "
             f"device's memory): activations take {size_text(act)} (x{F_FRAG} for fragmentation), leaving "
             f"{size_text(max(allowed, 0))} for chunks, but the smallest rCache needs {size_text(need)}; raise "
@@ -139,19 +140,20 @@ def _too_small(rows: list[dict], hw: ZeroHardware, act: int, allowed: int, w: Wo
 
 def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHardware, *, micro_batches: int,
          checkpointing: bool, barrier: bool, prefetch: bool = True, chunk_size: int = 0, cache_blocks: int = 0,
-         gpu_chunks: int = -1, align: int = ALIGN) -> ZeroPlan:
-    """The zero plan: search (or take the configured values), predict, and compare the alternatives."""
+         gpu_chunks: int = -1, align: int = ALIGN, delayed: bool = False) -> ZeroPlan:
+    """The zero plan: search (or take the configured values), predict, and compare the alternatives;
+    ``delayed`` (train.update=delayed): the memory of the compute copies counted."""
     if micro_batches % hw.ranks:
         raise ConfigError(f"train.micro_batches={micro_batches} must be a multiple of the {hw.ranks} zero ranks")
-    w = Workload(micro_batches // hw.ranks, prof.precision, checkpointing, barrier, prefetch)
+    w = Workload(micro_batches // hw.ranks, prof.precision, checkpointing, barrier, prefetch, delayed)
     layout, s, ev, table = search(params, num_units, prof, hw, w, chunk_size=chunk_size, cache_blocks=cache_blocks,
                                   gpu_chunks=gpu_chunks, align=align)
     act = activation_bytes(prof, w)
     allowed = usable_bytes(hw.memory_bytes, act)
     pred: Prediction = ev["prediction"]
-    states = model_state_bytes(layout, s, w.elem)
+    states = model_state_bytes(layout, s, w.elem, delayed)
     memory = {**states, "activations": act, "usable": allowed, "capacity": hw.memory_bytes,
-              "host": host_bytes(layout, s, w.precision)}
+              "host": host_bytes(layout, s, w.precision, delayed)}
     decided = {"chunk_size": "config" if chunk_size else "search",
                "cache_blocks": "config" if cache_blocks else "search",
                "gpu_chunks": "config" if gpu_chunks >= 0 else "search"}
@@ -160,9 +162,11 @@ def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHa
         num_chunks=layout.num_chunks, cache_blocks=s.cache_blocks, min_blocks=layout.min_blocks,
         gpu_chunks=s.gpu_chunks, micro_batches=micro_batches, micro_batch_size=prof.micro_batch_size,
         seq_len=prof.seq_len, precision=prof.precision, checkpointing=checkpointing, prefetch=prefetch,
-        barrier=barrier, predicted_step_s=pred.step_s, compute_s=pred.compute_s, stall_s=pred.stall_s,
-        cpu_adam_s=pred.cpu_adam_s, fits=sum(states.values()) <= allowed, memory=memory, traffic=pred.traffic,
-        benefits={"I_s_per_GiB": rcache_benefit(hw, w.elem) * GiB, "J_s_per_GiB": gpu_benefit(hw, w.elem) * GiB},
+        barrier=barrier, delayed=delayed, predicted_step_s=pred.step_s, compute_s=pred.compute_s,
+        stall_s=pred.stall_s, cpu_adam_s=pred.cpu_adam_s, fits=sum(states.values()) <= allowed, memory=memory,
+        traffic=pred.traffic,
+        benefits={"I_s_per_GiB": rcache_benefit(hw, w.elem) * GiB,
+                  "J_s_per_GiB": gpu_benefit(hw, w.elem, w.state_bytes) * GiB},
         alternatives=alternatives(layout, prof, hw, w, allowed, act), candidates=table, decided=decided,
         param_count=layout.param_numel, waste=layout.waste, hardware=hw.describe(), profile_source=prof.source,
         device_name=prof.device_name)

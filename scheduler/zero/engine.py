@@ -14,12 +14,20 @@ step's forward until that chunk is gathered.
 
 Micro-batches: rank ``r`` of ``N`` takes micro-batches ``r*M/N .. (r+1)*M/N - 1`` of the step's ``M``
 (dropout seeded by their global index), so every mode trains the same model from the same config.
+
+``train.update: delayed``: gathers read each shard's compute copy, one update behind the master
+(:mod:`scheduler.zero.store`); an update first copies the master into it, then runs AdamW on the
+master alone -- offloaded chunks on the optimizer thread beside the next step's forward, whose
+gathers wait only for the copy. Evaluation puts the newest weights in the compute copies meanwhile;
+a resumable checkpoint keeps the compute weights beside the newest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -81,6 +89,10 @@ class ZeroEngine:
     def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: ZeroPlan, settings: ParallelSettings,
                  device: torch.device, weights_from: WeightSource | None = None):
         self.cfg, self.model_cfg, self.plan, self.device = cfg, model_cfg, plan, device
+        self.delayed = cfg.train.update == "delayed"
+        if plan.delayed != self.delayed:
+            raise MobiusError(f"the zero plan was made for train.update={'delayed' if plan.delayed else 'sync'}, but "
+                              f"the run has train.update={cfg.train.update}; plan again for this configuration")
         self.comm = ProcessGroup()
         self.rank, self.world = self.comm.rank, self.comm.world
         self.is_main = self.rank == 0
@@ -115,18 +127,20 @@ class ZeroEngine:
     # ---- set-up ---------------------------------------------------------------------------------
     def _build_state(self, plan: ZeroPlan, device: torch.device) -> None:
         """The first ``gpu_chunks`` chunks on the GPU, the others in host memory; a trainable chunk
-        keeps its fp32 master, moments and gradient shard, a frozen one (LoRA's base weights) only its
-        shard in the training dtype."""
+        keeps its fp32 master, moments and gradient shard (under delayed also its compute copy in the
+        training dtype), a frozen one (LoRA's base weights) only its shard in the training dtype."""
         lay, s = self.layout, self.layout.shard
         n, g = lay.num_chunks, min(plan.gpu_chunks, lay.num_chunks)
         trainable = [c for c in range(n) if lay.trains(c)]
         offloaded = [c for c in range(g, n) if lay.trains(c)]
-        per = host_bytes_per_param(self.cfg.train.precision, half_grads=False)  # as a swapped pipeline stage's
+        per = host_bytes_per_param(self.cfg.train.precision, False, self.delayed)  # as a swapped pipeline stage's
         frozen_host = sum(1 for c in range(g, n) if not lay.trains(c)) * s * self.dtype.itemsize
         check_host_memory(len(offloaded) * s * per + frozen_host, f"zero rank {self.rank}'s offloaded chunks")
-        self.gpu = Shards(lay, [c for c in trainable if c < g], self.rank, device, self.cfg.train)
+        self.gpu = Shards(lay, [c for c in trainable if c < g], self.rank, device, self.cfg.train,
+                          compute=self.dtype if self.delayed else None)
         pin = device.type == "cuda"
-        self.hosts = {c: HostChunk(lay, c, self.rank, self.dtype, self.cfg.train, pin) for c in offloaded}
+        self.hosts = {c: HostChunk(lay, c, self.rank, self.dtype, self.cfg.train, pin, self.delayed)
+                      for c in offloaded}
         self.frozen = {c: (torch.zeros(s, dtype=self.dtype, device=device) if c < g else host_zeros(s, self.dtype, pin,
                                                                                                      self))
                        for c in range(n) if not lay.trains(c)}
@@ -165,13 +179,15 @@ class ZeroEngine:
             for p, start, at, n in self._my_segments(c):
                 flat = weights[self.layout.params[p].names[0]].reshape(-1)
                 dst[at:at + n].copy_(flat[start:start + n])
+        self.gpu.master_to_compute()  # delayed: the first two steps compute with w_0
         for host in self.hosts.values():
             host.refresh_half()
 
     # ---- gathers --------------------------------------------------------------------------------
     def _fill(self, chunk: int, mine: torch.Tensor) -> None:
-        """This rank's slice of a gathered chunk: the GPU master shard cast to the compute dtype, or
-        the offloaded chunk's half copy uploaded once its CPU update has written it."""
+        """This rank's slice of a gathered chunk: the GPU master shard cast to the compute dtype (under
+        delayed its compute copy), or the offloaded chunk's half copy uploaded once its CPU update has
+        written it (delayed: once the update has copied the master into it)."""
         if chunk in self.frozen:  # LoRA's base weights: their one copy, uploaded when it lives on the host
             src = self.frozen[chunk]
             mine.copy_(src, non_blocking=True)
@@ -180,9 +196,10 @@ class ZeroEngine:
             return
         host = self.hosts.get(chunk)
         if host is None:
-            mine.copy_(self.gpu.master_of(chunk))
+            mine.copy_(self.gpu.compute_of(chunk) if self.delayed else self.gpu.master_of(chunk))
             return
-        host.ready.wait()
+        while not host.ready.wait(0.1):
+            self.check()  # an update that failed before its copy (delayed) would leave the gather waiting
         mine.copy_(host.half, non_blocking=True)
         self.counters.add(h2d=mine.nbytes)
 
@@ -222,15 +239,24 @@ class ZeroEngine:
         total = sum_over_ranks({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine)),
                               "sumsq": self.grads.take_sumsq()})
         norm, skipped, factor = self.rule.end(total["sumsq"])
-        if not skipped:
-            self.gpu.step(lr, factor)
-        self.updated = self.streams.record()
+        self.updated = self._update_gpu(lr, factor, skipped)
         if self.plan.barrier:  # the updates waited for the global norm
             for c, done in st.arrived:
                 self._queue_update(c, done, lr, factor, skipped)
         self.cache.invalidate()
         return StepStats(total["loss_sum"] / total["micro"], norm, skipped, self.rule.loss_scale,
                          self._counters(gathers))
+
+    def _update_gpu(self, lr: float, factor: float, skip: bool) -> "torch.cuda.Event | None":
+        """The GPU chunks' update on the compute stream (``skip``: an fp16 overflow, no AdamW). Returns
+        the event the next pass's gathers wait for: the update's end, or under delayed its first part
+        (the compute copy has taken the master, w_{t-1}, a skipped step too; the AdamW after it writes the
+        master alone)."""
+        self.gpu.master_to_compute()  # (no compute copy in sync: nothing)
+        copied = self.streams.record() if self.delayed else None
+        if not skip:
+            self.gpu.step(lr, factor)
+        return copied if self.delayed else self.streams.record()
 
     def _counters(self, gathers: list[int]) -> dict:
         """Bytes this rank moved in the step (counted where each copy and collective is issued) and
@@ -327,7 +353,11 @@ class ZeroEngine:
         final = st.flushed[chunk] == self.runs[chunk]
         host = self.hosts.get(chunk)
         if host is not None and final:
-            host.ready.clear()  # its half copy is stale until the CPU update
+            if not host.consumed.is_set():  # delayed: the previous AdamW still reads the gradient shard
+                host.consumed.wait()
+            self.check()
+            host.ready.clear()  # its half copy is stale until the CPU update (delayed: until its copy)
+            host.consumed.clear()
         target = host.shards.grad if host is not None else self.gpu.grad_of(chunk)
         done = self.grads.flush(chunk, final, target)
         if host is not None and final:
@@ -338,16 +368,15 @@ class ZeroEngine:
 
     def _queue_update(self, chunk: int, done: object, lr: float, factor: float, skip: bool) -> None:
         """CPU AdamW of an offloaded chunk on the optimizer thread, once its gradient shard is in host
-        memory (``done``); its half copy is rewritten in the same pass."""
+        memory (``done``); its half copy is rewritten in the same pass (delayed: takes the master first,
+        which sets ``ready``); ``consumed`` is set at the job's end."""
         host = self.hosts[chunk]
 
         def update() -> int:
-            if skip:
-                return 0
-            host.update(lr, factor)
-            return self.layout.shard
+            host.update(lr, factor, skip)
+            return 0 if skip else self.layout.shard
 
-        self.updater.submit(update, done, host.ready)
+        self.updater.submit(update, done, host.consumed)
 
     def sync(self) -> None:
         """Wait for every queued CPU update (and surface a failure of one)."""
@@ -359,11 +388,33 @@ class ZeroEngine:
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:
-        st = self._begin(False, 0, batches, 1.0)
-        self._run(st)
+        """The held-out loss with the newest weights (under delayed, not the ones the next step computes
+        with)."""
+        with self._newest():
+            st = self._begin(False, 0, batches, 1.0)
+            self._run(st)
         self.counters.take()  # a training step reports its own bytes only
         total = sum_over_ranks({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine))})
         return total["loss_sum"] / max(total["micro"], 1.0)
+
+    @contextlib.contextmanager
+    def _newest(self) -> Iterator[None]:
+        """While open, every compute copy holds its master (the newest weights; see Shards.newest) and
+        gathers wait for that; afterwards the compute weights are back and rCache forgets the blocks
+        gathered meanwhile. Without delayed: nothing to do."""
+        if not self.delayed:
+            yield
+            return
+        self.sync()  # every AdamW has written its master
+        try:
+            with contextlib.ExitStack() as stack:
+                for shards in [self.gpu, *(h.shards for h in self.hosts.values())]:
+                    stack.enter_context(shards.newest())
+                self.updated = self.streams.record()
+                yield
+        finally:
+            self.updated = self.streams.record()
+            self.cache.invalidate()
 
     # ---- state ----------------------------------------------------------------------------------
     def _owners(self) -> list[int]:
@@ -381,36 +432,43 @@ class ZeroEngine:
         return out
 
     def rank_state(self, with_moments: bool) -> RankState:
-        """This rank's share of complete fp32 weights (and AdamW moments) by parameter name."""
+        """This rank's share of complete fp32 weights (the newest) and, ``with_moments`` (a resumable
+        checkpoint), AdamW moments and under train.update=delayed the compute weights, by parameter name;
+        every queued update has ended first."""
         self.sync()
         owner = self._owners()
         mine = [i for i, r in enumerate(owner) if r == self.rank]
         moments = with_moments and self.rule.optimizer_step > 0
-        parts = 3 if moments else 1
+        compute = with_moments and self.delayed
+        parts = 1 + 2 * moments + compute  # master, m, v, compute copy
         full = {i: torch.zeros(parts, self.layout.params[i].numel) for i in mine}  # [parts, numel]
         for c in range(self.layout.num_chunks):
-            chunk = self._gather_state(c, moments)  # [parts, P]
+            chunk = self._gather_state(c, moments, compute)  # [parts, P]
             for seg in self.layout.chunks[c].segments:
                 if owner[seg.param] == self.rank:
                     full[seg.param][:, seg.start:seg.start + seg.numel] = chunk[:, seg.offset:seg.offset + seg.numel]
-        weights, mom = {}, {}
+        weights, mom, held = {}, {}, {}
         for i in mine:
             p = self.layout.params[i]
             for name in p.names:
                 weights[name] = full[i][0].view(p.shape)
+                if compute and p.trains:
+                    held[name] = full[i][parts - 1].view(p.shape)
             if moments and p.trains:
                 mom[p.names[0]] = (full[i][1].view(p.shape), full[i][2].view(p.shape))
-        return RankState(weights, mom, *self.rule.state())
+        return RankState(weights, mom, *self.rule.state(), compute=held if compute else None)
 
-    def _gather_state(self, chunk: int, moments: bool) -> torch.Tensor:
-        """A whole chunk's fp32 master (and m, v) on every rank, on the CPU: [parts, P] (a frozen chunk:
-        its weights, and zero moments)."""
+    def _gather_state(self, chunk: int, moments: bool, compute: bool = False) -> torch.Tensor:
+        """A whole chunk's fp32 master (and m, v; and ``compute``, its compute copy) on every rank, on the
+        CPU: [parts, P] (a frozen chunk: its weights, and zeros for the rest)."""
         frozen = self.frozen.get(chunk)
         shards = self._shards_of(chunk) if frozen is None else None
         rows = [shards.master_of(chunk) if frozen is None else frozen]
         if moments:
             mv = shards.moments_of(chunk) if shards is not None else None
             rows += list(mv) if mv is not None else [torch.zeros(rows[0].shape)] * 2
+        if compute:
+            rows.append(shards.compute_of(chunk) if shards is not None else torch.zeros(rows[0].shape))
         mine = torch.stack([r.detach().float().cpu() for r in rows])  # [parts, s]
         if self.world == 1:
             return mine
@@ -419,7 +477,9 @@ class ZeroEngine:
         return out.view(self.world, -1, mine.shape[1]).permute(1, 0, 2).reshape(mine.shape[0], -1)
 
     def load_state(self, resume: ResumeState) -> None:
-        """AdamW moments by parameter name (from any mode's checkpoint), step count and loss scale."""
+        """AdamW moments by parameter name (from any mode's checkpoint), step count, loss scale and, under
+        train.update=delayed, the compute weights (a sync checkpoint has none: the first step computes
+        with its newest weights, which the compute copies hold)."""
         self.sync()
         self.rule.load(resume.optimizer_step, resume.scaler)
         s = self.layout.shard
@@ -437,6 +497,29 @@ class ZeroEngine:
                 m[at:at + n] = pm.reshape(-1)[start:start + n]
                 v[at:at + n] = pv.reshape(-1)[start:start + n]
             self._shards_of(c).load_moments_of(c, m, v, resume.optimizer_step)
+        self._load_compute(resume)
+
+    def _load_compute(self, resume: ResumeState) -> None:
+        """The compute copies from a delayed checkpoint's compute weights (by name, whichever mode wrote
+        them); the two cases across update rules say so in one line."""
+        if not self.delayed:
+            if resume.delayed and self.is_main:
+                log.info("train.update=sync: resuming a delayed checkpoint from its newest weights; the compute "
+                         "weights of its update in flight are dropped")
+            return
+        trainable = [c for c in range(self.layout.num_chunks) if c not in self.frozen]
+        names = sorted({self.layout.params[p].names[0] for c in trainable for p, *_ in self._my_segments(c)})
+        compute = resume.compute_weights(names, self.model_cfg)
+        if compute is None:
+            if self.is_main:
+                log.info("train.update=delayed: resuming a sync checkpoint; the first step computes with its newest "
+                         "weights")
+            return
+        for c in trainable:
+            dst = self._shards_of(c).compute_of(c)
+            for p, start, at, n in self._my_segments(c):
+                flat = compute[self.layout.params[p].names[0]].reshape(-1)
+                dst[at:at + n].copy_(flat[start:start + n])
 
     def close(self) -> None:
         self.sync()

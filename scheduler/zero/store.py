@@ -11,11 +11,21 @@ AdamW's m and v, and the fp32 gradient shard the reduce-scatter fills.
   half-precision copy that gathers upload (the CPU master copy: nothing is written back when rCache
   evicts the chunk; the update writes it in the same pass), and an event set when its CPU update
   has refreshed that copy.
+
+``train.update: delayed``: what gathers read is a *compute copy*, one update behind the master: on
+the GPU a copy of the GPU chunks' shards in the training dtype (:attr:`Shards.compute`; the gather
+casts to it anyway, so storing it there is exact), on the host the half copy (a separate pinned fp32
+copy in fp32 training). An update first copies the master (w_{t-1}) into it -- an fp16-skipped step
+too -- then runs AdamW on the master alone; an offloaded chunk's gathers wait for that copy only
+(``ready``), the next download of its gradient for the AdamW to have read the gradient shard
+(``consumed``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Iterator
 
 import torch
 
@@ -27,23 +37,31 @@ from scheduler.pinned import host_zeros
 
 class Shards:
     """This rank's shards of ``chunks``: fp32 master and gradient, one flat buffer each, and a
-    :class:`~mobius.optim.FlatAdamW` over the chunks' decay runs (its moments beside the master)."""
+    :class:`~mobius.optim.FlatAdamW` over the chunks' decay runs (its moments beside the master).
+
+    ``compute`` (train.update=delayed): also a compute copy in that dtype, which gathers read and
+    :meth:`master_to_compute` refreshes before each AdamW (pinned on the host with ``pin_compute``);
+    ``half`` (sync) is a copy the AdamW itself rewrites."""
 
     def __init__(self, layout: ChunkLayout, chunks: list[int], rank: int, device: torch.device, cfg: TrainSection,
-                 half: torch.Tensor | None = None, pin_master: bool = False, pin_grad: bool = False):
+                 half: torch.Tensor | None = None, pin_master: bool = False, pin_grad: bool = False,
+                 compute: torch.dtype | None = None, pin_compute: bool = False):
         s = layout.shard
         self.layout, self.chunks, self.rank = layout, list(chunks), rank
         self.base = {c: i * s for i, c in enumerate(chunks)}
         self.master = self._buffer(len(chunks) * s, device, pin_master)  # [chunks * s]
         self.grad = self._buffer(len(chunks) * s, device, pin_grad)  # [chunks * s]
+        self.compute = None if compute is None else self._buffer(len(chunks) * s, device, pin_compute,
+                                                                 compute)  # [chunks * s]
+        assert half is None or compute is None, "the AdamW writes no copy under train.update=delayed"
         runs = [(self.base[c] + lo, self.base[c] + hi, d) for c in chunks for lo, hi, d in layout.shard_runs(c, rank)]
         self.optimizer = FlatAdamW(self.master, half, runs, cfg)
 
-    def _buffer(self, numel: int, device: torch.device, pin: bool) -> torch.Tensor:
+    def _buffer(self, numel: int, device: torch.device, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Zeros on ``device``; in host memory page-locked at the exact size when ``pin``."""
         if device.type == "cpu":
-            return host_zeros(numel, torch.float32, pin, self)
-        return torch.zeros(numel, device=device)
+            return host_zeros(numel, dtype, pin, self)
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     def master_of(self, chunk: int) -> torch.Tensor:
         b = self.base[chunk]
@@ -52,6 +70,32 @@ class Shards:
     def grad_of(self, chunk: int) -> torch.Tensor:
         b = self.base[chunk]
         return self.grad[b:b + self.layout.shard]
+
+    def compute_of(self, chunk: int) -> torch.Tensor:
+        """The chunk's compute copy (train.update=delayed: what its gathers read)."""
+        assert self.compute is not None
+        b = self.base[chunk]
+        return self.compute[b:b + self.layout.shard]
+
+    def master_to_compute(self) -> None:
+        """The first part of a delayed update (and of loading weights): the compute copy takes the
+        master (w_{t-1}, what the next step computes with); no compute copy: nothing."""
+        if self.compute is not None and self.chunks:
+            self.compute.copy_(self.master)
+
+    @contextlib.contextmanager
+    def newest(self) -> Iterator[None]:
+        """While open, the compute copy holds the master (the newest weights: an evaluation); the
+        compute weights are set aside in host memory and put back. Call with no update in flight."""
+        if self.compute is None or not self.chunks:
+            yield
+            return
+        aside = self.compute.to("cpu", copy=True)
+        self.master_to_compute()
+        try:
+            yield
+        finally:
+            self.compute.copy_(aside)
 
     def step(self, lr: float, factor: float) -> None:
         """AdamW with gradient x ``factor`` (clipping, loss-scale removal), folded into the kernel."""
@@ -71,21 +115,37 @@ class Shards:
 
 
 class HostChunk:
-    """An offloaded chunk's shard in host memory, with the half-precision copy gathers upload."""
+    """An offloaded chunk's shard in host memory, with the half-precision copy gathers upload (under
+    ``delayed`` the compute copy: :attr:`Shards.compute`, fp32 too in fp32 training)."""
 
-    def __init__(self, layout: ChunkLayout, chunk: int, rank: int, dtype: torch.dtype, cfg: TrainSection, pin: bool):
-        full = dtype == torch.float32  # fp32: gathers upload the master itself
-        half = None if full else host_zeros(layout.shard, dtype, pin, self)
-        self.shards = Shards(layout, [chunk], rank, torch.device("cpu"), cfg, half, pin_master=pin and full,
-                             pin_grad=pin)
-        self.half = self.shards.master if full else half
-        self.ready = threading.Event()  # the half copy holds the current weights (no CPU update pending)
+    def __init__(self, layout: ChunkLayout, chunk: int, rank: int, dtype: torch.dtype, cfg: TrainSection, pin: bool,
+                 delayed: bool = False):
+        self.delayed = delayed
+        shared = dtype == torch.float32 and not delayed  # fp32 (sync): gathers upload the master itself
+        half = None if shared or delayed else host_zeros(layout.shard, dtype, pin, self)
+        self.shards = Shards(layout, [chunk], rank, torch.device("cpu"), cfg, half, pin_master=pin and shared,
+                             pin_grad=pin, compute=dtype if delayed else None, pin_compute=pin)
+        self.half = self.shards.master if shared else self.shards.compute if delayed else half
+        self.ready = threading.Event()  # the half copy holds what the next gather must upload (no copy pending)
         self.ready.set()
+        # set when the last update has read the gradient shard (the next download may overwrite it): under
+        # delayed when its AdamW ends, after `ready`; otherwise the same moment, the same event
+        self.consumed = threading.Event() if delayed else self.ready
+        self.consumed.set()
 
     def refresh_half(self) -> None:
         if self.half is not self.shards.master:
             self.half.copy_(self.shards.master)
 
-    def update(self, lr: float, factor: float) -> None:
-        """CPU AdamW on the master shard, writing the half copy the next gather uploads in the same pass."""
-        self.shards.step(lr, factor)
+    def update(self, lr: float, factor: float, skip: bool = False) -> None:
+        """CPU AdamW on the master shard, writing the half copy the next gather uploads in the same pass;
+        ``skip`` (an fp16 overflow): none. ``delayed``: first the half copy takes the master (w_{t-1}; a
+        skipped step too) and ``ready`` is set, so that gathers wait for that copy only; then AdamW makes
+        the newest weights in the master alone (the optimizer thread sets ``consumed`` at the end)."""
+        if self.delayed:
+            try:
+                self.shards.master_to_compute()
+            finally:  # gathers go on after a failure too: the dispatch thread raises it
+                self.ready.set()
+        if not skip:
+            self.shards.step(lr, factor)

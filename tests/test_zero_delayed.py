@@ -1,0 +1,397 @@
+"""``train.update: delayed`` in zero mode, against single mode's delayed engine (the reference that
+tests/test_delayed_update.py holds to a plain torch loop), on 2 CPU worker processes (gloo): GPU and
+offloaded chunks (updates after the global norm, and as gradients arrive), the tied GPT-2 embedding,
+LoRA, an fp16 overflow, evaluation with the newest weights, and resuming with an update in flight (in
+zero mode, and in single mode)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mobius.app.run import train
+from mobius.checkpoint import COMPUTE_FILE, canonical_name
+from mobius.config import config_from_dict
+from mobius.models.hf import read_state_dict
+from spawned import case_model, spawn_cases, token_batches
+
+STEPS, MICRO = 4, 4
+CHUNK = 4999  # as tests/test_zero.py: no world divides it; the token embedding spans two chunks
+OVERFLOW_STEP = 1  # the fp16 case's step whose loss scale overflows
+
+# name -> checkpoint fixture, engine settings (activation checkpointing, rCache, offloaded chunks), train
+# settings, update rule, tolerance (losses, evaluations, weights)
+CASES = {
+    # half the chunks on the "GPU", half offloaded; clipping (0.5: below the steps' norms here): every CPU
+    # update after the global norm
+    "mix-clipped": ("deep", {"ac": True, "cache": "mid", "offload": "mix"}, {"grad_clip": 0.5}, "delayed", 1e-5),
+    # no barrier: offloaded chunks updated as their gradients arrive (downloads wait for the AdamW)
+    "mix-no-clip": ("deep", {"ac": False, "cache": "min", "offload": "mix"}, {"grad_clip": 0.0}, "delayed", 1e-5),
+    "all-offloaded-no-clip": ("deep", {"ac": True, "cache": "max", "offload": "all"}, {"grad_clip": 0.0}, "delayed",
+                              1e-5),
+    "all-on-gpu": ("deep", {"ac": False, "cache": "mid", "offload": "none"}, {}, "delayed", 1e-5),
+    # LoRA: frozen chunks (no compute copy) beside the adapters'; lr 1e-3 as in tests/test_lora.py
+    "lora-mix": ("llama", {"ac": True, "cache": "mid", "offload": "mix"}, {"lr": 1e-3}, "delayed", 1e-5),
+    # bf16: GPU compute copies in bf16, host ones in bf16 (losses only, within 3e-2)
+    "bf16-mix": ("deep", {"ac": True, "cache": "mid", "offload": "mix"}, {"precision": "bf16"}, "delayed", 3e-2),
+    "sync-mix-clipped": ("deep", {"ac": True, "cache": "mid", "offload": "mix"}, {"grad_clip": 0.5}, "sync",
+                         1e-5),  # what delayed must differ from
+}
+
+
+def _cfg(case: dict, zero: bool):
+    raw = {"model": {"checkpoint": str(case["ck"]), "activation_checkpointing": case["engine"]["ac"]},
+           "data": {"seq_len": 16},
+           "train": {"max_steps": STEPS, "micro_batch_size": 2, "micro_batches": MICRO, "lr": 1e-2, "warmup_steps": 1,
+                     "weight_decay": 0.1, "seed": 3, "update": case["update"], **case["train"]},
+           "parallel": {"mode": "zero" if zero else "single", "device": "cpu", "devices": 2 if zero else 1},
+           "output": {"dir": str(case["ck"].parent / "out")}}
+    if case["lora"]:
+        raw["lora"] = {"rank": 4, "alpha": 8.0, "train": ["norms"]}
+    return config_from_dict(raw, case["name"])
+
+
+def _model_cfg(case: dict, cfg):
+    from mobius.assemble import with_adapters
+
+    return with_adapters(case_model(case["ck"], None), cfg)
+
+
+def _batches(step: int, count: int = MICRO) -> list:
+    return token_batches(step, count, 300)
+
+
+def _plan(case: dict, cfg, mc, world: int = 2):
+    """The zero plan for ``world`` ranks (an estimated profile: no measuring in the workers) with the case's
+    rCache blocks and GPU chunks, made for the run's update rule."""
+    from mobius.layout import build_layout
+    from mobius.models import unit_specs
+    from mobius.models.params import model_params
+    from partition.estimate import estimate_units
+    from partition.zero import ZeroHardware, plan
+
+    units = len(unit_specs(mc))
+    layout = build_layout(model_params(mc), units, CHUNK, world)
+    n, lo, e = layout.num_chunks, layout.min_blocks, case["engine"]
+    trained = sum(layout.trains(c) for c in range(n))  # they come first (LoRA: the frozen chunks after them)
+    blocks = {"min": lo, "mid": (lo + n) // 2, "max": n}[e["cache"]]
+    gpu = {"all": 0, "none": n, "mix": trained // 2}[e["offload"]]
+    prof = estimate_units(unit_specs(mc), 2, 16, cfg.train.precision, "h100")
+    hw = ZeroHardware(world, 2**30, 5e9, 5e9, 2e9, 5e9, 1e9, 1e9, name="CPU workers")
+    return plan(model_params(mc), units, prof, hw, micro_batches=MICRO, checkpointing=e["ac"],
+                barrier=cfg.train.barrier, chunk_size=CHUNK, cache_blocks=blocks, gpu_chunks=gpu,
+                delayed=cfg.train.update == "delayed")
+
+
+def _train(engine, cfg, overflow: bool = False) -> dict:
+    """STEPS steps with an evaluation after the second (the compute weights set aside and put back) and at
+    the end; ``overflow``: step OVERFLOW_STEP + 1's loss scale overflows (and the shards' state is kept
+    around it, where the engine has shards)."""
+    from mobius.optim import lr_at
+
+    out: dict = {"losses": [], "skipped": [], "evals": []}
+    for s in range(STEPS):
+        if overflow and s == OVERFLOW_STEP:
+            engine.rule.scaler.scale = 2.0**127
+            engine.sync()  # the updates of the step before are done
+            out["before"] = _shard_state(engine)
+        stats = engine.train_step(s, _batches(s), lr_at(s, cfg.train))
+        if overflow and s == OVERFLOW_STEP:
+            engine.sync()
+            out["after"] = _shard_state(engine)
+            engine.rule.scaler.scale = 2.0**10
+        out["losses"].append(stats.loss)
+        out["skipped"].append(stats.skipped)
+        if s == 1 or s == STEPS - 1:
+            out["evals"].append(engine.evaluate(_batches(99, 2)))
+    state = engine.rank_state(True)
+    out.update(weights=state.weights, compute=state.compute or {}, optimizer_step=state.optimizer_step)
+    return out
+
+
+def _shard_state(engine) -> dict:
+    """The GPU chunks' and each offloaded chunk's master and compute copy (zero engines only)."""
+    if not hasattr(engine, "hosts"):
+        return {}
+    shards = {"gpu": engine.gpu, **{f"host {c}": h.shards for c, h in engine.hosts.items()}}
+    return {k: (s.master.clone(), s.compute.clone()) for k, s in shards.items() if s.chunks}
+
+
+def _run_case(case: dict, world: int) -> dict:
+    """(In a worker) one case: the zero engine on the case's plan."""
+    from mobius.assemble import WeightSource
+    from scheduler.zero import ZeroEngine
+
+    cfg = _cfg(case, zero=True)
+    mc = _model_cfg(case, cfg)
+    engine = ZeroEngine(cfg, mc, _plan(case, cfg, mc), None, torch.device("cpu"),
+                        WeightSource(str(case["ck"]), None, cfg.train.seed))
+    try:
+        out = _train(engine, cfg, case.get("overflow", False))
+        out["gpu_chunks"], out["offloaded"] = len(engine.gpu.chunks), len(engine.hosts)
+    finally:
+        engine.close()
+    numpy = lambda d: {k: v.numpy().copy() for k, v in d.items()}  # noqa: E731
+    out["weights"], out["compute"] = numpy(out["weights"]), numpy(out["compute"])
+    for key in ("before", "after"):
+        if key in out:
+            out[key] = {j: (m.numpy().copy(), c.float().numpy().copy()) for j, (m, c) in out[key].items()}
+    return out
+
+
+def _reference(case: dict) -> dict:
+    from mobius.assemble import initial_model
+    from scheduler.single import SingleEngine
+
+    cfg = _cfg(case, zero=False)
+    model = initial_model(cfg, _model_cfg(case, cfg), None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model; two threads only contend with the workers' processes
+    try:
+        return _train(SingleEngine(model, cfg, torch.device("cpu")), cfg, case.get("overflow", False))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _joined(ranks: list[dict], key: str, where: str) -> dict[str, torch.Tensor]:
+    """The ranks' tensors of ``key`` by name (each parameter on one rank)."""
+    got: dict = {}
+    for part in ranks:
+        for name, w in part[key].items():
+            assert name not in got, f"{where}: {name} on two ranks"
+            got[name] = w
+    return {k: torch.from_numpy(v) for k, v in got.items()}
+
+
+def _case(name: str, cks: dict[str, Path]) -> dict:
+    ck, engine, tr, update, atol = CASES[name]
+    return {"name": name, "ck": cks[ck], "engine": engine, "train": tr, "update": update, "atol": atol,
+            "lora": ck == "llama"}
+
+
+@pytest.mark.slow
+def test_zero_delayed_equals_single_delayed(deep_checkpoint: Path, llama_checkpoint: Path) -> None:
+    """Every case on 2 ranks against single mode's delayed engine on the same batches: the losses of 4
+    steps, both evaluations (the newest weights; the compute weights put back after the first), every
+    weight and the compute weights a checkpoint keeps within 1e-5 (fp32; bf16 within 3e-2 on the losses);
+    zero sync computes step 1 alike and differs from step 2 on."""
+    cks = {"deep": deep_checkpoint, "llama": llama_checkpoint}
+    cases = [_case(name, cks) for name in CASES]
+    results = dict(zip(CASES, spawn_cases(_run_case, cases, 2)))
+    for case in cases:
+        ranks, where, atol = results[case["name"]], case["name"], case["atol"]
+        placement = {"mix": ranks[0]["gpu_chunks"] > 0 < ranks[0]["offloaded"], "all": ranks[0]["gpu_chunks"] == 0,
+                     "none": ranks[0]["offloaded"] == 0}
+        assert placement[case["engine"]["offload"]], (where, ranks[0]["gpu_chunks"], ranks[0]["offloaded"])
+        ref = _reference(case)
+        assert all(r["optimizer_step"] == ref["optimizer_step"] == STEPS for r in ranks), where
+        for key in ("losses", "evals"):
+            torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(ref[key]), rtol=0, atol=atol,
+                                       msg=lambda m, key=key: f"{where}: {key}: {m}")
+        if case["train"].get("precision") == "bf16":
+            continue
+        weights = _joined(ranks, "weights", where)
+        assert set(weights) == set(ref["weights"]), where
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(weights[name], w, rtol=0, atol=atol, msg=f"{where}: {name}")
+        mc = _model_cfg(case, _cfg(case, zero=False))
+        compute = {canonical_name(k, mc): v for k, v in _joined(ranks, "compute", where).items()}
+        if case["update"] == "sync":
+            assert not compute and not ref["compute"]
+            continue
+        assert set(compute) == set(ref["compute"]) and compute, where
+        for name, w in ref["compute"].items():
+            torch.testing.assert_close(compute[name], w, rtol=0, atol=atol, msg=f"{where}: compute {name}")
+        assert any((compute[n] - weights[n]).abs().max() > 1e-4 for n in compute), where  # one update behind
+    delayed, sync = results["mix-clipped"][0]["losses"], results["sync-mix-clipped"][0]["losses"]
+    assert delayed[0] == pytest.approx(sync[0], abs=1e-6) and all(abs(a - b) > 1e-4 for a, b in zip(delayed[1:],
+                                                                                                     sync[1:]))
+
+
+def test_zero_delayed_fp16_overflow_skips_the_update_and_still_hands_over(deep_checkpoint: Path) -> None:
+    """fp16 with GPU and offloaded chunks on both ranks: an overflowing step 2 makes no update (every
+    master unchanged: w_2 == w_1) yet every compute copy takes the master (step 3 computes with w_1);
+    the run goes on like single mode's (fp16 tolerance) with the same skips."""
+    case = {"name": "fp16-overflow", "ck": deep_checkpoint, "engine": {"ac": True, "cache": "mid", "offload": "mix"},
+            "train": {"precision": "fp16"}, "update": "delayed", "lora": False, "overflow": True}
+    ranks = spawn_cases(_run_case, [case], 2)[0]
+    ref = _reference(case)
+    assert [r["skipped"] for r in ranks] == [ref["skipped"]] * 2 == [[s == OVERFLOW_STEP for s in range(STEPS)]] * 2
+    assert all(r["optimizer_step"] == STEPS - 1 for r in ranks)
+    for rank in ranks:
+        assert "gpu" in rank["after"] and len(rank["after"]) > 1  # GPU chunks and offloaded ones
+        for k, (master, compute) in rank["after"].items():
+            before_master, before_compute = rank["before"][k]
+            assert (master == before_master).all(), k  # no update
+            assert (compute == torch.from_numpy(master).half().float().numpy()).all(), k  # w_1 in the compute copy
+            assert (compute != before_compute).any(), k  # it held w_0 before
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=3e-2)
+
+
+def test_zero_plan_counts_the_compute_copies(deep_checkpoint: Path) -> None:
+    """The plan made for delayed counts one more copy of each GPU chunk's shard in the training dtype and,
+    in fp32, 4 more host bytes per offloaded element; the engine refuses a plan made for the other rule."""
+    from mobius.errors import MobiusError
+    from partition.costs import STATE_BYTES
+    from scheduler.zero import ZeroEngine
+
+    case = _case("mix-clipped", {"deep": deep_checkpoint})
+    plans = {}
+    for update in ("sync", "delayed"):
+        cfg = _cfg({**case, "update": update}, zero=True)
+        plans[update] = _plan({**case, "update": update}, cfg, _model_cfg(case, cfg))
+    sync, delayed = plans["sync"], plans["delayed"]
+    assert (delayed.gpu_chunks, delayed.cache_blocks) == (sync.gpu_chunks, sync.cache_blocks) and delayed.delayed
+    shard = delayed.padded_chunk // delayed.world
+    assert delayed.memory["gpu_shards"] == sync.memory["gpu_shards"] * (STATE_BYTES + 4) // STATE_BYTES
+    offloaded = delayed.num_chunks - delayed.gpu_chunks
+    assert delayed.memory["host"] - sync.memory["host"] == 4 * offloaded * shard
+    assert "train.update=delayed" in delayed.summary().splitlines()[0]
+    cfg = _cfg(case, zero=True)
+    with pytest.raises(MobiusError, match="the zero plan was made for train.update=sync"):
+        ZeroEngine(cfg, _model_cfg(case, cfg), sync, None, torch.device("cpu"))
+
+
+def test_zero_and_auto_accept_delayed() -> None:
+    """parallel.mode=zero runs train.update=delayed, and auto may choose it."""
+    from mobius.app.run import check_parallel
+    from mobius.app.settings import Machine, mode_options, resolve
+
+    for mode in ("zero", "auto"):
+        cfg = config_from_dict({"model": {"preset": "gpt2-tiny"}, "train": {"micro_batches": 2, "update": "delayed"},
+                                "parallel": {"mode": mode, "devices": 2, "device": "cpu"}}, "run.yaml")
+        check_parallel(cfg, Machine.cpu_only())
+        assert mode_options(cfg, Machine.cpu_only())["zero"] == ""
+    assert resolve(cfg, Machine.cpu_only(), "zero").mode == "zero"
+
+
+# ---- resuming with an update in flight, through `mobius train` -------------------------------------------
+def _run_cfg(tmp: Path, ck: Path, corpus: Path, out: str, **sections: dict):
+    raw = {"model": {"checkpoint": str(ck)},
+           "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp / "cache")},
+           "train": {"max_steps": 4, "micro_batch_size": 2, "micro_batches": 2, "lr": 1e-2, "warmup_steps": 4,
+                     "weight_decay": 0.1, "eval_every": 2, "eval_batches": 2, "seed": 3, "update": "delayed"},
+           "parallel": {"mode": "zero", "device": "cpu", "devices": 2},
+           "zero": {"chunk_size": 3000, "gpu_chunks": 4},
+           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / out), "plot": False}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return config_from_dict(raw, "test.yaml")
+
+
+def _resume_from(tmp: Path, run: str, step: int, into: str) -> Path:
+    name = f"step-{step:06d}"
+    (tmp / into / "checkpoints").mkdir(parents=True)
+    return Path(shutil.copytree(tmp / run / "checkpoints" / name, tmp / into / "checkpoints" / name))
+
+
+def _rows(run: Path, after: int = 0) -> list[tuple]:
+    """The metrics lines of steps after ``after``: step, loss, evaluation loss, update rule (no timings)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r.get("eval_loss"), r["update"]) for r in rows if r["step"] > after]
+
+
+def test_zero_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
+    """4 delayed zero steps (GPU and offloaded chunks, the tied embedding, evaluations after steps 2 and 4)
+    == 2 steps, the step-2 checkpoint, --resume, 2 more: the same losses, evaluations and weights, bit for
+    bit. The checkpoint holds the compute weights (every trainable weight once, fp32, one update behind
+    its newest), written by both ranks into one file; resumed in single mode it continues as the zero run
+    did (which test_zero_delayed_equals_single_delayed holds to single mode's own delayed run)."""
+    from safetensors.torch import load_file
+
+    from mobius.models.hf import load_checkpoint
+
+    first = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "first", output={"save_every": 2, "keep_last": 1}))
+    plan = json.loads((tmp_path / "first" / "plan.json").read_text())
+    assert plan["delayed"] and 0 < plan["gpu_chunks"] < plan["num_chunks"]
+    step2 = _resume_from(tmp_path, "first", 2, "second")
+    compute, newest = load_file(str(step2 / COMPUTE_FILE)), load_checkpoint(step2).state_dict()
+    assert set(compute) == set(newest) - {"head.lm_head.weight"}  # the tied head under the embedding's name
+    assert all(v.dtype == torch.float32 for v in compute.values())
+    assert any(not torch.equal(v, newest[k]) for k, v in compute.items())  # one update behind
+    second = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "second"), resume="auto")
+    assert second.losses == first.losses
+    assert _rows(tmp_path / "second") == _rows(tmp_path / "first", after=2)
+    assert [r[2] is not None for r in _rows(tmp_path / "first")] == [False, True, False, True]
+    a, b = read_state_dict(first.final_dir), read_state_dict(second.final_dir)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # the same checkpoint in single mode continues as the delayed run did
+    _resume_from(tmp_path, "first", 2, "third")
+    third = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "third", parallel={"mode": "single", "devices": 1}),
+                  resume="auto")
+    torch.testing.assert_close(torch.tensor(third.losses), torch.tensor(first.losses), rtol=0, atol=1e-5)
+    c = read_state_dict(third.final_dir)
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-5, msg=k)
+
+
+class _Kept(logging.Handler):
+    """The messages logged (in a worker)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _resume_case(case: dict, world: int) -> dict:
+    """(In a worker) a zero engine of the case's update rule built from the checkpoint ``case["from"]``, its
+    state loaded: what it logged, and whether its compute copies hold the newest weights (the masters)."""
+    from mobius.assemble import weights_source
+    from mobius.checkpoint import ResumeState
+    from scheduler.zero import ZeroEngine
+
+    cfg = _cfg(case, zero=True)
+    mc = _model_cfg(case, cfg)
+    kept, logger = _Kept(), logging.getLogger("scheduler.zero.engine")
+    logger.addHandler(kept)
+    logger.setLevel(logging.INFO)
+    engine = ZeroEngine(cfg, mc, _plan(case, cfg, mc, world), None, torch.device("cpu"),
+                        weights_source(cfg, mc, case["from"]))
+    try:
+        engine.load_state(ResumeState(case["from"]))
+        shards = [engine.gpu, *(h.shards for h in engine.hosts.values())]
+        newest = None if not engine.delayed else all(torch.equal(s.compute, s.master.to(s.compute.dtype))
+                                                     for s in shards if s.chunks)
+    finally:
+        engine.close()
+        logger.removeHandler(kept)
+    return {"said": kept.messages, "newest": newest}
+
+
+def test_zero_resume_across_update_rules(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
+    """A sync zero checkpoint resumed delayed computes its first step with the newest weights (as sync
+    does); a delayed zero checkpoint resumed sync drops its compute weights (its step 3 computes with w_2,
+    not w_1); the engine says so in one line each (and resumed delayed, holds the compute weights)."""
+    short = {"train": {"max_steps": 3, "warmup_steps": 3, "eval_every": 0}, "output": {"save_every": 2}}
+
+    def cfg(out: str, update: str):
+        return _run_cfg(tmp_path, deep_checkpoint, corpus, out, **{**short, "train": {**short["train"],
+                                                                                       "update": update}})
+
+    runs = {update: train(cfg(update, update)) for update in ("sync", "delayed")}
+    resumed = {}
+    for run, other in (("sync", "delayed"), ("delayed", "sync")):
+        _resume_from(tmp_path, run, 2, f"{run}-as-{other}")
+        resumed[run] = train(cfg(f"{run}-as-{other}", other), resume="auto")
+    sync, delayed = runs["sync"].losses, runs["delayed"].losses
+    assert resumed["sync"].losses[2] == pytest.approx(sync[2], abs=1e-6)  # w_2 as sync computes step 3
+    assert resumed["delayed"].losses[:2] == delayed[:2] and abs(resumed["delayed"].losses[2] - delayed[2]) > 1e-4
+    step2 = {run: tmp_path / run / "checkpoints" / "step-000002" for run in runs}
+    case = {"name": "resume", "ck": deep_checkpoint, "engine": {"ac": False, "cache": "min", "offload": "mix"},
+            "train": {}, "lora": False}
+    cases = [{**case, "update": "delayed", "from": step2["sync"]}, {**case, "update": "sync", "from": step2["delayed"]},
+             {**case, "update": "delayed", "from": step2["delayed"]}]
+    got = [ranks[0] for ranks in spawn_cases(_resume_case, cases, 1)]
+    assert got[0] == {"said": ["train.update=delayed: resuming a sync checkpoint; the first step computes with its "
+                               "newest weights"], "newest": True}
+    assert got[1] == {"said": ["train.update=sync: resuming a delayed checkpoint from its newest weights; the "
+                               "compute weights of its update in flight are dropped"], "newest": None}
+    assert got[2] == {"said": [], "newest": False}  # the compute weights, one update behind
