@@ -140,8 +140,9 @@ class Plan:
         family's, when it was planned beside)."""
         tokens = self.micro_batches * self.micro_batch_size * self.seq_len
         rule = "delayed" if self.options.delayed else "sync"
-        line = (f"schedule: swapped pipeline ({self.num_stages} stages on {len(self.worker_gpus)} GPUs), update {rule}: "
-                f"{self.predicted_step_s:.3f} s per step predicted, {tokens / self.predicted_step_s:,.0f} tokens/s")
+        line = (f"schedule: swapped pipeline ({self.num_stages} stages on {len(self.worker_gpus)} GPUs), update "
+                f"{rule}: {self.predicted_step_s:.3f} s per step predicted, {tokens / self.predicted_step_s:,.0f} "
+                f"tokens/s")
         rr = self.round_robin
         if rr and "error" not in rr:
             other = "delayed" if rr["update"] == "sync" else "sync"
