@@ -75,3 +75,30 @@ def token_batches(step: int, count: int, vocab: int) -> list[tuple[torch.Tensor,
     g = torch.Generator().manual_seed(1000 + step)
     tokens = [torch.randint(0, vocab, (2, 17), generator=g) for _ in range(count)]
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def train_delayed_case(engine: Any, cfg: Any, steps: int, batches: Any, state_of: Any, overflow_step: int = -1) -> dict:
+    """``steps`` training steps of ``engine`` (any mode's) with an evaluation after the second (the compute weights
+    set aside and put back) and at the end; at ``overflow_step`` the loss scale overflows, and ``state_of(engine)``
+    is kept before and after that step. ``batches(step)`` gives a step's micro-batches, ``batches(step, 2)`` two.
+    Returns the losses, skip flags, evaluations, the newest and compute weights and the optimizer step."""
+    from mobius.optim import lr_at
+
+    out: dict = {"losses": [], "skipped": [], "evals": []}
+    for s in range(steps):
+        if s == overflow_step:
+            engine.rule.scaler.scale = 2.0**127
+            engine.sync()  # the updates of the step before are done
+            out["before"] = state_of(engine)
+        stats = engine.train_step(s, batches(s), lr_at(s, cfg.train))
+        if s == overflow_step:
+            engine.sync()
+            out["after"] = state_of(engine)
+            engine.rule.scaler.scale = 2.0**10
+        out["losses"].append(stats.loss)
+        out["skipped"].append(stats.skipped)
+        if s == 1 or s == steps - 1:
+            out["evals"].append(engine.evaluate(batches(99, 2)))
+    state = engine.rank_state(True)
+    out.update(weights=state.weights, compute=state.compute or {}, optimizer_step=state.optimizer_step)
+    return out

@@ -17,7 +17,7 @@ from mobius.app.run import train
 from mobius.checkpoint import COMPUTE_FILE, canonical_name
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
-from spawned import case_model, spawn_cases, token_batches
+from spawned import case_model, spawn_cases, token_batches, train_delayed_case
 
 STEPS, MICRO = 4, 3
 SWAPPED = {"resident_stages": [], "kept_stages": []}
@@ -70,29 +70,9 @@ def _batches(step: int, count: int = MICRO) -> list:
 
 
 def _train(engine, cfg, overflow: bool = False) -> dict:
-    """STEPS steps with an evaluation after the second (the compute weights set aside and put back) and at
-    the end; ``overflow``: step OVERFLOW_STEP + 1's loss scale overflows (and the stores' state is kept
-    around it, where the engine has stores)."""
-    from mobius.optim import lr_at
-
-    out: dict = {"losses": [], "skipped": [], "evals": []}
-    for s in range(STEPS):
-        if overflow and s == OVERFLOW_STEP:
-            engine.rule.scaler.scale = 2.0**127
-            engine.sync()  # the updates of the step before are done
-            out["before"] = _store_state(engine)
-        stats = engine.train_step(s, _batches(s), lr_at(s, cfg.train))
-        if overflow and s == OVERFLOW_STEP:
-            engine.sync()
-            out["after"] = _store_state(engine)
-            engine.rule.scaler.scale = 2.0**10
-        out["losses"].append(stats.loss)
-        out["skipped"].append(stats.skipped)
-        if s == 1 or s == STEPS - 1:
-            out["evals"].append(engine.evaluate(_batches(99, 2)))
-    state = engine.rank_state(True)
-    out.update(weights=state.weights, compute=state.compute or {}, optimizer_step=state.optimizer_step)
-    return out
+    """The case's steps (:func:`spawned.train_delayed_case`); ``overflow``: step OVERFLOW_STEP + 1's loss scale
+    overflows."""
+    return train_delayed_case(engine, cfg, STEPS, _batches, _store_state, OVERFLOW_STEP if overflow else -1)
 
 
 def _store_state(engine) -> dict:
