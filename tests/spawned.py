@@ -102,3 +102,39 @@ def train_delayed_case(engine: Any, cfg: Any, steps: int, batches: Any, state_of
     state = engine.rank_state(True)
     out.update(weights=state.weights, compute=state.compute or {}, optimizer_step=state.optimizer_step)
     return out
+
+
+def delayed_run_config(tmp: Any, ck: Any, corpus: Any, out: str, micro_batches: int, mode: dict,
+                       **sections: dict) -> Any:
+    """A 4-step ``train.update: delayed`` run of ``mobius train`` on CPU workers (evaluations every 2 steps):
+    ``mode``'s sections (parallel, zero, ...), then ``sections``, each laid key by key over what is there."""
+    from mobius.config import config_from_dict
+
+    raw = {"model": {"checkpoint": str(ck)},
+           "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp / "cache")},
+           "train": {"max_steps": 4, "micro_batch_size": 2, "micro_batches": micro_batches, "lr": 1e-2,
+                     "warmup_steps": 4, "weight_decay": 0.1, "eval_every": 2, "eval_batches": 2, "seed": 3,
+                     "update": "delayed"},
+           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / out), "plot": False}}
+    for layer in (mode, sections):
+        for name, values in layer.items():
+            raw.setdefault(name, {}).update(values)
+    return config_from_dict(raw, "test.yaml")
+
+
+def resume_from(tmp: Any, run: str, step: int, into: str) -> Any:
+    """Copy run ``run``'s checkpoint of ``step`` into the (new) run directory ``into``; returns its path."""
+    import shutil
+    from pathlib import Path
+
+    name = f"step-{step:06d}"
+    (tmp / into / "checkpoints").mkdir(parents=True)
+    return Path(shutil.copytree(tmp / run / "checkpoints" / name, tmp / into / "checkpoints" / name))
+
+
+def metric_rows(run: Any, after: int = 0) -> list[tuple]:
+    """The metrics lines of steps after ``after``: step, loss, evaluation loss, update rule (no timings)."""
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r.get("eval_loss"), r["update"]) for r in rows if r["step"] > after]

@@ -5,9 +5,7 @@ and resuming with an update in flight (in the pipeline, and in single mode)."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from mobius.checkpoint import COMPUTE_FILE, canonical_name
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
 from spawned import case_model, spawn_cases, token_batches, train_delayed_case
+from spawned import delayed_run_config, metric_rows, resume_from
 
 STEPS, MICRO = 4, 3
 SWAPPED = {"resident_stages": [], "kept_stages": []}
@@ -203,28 +202,8 @@ def test_pipeline_delayed_fp16_overflow_skips_the_update_and_still_hands_over(tm
 
 # ---- resuming with an update in flight, through `mobius train` -------------------------------------------
 def _run_cfg(tmp: Path, ck: Path, corpus: Path, out: str, **sections: dict):
-    raw = {"model": {"checkpoint": str(ck)},
-           "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp / "cache")},
-           "train": {"max_steps": 4, "micro_batch_size": 2, "micro_batches": 3, "lr": 1e-2, "warmup_steps": 4,
-                     "weight_decay": 0.1, "eval_every": 2, "eval_batches": 2, "seed": 3, "update": "delayed"},
-           "parallel": {"mode": "pipeline", "device": "cpu", "devices": 2, "stages": 4, "resident_stages": [1],
-                        "kept_stages": []},
-           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / out), "plot": False}}
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return config_from_dict(raw, "test.yaml")
-
-
-def _resume_from(tmp: Path, run: str, step: int, into: str) -> Path:
-    name = f"step-{step:06d}"
-    (tmp / into / "checkpoints").mkdir(parents=True)
-    return Path(shutil.copytree(tmp / run / "checkpoints" / name, tmp / into / "checkpoints" / name))
-
-
-def _rows(run: Path, after: int = 0) -> list[tuple]:
-    """The metrics lines of steps after ``after``: step, loss, evaluation loss, update rule (no timings)."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"], r.get("eval_loss"), r["update"]) for r in rows if r["step"] > after]
+    return delayed_run_config(tmp, ck, corpus, out, 3, {"parallel": {"mode": "pipeline", "device": "cpu", "devices": 2, "stages": 4,
+                                                     "resident_stages": [1], "kept_stages": []}}, **sections)
 
 
 def test_pipeline_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
@@ -238,15 +217,15 @@ def test_pipeline_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoin
     from mobius.models.hf import load_checkpoint
 
     first = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "first", output={"save_every": 2, "keep_last": 1}))
-    step2 = _resume_from(tmp_path, "first", 2, "second")
+    step2 = resume_from(tmp_path, "first", 2, "second")
     compute, newest = load_file(str(step2 / COMPUTE_FILE)), load_checkpoint(step2).state_dict()
     assert set(compute) == set(newest) - {"head.lm_head.weight"}  # the tied head under the embedding's name
     assert all(v.dtype == torch.float32 for v in compute.values())
     assert any(not torch.equal(v, newest[k]) for k, v in compute.items())  # one update behind
     second = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "second"), resume="auto")
     assert second.losses == first.losses
-    assert _rows(tmp_path / "second") == _rows(tmp_path / "first", after=2)
-    assert [r[2] is not None for r in _rows(tmp_path / "first")] == [False, True, False, True]
+    assert metric_rows(tmp_path / "second") == metric_rows(tmp_path / "first", after=2)
+    assert [r[2] is not None for r in metric_rows(tmp_path / "first")] == [False, True, False, True]
     a, b = read_state_dict(first.final_dir), read_state_dict(second.final_dir)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     # the same checkpoint in single mode continues as single mode's own delayed run
@@ -254,7 +233,7 @@ def test_pipeline_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoin
                            "kept_stages": None}}
     straight = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "single", **single))
     torch.testing.assert_close(torch.tensor(first.losses), torch.tensor(straight.losses), rtol=0, atol=1e-5)
-    _resume_from(tmp_path, "first", 2, "third")
+    resume_from(tmp_path, "first", 2, "third")
     third = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "third", **single), resume="auto")
     torch.testing.assert_close(torch.tensor(third.losses), torch.tensor(straight.losses), rtol=0, atol=1e-5)
     c, d = read_state_dict(straight.final_dir), read_state_dict(third.final_dir)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from mobius.checkpoint import COMPUTE_FILE, canonical_name
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
 from spawned import case_model, spawn_cases, token_batches, train_delayed_case
+from spawned import delayed_run_config, metric_rows, resume_from
 
 STEPS, MICRO = 4, 4
 CHUNK = 4999  # as tests/test_zero.py: no world divides it; the token embedding spans two chunks
@@ -252,28 +252,8 @@ def test_zero_and_auto_accept_delayed() -> None:
 
 # ---- resuming with an update in flight, through `mobius train` -------------------------------------------
 def _run_cfg(tmp: Path, ck: Path, corpus: Path, out: str, **sections: dict):
-    raw = {"model": {"checkpoint": str(ck)},
-           "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp / "cache")},
-           "train": {"max_steps": 4, "micro_batch_size": 2, "micro_batches": 2, "lr": 1e-2, "warmup_steps": 4,
-                     "weight_decay": 0.1, "eval_every": 2, "eval_batches": 2, "seed": 3, "update": "delayed"},
-           "parallel": {"mode": "zero", "device": "cpu", "devices": 2},
-           "zero": {"chunk_size": 3000, "gpu_chunks": 4},
-           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / out), "plot": False}}
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return config_from_dict(raw, "test.yaml")
-
-
-def _resume_from(tmp: Path, run: str, step: int, into: str) -> Path:
-    name = f"step-{step:06d}"
-    (tmp / into / "checkpoints").mkdir(parents=True)
-    return Path(shutil.copytree(tmp / run / "checkpoints" / name, tmp / into / "checkpoints" / name))
-
-
-def _rows(run: Path, after: int = 0) -> list[tuple]:
-    """The metrics lines of steps after ``after``: step, loss, evaluation loss, update rule (no timings)."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"], r.get("eval_loss"), r["update"]) for r in rows if r["step"] > after]
+    return delayed_run_config(tmp, ck, corpus, out, 2, {"parallel": {"mode": "zero", "device": "cpu", "devices": 2},
+                                                     "zero": {"chunk_size": 3000, "gpu_chunks": 4}}, **sections)
 
 
 def test_zero_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
@@ -289,19 +269,19 @@ def test_zero_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoint: P
     first = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "first", output={"save_every": 2, "keep_last": 1}))
     plan = json.loads((tmp_path / "first" / "plan.json").read_text())
     assert plan["delayed"] and 0 < plan["gpu_chunks"] < plan["num_chunks"]
-    step2 = _resume_from(tmp_path, "first", 2, "second")
+    step2 = resume_from(tmp_path, "first", 2, "second")
     compute, newest = load_file(str(step2 / COMPUTE_FILE)), load_checkpoint(step2).state_dict()
     assert set(compute) == set(newest) - {"head.lm_head.weight"}  # the tied head under the embedding's name
     assert all(v.dtype == torch.float32 for v in compute.values())
     assert any(not torch.equal(v, newest[k]) for k, v in compute.items())  # one update behind
     second = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "second"), resume="auto")
     assert second.losses == first.losses
-    assert _rows(tmp_path / "second") == _rows(tmp_path / "first", after=2)
-    assert [r[2] is not None for r in _rows(tmp_path / "first")] == [False, True, False, True]
+    assert metric_rows(tmp_path / "second") == metric_rows(tmp_path / "first", after=2)
+    assert [r[2] is not None for r in metric_rows(tmp_path / "first")] == [False, True, False, True]
     a, b = read_state_dict(first.final_dir), read_state_dict(second.final_dir)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     # the same checkpoint in single mode continues as the delayed run did
-    _resume_from(tmp_path, "first", 2, "third")
+    resume_from(tmp_path, "first", 2, "third")
     third = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "third", parallel={"mode": "single", "devices": 1}),
                   resume="auto")
     torch.testing.assert_close(torch.tensor(third.losses), torch.tensor(first.losses), rtol=0, atol=1e-5)
@@ -359,7 +339,7 @@ def test_zero_resume_across_update_rules(tmp_path: Path, deep_checkpoint: Path, 
     runs = {update: train(cfg(update, update)) for update in ("sync", "delayed")}
     resumed = {}
     for run, other in (("sync", "delayed"), ("delayed", "sync")):
-        _resume_from(tmp_path, run, 2, f"{run}-as-{other}")
+        resume_from(tmp_path, run, 2, f"{run}-as-{other}")
         resumed[run] = train(cfg(f"{run}-as-{other}", other), resume="auto")
     sync, delayed = runs["sync"].losses, runs["delayed"].losses
     assert resumed["sync"].losses[2] == pytest.approx(sync[2], abs=1e-6)  # w_2 as sync computes step 3
