@@ -190,7 +190,7 @@ class _Worker:
         compute stream before the next step's first forward: they open the step's compute list."""
         sched = self.sched
         occ_of = {(a.stage, a.phase, a.round): k for k, a in enumerate(x for x in actions if x.kind == Kind.UPLOAD)}
-        rounds = getattr(sched, "rounds", 1)
+        rounds = sched.rounds
         opening: list[_Task] = []
         reduces, reload_unit = 0, -1
         for a in actions:
@@ -265,7 +265,6 @@ class _Sim:
         self.version = [0] * self.S  # updates each stage has completed
         self.begun = [0] * self.S  # ... and started
         self.delay = int(sched.options.delayed)  # train.update: delayed (see :meth:`_weights_ready`)
-        self.rounds = getattr(sched, "rounds", 1)
         self.program = sched.steps > 1  # one list of several steps (round-robin): no per-step restart
         self.downloads_due = _downloads_per_step(sched)  # (step, stage) -> downloads before its update
         self.downloads_done: dict[tuple[int, int], int] = {}
@@ -807,7 +806,7 @@ class _Sim:
 
 def _downloads_per_step(sched) -> dict[tuple[int, int], int]:
     """(step of the lists, stage) -> the gradient downloads of that stage in that step."""
-    rounds = getattr(sched, "rounds", 1)
+    rounds = sched.rounds
     out: dict[tuple[int, int], int] = {}
     for acts in sched.actions:
         for a in acts:

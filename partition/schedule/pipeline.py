@@ -166,6 +166,7 @@ class Schedule:
 
     # ---- what the simulator asks of every schedule family (partition.schedule.roundrobin answers the same) ----
     steps = 1  # training steps the lists hold
+    rounds = 1  # rounds per step (a round-robin notion: one here)
     compute_copies = 1  # train.update: delayed: host copies per stage of the weights the GPU computes with (and
     # of its gradient buffer)
     tie_ends = property(lambda self: (0, self.num_stages - 1))  # the stages holding the two ends of a tied weight
