@@ -3,8 +3,10 @@ engine's step (:class:`UpdateRule`), and the flat AdamW the runtimes run on host
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -144,11 +146,16 @@ class FlatAdamW:
     writes the block's half-precision copy while the block is still in cache. The gradient factor
     (clipping, loss scale) is folded into the kernel, not a separate pass over the gradients.
     Elements outside every run are not touched.
+
+    ``compute`` (``train.update: delayed``, instead of ``half``): the copy the device computes with, one
+    update behind the master; :meth:`step` leaves it alone, :meth:`to_compute` refreshes it from the master
+    (the first part of each delayed update, in both runtimes) and :meth:`newest` lends it the master.
     """
 
     def __init__(self, master: torch.Tensor, half: torch.Tensor | None, runs: list[Run], cfg: TrainSection,
-                 block: int = UPDATE_BLOCK):
-        self.master, self.half, self.cfg = master, half, cfg
+                 block: int = UPDATE_BLOCK, compute: torch.Tensor | None = None):
+        assert half is None or compute is None, "a delayed update's AdamW writes no copy"
+        self.master, self.half, self.cfg, self.compute = master, half, cfg, compute
         n = master.numel()
         self.block = block if master.device.type == "cpu" else max(n, 1)  # one kernel call per group on a GPU
         self.m = torch.zeros_like(master)
@@ -178,6 +185,25 @@ class FlatAdamW:
                                  eps=self.cfg.eps, maximize=False)
             if self.half is not None:
                 self.half[a:b].copy_(self.master[a:b])
+
+    def to_compute(self) -> None:
+        """The compute copy takes the master (w_{t-1}, what the next step computes with); none: nothing."""
+        if self.compute is not None:
+            self.compute.copy_(self.master)
+
+    @contextlib.contextmanager
+    def newest(self) -> Iterator[None]:
+        """While open, the compute copy holds the master (the newest weights: an evaluation); the compute
+        weights wait in host memory and come back. Call with no update in flight."""
+        if self.compute is None or self.compute.numel() == 0:
+            yield
+            return
+        aside = self.compute.to("cpu", copy=True)
+        self.to_compute()
+        try:
+            yield
+        finally:
+            self.compute.copy_(aside)
 
     def _fp32(self, g: torch.Tensor) -> torch.Tensor:
         if self._scratch is None or self._scratch.numel() < g.numel():

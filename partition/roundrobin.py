@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 from partition.costs import ModelProfile, StageCost, stage_cost
@@ -141,8 +142,6 @@ def search_cuts(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int
                 options: PipelineOptions, budget_gb: float, sharing: Sharing = "priority") -> RoundRobinChoice:
     """The candidate cuts (:func:`candidate_cuts`) that fit ``budget_gb`` per GPU, each simulated; the fastest
     predicted step wins (ties: fewer ops). Raises ``ValueError`` when none fits."""
-    import time
-
     t0 = time.perf_counter()
     best: tuple[float, int, Cuts, SimResult] | None = None
     rejected, tried = [], 0

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 
@@ -95,7 +95,8 @@ class StageStore:
                               "train.update=delayed holds the compute weights; a delayed run's plan must download "
                               "fp32 gradients (parallel.grad_download=fp32)")
         self.grad = host_zeros(t, torch.float32, pin, self) if on_host and not half_grads else None
-        self.optimizer = FlatAdamW(self.master, None if shared or delayed else self.half[:t], layout.runs, cfg)
+        self.optimizer = FlatAdamW(self.master, None if shared or delayed else self.half[:t], layout.runs, cfg,
+                                   compute=self.half[:t] if delayed else None)
         self.updated = threading.Event()  # set when `half` holds the weights the next upload must copy
         self.updated.set()
         # set when the last update has read its gradients (the next download may overwrite them): under
@@ -136,30 +137,16 @@ class StageStore:
         then AdamW makes the newest weights in the master alone."""
         if self.delayed:
             try:
-                self._master_to_compute()
+                self.optimizer.to_compute()
             finally:  # uploads go on after a failure too: the dispatch thread raises it
                 self.updated.set()
         if not skip:
             self.optimizer.step(self.grads_in if grad is None else grad, lr, grad_factor)
 
-    def _master_to_compute(self) -> None:
-        self.half[:self.layout.trainable_numel].copy_(self.master)
-
-    @contextlib.contextmanager
-    def newest(self) -> Iterator[None]:
-        """While open, the copy the GPU computes with holds the newest weights (an evaluation): under
-        delayed the master is put there and the compute weights are set aside (in host memory), then
-        put back; otherwise it holds them already. Call with no update in flight."""
-        t = self.layout.trainable_numel
-        if not self.delayed or t == 0:
-            yield
-            return
-        aside = self.half[:t].to("cpu", copy=True)
-        self._master_to_compute()
-        try:
-            yield
-        finally:
-            self.half[:t].copy_(aside)
+    def newest(self) -> contextlib.AbstractContextManager:
+        """While open, the copy the GPU computes with holds the newest weights (an evaluation; under delayed
+        :meth:`FlatAdamW.newest`, otherwise it holds them already). Call with no update in flight."""
+        return self.optimizer.newest()
 
     def compute_weights(self) -> dict[str, torch.Tensor]:
         """What trains as the next step computes it (the half copy), fp32 on the CPU by parameter name:

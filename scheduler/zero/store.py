@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
 
 import torch
 
@@ -39,9 +38,9 @@ class Shards:
     """This rank's shards of ``chunks``: fp32 master and gradient, one flat buffer each, and a
     :class:`~mobius.optim.FlatAdamW` over the chunks' decay runs (its moments beside the master).
 
-    ``compute`` (train.update=delayed): also a compute copy in that dtype, which gathers read and
-    :meth:`master_to_compute` refreshes before each AdamW (pinned on the host with ``pin_compute``);
-    ``half`` (sync) is a copy the AdamW itself rewrites."""
+    ``compute`` (train.update=delayed): also a compute copy in that dtype, which gathers read and the
+    AdamW's :meth:`~mobius.optim.FlatAdamW.to_compute` refreshes before each update (pinned on the host
+    with ``pin_compute``); ``half`` (sync) is a copy the AdamW itself rewrites."""
 
     def __init__(self, layout: ChunkLayout, chunks: list[int], rank: int, device: torch.device, cfg: TrainSection,
                  half: torch.Tensor | None = None, pin_master: bool = False, pin_grad: bool = False,
@@ -53,9 +52,8 @@ class Shards:
         self.grad = self._buffer(len(chunks) * s, device, pin_grad)  # [chunks * s]
         self.compute = None if compute is None else self._buffer(len(chunks) * s, device, pin_compute,
                                                                  compute)  # [chunks * s]
-        assert half is None or compute is None, "the AdamW writes no copy under train.update=delayed"
         runs = [(self.base[c] + lo, self.base[c] + hi, d) for c in chunks for lo, hi, d in layout.shard_runs(c, rank)]
-        self.optimizer = FlatAdamW(self.master, half, runs, cfg)
+        self.optimizer = FlatAdamW(self.master, half, runs, cfg, compute=self.compute)
 
     def _buffer(self, numel: int, device: torch.device, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Zeros on ``device``; in host memory page-locked at the exact size when ``pin``."""
@@ -80,22 +78,12 @@ class Shards:
     def master_to_compute(self) -> None:
         """The first part of a delayed update (and of loading weights): the compute copy takes the
         master (w_{t-1}, what the next step computes with); no compute copy: nothing."""
-        if self.compute is not None and self.chunks:
-            self.compute.copy_(self.master)
+        self.optimizer.to_compute()
 
-    @contextlib.contextmanager
-    def newest(self) -> Iterator[None]:
-        """While open, the compute copy holds the master (the newest weights: an evaluation); the
-        compute weights are set aside in host memory and put back. Call with no update in flight."""
-        if self.compute is None or not self.chunks:
-            yield
-            return
-        aside = self.compute.to("cpu", copy=True)
-        self.master_to_compute()
-        try:
-            yield
-        finally:
-            self.compute.copy_(aside)
+    def newest(self) -> contextlib.AbstractContextManager:
+        """While open, the compute copy holds the master (the newest weights: an evaluation;
+        :meth:`~mobius.optim.FlatAdamW.newest`). Call with no update in flight."""
+        return self.optimizer.newest()
 
     def step(self, lr: float, factor: float) -> None:
         """AdamW with gradient x ``factor`` (clipping, loss-scale removal), folded into the kernel."""
