@@ -67,8 +67,8 @@ class PipelineEngine:
         if half_grads and self.dtype != torch.bfloat16:
             raise MobiusError(f"the plan downloads half-precision gradients, which needs bf16 training, not "
                               f"{cfg.train.precision}; plan again for this configuration")
-        self.delayed = cfg.train.update == "delayed"
-        if plan.options.delayed != self.delayed:
+        self.delayed = plan.options.delayed  # the plan carries the rule (one source); a stale plan is refused
+        if self.delayed != (cfg.train.update == "delayed"):
             raise MobiusError(f"the plan was made for train.update={'delayed' if plan.options.delayed else 'sync'}, "
                               f"but the run has train.update={cfg.train.update}; plan again for this configuration")
         swapped = [j for j in mine if j not in plan.options.resident]

@@ -89,8 +89,8 @@ class ZeroEngine:
     def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: ZeroPlan, settings: ParallelSettings,
                  device: torch.device, weights_from: WeightSource | None = None):
         self.cfg, self.model_cfg, self.plan, self.device = cfg, model_cfg, plan, device
-        self.delayed = cfg.train.update == "delayed"
-        if plan.delayed != self.delayed:
+        self.delayed = plan.delayed  # the plan carries the rule (one source); a stale plan is refused
+        if self.delayed != (cfg.train.update == "delayed"):
             raise MobiusError(f"the zero plan was made for train.update={'delayed' if plan.delayed else 'sync'}, but "
                               f"the run has train.update={cfg.train.update}; plan again for this configuration")
         self.comm = ProcessGroup()
