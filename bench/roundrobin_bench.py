@@ -1,7 +1,7 @@
 """The round-robin schedule (RoundPipe's class) against the swapped pipeline, in simulation, on RoundPipe's
 own workloads: its RTX 4090 unit times, 8 x 24 GB GPUs in two root complexes of four, no P2P,
 micro-batches of 4 x 2048 tokens, 16 per step, bf16. Both mobius figures come from the plans `mobius plan
---partition.round_robin=true` makes; RoundPipe's are its artifact's (measured, and its simulator's).
+--parallel.schedule=auto` makes; RoundPipe's are its artifact's (measured, and its simulator's).
 
 Also the round-robin steady state with two of mobius's costs removed, to show where the difference from
 RoundPipe's simulator goes: the fp32 gradient sums per micro-batch (``acc_s``), and the host links.
@@ -48,7 +48,7 @@ def _plan(model: str, clip: float, profile_file: Path):
 
     overrides = [f"--model.preset={model}", "--parallel.devices=8", "--train.micro_batch_size=4",
                  "--train.micro_batches=16", f"--partition.profile_file={profile_file}", "--partition.gpu=rtx4090",
-                 "--partition.round_robin=true", f"--train.grad_clip={clip}"]
+                 "--parallel.schedule=auto", f"--train.grad_clip={clip}"]
     cfg = load_config(str(ROOT / "configs/finetune-llama-3.1-8b.yaml"), overrides)
     machine = Machine.saved(topology.load_topology(str(TOPOLOGY)))
     settings = resolve(cfg, machine, "pipeline", "")

@@ -156,6 +156,11 @@ class ParallelSection(_Section):
                                                       "is short), on, off.")
     trace_step: int = _f(0, "Write a Chrome trace (Perfetto) of this training step to output.dir (0: none); "
                          "same tracks as the simulator's trace from 'mobius plan --trace'.", ge=0)
+    schedule: Literal["swapped", "round_robin", "auto"] = _f(
+        "swapped", "The pipeline's schedule: swapped (Mobius: stages bound to GPUs, swapped in and out), round_robin "
+        "(RoundPipe's class: every op goes to the next GPU in rotation, separate forward and backward cuts, the "
+        "workers share the weights in host memory; one machine, at least 2 workers), or auto (plans both and runs the "
+        "faster predicted one). round_robin and auto print both predictions in mobius plan.")
     stages: int = _f(0, "Pipeline stages; 0 lets the partitioner choose. A number splits the units evenly "
                      "(for experiments).", ge=0)
     resident_stages: list[int] | None = _f(None, "Pipeline stages kept on their GPU for good (weights, fp32 master "
@@ -197,10 +202,6 @@ class PartitionSection(_Section):
                                "datasheet of a server planned from elsewhere (a saved topology that does not name its "
                                "GPUs, --gpus N), or of any machine with partition.profile=estimated.")
     gpu_memory_gib: float | None = _f(None, "Usable GPU memory per device; null: the device's own.", gt=0)
-    round_robin: bool = _f(False, "Also plan the round-robin schedule (RoundPipe's class: stages dispatched to the "
-                           "GPUs in rotation, separate forward and backward cuts) on the same GPUs and print its "
-                           "prediction, under both update rules, beside the swapped pipeline's. For comparison: "
-                           "mobius train runs the swapped pipeline (the round-robin runtime is not built yet).")
     host_memory_gib: float | None = _f(None, "Host memory the pipeline's host stores may take (weights, AdamW "
                                        "states, transfer buffers), in GiB; a plan that needs more stops with the "
                                        "two figures. null: 85% of this machine's available memory when planning on "

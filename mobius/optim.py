@@ -153,13 +153,14 @@ class FlatAdamW:
     """
 
     def __init__(self, master: torch.Tensor, half: torch.Tensor | None, runs: list[Run], cfg: TrainSection,
-                 block: int = UPDATE_BLOCK, compute: torch.Tensor | None = None):
+                 block: int = UPDATE_BLOCK, compute: torch.Tensor | None = None,
+                 moments: tuple[torch.Tensor, torch.Tensor] | None = None):
         assert half is None or compute is None, "a delayed update's AdamW writes no copy"
         self.master, self.half, self.cfg, self.compute = master, half, cfg, compute
         n = master.numel()
         self.block = block if master.device.type == "cpu" else max(n, 1)  # one kernel call per group on a GPU
-        self.m = torch.zeros_like(master)
-        self.v = torch.zeros_like(master)
+        # (exp_avg, exp_avg_sq): zeros of its own, or buffers the caller owns (memory shared between processes)
+        self.m, self.v = moments if moments is not None else (torch.zeros_like(master), torch.zeros_like(master))
         self.steps = 0  # updates applied so far (AdamW's bias correction)
         self._blocks = [(a, min(n, a + self.block), _pieces(runs, a, min(n, a + self.block)))
                         for a in range(0, n, self.block)]
@@ -214,6 +215,11 @@ class FlatAdamW:
         """Set the moments of ``[offset, offset + len(m))`` and the number of updates applied."""
         self.m[offset:offset + m.numel()].copy_(m)
         self.v[offset:offset + v.numel()].copy_(v)
+        self.set_steps(steps)
+
+    def set_steps(self, steps: int) -> None:
+        """Set the number of updates applied (AdamW's bias correction): where several processes take turns
+        updating the same buffers, each sets it before its step."""
         self.steps = steps
         for counts in self._counts:
             for c in counts:

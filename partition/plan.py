@@ -140,15 +140,18 @@ class Plan:
         family's, when it was planned beside)."""
         tokens = self.micro_batches * self.micro_batch_size * self.seq_len
         rule = "delayed" if self.options.delayed else "sync"
-        line = (f"schedule: swapped pipeline ({self.num_stages} stages on {len(self.worker_gpus)} GPUs), update "
-                f"{rule}: {self.predicted_step_s:.3f} s per step predicted, {tokens / self.predicted_step_s:,.0f} "
-                f"tokens/s")
+        swapped = (f"swapped pipeline ({self.num_stages} stages on {len(self.worker_gpus)} GPUs), update {rule}: "
+                   f"{self.predicted_step_s:.3f} s per step predicted, {tokens / self.predicted_step_s:,.0f} tokens/s")
         rr = self.round_robin
-        if rr and "error" not in rr:
-            other = "delayed" if rr["update"] == "sync" else "sync"
-            line += (f"; round-robin (not run yet): {rr['tokens_per_s']:,.0f} tokens/s {rr['update']}, "
-                     f"{rr[f'{other}_tokens_per_s']:,.0f} {other}")
-        return line
+        if not rr or "error" in rr:
+            return f"schedule: {swapped}"
+        other = "delayed" if rr["update"] == "sync" else "sync"
+        robin = (f"round-robin ({len(rr['forward']) - 1} forward + 1 fused + {len(rr['backward']) - 1} backward ops "
+                 f"per round on {len(self.worker_gpus)} GPUs), update {rule}: {rr['step_s']:.3f} s per step "
+                 f"predicted, {rr['tokens_per_s']:,.0f} tokens/s ({rr[f'{other}_tokens_per_s']:,.0f} {other})")
+        if rr.get("runs"):
+            return f"schedule: {robin}; not run: the {swapped}"
+        return f"schedule: {swapped}; not run: the {robin}"
 
     def summary(self) -> str:
         """A human-readable report: stages table, settings, predicted time, memory, traffic, baselines."""
@@ -314,7 +317,7 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     plan.model_step_s = ctx.evaluator(best.model_hw, options).step_time(bounds)
     plan.mip["contention_plans"] = tried
     plan.mip["alternatives"] = best.alternatives
-    if request.round_robin and len(plan.worker_gpus) > 1:
+    if request.schedule != "swapped":
         plan.round_robin = _round_robin(ctx, plan)
     if best.model_hw is not hardware:
         plan.mip["simulated_rates_GBps"] = {"h2d": [r / GB for r in best.model_hw.h2d_Bps],
@@ -323,14 +326,20 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
 
 
 def _round_robin(ctx: PlanContext, plan: Plan) -> dict:
-    """The round-robin family planned on the same GPUs under the same update rule and gradient dtype, or why
-    it cannot be ({"error": ...})."""
+    """The round-robin family planned on the same GPUs under the same update rule and gradient dtype, and whether
+    it runs (``schedule`` round_robin, or auto and faster predicted); or why it cannot be ({"error": ...}: an
+    error when the run asks for it)."""
     try:
+        if len(plan.worker_gpus) < 2:
+            raise ValueError(f"it needs at least 2 workers, the run has {len(plan.worker_gpus)}")
         rr = plan_round_robin(ctx.prof, ctx.hw, plan.worker_gpus, ctx.req.micro_batches, plan.options,
                               ctx.hw.gpu_memory_bytes, ctx.req.sharing)
     except ValueError as e:
+        if ctx.req.schedule == "round_robin":
+            raise MobiusError(f"parallel.schedule=round_robin: {e}") from e
         return {"error": str(e)}
-    return {**rr.to_json(), "summary": rr.lines(plan.predicted_step_s)}
+    runs = ctx.req.schedule == "round_robin" or rr.step_s < plan.predicted_step_s
+    return {**rr.to_json(), "runs": runs, "summary": rr.lines(plan.predicted_step_s, runs)}
 
 
 @dataclass

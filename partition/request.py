@@ -17,7 +17,7 @@ CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
 
 _CHOICES = {"solver": get_args(SolverName), "bandwidth_view": get_args(BandwidthView), "sharing": get_args(Sharing),
             "offload_inputs": ("auto", "on", "off"), "grad_download": ("auto", "fp32", "half"),
-            "update": ("sync", "delayed")}
+            "update": ("sync", "delayed"), "schedule": ("swapped", "round_robin", "auto")}
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ class PlanRequest:
     needs it or the simulator finds it clearly faster). ``contention_rounds``: how often to re-plan
     at the simulated transfer rates when contention the MIP does not see slows the simulated step
     (0: never). ``update``: "sync", or "delayed" (a step computes with the weights one update older and
-    does not wait for its CPU updates). ``round_robin``: also plan the round-robin family
-    (:mod:`partition.roundrobin`) on the same GPUs, for comparison. Sequences are stored as tuples and
+    does not wait for its CPU updates). ``schedule``: "swapped" (the swapped pipeline alone),
+    "round_robin" (also plan the round-robin family, :mod:`partition.roundrobin`, on the same GPUs, and run it)
+    or "auto" (plan both, run the faster predicted one). Sequences are stored as tuples and
     frozensets."""
 
     micro_batches: int
@@ -59,7 +60,7 @@ class PlanRequest:
     grad_download: str = "auto"
     contention_rounds: int = CONTENTION_ROUNDS
     update: str = "sync"
-    round_robin: bool = False
+    schedule: str = "swapped"
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():

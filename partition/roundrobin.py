@@ -77,6 +77,17 @@ def simulate_round_robin(profile: ModelProfile, cuts: Cuts, hardware: Hardware, 
     return res
 
 
+def round_robin_host_bytes(profile: ModelProfile, cuts: Cuts, micro_batches: int, delayed: bool) -> int:
+    """Host memory the round-robin runtime's shared stores take: per trainable parameter the fp32 master and
+    AdamW moments (12) and one fp32 gradient sum per compute copy (4 each); every parameter once per compute
+    copy in the training dtype (delayed: two copies of both, alternating by step); and the stash of every
+    micro-batch's input of each unit where a backward op starts."""
+    copies = 2 if delayed else 1
+    trainable = sum(u.trainable_count for u in profile.units)
+    kept = sum(profile.units[c].in_bytes for c in cuts.backward[1:-1]) * micro_batches
+    return trainable * (12 + 4 * copies) + profile.param_bytes() * copies + kept
+
+
 def minimax_cuts(times: list[float], parts: int) -> tuple[int, ...]:
     """Boundaries ``[0, .., len(times)]`` cutting ``times`` into ``parts`` contiguous non-empty parts whose
     largest sum is the smallest possible (exact: dynamic programming over prefix sums)."""
@@ -175,6 +186,7 @@ class RoundRobinPlan:
     first_step_s: float  # the first step from empty GPUs (the period before the steady state)
     tokens_per_step: int
     peak_bytes: int
+    host_bytes: int  # the shared host stores (round_robin_host_bytes)
     traffic_bytes: float
     tried: int
     search_s: float
@@ -186,35 +198,43 @@ class RoundRobinPlan:
         other = "delayed" if self.update == "sync" else "sync"
         return {**self.cuts.to_json(), "update": self.update, "step_s": self.step_s, f"{other}_step_s":
                 self.other_step_s, "first_step_s": self.first_step_s, "tokens_per_s": self.tokens_per_s(),
+                "host_bytes": self.host_bytes,
                 f"{other}_tokens_per_s": self.tokens_per_s(self.other_step_s), "peak_bytes": self.peak_bytes,
-                "traffic_bytes": self.traffic_bytes, "cuts_simulated": self.tried, "search_s": self.search_s,
-                "runs": False}
+                "traffic_bytes": self.traffic_bytes, "cuts_simulated": self.tried, "search_s": self.search_s}
 
-    def lines(self, swapped_step_s: float) -> list[str]:
-        """What ``mobius plan`` prints of it, beside the swapped pipeline's ``swapped_step_s``."""
+    def lines(self, swapped_step_s: float, runs: bool) -> list[str]:
+        """What ``mobius plan`` prints of it, beside the swapped pipeline's ``swapped_step_s`` (``runs``: mobius
+        train runs it)."""
         c, other = self.cuts, "delayed" if self.update == "sync" else "sync"
         faster = swapped_step_s / self.step_s
-        return [f"round-robin schedule (RoundPipe's class; not run by mobius train yet): {c.num_forward} forward + 1 "
+        what = "runs" if runs else "not run: the swapped pipeline is faster predicted"
+        return [f"round-robin schedule (RoundPipe's class; {what}): {c.num_forward} forward + 1 "
                 f"fused + {c.num_backward} backward stages per round, forward cuts {list(c.forward)}, fused units "
                 f"[{c.fused_from}, {c.num_units}), backward cuts {list(c.backward)}",
                 f"  predicted {self.step_s:.3f} s per step = {self.tokens_per_s():,.0f} tokens/s with update "
                 f"{self.update} ({faster:.2f}x the swapped pipeline's {swapped_step_s:.3f} s), "
                 f"{self.other_step_s:.3f} s = {self.tokens_per_s(self.other_step_s):,.0f} tokens/s with {other}; "
                 f"first step from empty GPUs {self.first_step_s:.3f} s; peak {self.peak_bytes / 2**30:.1f} GiB per "
-                f"GPU, {self.traffic_bytes / 1e9:.1f} GB moved per step; {self.tried} cuts simulated in "
+                f"GPU, {self.host_bytes / 2**30:.1f} GiB of host memory (shared by the workers), "
+                f"{self.traffic_bytes / 1e9:.1f} GB moved per step; {self.tried} cuts simulated in "
                 f"{self.search_s:.1f} s"]
 
 
 def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int], micro_batches: int,
                      options: PipelineOptions, budget_bytes: float, sharing: Sharing = "priority") -> RoundRobinPlan:
     """Search the cuts for the run's update rule (``options.delayed``) and simulate them under both rules. Of the
-    swapped pipeline's ``options`` the barrier, the gradient dtype and the rule apply (two device slots)."""
-    options = PipelineOptions(barrier=options.barrier, grad_dtype=options.grad_dtype, delayed=options.delayed)
+    swapped pipeline's ``options`` the barrier and the rule apply (two device slots; the gradient sums come down in
+    fp32, as the runtime adds them up in host memory)."""
+    options = PipelineOptions(barrier=options.barrier, delayed=options.delayed)  # fp32 sums, as the runtime keeps
     choice = search_cuts(profile, hardware, worker_gpus, micro_batches, options, budget_bytes / GB, sharing)
+    host = round_robin_host_bytes(profile, choice.cuts, micro_batches, options.delayed)
+    if hardware.host_memory_bytes and host > hardware.host_memory_bytes:
+        raise ValueError(f"its shared host stores need {host / 2**30:.1f} GiB of host memory, "
+                         f"{hardware.host_memory_bytes / 2**30:.1f} GiB is available")
     flipped = dataclasses.replace(options, delayed=not options.delayed)
     other = simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, flipped, sharing,
                                  record=False)
     res = choice.result
     return RoundRobinPlan(choice.cuts, "delayed" if options.delayed else "sync", res.step_s, other.step_s,
                           res.step_ends[0], micro_batches * profile.micro_batch_size * profile.seq_len,
-                          max(res.peak_bytes), res.total_bytes(), choice.tried + 1, choice.search_s)
+                          max(res.peak_bytes), host, res.total_bytes(), choice.tried + 1, choice.search_s)

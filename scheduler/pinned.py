@@ -37,8 +37,8 @@ def host_zeros(numel: int, dtype: torch.dtype, pin: bool, owner: object | None =
     assert owner is not None, "a registered buffer is unregistered with its owner"
     if _state["register"]:
         t = _page_aligned_zeros(numel, dtype)
-        if _register(t):
-            done = weakref.finalize(owner, _unregister, t)  # holds t: the memory outlives its registration
+        if register(t):
+            done = weakref.finalize(owner, unregister, t)  # holds t: the memory outlives its registration
             done.atexit = False  # at exit the process's teardown unpins everything at once
             return t
     return _torch_pinned(torch.zeros(numel, dtype=dtype))
@@ -55,7 +55,8 @@ def _torch_pinned(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory()
 
 
-def _register(t: torch.Tensor) -> bool:
+def register(t: torch.Tensor) -> bool:
+    """Page-lock ``t``'s memory where it is (True), or say why not once and return False."""
     nbytes = t.numel() * t.element_size()
     try:
         err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _PORTABLE))
@@ -67,7 +68,7 @@ def _register(t: torch.Tensor) -> bool:
     return True
 
 
-def _unregister(t: torch.Tensor) -> None:
+def unregister(t: torch.Tensor) -> None:
     try:
         if int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
             _clear_cuda_error()

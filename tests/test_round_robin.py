@@ -133,16 +133,18 @@ def test_mobius_plan_prints_the_round_robin_prediction_under_both_update_rules(t
                                           "head": {"forward_ms": 3.0, "backward_ms": 6.0}}}))
     args = [sys.executable, "-m", "mobius", "plan", "configs/finetune-opt-1.3b.yaml", "--gpus", "4",
             "--partition.gpu=rtx4090", "--train.micro_batch_size=1", "--data.seq_len=512", "--train.micro_batches=8",
-            f"--partition.profile_file={prof}", "--partition.round_robin=true", "--partition.time_limit_s=1"]
+            f"--partition.profile_file={prof}", "--parallel.schedule=auto", "--partition.time_limit_s=1"]
     text = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     assert text.returncode == 0, text.stderr[-2000:]
-    first = text.stdout.splitlines()[0]  # the schedule, the update rule and the predictions come first
-    assert first.startswith("schedule: swapped pipeline") and "update sync" in first and "round-robin" in first
-    assert "round-robin schedule (RoundPipe's class; not run by mobius train yet)" in text.stdout
-    assert "tokens/s with update sync" in text.stdout and "tokens/s with delayed" in text.stdout
     out = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, cwd=ROOT).stdout)
     rr = out["round_robin"]
-    assert rr["runs"] is False and rr["update"] == "sync" and rr["delayed_step_s"] <= rr["step_s"] + 1e-9
+    assert rr["runs"] == (rr["step_s"] < out["predicted_step_s"])  # auto: the faster predicted one runs
+    first = text.stdout.splitlines()[0]  # the schedule that runs, the update rule and the predictions come first
+    runs, other = ("round-robin", "swapped pipeline") if rr["runs"] else ("swapped pipeline", "round-robin")
+    assert first.startswith(f"schedule: {runs}") and "update sync" in first and f"not run: the {other}" in first
+    assert "round-robin schedule (RoundPipe's class; " + ("runs)" if rr["runs"] else "not run") in text.stdout
+    assert "tokens/s with update sync" in text.stdout and "tokens/s with delayed" in text.stdout
+    assert rr["update"] == "sync" and rr["delayed_step_s"] <= rr["step_s"] + 1e-9
     assert rr["forward"][0] == 0 and rr["forward"][-1] == rr["backward"][-1] == rr["fused"][0]
 
 

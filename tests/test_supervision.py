@@ -27,9 +27,12 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run_file(tmp_path: Path, deep_checkpoint: Path, corpus: Path, cache: Path, mode: str = "pipeline") -> Path:
-    parallel = {"mode": mode, "devices": 1 if mode == "single" else 2, "device": "cpu"}
+    parallel = {"mode": "pipeline" if mode == "round_robin" else mode, "devices": 1 if mode == "single" else 2,
+                "device": "cpu"}
     if mode == "pipeline":
         parallel["stages"] = 4
+    if mode == "round_robin":  # the workers map one anonymous memory file: it goes with the last of them
+        parallel["schedule"] = "round_robin"
     cfg = {"model": {"checkpoint": str(deep_checkpoint)},
            "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(cache)},
            "train": {"max_steps": 100000, "micro_batch_size": 2, "micro_batches": 2, "eval_every": 0},
@@ -206,7 +209,7 @@ def test_ctrl_c_while_the_workers_start_is_one_line_and_a_plain_rerun_follows(tm
     RunDir.claim(tmp_path / "out", None, overwrite=False).release()
 
 
-@pytest.mark.parametrize("mode", ["single", "pipeline", "zero"])
+@pytest.mark.parametrize("mode", ["single", "pipeline", "zero", "round_robin"])
 def test_mobius_killed_with_9_leaves_no_process_and_no_shared_memory_file_5_s_later(
         tmp_path: Path, deep_checkpoint: Path, corpus: Path, cache: Path, mode: str) -> None:
     """kill -9 of ``mobius train`` while it trains (the OOM killer, a crash in native code): every

@@ -23,6 +23,9 @@ from mobius.models.hf import read_config
 from partition.hardware import Hardware
 from partition.plan import Plan
 from partition.estimate import estimate_units
+from partition.roundrobin import simulate_round_robin
+from partition.schedule import PipelineOptions
+from partition.schedule.roundrobin import Cuts
 from partition.simulate import simulate
 
 PLANS = {  # name -> (workers, stages, parallel settings); 12 units: embed, 10 blocks, head
@@ -88,6 +91,33 @@ def _with_buffer(monkeypatch: pytest.MonkeyPatch, share: float) -> None:
         plan.options = replace(plan.options, prefetch_bytes=int(share * largest))
         return plan, prof, hw
     monkeypatch.setitem(planning.PLANNERS, "pipeline", buffered)
+
+
+@pytest.mark.parametrize("workers,update", [(2, "sync"), (4, "delayed")])
+def test_round_robin_moves_the_bytes_simulated(tmp_path: Path, aligned_checkpoint: Path, corpus: Path, workers: int,
+                                                update: str) -> None:
+    """The round-robin runtime with the cuts its plan chose: per-round uploads of every op, the inputs of the
+    backward ops' first units to host memory and back, per-round gradient downloads, activations through host
+    memory, as the simulator counts them for the same cuts."""
+    raw = {"model": {"checkpoint": str(aligned_checkpoint)},
+           "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
+           "train": {"max_steps": 2, "micro_batch_size": 2, "micro_batches": 3, "eval_every": 0, "seed": 3,
+                     "update": update},
+           "parallel": {"mode": "pipeline", "device": "cpu", "devices": workers, "schedule": "round_robin"},
+           "partition": {"cache_dir": str(tmp_path / "cache")}, "output": {"dir": str(tmp_path / "run"), "plot": False}}
+    train(config_from_dict(raw, "test.yaml"))
+    plan = Plan.from_json(json.loads((tmp_path / "run" / "plan.json").read_text()))
+    rr = plan.round_robin
+    cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), rr["fused"][1])
+    measured = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rr["runs"] and measured["schedule"] == "round_robin" and measured["update"] == update
+    prof = estimate_units(unit_specs(read_config(aligned_checkpoint)), 2, 16, "fp32", "h100")
+    hw = Hardware.uniform(workers, 2**34, 1e9)
+    options = PipelineOptions(barrier=plan.options.barrier, delayed=plan.options.delayed)
+    sim = simulate_round_robin(prof, cuts, hw, plan.worker_gpus, 3, options)
+    assert sim.bytes_by_kind["ckpt"] > 0 and cuts.num_ops > workers, (cuts, sim.bytes_by_kind)  # inputs kept    assert measured["h2d_bytes"] == pytest.approx(sum(sim.h2d_bytes), rel=1e-9), sim.bytes_by_kind
+    assert measured["d2h_bytes"] == pytest.approx(sum(sim.d2h_bytes), rel=1e-9), sim.bytes_by_kind
+    assert measured["p2p_bytes"] == sum(sim.p2p_bytes) == 0
 
 
 @pytest.mark.parametrize("zero", [{"chunk_size": 20_000, "gpu_chunks": 3, "cache_blocks": 4},

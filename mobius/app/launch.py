@@ -33,6 +33,7 @@ from partition.cpu_rate import record_in_step_rate
 from partition.plan import Plan
 from partition.zero import ZeroPlan
 from scheduler.engine import PipelineEngine
+from scheduler.roundrobin import RoundRobinEngine
 from scheduler.zero import ZeroEngine
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,10 @@ def open_device(settings: ParallelSettings, local_rank: int) -> torch.device:
 def make_engine(cfg: Config, model_cfg: ModelConfig, plan: Plan | ZeroPlan, settings: ParallelSettings,
                 device: torch.device, weights_from: WeightSource) -> Engine:
     """This worker's engine for ``settings.mode`` (pipeline or zero)."""
-    engine = ZeroEngine if settings.mode == "zero" else PipelineEngine
+    if settings.mode == "zero":
+        engine = ZeroEngine
+    else:
+        engine = RoundRobinEngine if plan.round_robin.get("runs") else PipelineEngine
     return engine(cfg, model_cfg, plan, settings, device, weights_from)
 
 

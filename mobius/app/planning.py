@@ -223,7 +223,7 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
                           time_limit_s=p.time_limit_s, prefetch=par.prefetch, min_stages=settings.workers,
                           boundaries=forced, offload_inputs=par.offload_inputs, barrier=t.barrier,
                           resident=par.resident_stages, kept=par.kept_stages, grad_download=par.grad_download,
-                          update=t.update, round_robin=p.round_robin)
+                          update=t.update, schedule=par.schedule)
     return plan_model(prof, hw, request), prof, hw
 
 

@@ -1,0 +1,731 @@
+"""The round-robin runtime: RoundPipe's schedule class (:mod:`partition.schedule.roundrobin`) on stateless
+workers.
+
+No stage is bound to a worker: op ``k`` of round ``q`` runs on worker ``(first + q*K + k) mod N``, so every
+worker reads every unit's weights and adds into every unit's gradient sums. Those live once, in host memory
+all workers map (:class:`~scheduler.shared.UnitStores`), and shared counters order what crosses workers:
+
+* an ``UPLOAD`` copies the op's units (one slice) into a device slot once the updates they wait for have run
+  (sync: the previous step's; delayed: the one before, which wrote the compute copy this step reads);
+* a ``DOWNLOAD`` adds the round's gradient sums (fp32) into the host sum in round order (the first round of a
+  step writes it; the step before's update of those units, and of a tied weight's other end, must have read it);
+* an ``UPDATE`` runs the op's units' CPU AdamW on this worker's optimizer thread and counts the op's update;
+* a forward's ``OFFLOAD`` puts a micro-batch's input of a unit where a backward op starts into the shared
+  stash, and that backward op's ``RELOAD`` (on whichever worker it runs) takes it back; activations and their
+  gradients go to the next worker of the ring (gloo between CPU workers, through host memory between GPUs).
+
+A weight tied between the embedding and the head has an end in the fused op and one in the last backward op:
+each end's update waits for the other's gradients and takes their sum, and rank 0 counts its square once.
+Each step's lists are the schedule the planner simulated (``steps=1``, the rotation carried from step to step);
+a step's ``REDUCE`` sums the statistics over workers, so steps do not overlap on the dispatch threads (the CPU
+updates of a delayed step do run beside the next).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from mobius.assemble import WeightSource
+from mobius.checkpoint import ProcessGroup, RankState, ResumeState
+from mobius.config import Config
+from mobius.engine import DTYPES, Batch, StepStats, autocast
+from mobius.errors import CheckpointError, ConfigError, MobiusError
+from mobius.models import ModelConfig, dropout_active, hidden_size, tied_weights, unit_prefix
+from mobius.models.base import lm_loss, run_units
+from mobius.models.params import build_units
+from mobius.optim import UpdateRule
+from mobius.parallel import ParallelSettings
+from partition.plan import Plan
+from partition.schedule import Action, Kind, PipelineOptions
+from partition.schedule.roundrobin import Cuts, RoundRobinSchedule, build_round_robin
+from scheduler.counters import Counters
+from scheduler.executor import DeviceSlot
+from scheduler.links import DirectLink, LocalLink, StagedLink
+from scheduler.shared import Span, UnitStores, wait_for
+from scheduler.stages import bind
+from scheduler.updater import CpuUpdater, sum_over_ranks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Step:
+    """What lives for one step of the dispatch thread."""
+
+    sched: RoundRobinSchedule
+    index: int  # steps this engine has run before this one
+    step: int  # the run's step (dropout seeds)
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    loss_factor: float
+    lr: float
+    adam_step: int  # the AdamW step this step's update is (when not skipped)
+    kept: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (micro, unit) -> input, until OFFLOAD
+    reloaded: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (op, micro) -> input
+    graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # recomputed
+    outputs: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+    waiting: dict[tuple[str, int, int], object] = field(default_factory=dict)
+    uploads: list[Future] = field(default_factory=list)
+    d2h: list[Future] = field(default_factory=list)  # the download thread's jobs (offloads, gradient sums)
+    downloaded: dict[int, Future] = field(default_factory=dict)  # op -> its last download job
+    loss_sum: torch.Tensor | float = 0.0  # this worker's, on the device until REDUCE
+    losses: int = 0
+    loss: float = 0.0  # the step's mean over every worker's micro-batches (REDUCE)
+    sumsq: float = 0.0
+    wait_s: float = 0.0
+    dispatch_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    factor: float = 1.0
+    skipped: bool = False
+    norm: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class RoundRobinEngine:
+    """The round-robin schedule on this worker (rank) of the default process group: the ``Engine`` the
+    trainer drives (train step, evaluation, checkpoint state)."""
+
+    def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: Plan, settings: ParallelSettings,
+                 device: torch.device, weights_from: WeightSource | None = None, skip_updates: bool = False):
+        rr = plan.round_robin
+        self.cfg, self.model_cfg, self.device = cfg, model_cfg, device
+        self.comm = ProcessGroup()
+        self.rank, self.world = self.comm.rank, self.comm.world
+        self.is_main = self.rank == 0
+        if settings.nodes > 1:
+            raise ConfigError("the round-robin schedule runs on one machine (its workers share host memory); "
+                              f"this run spans {settings.nodes} nodes: use parallel.schedule=swapped")
+        if cfg.parallel.trace_step:
+            raise ConfigError("parallel.trace_step: the round-robin runtime writes no step trace yet; set it to 0 "
+                              "or use parallel.schedule=swapped")
+        self.cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), rr["fused"][1])
+        self.delayed = plan.options.delayed
+        if self.delayed != (cfg.train.update == "delayed"):
+            raise MobiusError(f"the plan was made for train.update={'delayed' if self.delayed else 'sync'}, but the "
+                              f"run has train.update={cfg.train.update}; plan again for this configuration")
+        self.dtype = DTYPES[cfg.train.precision]
+        self.options = PipelineOptions(barrier=plan.options.barrier, delayed=self.delayed)
+        M, (B, T, H) = cfg.train.micro_batches, (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg))
+        self.act_shape = (B, T, H)
+        self.kept_cuts = list(self.cuts.backward[1:-1])  # units whose inputs wait in the stash
+        self.stores = UnitStores(model_cfg, self.dtype, cfg.train, self.delayed, self.cuts.num_ops,
+                                 (M * len(self.kept_cuts), B * T * H), device.type == "cuda")
+        if self.stores.num_units != self.cuts.num_units:
+            raise MobiusError(f"the plan's round-robin cuts cover {self.cuts.num_units} units, the model has "
+                              f"{self.stores.num_units}; plan again for this model")
+        self._load_weights(weights_from or WeightSource(None, None, cfg.train.seed))
+        self.counters = Counters()
+        self.rule = UpdateRule(cfg.train)
+        self.skip_updates = skip_updates
+        self.tied = self._tied()
+        self.ex = _Dispatch(self, device)
+        self.scheds: dict[int, RoundRobinSchedule] = {}
+        self.steps_run = 0
+        self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
+        self.param_bytes = self.stores.off[-1] * self.dtype.itemsize
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _my_units(self) -> range:
+        return range(self.rank, self.stores.num_units, self.world)
+
+    def _load_weights(self, source: WeightSource) -> None:
+        """Each rank reads (or initialises) every ``world``-th unit straight into the shared buffers."""
+        U = self.stores.num_units
+        for u in self._my_units():
+            names = {n for p in self.stores.layouts[u].params for n in p.names}
+            missing = names - self.stores.load(u, source.load(self.model_cfg, {n for n in names
+                                                                               if n.startswith(unit_prefix(u, U))}, {u}))
+            if missing:
+                raise CheckpointError(f"{source.base}: no weights for {sorted(missing)[:3]}")
+        dist.barrier()
+
+    def _tied(self) -> dict[int, tuple[int, slice, slice]]:
+        """op -> (the other end's op, this end's slice and the other's in the fp32 buffers) for a tied weight
+        that trains; its two ends are in unit 0 (the last backward op) and the head (the fused op)."""
+        U, out = self.stores.num_units, {}
+        for embed, head in tied_weights(self.model_cfg):
+            first, last = self.stores.layouts[0], self.stores.layouts[U - 1]
+            if not first.trains(embed):
+                continue
+            a, b = first.place_of(embed), last.place_of(head)
+            sa, sb = self.stores.span(0, 1), self.stores.span(U - 1, U)
+            ea = slice(sa.glo + a.offset, sa.glo + a.offset + a.numel)
+            eb = slice(sb.glo + b.offset, sb.glo + b.offset + b.numel)
+            K, F = self.cuts.num_ops, self.cuts.num_forward
+            out = {K - 1: (F, ea, eb), F: (K - 1, eb, ea)}
+        return out
+
+    def schedule(self, index: int) -> RoundRobinSchedule:
+        """Step ``index``'s lists: the rotation goes on from the step before (its first op on the worker after
+        the one that ran the previous step's last)."""
+        rounds = -(-self.cfg.train.micro_batches // self.world)
+        first = index * rounds * self.cuts.num_ops % self.world
+        if first not in self.scheds:
+            self.scheds[first] = build_round_robin(self.cuts, self.world, self.cfg.train.micro_batches, 1, self.options,
+                                                   bool(self.tied), first)
+        return self.scheds[first]
+
+    # ---- the Engine interface -------------------------------------------------------------------
+    def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats:
+        M = len(batches)
+        st = _Step(self.schedule(self.steps_run), self.steps_run, step, [x for x, _ in batches],
+                   [y for _, y in batches], self.rule.loss_factor() / M, lr, self.rule.optimizer_step + 1)
+        self.ex.run(st)
+        self.steps_run += 1
+        s, n = st.stats, self.world
+        moved = s["h2d_bytes"] + s["d2h_bytes"] + s["p2p_bytes"]
+        extra = {"schedule": "round_robin", "h2d_bytes": int(s["h2d_bytes"]), "d2h_bytes": int(s["d2h_bytes"]),
+                 "p2p_bytes": int(s["p2p_bytes"]), "traffic_x_params": round(moved / self.param_bytes, 3),
+                 "upload_wait_s": round(s["upload_wait_s"] / n, 4), "cpu_adam_s": round(s["cpu_adam_s"] / n, 4),
+                 "forward_s": round(s["forward_s"] / n, 4), "backward_s": round(s["backward_s"] / n, 4),
+                 "dispatch_s": round(s["dispatch_s"] / n, 4)}
+        return StepStats(st.loss, st.norm, st.skipped, self.rule.loss_scale, extra)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> float:
+        """The held-out loss with the newest weights (the masters): each worker runs every ``world``-th
+        micro-batch through the forward ops and the fused op's forward."""
+        self.updates_done()
+        return self.ex.evaluate(batches)
+
+    def updates_done(self) -> None:
+        """Wait until every worker's updates of the steps run so far have ended."""
+        self.ex.sync()
+        want = self.steps_run
+        for k in range(self.cuts.num_forward, self.cuts.num_ops):
+            wait_for(lambda k=k: int(self.stores.version[k]) >= want, f"the update of op {k} (step {want})")
+
+    def rank_state(self, with_moments: bool) -> RankState:
+        """Every ``world``-th unit from this rank: fp32 weights (the newest), and ``with_moments`` the AdamW
+        moments and under delayed the compute weights the next step reads, by parameter name."""
+        self.updates_done()
+        weights: dict[str, torch.Tensor] = {}
+        moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        compute: dict[str, torch.Tensor] | None = {} if with_moments and self.delayed else None
+        m, v = self.stores.host["m"], self.stores.host["v"]
+        for u in self._my_units():
+            weights.update(self.stores.weights(u))
+            if with_moments and self.rule.optimizer_step > 0:
+                moments.update({name: (m[s].clone().view(shape), v[s].clone().view(shape))
+                                for name, s, shape in self.stores.trained(u)})
+            if compute is not None:
+                compute.update(self.stores.compute_weights(u, self.steps_run))
+        return RankState(weights, moments, *self.rule.state(), compute=compute)
+
+    def load_state(self, resume: ResumeState) -> None:
+        """Moments of this rank's units by name, the loss scale, and under delayed the compute weights of the
+        checkpoint's update in flight (a sync checkpoint has none: the first step computes with its newest)."""
+        self.rule.load(resume.optimizer_step, resume.scaler)
+        m, v = self.stores.host["m"], self.stores.host["v"]
+        for u in self._my_units():
+            trained = self.stores.trained(u)
+            got = resume.moments([name for name, _, _ in trained], self.model_cfg)
+            for name, s, _ in trained:
+                if got:
+                    m[s].copy_(got[name][0].reshape(-1))
+                    v[s].copy_(got[name][1].reshape(-1))
+            if self.delayed:
+                compute = resume.compute_weights([name for name, _, _ in trained], self.model_cfg)
+                if compute is not None and trained:
+                    self.stores.load_compute(u, self.steps_run, compute)
+        dist.barrier()
+
+    def sync(self) -> None:
+        self.updates_done()
+
+    def close(self) -> None:
+        self.ex.sync()
+        self.ex.close()
+
+
+class _Dispatch:
+    """One worker's dispatch: runs its action lists over the shared stores, with an upload thread (the
+    copy stream on a GPU) and the CPU optimizer thread."""
+
+    def __init__(self, engine: RoundRobinEngine, device: torch.device):
+        self.e, self.device = engine, device
+        self.stores, self.cuts, self.counters = engine.stores, engine.cuts, engine.counters
+        self.cuda = device.type == "cuda"
+        U, K = self.stores.num_units, self.cuts.num_ops
+        self.units = build_units(engine.model_cfg, 0, U)
+        self.spans = [self.stores.span(*self.cuts.units(k)) for k in range(K)]
+        numel, grad_numel = max(s.numel for s in self.spans), max(s.trainable for s in self.spans)
+        acc = engine.dtype != torch.float32
+        self.slots = [DeviceSlot(numel, grad_numel, engine.dtype, device, acc) for _ in range(2)]
+        self.slot_of: dict[tuple[int, int], DeviceSlot] = {}
+        self.bound: tuple[int, int, str] | None = None  # (slot id, op, mode) the unit modules point at
+        self.links = self._links()
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
+        self.downloader = ThreadPoolExecutor(1, thread_name_prefix="download")
+        self.freed = threading.Condition()  # a slot's last reader (its gradients' download) has ended
+        self.updater = CpuUpdater()
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+        self.failure: BaseException | None = None
+        self._staging: torch.Tensor | None = None  # pinned fp32: a later round's gradients on their way to the sum
+        self.handlers = {Kind.UPLOAD: self._upload, Kind.FREE: self._free, Kind.FORWARD: self._forward,
+                         Kind.FB: self._fb, Kind.RECOMPUTE: self._recompute, Kind.BACKWARD: self._backward,
+                         Kind.RECV_ACT: self._recv, Kind.RECV_GRAD: self._recv, Kind.SEND_ACT: self._send,
+                         Kind.SEND_GRAD: self._send, Kind.OFFLOAD: self._offload, Kind.RELOAD: self._reload,
+                         Kind.DOWNLOAD: self._download, Kind.UPDATE: self._update, Kind.REDUCE: self._reduce}
+
+    def _links(self) -> dict:
+        e, out = self.e, {}
+        for p in sorted({(e.rank - 1) % e.world, (e.rank + 1) % e.world}):
+            if p == e.rank:
+                out[p] = LocalLink()
+            elif not self.cuda:
+                out[p] = DirectLink(p, self.counters)
+            else:
+                out[p] = StagedLink(p, self.device, self.counters)
+        return out
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self, st: _Step) -> None:
+        self.st = st
+        for unit in self.units:
+            unit.train(True)
+        for a in st.sched.actions[self.e.rank]:
+            t0 = time.perf_counter()
+            self.handlers[a.kind](a)
+            dt = time.perf_counter() - t0
+            if a.kind in (Kind.FORWARD,):
+                st.forward_s += dt
+            elif a.kind in (Kind.FB, Kind.RECOMPUTE, Kind.BACKWARD):
+                st.backward_s += dt
+            elif a.kind != Kind.REDUCE:
+                st.dispatch_s += dt
+
+    def sync(self) -> None:
+        self.updater.sync()
+        self.check()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"a copy failed: {type(self.failure).__name__}: {self.failure}") from self.failure
+        self.updater.check()
+
+    def close(self) -> None:
+        self.copier.shutdown(wait=True)
+        self.downloader.shutdown(wait=True)
+        self.updater.close()
+
+    # ---- weights in ---------------------------------------------------------------------------
+    def _ready_version(self, index: int | None = None) -> int:
+        """The updates of an op that its uploads of step ``index`` (default: this one) wait for."""
+        return (self.st.index if index is None else index) - (1 if self.e.delayed else 0)
+
+    def _upload(self, a: Action) -> None:
+        with self.freed:
+            t0 = time.perf_counter()
+            self.freed.wait_for(lambda: any(s.stage is None for s in self.slots) or self.failure is not None)
+            self.st.wait_s += time.perf_counter() - t0
+            self.check()
+            slot = next(s for s in self.slots if s.stage is None)
+            slot.stage, slot.grads_live = (a.stage, a.round), False
+        slot.ready.clear()
+        self.slot_of[(a.stage, a.round)] = slot
+        self.st.uploads.append(self.copier.submit(self._copy_job, a.stage, slot, self._ready_version(),
+                                                  self.st.index))
+
+    def _copy_job(self, k: int, slot: DeviceSlot, version: int, index: int) -> None:
+        """(The upload thread) op k's units from the compute copy of step ``index`` into ``slot``, once the
+        updates its owners had to run have."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        try:
+            for o in self.st.sched.update_deps(k):
+                self.st.wait_s += wait_for(lambda o=o: int(self.stores.version[o]) >= version,
+                                           f"the update of op {o} (step {version})")
+            s = self.spans[k]
+            self._to_slot(slot, self.stores.half(index)[s.lo:s.hi])
+        except BaseException as e:  # raised by check() on the dispatch thread
+            self.failure = self.failure or e
+        finally:
+            slot.ready.set()
+
+    def _to_slot(self, slot: DeviceSlot, src: torch.Tensor) -> None:
+        n = src.numel()
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                if slot.released is not None:
+                    self.copy_stream.wait_event(slot.released)
+                slot.params[:n].copy_(src, non_blocking=True)
+                slot.ready_event = torch.cuda.Event()
+                slot.ready_event.record(self.copy_stream)
+        else:
+            slot.params[:n].copy_(src)
+        self.counters.add(h2d=n * src.element_size())
+
+    def _free(self, a: Action) -> None:
+        """The op's slot may take the next upload; an op with gradients keeps it until its DOWNLOAD has read
+        them."""
+        if self.cuts.kind(a.stage) == Kind.FORWARD:
+            self._release(a.stage, a.round)
+
+    def _release(self, k: int, round: int, compute: bool = True) -> None:
+        """Op k's slot is free: once the compute stream's work so far has ended (``compute``), or now (its
+        gradients' download, which has read them)."""
+        slot = self.slot_of.pop((k, round))
+        slot.released = None
+        if self.cuda and compute:
+            slot.released = torch.cuda.Event()
+            slot.released.record(torch.cuda.current_stream(self.device))
+        with self.freed:
+            slot.stage = None
+            self.freed.notify_all()
+
+    def _on_device(self, k: int, round: int, grads: bool) -> DeviceSlot:
+        """Wait for op k's upload and point the unit modules of its units at the slot."""
+        slot = self.slot_of[(k, round)]
+        if not slot.ready.is_set():
+            t0 = time.perf_counter()
+            slot.ready.wait()
+            self.st.wait_s += time.perf_counter() - t0
+        self.check()
+        if self.cuda and slot.ready_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
+            slot.ready_event = None
+        s = self.spans[k]
+        if grads and not slot.grads_live:
+            slot.grads[:s.trainable].zero_()
+            if slot.acc is not None:
+                slot.acc[:s.trainable].zero_()
+            slot.grads_live = True
+        key = (self.slots.index(slot), k, "grads" if grads else "infer")
+        if self.bound != key:
+            self._bind(slot, s, grads)
+            self.bound = key
+        return slot
+
+    def _bind(self, slot: DeviceSlot, s: Span, grads: bool) -> None:
+        U = self.stores.num_units
+        for u in range(s.first, s.end):
+            us = self.stores.span(u, u + 1)
+            lo, glo = us.lo - s.lo, us.glo - s.glo
+            bind(self.units[u:u + 1], self.stores.layouts[u], U, slot.params[lo:lo + us.numel],
+                 slot.grads[glo:glo + us.trainable] if grads else None)
+
+    # ---- compute --------------------------------------------------------------------------------
+    def _run(self, first: int, end: int, x: torch.Tensor, m: int) -> torch.Tensor:
+        st = self.st
+        seed = (self.e.dropout_seed, st.step, m) if self.e.dropout_seed is not None else None
+        return run_units(list(self.units[first:end]), x, first, dropout_seed=seed)
+
+    def _round(self, m: int) -> int:
+        return self.st.sched.round_of(m)
+
+    def _input(self, k: int, m: int) -> torch.Tensor:
+        if k == 0:
+            return self.st.inputs[m].to(self.device)
+        return self.st.waiting.pop(("a", k, m))()
+
+    def _forward(self, a: Action) -> None:
+        """A forward op over one micro-batch (no autograd); the inputs of units where backward ops start are
+        kept for their OFFLOAD."""
+        k, m, st = a.stage, a.micro, self.st
+        self._on_device(k, self._round(m), grads=False)
+        first, end = self.cuts.units(k)
+        x = self._input(k, m)
+        keep = [c for c in self.e.kept_cuts if first < c <= end]
+        with torch.no_grad(), autocast(self.device, self.e.cfg.train.precision):
+            lo = first
+            for u in [c for c in keep if c < end] + [end]:  # [B, T, H] at each cut
+                x = self._run(lo, u, x, m).to(self.e.dtype)
+                lo = u
+                if u in keep:
+                    st.kept[(m, u)] = x
+        st.outputs[("a", k, m)] = x
+
+    def _entry(self, m: int, unit: int) -> int:
+        """Micro-batch ``m``'s input of ``unit``: its entry in the shared stash."""
+        return m * len(self.e.kept_cuts) + self.e.kept_cuts.index(unit)
+
+    def _stash(self, i: int) -> torch.Tensor:
+        n = self.e.act_shape[0] * self.e.act_shape[1] * self.e.act_shape[2]
+        return self.stores.stash[i * n:(i + 1) * n].view(self.e.act_shape)
+
+    def _offload(self, a: Action) -> None:
+        """A micro-batch's input of a unit where a backward op starts to the shared stash (the download thread)."""
+        x, i, index = self.st.kept.pop((a.micro, a.unit)), self._entry(a.micro, a.unit), self.st.index
+        ready = self._computed()
+
+        def job() -> None:
+            self._to_host(self._stash(i), x, ready)
+            self.stores.stashed[i] = index + 1
+
+        self.st.d2h.append(self._d2h_job(job))
+        self.counters.add(d2h=x.nbytes)
+
+    def _computed(self) -> torch.cuda.Event | None:
+        """An event at the compute stream's work so far (None on the CPU, where it has all run)."""
+        if not self.cuda:
+            return None
+        e = torch.cuda.Event()
+        e.record(torch.cuda.current_stream(self.device))
+        return e
+
+    def _d2h_job(self, job: Callable[[], None]) -> Future:
+        """Queue ``job`` on the download thread; a failure is kept for the dispatch thread (and wakes it)."""
+        def run() -> None:
+            try:
+                if self.cuda:
+                    torch.cuda.set_device(self.device)
+                job()
+            except BaseException as e:
+                with self.freed:
+                    self.failure = self.failure or e
+                    self.freed.notify_all()
+                raise
+        return self.downloader.submit(run)
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """(The download thread) ``src`` into host memory ``dst`` once ``ready``; returns when it is there."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ready)
+            dst.copy_(src, non_blocking=True)
+        self.d2h_stream.synchronize()
+
+    def _reload(self, a: Action) -> None:
+        """A backward op's input back from the stash, once the forward (on whichever worker) has put it there."""
+        i = self._entry(a.micro, a.unit)
+        self.st.wait_s += wait_for(lambda: int(self.stores.stashed[i]) > self.st.index,
+                                   f"micro-batch {a.micro}'s input of unit {a.unit}")
+        x = self._stash(i).to(self.device, copy=True)
+        self.st.reloaded[(a.stage, a.micro)] = x
+        self.counters.add(h2d=x.nbytes)
+
+    def _recompute(self, a: Action) -> None:
+        """A backward op's forward again, with autograd, from its kept input (the tokens for unit 0)."""
+        k, m = a.stage, a.micro
+        self._on_device(k, self._round(m), grads=True)
+        first, end = self.cuts.units(k)
+        x = self.st.reloaded.pop((k, m)) if first > 0 else self.st.inputs[m].to(self.device)
+        if x.is_floating_point():
+            x = x.detach().requires_grad_()
+        with autocast(self.device, self.e.cfg.train.precision):
+            self.st.graphs[(k, m)] = (x, self._run(first, end, x, m))
+
+    def _backward(self, a: Action) -> None:
+        k, m, st = a.stage, a.micro, self.st
+        slot = self._on_device(k, self._round(m), grads=True)
+        x, y = st.graphs.pop((k, m))
+        g = st.waiting.pop(("g", k, m))()
+        if y.requires_grad:  # frozen units over token ids (LoRA's embedding) have nothing to do
+            torch.autograd.backward(y, g.to(y.dtype))
+        self._accumulate(slot, k)
+        if self.cuts.units(k)[0] > 0:
+            st.outputs[("g", k, m)] = x.grad
+
+    def _fb(self, a: Action) -> None:
+        """The fused op: forward, loss and backward of one micro-batch (no recompute)."""
+        k, m, st = a.stage, a.micro, self.st
+        slot = self._on_device(k, self._round(m), grads=True)
+        first, end = self.cuts.units(k)
+        x = self._input(k, m).detach().requires_grad_()
+        with autocast(self.device, self.e.cfg.train.precision):
+            loss = lm_loss(self._run(first, end, x, m), st.targets[m].to(self.device))
+        (loss * st.loss_factor).backward()
+        st.loss_sum = st.loss_sum + loss.detach().float()
+        st.losses += 1
+        self._accumulate(slot, k)
+        st.outputs[("g", k, m)] = x.grad
+
+    def _accumulate(self, slot: DeviceSlot, k: int) -> None:
+        if slot.acc is not None:
+            t = self.spans[k].trainable
+            slot.acc[:t].add_(slot.grads[:t])
+            slot.grads[:t].zero_()
+
+    # ---- activations ----------------------------------------------------------------------------
+    def _tag(self, kind: str, sender: int, m: int) -> int:
+        return ((0 if kind == "a" else 1) * self.cuts.num_ops + sender) * self.st.sched.micro_batches + m
+
+    def _recv(self, a: Action) -> None:
+        kind = "a" if a.kind == Kind.RECV_ACT else "g"
+        self.st.waiting[(kind, a.stage, a.micro)] = self.links[a.peer].recv(self.e.act_shape, self.e.dtype,
+                                                                            self._tag(kind, a.stage - 1, a.micro))
+
+    def _send(self, a: Action) -> None:
+        kind = "a" if a.kind == Kind.SEND_ACT else "g"
+        t = self.st.outputs.pop((kind, a.stage, a.micro))
+        self.links[a.peer].send(t.to(self.e.dtype), self._tag(kind, a.stage, a.micro))
+
+    # ---- gradients and updates ------------------------------------------------------------------
+    def _download(self, a: Action) -> None:
+        """Round ``a.round``'s gradient sums of op k into the host sum (the download thread), after the rounds
+        before; the first round of a step writes it once the last update to read it (the step before's, or the
+        one before that under delayed; a tied weight's other end too) has."""
+        k, q, st = a.stage, a.round, self.st
+        s, slot, R, index = self.spans[k], self.slot_of[(k, a.round)], st.sched.rounds, st.index
+        readers = (k, *(self.e.tied[k][:1] if k in self.e.tied else ())) if q == 0 else ()
+        src, ready = (slot.acc if slot.acc is not None else slot.grads)[:s.trainable], self._computed()
+        done = index * R + q  # rounds of op k summed before this one
+
+        def job() -> None:
+            wait_for(lambda: int(self.stores.summed[k]) >= done, f"round {q - 1} of op {k}'s gradients")
+            for o in readers:
+                wait_for(lambda o=o: int(self.stores.version[o]) >= self._ready_version(index),
+                         f"the update of op {o} that reads its gradient sums")
+            dst = self.stores.grad(index)[s.glo:s.ghi]
+            if q == 0:
+                self._to_host(dst, src, ready)
+            else:
+                dst.add_(self._fetched(src, ready))
+            if q == R - 1:
+                st.sumsq += self._sumsq(k, dst)
+            self.stores.summed[k] = done + 1
+            self._release(k, q, compute=False)
+
+        st.downloaded[k] = self._d2h_job(job)
+        st.d2h.append(st.downloaded[k])
+        self.counters.add(d2h=s.trainable * 4)
+
+    def _fetched(self, src: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
+        """(The download thread) ``src`` in host memory: itself on the CPU, a pinned copy from the GPU."""
+        if not self.cuda:
+            return src
+        if self._staging is None or self._staging.numel() < src.numel():
+            self._staging = torch.empty(max(sp.trainable for sp in self.spans), dtype=torch.float32, pin_memory=True)
+        out = self._staging[:src.numel()]
+        self._to_host(out, src, ready)
+        return out
+
+    def _sumsq(self, k: int, g: torch.Tensor) -> float:
+        """The op's share of the squared gradient norm; a tied weight's end is left out (rank 0 counts the sum
+        of both ends at REDUCE)."""
+        if k not in self.e.tied:
+            return float(torch.dot(g, g))
+        _, mine, _ = self.e.tied[k]
+        lo, hi = mine.start - self.spans[k].glo, mine.stop - self.spans[k].glo
+        a, b = g[:lo], g[hi:]
+        return float(torch.dot(a, a) + torch.dot(b, b))
+
+    def _tied_sumsq(self) -> float:
+        st, R = self.st, self.st.sched.rounds
+        ops = list(self.e.tied)
+        for o in ops:
+            wait_for(lambda o=o: int(self.stores.summed[o]) >= (st.index + 1) * R, f"op {o}'s gradients")
+        grad = self.stores.grad(st.index)
+        _, ea, eb = self.e.tied[ops[0]]
+        total = grad[ea] + grad[eb]
+        return float(torch.dot(total, total))
+
+    def _update(self, a: Action) -> None:
+        """Queue the CPU AdamW of op k's units on the optimizer thread; a tied end first waits for the other
+        end's gradients and takes their sum."""
+        k, st = a.stage, self.st
+        lr, factor, skip = st.lr, st.factor, st.skipped or self.e.skip_updates
+        index, adam_step, R = st.index, st.adam_step, st.sched.rounds
+        s = self.spans[k]
+
+        def update() -> int:
+            grad = self.stores.grad(index)
+            if k in self.e.tied:
+                other, _, _ = self.e.tied[k]
+                wait_for(lambda: int(self.stores.summed[other]) >= (index + 1) * R, f"op {other}'s gradients")
+            n = 0
+            for u in range(s.first, s.end):
+                us = self.stores.span(u, u + 1)
+                g = grad[us.glo:us.ghi]
+                if k in self.e.tied and u in (0, self.stores.num_units - 1):
+                    _, mine, theirs = self.e.tied[k]
+                    g = g.clone()  # the shared sums stay as they are for the other end
+                    g[mine.start - us.glo:mine.stop - us.glo] += grad[theirs]
+                n += self.stores.update(u, g, lr, factor, adam_step, skip, index)
+            self.stores.version[k] = index + 1
+            return n
+
+        self.updater.submit(update, _Finished(st.downloaded[k]), _Nothing())
+
+    def _reduce(self, a: Action) -> None:
+        """The end of this worker's step: its sends and uploads finished, the statistics summed over workers,
+        the global norm, the fp16 overflow check and the updates' factor."""
+        st = self.st
+        for link in self.links.values():
+            link.flush()
+        for f in st.uploads + st.d2h:
+            f.result()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if not st.sched.barrier and not self.e.delayed:
+            self.updater.sync()  # a sync step ends when its updates have (the next step's uploads wait anyway)
+        self.check()
+        if self.e.tied and self.e.is_main:
+            st.sumsq += self._tied_sumsq()
+        adam_s, adam_params = self.updater.take()
+        moved = self.counters.take()
+        total = sum_over_ranks({"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": st.sumsq,
+                                "upload_wait_s": st.wait_s, "cpu_adam_s": adam_s, "cpu_adam_params": adam_params,
+                                "forward_s": st.forward_s, "backward_s": st.backward_s, "dispatch_s": st.dispatch_s,
+                                **{f"{kind}_bytes": float(n) for kind, n in moved.items()}})
+        st.stats = total
+        st.loss = total["loss_sum"] / max(total["losses"], 1)
+        st.norm, st.skipped, st.factor = self.e.rule.end(total["sumsq"])
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> float:
+        """Every ``world``-th micro-batch of ``batches`` on this worker, op by op through one slot with the
+        newest weights (the master of what trains); the mean loss over all."""
+        e, slot = self.e, self.slots[0]
+        for unit in self.units:
+            unit.train(False)
+        mine = list(range(e.rank, len(batches), e.world))
+        xs = [batches[m][0].to(self.device) for m in mine]
+        loss = torch.zeros((), dtype=torch.float64)
+        for k in range(self.cuts.num_forward + 1):
+            first, end = self.cuts.units(k)
+            self._newest_to_slot(slot, self.stores.span(first, end))
+            self._bind(slot, self.stores.span(first, end), grads=False)
+            self.bound = None
+            with autocast(self.device, e.cfg.train.precision):
+                for i, m in enumerate(mine):
+                    y = run_units(list(self.units[first:end]), xs[i], first)
+                    if k < self.cuts.num_forward:
+                        xs[i] = y.to(e.dtype)
+                    else:
+                        loss += float(lm_loss(y, batches[m][1].to(self.device)))
+        self.counters.take()  # an evaluation's uploads are not the next step's traffic
+        total = sum_over_ranks({"loss": float(loss), "n": float(len(mine))})
+        return total["loss"] / total["n"]
+
+    def _newest_to_slot(self, slot: DeviceSlot, s: Span) -> None:
+        """Units of ``s`` into ``slot``: the newest weights (the fp32 master cast) of what trains, the compute
+        copy of what is frozen."""
+        self._to_slot(slot, self.stores.half(0)[s.lo:s.hi])
+        if self.cuda:
+            self.copy_stream.synchronize()
+        master = self.stores.host["master"]
+        for u in range(s.first, s.end):
+            us = self.stores.span(u, u + 1)
+            lo = us.lo - s.lo
+            slot.params[lo:lo + us.trainable].copy_(master[us.glo:us.ghi])
+
+
+class _Nothing:
+    def set(self) -> None:
+        pass
+
+
+class _Finished:
+    """A job's future as what an update waits for (``synchronize``: its end, raising its failure)."""
+
+    def __init__(self, job: Future):
+        self.job = job
+
+    def synchronize(self) -> None:
+        self.job.result()

@@ -1,0 +1,227 @@
+"""Host memory every worker of a run maps: the round-robin runtime's weights, optimizer states, gradient
+sums and kept inputs, which any worker may read or write because any worker may run any stage.
+
+:class:`SharedHost` is one anonymous memory file (``memfd``) that rank 0 creates and every other rank maps
+through ``/proc/<pid>/fd``; the file is closed once all have mapped it, so the memory goes when the last
+worker ends, however it ends (nothing is left in ``/dev/shm``). On a GPU machine the mapping is page-locked
+(``cudaHostRegister``) for uploads and downloads.
+
+:class:`UnitStores` lays every unit's flat buffers (the pipeline's :class:`~scheduler.stages.StageLayout`, one
+per unit) end to end in unit order, so that the units ``[a, b)`` of any op are one contiguous slice of each
+buffer: an upload or a download is one copy. What trains comes first in each unit's buffer; the fp32 buffers
+(master, AdamW moments, gradient sums) hold only what trains, unit after unit. Counters in the same memory
+order the workers: how many rounds of each op's gradients are summed, how many updates of each owner op have
+run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from mobius.config import TrainSection
+from mobius.errors import MobiusError
+from mobius.models import ModelConfig, unit_specs
+from mobius.optim import FlatAdamW
+from scheduler import pinned
+from scheduler.stages import StageLayout, stage_layouts
+from scheduler.store import check_host_memory
+
+log = logging.getLogger(__name__)
+PAGE = 4096
+WAIT_TIMEOUT_S = 1800.0  # a counter that does not move for this long has lost its worker (supervision acts first)
+
+
+class SharedHost:
+    """Named host buffers in one mapping shared by every rank of the default process group."""
+
+    def __init__(self, spec: dict[str, tuple[int, torch.dtype]], pin: bool):
+        offsets, total = {}, 0
+        for name, (numel, dtype) in spec.items():
+            offsets[name] = total
+            total += -(-max(numel, 1) * dtype.itemsize // PAGE) * PAGE
+        box: list = [None]
+        fd = -1
+        if dist.get_rank() == 0:
+            fd = os.memfd_create("mobius-round-robin", 0)
+            os.ftruncate(fd, total)
+            box = [f"/proc/{os.getpid()}/fd/{fd}"]
+        dist.broadcast_object_list(box, src=0)
+        try:
+            self.raw = torch.from_file(box[0], shared=True, size=total, dtype=torch.uint8)
+        except RuntimeError as e:
+            raise MobiusError(f"cannot map the round-robin runtime's shared host memory ({total / 2**30:.1f} GiB) "
+                              f"from {box[0]}: {e}") from e
+        dist.barrier()
+        if fd >= 0:
+            os.close(fd)  # every rank has mapped it: the memory lives as long as some mapping does
+        self.nbytes = total
+        if pin and pinned.register(self.raw):
+            weakref.finalize(self, pinned.unregister, self.raw).atexit = False
+        self.buffers = {name: self.raw[offsets[name]:offsets[name] + numel * dtype.itemsize].view(dtype)
+                        for name, (numel, dtype) in spec.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.buffers[name]
+
+
+def wait_for(ready: Callable[[], bool], what: str) -> float:
+    """Poll ``ready`` (a shared counter reached) until it holds; returns the seconds waited."""
+    if ready():
+        return 0.0
+    t0 = time.perf_counter()
+    pause = 1e-5
+    while not ready():
+        if time.perf_counter() - t0 > WAIT_TIMEOUT_S:
+            raise MobiusError(f"waited {WAIT_TIMEOUT_S:.0f} s for {what}: a worker has stopped")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class Span:
+    """Units ``[first, end)`` as slices of the shared buffers."""
+
+    first: int
+    end: int
+    lo: int  # weights (every element, frozen ones included)
+    hi: int
+    glo: int  # what trains
+    ghi: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def trainable(self) -> int:
+        return self.ghi - self.glo
+
+
+class UnitStores:
+    """Every unit's weights (``copies`` compute copies: two alternate by step under ``train.update:
+    delayed``), fp32 master, AdamW moments and gradient sums (one per compute copy), in host memory all
+    workers share, with one :class:`FlatAdamW` per unit over its slices; ``stash``: (entries, elements per
+    entry) of the kept inputs."""
+
+    def __init__(self, model_cfg: ModelConfig, train_dtype: torch.dtype, cfg: TrainSection, delayed: bool,
+                 num_ops: int, stash: tuple[int, int], pin: bool):
+        self.layouts: list[StageLayout] = stage_layouts(model_cfg, list(range(len(unit_specs(model_cfg)) + 1)))
+        self.dtype, self.delayed, self.copies = train_dtype, delayed, 2 if delayed else 1
+        self.off, self.goff = [0], [0]
+        for lay in self.layouts:
+            self.off.append(self.off[-1] + lay.numel)
+            self.goff.append(self.goff[-1] + lay.trainable_numel)
+        H, T = self.off[-1], self.goff[-1]
+        spec = {"master": (T, torch.float32), "m": (T, torch.float32), "v": (T, torch.float32),
+                "stash": (stash[0] * stash[1], train_dtype), "stashed": (stash[0], torch.int64),
+                "counts": (2 * num_ops, torch.int64)}
+        for c in range(self.copies):
+            spec[f"half{c}"] = (H, train_dtype)
+            spec[f"grad{c}"] = (T, torch.float32)
+        check_host_memory(sum(n * dtype.itemsize for n, dtype in spec.values()), "the round-robin runtime's shared "
+                          "stores (weights, AdamW states, gradient sums, kept inputs)")
+        self.host = SharedHost(spec, pin)
+        counts = self.host["counts"]
+        self.summed = counts[:num_ops]  # op -> rounds of its gradients summed in host memory (over the run)
+        self.version = counts[num_ops:2 * num_ops]  # owner op -> updates that have run (over the run)
+        self.stashed = self.host["stashed"]  # stash entry -> the steps whose input it has taken (over the run)
+        self.optimizers = [self._optimizer(u, cfg) for u in range(len(self.layouts))]
+
+    def _optimizer(self, u: int, cfg: TrainSection) -> FlatAdamW:
+        s, h = self.span(u, u + 1), self.host
+        master = h["master"][s.glo:s.ghi]
+        half = None if self.delayed else h["half0"][s.lo:s.lo + s.trainable]
+        return FlatAdamW(master, half, self.layouts[u].runs, cfg, moments=(h["m"][s.glo:s.ghi], h["v"][s.glo:s.ghi]))
+
+    @property
+    def num_units(self) -> int:
+        return len(self.layouts)
+
+    def span(self, first: int, end: int) -> Span:
+        return Span(first, end, self.off[first], self.off[end], self.goff[first], self.goff[end])
+
+    def half(self, copy: int) -> torch.Tensor:
+        return self.host[f"half{copy % self.copies}"]
+
+    def grad(self, copy: int) -> torch.Tensor:
+        return self.host[f"grad{copy % self.copies}"]
+
+    @property
+    def stash(self) -> torch.Tensor:
+        return self.host["stash"]
+
+    # ---- weights in and out ---------------------------------------------------------------------
+    def load(self, u: int, weights: dict[str, torch.Tensor]) -> set[str]:
+        """Fill unit ``u``'s master (what trains) and every compute copy (everything) from ``weights`` by
+        name; returns the names filled."""
+        s, filled = self.span(u, u + 1), set()
+        t = s.trainable
+        for p in self.layouts[u].params:
+            name = next((n for n in p.names if n in weights), None)
+            if name is None:
+                continue
+            w = weights[name].reshape(-1)
+            if p.offset < t:
+                self.host["master"][s.glo + p.offset:s.glo + p.offset + p.numel].copy_(w)
+            for c in range(self.copies):
+                self.half(c)[s.lo + p.offset:s.lo + p.offset + p.numel].copy_(w)
+            filled.update(p.names)
+        return filled
+
+    def weights(self, u: int) -> dict[str, torch.Tensor]:
+        """Unit ``u``'s parameters by name, fp32 (the master for what trains, the compute copy for the rest)."""
+        s, lay = self.span(u, u + 1), self.layouts[u]
+        master, half = self.host["master"][s.glo:s.ghi], self.half(0)[s.lo:s.hi]
+        out = {}
+        for p in lay.params:
+            src = master if p.offset < s.trainable else half
+            v = src[p.offset:p.offset + p.numel].float().clone().view(p.shape)
+            out.update({n: v for n in p.names})
+        return out
+
+    def trained(self, u: int) -> list[tuple[str, slice, tuple[int, ...]]]:
+        """(first name, slice of the fp32 buffers, shape) of each parameter of unit ``u`` that trains."""
+        s = self.span(u, u + 1)
+        return [(p.names[0], slice(s.glo + p.offset, s.glo + p.offset + p.numel), p.shape)
+                for p in self.layouts[u].params if p.offset < s.trainable]
+
+    def compute_weights(self, u: int, copy: int) -> dict[str, torch.Tensor]:
+        """What trains in unit ``u`` as compute copy ``copy`` holds it, fp32, by every name."""
+        s = self.span(u, u + 1)
+        half = self.half(copy)[s.lo:s.lo + s.trainable]
+        out = {}
+        for p in self.layouts[u].params:
+            if p.offset < s.trainable:
+                out.update({n: half[p.offset:p.offset + p.numel].float().clone().view(p.shape) for n in p.names})
+        return out
+
+    def load_compute(self, u: int, copy: int, weights: dict[str, torch.Tensor]) -> None:
+        s = self.span(u, u + 1)
+        for p in self.layouts[u].params:
+            if p.offset < s.trainable:
+                name = next(n for n in p.names if n in weights)
+                self.half(copy)[s.lo + p.offset:s.lo + p.offset + p.numel].copy_(weights[name].reshape(-1))
+
+    # ---- the update -----------------------------------------------------------------------------
+    def update(self, u: int, grad: torch.Tensor, lr: float, factor: float, adam_step: int, skip: bool,
+               refresh: int) -> int:
+        """Unit ``u``'s optimizer step, its ``adam_step``-th AdamW (``skip``: none, an fp16 overflow); under
+        delayed the new master then goes to compute copy ``refresh`` (the one the step after next computes
+        with; a skipped step too). Returns the parameters updated."""
+        opt = self.optimizers[u]
+        if not skip:
+            opt.set_steps(adam_step - 1)
+            opt.step(grad, lr, factor)
+        if self.delayed:
+            s = self.span(u, u + 1)
+            self.half(refresh)[s.lo:s.lo + s.trainable].copy_(opt.master)
+        return 0 if skip else opt.master.numel()

@@ -1,0 +1,201 @@
+"""The round-robin runtime (scheduler/roundrobin.py) on CPU worker processes (gloo), against single mode
+on the same batches: more ops than workers, asymmetric forward and backward cuts with inputs kept in the
+shared stash, a tied embedding and head (their two ends in two ops), LoRA, clipping or none, sync and
+delayed updates; rounds of unequal size; the bytes it moves equal the simulator's."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from mobius.app.run import train
+from mobius.checkpoint import canonical_name
+from mobius.config import config_from_dict
+from mobius.models.hf import read_state_dict
+from partition.schedule.roundrobin import Cuts
+from spawned import case_model, delayed_run_config, metric_rows, resume_from, spawn_cases, token_batches
+from spawned import train_delayed_case
+
+STEPS, MICRO = 4, 3
+UNITS = 12  # every fixture: the embedding, 10 blocks, the head
+
+# name -> checkpoint, cuts (forward, backward; the fused op runs the rest), train settings, tolerance
+CASES = {
+    # 6 ops on 2 workers: 3 micro-batches make rounds of 2 and 1; the tied ends in the fused and last ops
+    "tied-sync-clipped": ("deep", ((0, 4, 8), (0, 2, 5, 8)), {"update": "sync"}),
+    "tied-delayed-no-clip": ("deep", ((0, 4, 8), (0, 2, 5, 8)), {"update": "delayed", "grad_clip": 0.0}),
+    # a backward cut inside a forward op (unit 3 and 7's inputs kept mid-op), one-unit forward op
+    "untied-delayed-clipped": ("untied", ((0, 1, 9), (0, 3, 7, 9)), {"update": "delayed"}),
+    "lora-sync-no-clip": ("llama", ((0, 5, 10), (0, 4, 7, 10)), {"update": "sync", "grad_clip": 0.0, "lr": 1e-3}),
+    "lora-delayed-clipped": ("llama", ((0, 6, 10), (0, 3, 10)), {"update": "delayed", "lr": 1e-3}),
+}
+
+
+def _cfg(case: dict, world: int, tmp: Path):
+    raw = {"model": {"checkpoint": str(case["ck"])},
+           "data": {"seq_len": 16},
+           "train": {"max_steps": STEPS, "micro_batch_size": 2, "micro_batches": case.get("micro", MICRO), "lr": 1e-2,
+                     "warmup_steps": 1, "weight_decay": 0.1, "seed": 3, **case["train"]},
+           "parallel": {"mode": "pipeline" if world else "single", "device": "cpu", "devices": max(world, 1),
+                        **({"stages": 6, "resident_stages": [], "kept_stages": []} if world else {})},
+           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / "out")}}
+    if case["lora"]:
+        raw["lora"] = {"rank": 4, "alpha": 8.0, "train": ["norms"]}
+    return config_from_dict(raw, case["name"])
+
+
+def _model_cfg(case: dict, cfg):
+    from mobius.assemble import with_adapters
+
+    return with_adapters(case_model(case["ck"], None), cfg)
+
+
+def _batches(step: int, count: int = MICRO) -> list:
+    return token_batches(step, count, 300)
+
+
+def _planned(case: dict, world: int, tmp: Path) -> dict:
+    """The run's pipeline plan with the case's round-robin cuts to run."""
+    from mobius.app.planning import plan_pipeline
+    from mobius.app.settings import Machine, resolve
+
+    cfg = _cfg(case, world, tmp)
+    machine = Machine.detect(cfg)
+    settings = resolve(cfg, machine)
+    mc = _model_cfg(case, cfg)
+    plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
+    fwd, bwd = case["cuts"]
+    plan.round_robin = {**Cuts(fwd, bwd, UNITS).to_json(), "runs": True}
+    return {**case, "cfg": cfg, "settings": settings, "plan": plan, "model_cfg": mc}
+
+
+def _run_case(case: dict, world: int) -> dict:
+    """(In a worker) the case's steps through the engine `mobius train` builds."""
+    from mobius.app.launch import make_engine, open_device
+    from mobius.assemble import WeightSource
+
+    cfg = case["cfg"]
+    engine = make_engine(cfg, case["model_cfg"], case["plan"], case["settings"],
+                         open_device(case["settings"], int(os.environ["LOCAL_RANK"])),
+                         WeightSource(str(case["ck"]), None, cfg.train.seed))
+    moved = []
+    try:
+        out = train_delayed_case(engine, cfg, STEPS, lambda s, n=case.get("micro", MICRO): _batches(s, n),
+                                 lambda e: {}, case.get("overflow", -1))
+    finally:
+        engine.close()
+    numpy = lambda d: {k: v.numpy().copy() for k, v in d.items()}  # noqa: E731
+    out["weights"], out["compute"] = numpy(out["weights"]), numpy(out["compute"])
+    out["moved"] = moved
+    return out
+
+
+def _reference(case: dict, tmp: Path) -> dict:
+    from mobius.assemble import initial_model
+    from scheduler.single import SingleEngine
+
+    cfg = _cfg(case, 0, tmp)
+    model = initial_model(cfg, _model_cfg(case, cfg), None)
+    return train_delayed_case(SingleEngine(model, cfg, torch.device("cpu")), cfg, STEPS,
+                              lambda s, n=case.get("micro", MICRO): _batches(s, n), lambda e: {},
+                              case.get("overflow", -1))
+
+
+def _joined(ranks: list[dict], key: str) -> dict[str, torch.Tensor]:
+    got: dict = {}
+    for part in ranks:
+        for name, w in part[key].items():
+            got[name] = w
+    return {k: torch.from_numpy(v) for k, v in got.items()}
+
+
+def _case(name: str, cks: dict[str, Path]) -> dict:
+    ck, cuts, train = CASES[name]
+    return {"name": name, "ck": cks[ck], "cuts": cuts, "train": train, "lora": ck == "llama"}
+
+
+def _check(case: dict, ranks: list[dict], ref: dict) -> None:
+    where = case["name"]
+    assert all(r["optimizer_step"] == ref["optimizer_step"] == STEPS for r in ranks), where
+    for key in ("losses", "evals"):
+        torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(ref[key]), rtol=0, atol=1e-5,
+                                   msg=lambda m, key=key: f"{where}: {key}: {m}")
+    weights = _joined(ranks, "weights")
+    assert set(weights) == set(ref["weights"]), where
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(weights[name], w, rtol=0, atol=1e-5, msg=f"{where}: {name}")
+    compute = {canonical_name(k, case["model_cfg"]): v for k, v in _joined(ranks, "compute").items()}
+    if case["train"]["update"] == "sync":
+        assert not compute and not ref["compute"], where
+        return
+    assert set(compute) == set(ref["compute"]) and compute, where
+    for name, w in ref["compute"].items():
+        torch.testing.assert_close(compute[name], w, rtol=0, atol=1e-5, msg=f"{where}: compute {name}")
+
+
+@pytest.mark.slow
+def test_round_robin_two_workers_equal_single_mode(tmp_path: Path, deep_checkpoint: Path, untied_checkpoint: Path,
+                                                   llama_checkpoint: Path) -> None:
+    """Every case on 2 workers: the losses of 4 steps, two evaluations, every weight and (delayed) the compute
+    weights a checkpoint keeps equal single mode's under the same update rule within 1e-5."""
+    cks = {"deep": deep_checkpoint, "untied": untied_checkpoint, "llama": llama_checkpoint}
+    cases = [_planned(_case(name, cks), 2, tmp_path) for name in CASES]
+    for case, ranks in zip(cases, spawn_cases(_run_case, cases, 2)):
+        _check(case, ranks, _reference(case, tmp_path))
+
+
+@pytest.mark.slow
+def test_round_robin_four_workers_equal_single_mode(tmp_path: Path, deep_checkpoint: Path) -> None:
+    """8 ops on 4 workers, 6 micro-batches in rounds of 4 and 2; a bf16 run (half activations and compute copies,
+    fp32 sums) against fp32 autocast within 3e-2; fp16 with step 2's loss scale overflowing (no update, the
+    compute copies still take the master) against single mode's fp16, within 3e-2 and with the same skips."""
+    cases = [{"name": "four-sync", "ck": deep_checkpoint, "cuts": ((0, 3, 6, 9), (0, 2, 5, 7, 9)),
+              "train": {"update": "sync"}, "lora": False, "micro": 6},
+             {"name": "four-delayed-bf16", "ck": deep_checkpoint, "cuts": ((0, 5, 10), (0, 4, 7, 10)),
+              "train": {"update": "delayed", "precision": "bf16"}, "lora": False, "micro": 6, "atol": 3e-2},
+             {"name": "four-delayed-fp16-overflow", "ck": deep_checkpoint, "cuts": ((0, 5, 10), (0, 4, 7, 10)),
+              "train": {"update": "delayed", "precision": "fp16"}, "lora": False, "micro": 4, "atol": 3e-2,
+              "overflow": 1}]
+    cases = [_planned(c, 4, tmp_path) for c in cases]
+    assert cases[2]["plan"].options.barrier  # fp16: every update waits for the overflow check
+    for case, ranks in zip(cases, spawn_cases(_run_case, cases, 4)):
+        ref = _reference(case, tmp_path)
+        assert [r["skipped"] for r in ranks] == [ref["skipped"]] * 4
+        assert ref["skipped"] == [s == case.get("overflow", -1) for s in range(STEPS)], case["name"]
+        if "atol" in case:
+            torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ref["losses"]), rtol=0,
+                                       atol=case["atol"])
+            continue
+        _check(case, ranks, ref)
+
+
+# ---- resuming with an update in flight, through `mobius train` -------------------------------------------
+def _run_cfg(tmp: Path, ck: Path, corpus: Path, out: str, **sections: dict):
+    return delayed_run_config(tmp, ck, corpus, out, 3, {"parallel": {"mode": "pipeline", "device": "cpu",
+                                                                     "devices": 2, "schedule": "round_robin"}},
+                              **sections)
+
+
+def test_round_robin_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
+    """4 delayed round-robin steps (the tied weight's ends in two ops) == 2 steps, the step-2 checkpoint,
+    --resume, 2 more: the same losses, evaluations and weights; the run's metrics say the schedule; and the
+    same checkpoint resumed in the swapped pipeline continues as 4 swapped steps do."""
+    first = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "first", output={"save_every": 2, "keep_last": 1}))
+    resume_from(tmp_path, "first", 2, "second")
+    second = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "second"), resume="auto")
+    assert second.losses == first.losses
+    assert metric_rows(tmp_path / "second") == metric_rows(tmp_path / "first", after=2)
+    rows = [json.loads(line) for line in (tmp_path / "first" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["schedule"] == "round_robin" and r["update"] == "delayed" for r in rows)
+    a, b = read_state_dict(first.final_dir), read_state_dict(second.final_dir)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    swapped = {"parallel": {"schedule": "swapped", "stages": 4}}
+    straight = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "swapped", **swapped))
+    torch.testing.assert_close(torch.tensor(first.losses), torch.tensor(straight.losses), rtol=0, atol=1e-5)
+    resume_from(tmp_path, "first", 2, "third")
+    third = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "third", **swapped), resume="auto")
+    torch.testing.assert_close(torch.tensor(third.losses), torch.tensor(straight.losses), rtol=0, atol=1e-5)
