@@ -53,6 +53,15 @@ VARIANTS = {
     "2 micro-batches with clipping": {"train": {"grad_clip": 1.0, "micro_batches": 2}},
     "2 micro-batches with clipping and delayed update": {"train": {"grad_clip": 1.0, "micro_batches": 2,
                                                                    "update": "delayed"}},
+    "round-robin": {"parallel": {"schedule": "round_robin"}},
+    "round-robin with clipping": {"train": {"grad_clip": 1.0}, "parallel": {"schedule": "round_robin"}},
+    "round-robin with clipping and delayed update": {"train": {"grad_clip": 1.0, "update": "delayed"},
+                                       "parallel": {"schedule": "round_robin"}},
+    "round-robin 2 micro-batches with clipping": {"train": {"grad_clip": 1.0, "micro_batches": 2},
+                                               "parallel": {"schedule": "round_robin"}},
+    "round-robin 2 micro-batches with clipping and delayed update": {"train": {"grad_clip": 1.0, "micro_batches": 2,
+                                                                  "update": "delayed"},
+                                                        "parallel": {"schedule": "round_robin"}},
 }
 
 
@@ -77,6 +86,7 @@ def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args:
            "output": {"dir": str(root / f"{name.replace(' ', '_')}-{repeat}"), "plot": False}}
     for section, values in extra.items():
         raw[section].update(values)
+    assert "," not in name, "variant names go in the comma list of --variants"
     cfg = config_from_dict(raw, name)
     t0 = time.perf_counter()
     train(cfg)
@@ -85,10 +95,13 @@ def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args:
     plan = json.loads((out / "plan.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = statistics.median(r["step_s"] for r in rows[args.warmup:])
-    predicted = plan["predicted_step_s"]
-    split = phases(predicted, plan["time_split"], rows, args.warmup) or {}
+    rr = plan.get("round_robin", {})
+    runs = bool(rr.get("runs"))  # the round-robin schedule ran: its prediction and ops
+    predicted = rr["step_s"] if runs else plan["predicted_step_s"]
+    split = phases(predicted, rr["time_split"] if runs else plan["time_split"], rows, args.warmup) or {}
+    stages = f"{len(rr['forward']) - 1}+1+{len(rr['backward']) - 1} ops" if runs else plan["num_stages"]
     return {**{f"{phase}_s": [round(a, 4), round(b, 4)] for phase, (a, b) in split.items() if phase != "step"},
-            "variant": name, "repeat": repeat, "stages": plan["num_stages"], "num_slots": plan["num_slots"],
+            "variant": name, "repeat": repeat, "stages": stages, "num_slots": plan["num_slots"],
             "offload_inputs": plan["offload_inputs"], "barrier": plan["barrier"],
             "resident": plan["resident"], "kept": plan["kept"], "predicted_s": round(predicted, 4),
             "measured_s": round(measured, 4), "error": round(predicted / measured - 1, 4),

@@ -101,8 +101,11 @@ def summarise(args: argparse.Namespace, preset: str, name: str, out: Path, wall:
     plan = out / "plan.json"
     if plan.is_file():
         planned = json.loads(plan.read_text())
-        row["predicted_step_s"] = planned["predicted_step_s"]
-        row["predicted_split"] = planned.get("time_split", {})  # beside forward_s, backward_s, upload_wait_s
+        rr = planned.get("round_robin", {})
+        ran = rr if rr.get("runs") else planned  # the schedule that ran: its prediction
+        row["schedule"] = "round_robin" if rr.get("runs") else "swapped"
+        row["predicted_step_s"] = ran["step_s"] if ran is rr else planned["predicted_step_s"]
+        row["predicted_split"] = ran.get("time_split", {})  # beside forward_s, backward_s, upload_wait_s
     traces = sorted(out.glob("trace-step*.json"))
     if traces:
         row["trace"] = str(traces[0])

@@ -14,8 +14,8 @@ Numbers in, plans out. The pieces, in the order a plan is made:
 * :mod:`partition.plan` -- :func:`plan_model`, the one entry point, and :class:`Plan`; what it is asked
   for is a :class:`PlanRequest` (:mod:`partition.request`).
 * :mod:`partition.roundrobin` -- the round-robin schedule family (RoundPipe's class): its memory model,
-  its simulation by the same simulator, its cuts; planned beside the swapped pipeline for comparison
-  (``PlanRequest.round_robin``; the runtime does not run it yet).
+  its simulation by the same simulator, its cuts and host memory; planned beside the swapped pipeline
+  (``PlanRequest.schedule``), and run by ``scheduler/roundrobin.py`` when asked for or faster predicted.
 
 Importing the package and planning from unit descriptions with the estimated (datasheet) profile
 import no torch; only measuring does, inside the functions that measure: :mod:`partition.measure`

@@ -187,6 +187,7 @@ class RoundRobinPlan:
     tokens_per_step: int
     peak_bytes: int
     host_bytes: int  # the shared host stores (round_robin_host_bytes)
+    time_split: dict[str, float]  # SimResult.time_split of the predicted step
     traffic_bytes: float
     tried: int
     search_s: float
@@ -198,7 +199,7 @@ class RoundRobinPlan:
         other = "delayed" if self.update == "sync" else "sync"
         return {**self.cuts.to_json(), "update": self.update, "step_s": self.step_s, f"{other}_step_s":
                 self.other_step_s, "first_step_s": self.first_step_s, "tokens_per_s": self.tokens_per_s(),
-                "host_bytes": self.host_bytes,
+                "host_bytes": self.host_bytes, "time_split": self.time_split,
                 f"{other}_tokens_per_s": self.tokens_per_s(self.other_step_s), "peak_bytes": self.peak_bytes,
                 "traffic_bytes": self.traffic_bytes, "cuts_simulated": self.tried, "search_s": self.search_s}
 
@@ -231,10 +232,12 @@ def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: lis
     if hardware.host_memory_bytes and host > hardware.host_memory_bytes:
         raise ValueError(f"its shared host stores need {host / 2**30:.1f} GiB of host memory, "
                          f"{hardware.host_memory_bytes / 2**30:.1f} GiB is available")
+    recorded = simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, options, sharing)
     flipped = dataclasses.replace(options, delayed=not options.delayed)
     other = simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, flipped, sharing,
                                  record=False)
     res = choice.result
     return RoundRobinPlan(choice.cuts, "delayed" if options.delayed else "sync", res.step_s, other.step_s,
                           res.step_ends[0], micro_batches * profile.micro_batch_size * profile.seq_len,
-                          max(res.peak_bytes), host, res.total_bytes(), choice.tried + 1, choice.search_s)
+                          max(res.peak_bytes), host, recorded.time_split(), res.total_bytes(), choice.tried + 1,
+                          choice.search_s)

@@ -47,7 +47,7 @@ from scheduler.counters import Counters
 from mobius.models.params import build_units
 from scheduler.stages import StageLayout, bind
 from scheduler.store import StageStore
-from scheduler.trace import StepTrace
+from scheduler.trace import ComputeSpans, StepTrace
 from scheduler.updater import CpuUpdater, Events
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class StepState:
     prefetched: dict[int, int] = field(default_factory=dict)  # stage -> its first elements in the prefetch buffer
     reloads: dict[int, Future] = field(default_factory=dict)  # stage -> its offloaded inputs' way back
     stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
-    computed: dict[str, list[tuple[object, object]]] = field(default_factory=lambda: {"forward": [], "backward": []})
+    computed: ComputeSpans | None = None  # set by Executor.run for its device
     arrived: dict[int, torch.cuda.Event | None] = field(default_factory=dict)  # stage -> its gradients' download
     sumsq: list[torch.Tensor] = field(default_factory=list)  # per stage, on the device
     tied_sumsq: float = 0.0
@@ -230,7 +230,8 @@ class Executor:
         self._runs += 1
         for units in self.units.values():
             units.train(io.training)
-        self.st = StepState(io, sched, self._stage_batches(sched, io), trace, self._runs * ORDER_STRIDE)
+        self.st = StepState(io, sched, self._stage_batches(sched, io), trace, self._runs * ORDER_STRIDE,
+                            computed=ComputeSpans(self.device))
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         for action in sched.actions[self.rank]:
             if trace is not None and action.kind in COMPUTE:
@@ -445,7 +446,7 @@ class Executor:
             return self._forward_kept(j, m)
         self._on_device(j, grads=False)
         x = self._input(j, m)
-        start = self._mark()
+        start = self.st.computed.mark()
         with torch.no_grad(), autocast(self.device, self.opt.precision):
             y = self._run(j, x, m)
             if j == st.sched.num_stages - 1:  # evaluation: the last stage's forward ends in the loss
@@ -454,7 +455,7 @@ class Executor:
         if st.sched.train:
             st.saved[(j, m)] = x  # an OFFLOAD that follows moves it to host memory
         st.outputs[("a", j, m)] = y.to(self.opt.dtype)
-        self._computed("forward", start)
+        self.st.computed.add("forward", start)
 
     def _forward_kept(self, j: int, m: int) -> None:
         """Forward with autograd on: the graph stays on the device for the backward (no recompute).
@@ -463,7 +464,7 @@ class Executor:
         swapped = j not in self.resident
         self._on_device(j, grads=not swapped, graph=swapped)
         x = self._input(j, m)
-        start = self._mark()
+        start = self.st.computed.mark()
         if x.is_floating_point():
             x = x.detach().requires_grad_()
         with self._weights_by_position(j) if swapped else contextlib.nullcontext():
@@ -472,7 +473,7 @@ class Executor:
         params = tuple(self.units[j].parameters()) if swapped else ()
         self.st.saved[(j, m)] = Graph(x, y, params)
         self.st.outputs[("a", j, m)] = y.detach().to(self.opt.dtype)
-        self._computed("forward", start)
+        self.st.computed.add("forward", start)
 
     def _weights_by_position(self, j: int) -> torch.autograd.graph.saved_tensors_hooks:
         """Saved-tensor hooks for stage j's kept forward: a saved view of its slot is kept as its
@@ -499,7 +500,7 @@ class Executor:
         j, m, st = a.stage, a.micro, self.st
         slot = self._on_device(j, grads=True)
         x = self._input(j, m)
-        start = self._mark()
+        start = self.st.computed.mark()
         if x.is_floating_point():
             x = x.detach().requires_grad_()
         with autocast(self.device, self.opt.precision):
@@ -509,7 +510,7 @@ class Executor:
         self._accumulate(slot, j)
         if j > 0:
             st.outputs[("g", j, m)] = x.grad
-        self._computed("backward", start)
+        self.st.computed.add("backward", start)
 
     def _backward(self, a: Action) -> None:
         """Recompute the stage's forward from its saved input (or take its kept graph), then backpropagate."""
@@ -518,7 +519,7 @@ class Executor:
         self._inputs_back(j)
         saved = st.saved.pop((j, m))
         g = st.waiting.pop(("g", j, m))()
-        start = self._mark()
+        start = self.st.computed.mark()
         if isinstance(saved, Graph):
             x, y = saved.x, saved.y
             if saved.params:  # swapped: the graph accumulates into its forward's parameters -> this slot's buffers
@@ -533,27 +534,7 @@ class Executor:
         self._accumulate(slot, j)
         if j > 0:
             st.outputs[("g", j, m)] = x.grad
-        self._computed("backward", start)
-
-    def _mark(self) -> object:
-        """Now on the compute stream (a CUDA event; host time on the CPU): where a compute action's own
-        work starts or ends, after the waits for its upload and its input."""
-        if not self.cuda:
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(torch.cuda.current_stream(self.device))
-        return e
-
-    def _computed(self, phase: str, start: object) -> None:
-        self.st.computed[phase].append((start, self._mark()))
-
-    def _computed_seconds(self, phase: str) -> float:
-        """This step's compute time of ``phase`` (forward; backward: FB, recompute and backward) on this
-        worker, the simulator's split of the same step (call after the step's work has finished)."""
-        spans = self.st.computed[phase]
-        if self.cuda:
-            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
-        return sum(b - a for a, b in spans)
+        self.st.computed.add("backward", start)
 
     def _accumulate(self, slot: DeviceSlot, j: int) -> None:
         if slot.acc is not None:
@@ -715,6 +696,6 @@ class Executor:
         sumsq = sum(float(t) for t in st.sumsq) + st.tied_sumsq
         return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "stall_s": st.stall_s,
                 "upload_wait_s": st.wait_s, "cpu_adam_s": update_s, "cpu_adam_params": float(update_params),
-                "forward_s": self._computed_seconds("forward"), "backward_s": self._computed_seconds("backward"),
+                "forward_s": st.computed.seconds("forward"), "backward_s": st.computed.seconds("backward"),
                 "dispatch_s": st.dispatch_s,
                 **{f"{kind}_bytes": float(n) for kind, n in moved.items()}}

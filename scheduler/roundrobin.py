@@ -44,13 +44,14 @@ from mobius.models.params import build_units
 from mobius.optim import UpdateRule
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
-from partition.schedule import Action, Kind, PipelineOptions
+from partition.schedule import COMPUTE, Action, Kind, PipelineOptions
 from partition.schedule.roundrobin import Cuts, RoundRobinSchedule, build_round_robin
 from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot
 from scheduler.links import DirectLink, LocalLink, StagedLink
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import bind
+from scheduler.trace import ComputeSpans
 from scheduler.updater import CpuUpdater, sum_over_ranks
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,7 @@ class _Step:
     sumsq: float = 0.0
     wait_s: float = 0.0
     dispatch_s: float = 0.0
-    forward_s: float = 0.0
-    backward_s: float = 0.0
+    computed: ComputeSpans | None = None  # set by the dispatch for its device
     factor: float = 1.0
     skipped: bool = False
     norm: float = 0.0
@@ -141,9 +141,8 @@ class RoundRobinEngine:
         """Each rank reads (or initialises) every ``world``-th unit straight into the shared buffers."""
         U = self.stores.num_units
         for u in self._my_units():
-            names = {n for p in self.stores.layouts[u].params for n in p.names}
-            missing = names - self.stores.load(u, source.load(self.model_cfg, {n for n in names
-                                                                               if n.startswith(unit_prefix(u, U))}, {u}))
+            names = {n for p in self.stores.layouts[u].params for n in p.names if n.startswith(unit_prefix(u, U))}
+            missing = names - self.stores.load(u, source.load(self.model_cfg, names, {u}))
             if missing:
                 raise CheckpointError(f"{source.base}: no weights for {sorted(missing)[:3]}")
         dist.barrier()
@@ -293,18 +292,14 @@ class _Dispatch:
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, st: _Step) -> None:
         self.st = st
+        st.computed = ComputeSpans(self.device)
         for unit in self.units:
             unit.train(True)
         for a in st.sched.actions[self.e.rank]:
             t0 = time.perf_counter()
             self.handlers[a.kind](a)
-            dt = time.perf_counter() - t0
-            if a.kind in (Kind.FORWARD,):
-                st.forward_s += dt
-            elif a.kind in (Kind.FB, Kind.RECOMPUTE, Kind.BACKWARD):
-                st.backward_s += dt
-            elif a.kind != Kind.REDUCE:
-                st.dispatch_s += dt
+            if a.kind not in COMPUTE and a.kind != Kind.REDUCE:  # the dispatch thread's own time (messages, copies)
+                st.dispatch_s += time.perf_counter() - t0
 
     def sync(self) -> None:
         self.updater.sync()
@@ -437,6 +432,7 @@ class _Dispatch:
         self._on_device(k, self._round(m), grads=False)
         first, end = self.cuts.units(k)
         x = self._input(k, m)
+        start = self.st.computed.mark()
         keep = [c for c in self.e.kept_cuts if first < c <= end]
         with torch.no_grad(), autocast(self.device, self.e.cfg.train.precision):
             lo = first
@@ -446,6 +442,7 @@ class _Dispatch:
                 if u in keep:
                     st.kept[(m, u)] = x
         st.outputs[("a", k, m)] = x
+        self.st.computed.add("forward", start)
 
     def _entry(self, m: int, unit: int) -> int:
         """Micro-batch ``m``'s input of ``unit``: its entry in the shared stash."""
@@ -458,7 +455,7 @@ class _Dispatch:
     def _offload(self, a: Action) -> None:
         """A micro-batch's input of a unit where a backward op starts to the shared stash (the download thread)."""
         x, i, index = self.st.kept.pop((a.micro, a.unit)), self._entry(a.micro, a.unit), self.st.index
-        ready = self._computed()
+        ready = self._compute_so_far()
 
         def job() -> None:
             self._to_host(self._stash(i), x, ready)
@@ -467,7 +464,7 @@ class _Dispatch:
         self.st.d2h.append(self._d2h_job(job))
         self.counters.add(d2h=x.nbytes)
 
-    def _computed(self) -> torch.cuda.Event | None:
+    def _compute_so_far(self) -> torch.cuda.Event | None:
         """An event at the compute stream's work so far (None on the CPU, where it has all run)."""
         if not self.cuda:
             return None
@@ -514,21 +511,25 @@ class _Dispatch:
         self._on_device(k, self._round(m), grads=True)
         first, end = self.cuts.units(k)
         x = self.st.reloaded.pop((k, m)) if first > 0 else self.st.inputs[m].to(self.device)
+        start = self.st.computed.mark()
         if x.is_floating_point():
             x = x.detach().requires_grad_()
         with autocast(self.device, self.e.cfg.train.precision):
             self.st.graphs[(k, m)] = (x, self._run(first, end, x, m))
+        self.st.computed.add("backward", start)
 
     def _backward(self, a: Action) -> None:
         k, m, st = a.stage, a.micro, self.st
         slot = self._on_device(k, self._round(m), grads=True)
         x, y = st.graphs.pop((k, m))
         g = st.waiting.pop(("g", k, m))()
+        start = self.st.computed.mark()
         if y.requires_grad:  # frozen units over token ids (LoRA's embedding) have nothing to do
             torch.autograd.backward(y, g.to(y.dtype))
         self._accumulate(slot, k)
         if self.cuts.units(k)[0] > 0:
             st.outputs[("g", k, m)] = x.grad
+        self.st.computed.add("backward", start)
 
     def _fb(self, a: Action) -> None:
         """The fused op: forward, loss and backward of one micro-batch (no recompute)."""
@@ -536,6 +537,7 @@ class _Dispatch:
         slot = self._on_device(k, self._round(m), grads=True)
         first, end = self.cuts.units(k)
         x = self._input(k, m).detach().requires_grad_()
+        start = self.st.computed.mark()
         with autocast(self.device, self.e.cfg.train.precision):
             loss = lm_loss(self._run(first, end, x, m), st.targets[m].to(self.device))
         (loss * st.loss_factor).backward()
@@ -543,6 +545,7 @@ class _Dispatch:
         st.losses += 1
         self._accumulate(slot, k)
         st.outputs[("g", k, m)] = x.grad
+        self.st.computed.add("backward", start)
 
     def _accumulate(self, slot: DeviceSlot, k: int) -> None:
         if slot.acc is not None:
@@ -572,7 +575,7 @@ class _Dispatch:
         k, q, st = a.stage, a.round, self.st
         s, slot, R, index = self.spans[k], self.slot_of[(k, a.round)], st.sched.rounds, st.index
         readers = (k, *(self.e.tied[k][:1] if k in self.e.tied else ())) if q == 0 else ()
-        src, ready = (slot.acc if slot.acc is not None else slot.grads)[:s.trainable], self._computed()
+        src, ready = (slot.acc if slot.acc is not None else slot.grads)[:s.trainable], self._compute_so_far()
         done = index * R + q  # rounds of op k summed before this one
 
         def job() -> None:
@@ -670,7 +673,8 @@ class _Dispatch:
         moved = self.counters.take()
         total = sum_over_ranks({"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": st.sumsq,
                                 "upload_wait_s": st.wait_s, "cpu_adam_s": adam_s, "cpu_adam_params": adam_params,
-                                "forward_s": st.forward_s, "backward_s": st.backward_s, "dispatch_s": st.dispatch_s,
+                                "forward_s": st.computed.seconds("forward"),
+                                "backward_s": st.computed.seconds("backward"), "dispatch_s": st.dispatch_s,
                                 **{f"{kind}_bytes": float(n) for kind, n in moved.items()}})
         st.stats = total
         st.loss = total["loss_sum"] / max(total["losses"], 1)

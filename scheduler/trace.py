@@ -1,4 +1,6 @@
-"""Spans of one pipeline step on the simulator's tracks, written as a Chrome trace (Perfetto)."""
+"""Spans of one pipeline step on the simulator's tracks, written as a Chrome trace (Perfetto); and the
+compute time of a step's forwards and backwards, which both pipeline runtimes report beside the simulator's
+split."""
 
 from __future__ import annotations
 
@@ -49,3 +51,29 @@ class StepTrace:
             out.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6, "pid": pid,
                         "tid": tracks.index(track)})
         return out
+
+
+class ComputeSpans:
+    """A step's compute actions, each from after the waits for its inputs to its end on the compute stream
+    (CUDA events, read once the step's work has finished; host time on the CPU), by phase."""
+
+    def __init__(self, device: torch.device):
+        self.cuda, self.device = device.type == "cuda", device
+        self.spans: dict[str, list[tuple[object, object]]] = {"forward": [], "backward": []}
+
+    def mark(self) -> object:
+        """Now on the compute stream: where an action's own work starts."""
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(torch.cuda.current_stream(self.device))
+        return e
+
+    def add(self, phase: str, start: object) -> None:
+        """The action begun at ``start`` ends now (``phase``: forward; backward: FB, recompute, backward)."""
+        self.spans[phase].append((start, self.mark()))
+
+    def seconds(self, phase: str) -> float:
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self.spans[phase]) / 1e3
+        return sum(b - a for a, b in self.spans[phase])

@@ -117,6 +117,7 @@ def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, r
     result = trainer.finish()
     if isinstance(engine, PipelineEngine) and engine.is_main:
         keep_update_rate(cfg, settings, plan, engine.update_rate)
+    if isinstance(engine, (PipelineEngine, RoundRobinEngine)) and engine.is_main:
         log_phases(plan, Path(cfg.output.dir) / "metrics.jsonl")
     engine.close()
     dist.destroy_process_group()
@@ -155,9 +156,11 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
 
 
 def log_phases(plan: Plan, metrics: Path) -> None:
-    """Log :func:`phases` of the run whose metrics are in ``metrics`` in one line."""
+    """Log :func:`phases` of the run whose metrics are in ``metrics`` in one line (of the schedule that ran)."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    table = phases(plan.predicted_step_s, plan.time_split, rows)
+    rr = plan.round_robin
+    table = (phases(rr["step_s"], rr["time_split"], rows) if rr.get("runs")
+             else phases(plan.predicted_step_s, plan.time_split, rows))
     if table is None:
         return
     log.info("predicted / measured per step: " + ", ".join(f"{p.replace('_', ' ')} {a:.3f} / {b:.3f} s"
