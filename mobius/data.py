@@ -399,6 +399,14 @@ class TrainData:
         self.position += batch_size
         return self.train.get(idx)
 
+    def peek_batches(self, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next ``count`` batches :meth:`next_batch` will give, without drawing them."""
+        position = self.position
+        try:
+            return [self.next_batch(batch_size) for _ in range(count)]
+        finally:
+            self.position = position
+
     def _index(self, sample: int) -> int:
         epoch, offset = divmod(sample, len(self.train))
         if not hasattr(self, "_perm") or self._perm[0] != epoch:

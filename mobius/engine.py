@@ -28,6 +28,8 @@ class StepStats:
     skipped: bool = False  # fp16 overflow: no update was made
     loss_scale: float = 1.0
     extra: dict | None = None  # engine-specific counters (bytes moved, stall time, ...)
+    seconds: float | None = None  # the step's wall time, when the engine ran it outside this train_step call
+    # (looks_ahead); None: the call's duration is the step's
 
 
 class Engine(Protocol):
@@ -35,8 +37,11 @@ class Engine(Protocol):
 
     comm: Collective  # the ranks of the run (checkpoints are written through it)
     is_main: bool  # the process that logs and writes shared files
+    looks_ahead: bool  # train_step may start the next step it is handed (``upcoming``) before it returns
 
-    def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats: ...
+    # ``upcoming``: the next step's batches and learning rate, when no checkpoint or evaluation comes between
+    def train_step(self, step: int, batches: list[Batch], lr: float,
+                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats: ...
     def evaluate(self, batches: list[Batch]) -> float: ...
     def rank_state(self, with_moments: bool) -> RankState: ...  # finishes pending updates first
     def load_state(self, resume: ResumeState) -> None: ...  # optimizer moments by name, step, loss scale

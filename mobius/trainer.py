@@ -250,8 +250,17 @@ class Trainer:
         lr = lr_at(self.step, t)
         batches = [self.data.next_batch(t.micro_batch_size) for _ in range(t.micro_batches)]
         start = time.perf_counter()
-        stats = self.engine.train_step(self.step, batches, lr)
-        return stats, lr, time.perf_counter() - start
+        stats = self.engine.train_step(self.step, batches, lr, self._upcoming())
+        return stats, lr, stats.seconds if stats.seconds is not None else time.perf_counter() - start
+
+    def _upcoming(self) -> tuple[list, float] | None:
+        """The next step's batches and learning rate for an engine that may start it early, unless this step
+        ends in a checkpoint, an evaluation or the run (their state is this step's)."""
+        t, o, done = self.cfg.train, self.cfg.output, self.step + 1  # steps done once this one has
+        if (not self.engine.looks_ahead or done >= t.max_steps or (o.save_every and done % o.save_every == 0)
+                or (t.eval_every and done % t.eval_every == 0)):
+            return None
+        return self.data.peek_batches(t.micro_batch_size, t.micro_batches), lr_at(done, t)
 
     def run(self) -> TrainResult:
         from tqdm import tqdm

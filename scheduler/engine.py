@@ -51,6 +51,8 @@ IN_STEP_WARMUP, IN_STEP_STEPS = 2, 5  # steps before, and steps of, the in-step 
 class PipelineEngine:
     """The swapped pipeline on this worker (rank) of the default process group."""
 
+    looks_ahead = False
+
     def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: Plan, settings: ParallelSettings,
                  device: torch.device, weights_from: WeightSource | None = None, skip_updates: bool = False):
         self.cfg, self.model_cfg, self.plan, self.settings, self.device = cfg, model_cfg, plan, settings, device
@@ -165,7 +167,8 @@ class PipelineEngine:
         return other
 
     # ---- a step ---------------------------------------------------------------------------------
-    def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats:
+    def train_step(self, step: int, batches: list[Batch], lr: float,
+                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats:
         M = len(batches)
         io = StepIO([x for x, _ in batches], [y for _, y in batches], step, self.rule.loss_factor() / M,
                     self.dropout_seed, lr)

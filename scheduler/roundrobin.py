@@ -17,8 +17,10 @@ all workers map (:class:`~scheduler.shared.UnitStores`), and shared counters ord
 A weight tied between the embedding and the head has an end in the fused op and one in the last backward op:
 each end's update waits for the other's gradients and takes their sum, and rank 0 counts its square once.
 Each step's lists are the schedule the planner simulated (``steps=1``, the rotation carried from step to step);
-a step's ``REDUCE`` sums the statistics over workers, so steps do not overlap on the dispatch threads (the CPU
-updates of a delayed step do run beside the next).
+a step's ``REDUCE`` posts the sum of its statistics over the workers. Under ``train.update: delayed`` (without
+fp16) ``train_step`` runs the next step's list before it waits for that sum, when the trainer hands it the next
+step (``upcoming``: not before a checkpoint, an evaluation or the end), so a worker that has finished its part of a
+step goes on with the next while the others finish, as in the simulator's program of consecutive steps.
 """
 
 from __future__ import annotations
@@ -57,6 +59,33 @@ from scheduler.updater import CpuUpdater, sum_over_ranks
 log = logging.getLogger(__name__)
 
 
+class _Reduce:
+    """A step's statistics summed over the workers: the collective is posted at the step's REDUCE and ended
+    by the first that needs its result (the step's updates under a barrier, or ``train_step``), which also ends
+    the step for the update rule, after the step before."""
+
+    def __init__(self, stats: dict[str, float], rule: UpdateRule, before: _Reduce | None):
+        self.names = sorted(stats)
+        self.vec = torch.tensor([stats[k] for k in self.names], dtype=torch.float64)
+        self.work = dist.all_reduce(self.vec, async_op=True) if dist.get_world_size() > 1 else None
+        self.rule, self.before = rule, before
+        self.lock = threading.Lock()
+        self.done: tuple[dict[str, float], float, bool, float] | None = None
+
+    def result(self) -> tuple[dict[str, float], float, bool, float]:
+        """(the summed statistics, the global norm, whether the step is skipped, the updates' factor)."""
+        with self.lock:
+            if self.done is None:
+                if self.before is not None:
+                    self.before.result()
+                    self.before = None
+                if self.work is not None:
+                    self.work.wait()
+                total = dict(zip(self.names, self.vec.tolist()))
+                self.done = (total, *self.rule.end(total["sumsq"]))
+            return self.done
+
+
 @dataclass
 class _Step:
     """What lives for one step of the dispatch thread."""
@@ -79,15 +108,12 @@ class _Step:
     downloaded: dict[int, Future] = field(default_factory=dict)  # op -> its last download job
     loss_sum: torch.Tensor | float = 0.0  # this worker's, on the device until REDUCE
     losses: int = 0
-    loss: float = 0.0  # the step's mean over every worker's micro-batches (REDUCE)
     sumsq: float = 0.0
     wait_s: float = 0.0
     dispatch_s: float = 0.0
     computed: ComputeSpans | None = None  # set by the dispatch for its device
-    factor: float = 1.0
-    skipped: bool = False
-    norm: float = 0.0
-    stats: dict[str, float] = field(default_factory=dict)
+    reduce: _Reduce | None = None  # its statistics over the workers (posted at REDUCE)
+    seconds: float = 0.0  # this worker's list, from its first action to its REDUCE
 
 
 class RoundRobinEngine:
@@ -130,6 +156,12 @@ class RoundRobinEngine:
         self.ex = _Dispatch(self, device)
         self.scheds: dict[int, RoundRobinSchedule] = {}
         self.steps_run = 0
+        # a delayed step needs none of the step before's results (no fp16 loss scale to learn): train_step may
+        # run the next step's list before it waits for this one's statistics
+        self.looks_ahead = self.delayed and cfg.train.precision != "fp16"
+        self.ahead: _Step | None = None  # a step run ahead, whose statistics the next train_step returns
+        self.last_reduce: _Reduce | None = None
+        self.adam_base = 0  # optimizer steps before this engine's first (no fp16: no step is skipped)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
         self.param_bytes = self.stores.off[-1] * self.dtype.itemsize
 
@@ -174,20 +206,40 @@ class RoundRobinEngine:
         return self.scheds[first]
 
     # ---- the Engine interface -------------------------------------------------------------------
-    def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats:
-        M = len(batches)
-        st = _Step(self.schedule(self.steps_run), self.steps_run, step, [x for x, _ in batches],
-                   [y for _, y in batches], self.rule.loss_factor() / M, lr, self.rule.optimizer_step + 1)
-        self.ex.run(st)
+    def train_step(self, step: int, batches: list[Batch], lr: float,
+                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats:
+        """Run step ``step`` (unless it ran ahead) and, when ``upcoming`` is given and the rule allows, the next
+        step's list too before waiting for this step's statistics: this worker goes on while the others finish."""
+        if self.ahead is not None and self.ahead.step == step:
+            st, self.ahead = self.ahead, None
+            if not all(torch.equal(x, y) for x, (y, _) in zip(st.inputs, batches)):
+                raise MobiusError(f"internal error: step {step}'s batches differ from those it ran ahead with")
+        else:
+            st = self._run(step, batches, lr)
+        if upcoming is not None and self.looks_ahead:
+            self.ahead = self._run(step + 1, *upcoming)
+        total, norm, skipped, _ = st.reduce.result()
+        n = self.world
+        moved = total["h2d_bytes"] + total["d2h_bytes"] + total["p2p_bytes"]
+        extra = {"schedule": "round_robin", "h2d_bytes": int(total["h2d_bytes"]), "d2h_bytes": int(total["d2h_bytes"]),
+                 "p2p_bytes": int(total["p2p_bytes"]), "traffic_x_params": round(moved / self.param_bytes, 3),
+                 **{k: round(total[k] / n, 4) for k in ("upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
+                                                        "dispatch_s")}}
+        return StepStats(total["loss_sum"] / max(total["losses"], 1), norm, skipped, self.rule.loss_scale, extra,
+                         seconds=st.seconds if self.looks_ahead else None)
+
+    def _run(self, step: int, batches: list[Batch], lr: float) -> _Step:
+        """This worker's list of one step, to its REDUCE (posted, not waited for)."""
+        M, index = len(batches), self.steps_run
+        adam_step = self.adam_base + index + 1 if self.looks_ahead else self.rule.optimizer_step + 1
+        st = _Step(self.schedule(index), index, step, [x for x, _ in batches], [y for _, y in batches],
+                   self.rule.loss_factor() / M, lr, adam_step)
+        t0 = time.perf_counter()
+        self.ex.run(st, self.last_reduce)
+        st.seconds = time.perf_counter() - t0  # this worker's part of the step, to its REDUCE
+        self.last_reduce = st.reduce
         self.steps_run += 1
-        s, n = st.stats, self.world
-        moved = s["h2d_bytes"] + s["d2h_bytes"] + s["p2p_bytes"]
-        extra = {"schedule": "round_robin", "h2d_bytes": int(s["h2d_bytes"]), "d2h_bytes": int(s["d2h_bytes"]),
-                 "p2p_bytes": int(s["p2p_bytes"]), "traffic_x_params": round(moved / self.param_bytes, 3),
-                 "upload_wait_s": round(s["upload_wait_s"] / n, 4), "cpu_adam_s": round(s["cpu_adam_s"] / n, 4),
-                 "forward_s": round(s["forward_s"] / n, 4), "backward_s": round(s["backward_s"] / n, 4),
-                 "dispatch_s": round(s["dispatch_s"] / n, 4)}
-        return StepStats(st.loss, st.norm, st.skipped, self.rule.loss_scale, extra)
+        return st
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:
@@ -224,6 +276,7 @@ class RoundRobinEngine:
         """Moments of this rank's units by name, the loss scale, and under delayed the compute weights of the
         checkpoint's update in flight (a sync checkpoint has none: the first step computes with its newest)."""
         self.rule.load(resume.optimizer_step, resume.scaler)
+        self.adam_base = resume.optimizer_step - self.steps_run
         m, v = self.stores.host["m"], self.stores.host["v"]
         for u in self._my_units():
             trained = self.stores.trained(u)
@@ -290,8 +343,9 @@ class _Dispatch:
         return out
 
     # ---- the loop -------------------------------------------------------------------------------
-    def run(self, st: _Step) -> None:
-        self.st = st
+    def run(self, st: _Step, before: _Reduce | None) -> None:
+        """This worker's actions of ``st`` (``before``: the previous step's statistics, ended before this one's)."""
+        self.st, self.before = st, before
         st.computed = ComputeSpans(self.device)
         for unit in self.units:
             unit.train(True)
@@ -329,21 +383,21 @@ class _Dispatch:
             slot = next(s for s in self.slots if s.stage is None)
             slot.stage, slot.grads_live = (a.stage, a.round), False
         slot.ready.clear()
-        self.slot_of[(a.stage, a.round)] = slot
-        self.st.uploads.append(self.copier.submit(self._copy_job, a.stage, slot, self._ready_version(),
-                                                  self.st.index))
+        self.slot_of[(self.st.index, a.stage, a.round)] = slot
+        self.st.uploads.append(self.copier.submit(self._copy_job, self.st, a.stage, slot))
 
-    def _copy_job(self, k: int, slot: DeviceSlot, version: int, index: int) -> None:
-        """(The upload thread) op k's units from the compute copy of step ``index`` into ``slot``, once the
-        updates its owners had to run have."""
+    def _copy_job(self, st: _Step, k: int, slot: DeviceSlot) -> None:
+        """(The upload thread) op k's units from step ``st``'s compute copy into ``slot``, once the updates its
+        owners had to run have."""
         if self.cuda:
             torch.cuda.set_device(self.device)
         try:
-            for o in self.st.sched.update_deps(k):
-                self.st.wait_s += wait_for(lambda o=o: int(self.stores.version[o]) >= version,
-                                           f"the update of op {o} (step {version})")
+            version = self._ready_version(st.index)
+            for o in st.sched.update_deps(k):
+                st.wait_s += wait_for(lambda o=o: int(self.stores.version[o]) >= version,
+                                      f"the update of op {o} (step {version})")
             s = self.spans[k]
-            self._to_slot(slot, self.stores.half(index)[s.lo:s.hi])
+            self._to_slot(slot, self.stores.half(st.index)[s.lo:s.hi])
         except BaseException as e:  # raised by check() on the dispatch thread
             self.failure = self.failure or e
         finally:
@@ -366,12 +420,12 @@ class _Dispatch:
         """The op's slot may take the next upload; an op with gradients keeps it until its DOWNLOAD has read
         them."""
         if self.cuts.kind(a.stage) == Kind.FORWARD:
-            self._release(a.stage, a.round)
+            self._release(self.st.index, a.stage, a.round)
 
-    def _release(self, k: int, round: int, compute: bool = True) -> None:
-        """Op k's slot is free: once the compute stream's work so far has ended (``compute``), or now (its
-        gradients' download, which has read them)."""
-        slot = self.slot_of.pop((k, round))
+    def _release(self, index: int, k: int, round: int, compute: bool = True) -> None:
+        """Op k's slot (of step ``index``'s round ``round``) is free: once the compute stream's work so far has
+        ended (``compute``), or now (its gradients' download, which has read them)."""
+        slot = self.slot_of.pop((index, k, round))
         slot.released = None
         if self.cuda and compute:
             slot.released = torch.cuda.Event()
@@ -382,7 +436,7 @@ class _Dispatch:
 
     def _on_device(self, k: int, round: int, grads: bool) -> DeviceSlot:
         """Wait for op k's upload and point the unit modules of its units at the slot."""
-        slot = self.slot_of[(k, round)]
+        slot = self.slot_of[(self.st.index, k, round)]
         if not slot.ready.is_set():
             t0 = time.perf_counter()
             slot.ready.wait()
@@ -499,7 +553,8 @@ class _Dispatch:
     def _reload(self, a: Action) -> None:
         """A backward op's input back from the stash, once the forward (on whichever worker) has put it there."""
         i = self._entry(a.micro, a.unit)
-        self.st.wait_s += wait_for(lambda: int(self.stores.stashed[i]) > self.st.index,
+        index = self.st.index
+        self.st.wait_s += wait_for(lambda: int(self.stores.stashed[i]) > index,
                                    f"micro-batch {a.micro}'s input of unit {a.unit}")
         x = self._stash(i).to(self.device, copy=True)
         self.st.reloaded[(a.stage, a.micro)] = x
@@ -573,7 +628,7 @@ class _Dispatch:
         before; the first round of a step writes it once the last update to read it (the step before's, or the
         one before that under delayed; a tied weight's other end too) has."""
         k, q, st = a.stage, a.round, self.st
-        s, slot, R, index = self.spans[k], self.slot_of[(k, a.round)], st.sched.rounds, st.index
+        s, slot, R, index = self.spans[k], self.slot_of[(st.index, k, a.round)], st.sched.rounds, st.index
         readers = (k, *(self.e.tied[k][:1] if k in self.e.tied else ())) if q == 0 else ()
         src, ready = (slot.acc if slot.acc is not None else slot.grads)[:s.trainable], self._compute_so_far()
         done = index * R + q  # rounds of op k summed before this one
@@ -591,7 +646,7 @@ class _Dispatch:
             if q == R - 1:
                 st.sumsq += self._sumsq(k, dst)
             self.stores.summed[k] = done + 1
-            self._release(k, q, compute=False)
+            self._release(index, k, q, compute=False)
 
         st.downloaded[k] = self._d2h_job(job)
         st.d2h.append(st.downloaded[k])
@@ -628,14 +683,19 @@ class _Dispatch:
         return float(torch.dot(total, total))
 
     def _update(self, a: Action) -> None:
-        """Queue the CPU AdamW of op k's units on the optimizer thread; a tied end first waits for the other
-        end's gradients and takes their sum."""
+        """Queue the CPU AdamW of op k's units on the optimizer thread. After the step's REDUCE (a barrier) it
+        first takes the step's factor and overflow check from the statistics over the workers; a tied end waits
+        for the other end's gradients and takes their sum."""
         k, st = a.stage, self.st
-        lr, factor, skip = st.lr, st.factor, st.skipped or self.e.skip_updates
-        index, adam_step, R = st.index, st.adam_step, st.sched.rounds
+        lr, index, adam_step, R = st.lr, st.index, st.adam_step, st.sched.rounds
+        reduced = st.reduce  # None before the REDUCE: no barrier, so no clipping and no fp16 (factor 1)
         s = self.spans[k]
 
         def update() -> int:
+            factor, skip = 1.0, False
+            if reduced is not None:
+                _, _, skip, factor = reduced.result()
+            skip = skip or self.e.skip_updates
             grad = self.stores.grad(index)
             if k in self.e.tied:
                 other, _, _ = self.e.tied[k]
@@ -655,8 +715,8 @@ class _Dispatch:
         self.updater.submit(update, _Finished(st.downloaded[k]), _Nothing())
 
     def _reduce(self, a: Action) -> None:
-        """The end of this worker's step: its sends and uploads finished, the statistics summed over workers,
-        the global norm, the fp16 overflow check and the updates' factor."""
+        """The end of this worker's step: its sends, uploads and downloads finished, then its statistics posted to
+        the sum over the workers (:class:`_Reduce`: the global norm, the fp16 overflow check, the factor)."""
         st = self.st
         for link in self.links.values():
             link.flush()
@@ -671,14 +731,11 @@ class _Dispatch:
             st.sumsq += self._tied_sumsq()
         adam_s, adam_params = self.updater.take()
         moved = self.counters.take()
-        total = sum_over_ranks({"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": st.sumsq,
-                                "upload_wait_s": st.wait_s, "cpu_adam_s": adam_s, "cpu_adam_params": adam_params,
-                                "forward_s": st.computed.seconds("forward"),
-                                "backward_s": st.computed.seconds("backward"), "dispatch_s": st.dispatch_s,
-                                **{f"{kind}_bytes": float(n) for kind, n in moved.items()}})
-        st.stats = total
-        st.loss = total["loss_sum"] / max(total["losses"], 1)
-        st.norm, st.skipped, st.factor = self.e.rule.end(total["sumsq"])
+        st.reduce = _Reduce({"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": st.sumsq,
+                             "upload_wait_s": st.wait_s, "cpu_adam_s": adam_s, "cpu_adam_params": adam_params,
+                             "forward_s": st.computed.seconds("forward"), "backward_s": st.computed.seconds("backward"),
+                             "dispatch_s": st.dispatch_s, **{f"{kind}_bytes": float(n) for kind, n in moved.items()}},
+                            self.e.rule, self.before)
 
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -113,6 +113,7 @@ class SingleEngine:
     """The whole model on one device."""
 
     is_main = True
+    looks_ahead = False
 
     def __init__(self, model: CausalLM, cfg: Config, device: torch.device):
         self.model = model.to(device)
@@ -135,7 +136,8 @@ class SingleEngine:
                                checkpoint_blocks=self.cfg.model.activation_checkpointing)  # [B, T, V]
             return lm_loss(logits, y.to(self.device))
 
-    def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats:
+    def train_step(self, step: int, batches: list[Batch], lr: float,
+                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats:
         self.model.train()
         M = len(batches)
         factor = self.rule.loss_factor() / M

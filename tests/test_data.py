@@ -75,6 +75,10 @@ def test_shuffle_is_seeded_and_resumable(text_file: Path, tmp_path: Path) -> Non
     resumed = build_data(tokens, 16, 0.05, seed=1)
     resumed.load_state_dict(two.state_dict())
     assert np.array_equal(resumed.next_batch(4)[0], two.next_batch(4)[0])
+    # peeking at the next step's batches (an engine that starts it early) draws nothing
+    at = two.position
+    peeked = two.peek_batches(4, 3)
+    assert two.position == at and all(np.array_equal(p[0], two.next_batch(4)[0]) for p in peeked)
     # an epoch visits every training block once
     full = build_data(tokens, 16, 0.05, seed=3)
     seen = sorted(full._index(i) for i in range(len(full.train)))

@@ -86,6 +86,8 @@ class ZeroEngine:
     """Chunked ZeRO with rCache on this rank (module docstring). ``settings`` is taken for the common
     engine signature; the plan carries everything zero mode needs from it."""
 
+    looks_ahead = False
+
     def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: ZeroPlan, settings: ParallelSettings,
                  device: torch.device, weights_from: WeightSource | None = None):
         self.cfg, self.model_cfg, self.plan, self.device = cfg, model_cfg, plan, device
@@ -228,7 +230,8 @@ class ZeroEngine:
                 self._flush(c, st)
         self.cache.end()
 
-    def train_step(self, step: int, batches: list[Batch], lr: float) -> StepStats:
+    def train_step(self, step: int, batches: list[Batch], lr: float,
+                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats:
         M = len(batches)
         if M % self.world:
             raise MobiusError(f"{M} micro-batches cannot be split evenly among {self.world} zero ranks")
