@@ -59,6 +59,14 @@ def test_auto_lists_why_a_mode_cannot_run() -> None:
     assert "parallel.devices=2 CPU worker processes stand in" in mode_options(_cfg(devices=2), Machine.cpu_only())["single"]
 
 
+def test_the_round_robin_schedule_is_the_pipelines() -> None:
+    """Asked for with another mode it is refused; under auto only the pipeline remains."""
+    with pytest.raises(NotAvailableError, match="parallel.schedule=round_robin is a schedule of parallel.mode=pipeline"):
+        resolve(_cfg(mode="zero", devices=4, schedule="round_robin"), _box([2, 2]))
+    why = mode_options(_cfg(devices=4, schedule="round_robin"), _box([2, 2]))
+    assert why["pipeline"] == "" and "schedule=round_robin" in why["single"] and "schedule=round_robin" in why["zero"]
+
+
 def test_a_whole_gpu_keeps_a_reserve_and_root_complexes_group_the_workers() -> None:
     s = resolve(_cfg(mode="pipeline", devices=4), _box([2, 2]))
     assert s.device == "cuda" and s.gpus == 4 and not s.memory_capped

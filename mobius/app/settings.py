@@ -192,6 +192,9 @@ def _check_mode(cfg: Config, machine: Machine, mode: Mode, device: str, workers:
     if mode == "single" and devices != 1 and (cfg.parallel.mode == "single" or machine.torchrun):
         raise ConfigError(f"parallel.mode=single runs on one device, but parallel.devices={devices}"
                           + (" (the processes torchrun started)" if machine.torchrun else ""))
+    if cfg.parallel.schedule == "round_robin" and mode != "pipeline":
+        raise NotAvailableError(f"parallel.schedule=round_robin is a schedule of parallel.mode=pipeline, not of "
+                                f"parallel.mode={mode}")
     if mode == "pipeline" and nodes > 1:
         raise NotAvailableError(f"parallel.mode=pipeline runs on one machine (its upload arbiter and CPU-worker "
                                 f"links assume one host), but the run spans {nodes} nodes: use parallel.mode=zero")
