@@ -3,7 +3,8 @@ sums and kept inputs, which any worker may read or write because any worker may 
 
 :class:`SharedHost` is one anonymous memory file (``memfd``) that rank 0 creates and every other rank maps
 through ``/proc/<pid>/fd``; the file is closed once all have mapped it, so the memory goes when the last
-worker ends, however it ends (nothing is left in ``/dev/shm``). On a GPU machine the mapping is page-locked
+worker ends, however it ends (nothing is left in ``/dev/shm``). The ranks fault its pages in at start-up,
+each a share, so that no step pays for a first touch. On a GPU machine the mapping is page-locked
 (``cudaHostRegister``) for uploads and downloads.
 
 :class:`UnitStores` lays every unit's flat buffers (the pipeline's :class:`~scheduler.stages.StageLayout`, one
@@ -59,6 +60,9 @@ class SharedHost:
         except RuntimeError as e:
             raise MobiusError(f"cannot map the round-robin runtime's shared host memory ({total / 2**30:.1f} GiB) "
                               f"from {box[0]}: {e}") from e
+        rank, world = dist.get_rank(), dist.get_world_size()
+        share = -(-total // (world * PAGE)) * PAGE
+        self.raw[rank * share:(rank + 1) * share].zero_()  # each rank faults its share in now, not in a step
         dist.barrier()
         if fd >= 0:
             os.close(fd)  # every rank has mapped it: the memory lives as long as some mapping does
