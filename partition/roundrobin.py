@@ -22,7 +22,7 @@ from partition.evaluate import GB, stage_exprs
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
 from partition.schedule.pipeline import Kind
-from partition.schedule.roundrobin import Cuts, RoundRobinSchedule, build_round_robin
+from partition.schedule.roundrobin import Cuts, build_round_robin
 from partition.simulate import SimResult, Sharing, _Sim
 
 log = logging.getLogger(__name__)

@@ -70,6 +70,32 @@ def case_model(ck: Any, dropout: float | None):
     return mc
 
 
+def exact_config(case: dict, name: str, steps: int, micro: int, train: dict, parallel: dict, out: Any,
+                 model: dict | None = None, partition: dict | None = None) -> Any:
+    """The exactness matrices' run: ``steps`` steps of ``micro`` micro-batches of 2 x 16 tokens, lr 1e-2 after a
+    one-step warm-up, weight decay 0.1, seed 3, the case's checkpoint (``case["ck"]``) and, with
+    ``case["lora"]``, rank-4 adapters that train the norms too; ``train`` and ``parallel`` laid over that."""
+    from mobius.config import config_from_dict
+
+    raw = {"model": {"checkpoint": str(case["ck"]), **(model or {})},
+           "data": {"seq_len": 16},
+           "train": {"max_steps": steps, "micro_batch_size": 2, "micro_batches": micro, "lr": 1e-2, "warmup_steps": 1,
+                     "weight_decay": 0.1, "seed": 3, **train},
+           "parallel": parallel, "output": {"dir": str(out)}}
+    if partition is not None:
+        raw["partition"] = partition
+    if case["lora"]:
+        raw["lora"] = {"rank": 4, "alpha": 8.0, "train": ["norms"]}
+    return config_from_dict(raw, name)
+
+
+def adapted_model(case: dict, cfg: Any) -> Any:
+    """The case checkpoint's architecture with the run's adapters."""
+    from mobius.assemble import with_adapters
+
+    return with_adapters(case_model(case["ck"], None), cfg)
+
+
 def token_batches(step: int, count: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` micro-batches of 2 x 16 tokens (inputs, targets), the same for every engine at ``step``."""
     g = torch.Generator().manual_seed(1000 + step)

@@ -13,9 +13,8 @@ import torch
 
 from mobius.app.run import train
 from mobius.checkpoint import COMPUTE_FILE, canonical_name
-from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
-from spawned import case_model, spawn_cases, token_batches, train_delayed_case
+from spawned import adapted_model, exact_config, spawn_cases, token_batches, train_delayed_case
 from spawned import delayed_run_config, metric_rows, resume_from
 
 STEPS, MICRO = 4, 3
@@ -46,22 +45,10 @@ OVERFLOW_STEP = 1  # the fp16 case's step whose loss scale overflows
 
 
 def _cfg(case: dict, world: int, tmp: Path):
-    raw = {"model": {"checkpoint": str(case["ck"])},
-           "data": {"seq_len": 16},
-           "train": {"max_steps": STEPS, "micro_batch_size": 2, "micro_batches": MICRO, "lr": 1e-2, "warmup_steps": 1,
-                     "weight_decay": 0.1, "seed": 3, "update": case["update"], **case["train"]},
-           "parallel": {"mode": "pipeline" if world else "single", "device": "cpu", "devices": max(world, 1),
-                        **(case["parallel"] if world else {})},
-           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / "out")}}
-    if case["lora"]:
-        raw["lora"] = {"rank": 4, "alpha": 8.0, "train": ["norms"]}
-    return config_from_dict(raw, case["name"])
-
-
-def _model_cfg(case: dict, cfg):
-    from mobius.assemble import with_adapters
-
-    return with_adapters(case_model(case["ck"], None), cfg)
+    parallel = {"mode": "pipeline" if world else "single", "device": "cpu", "devices": max(world, 1),
+                **(case["parallel"] if world else {})}
+    return exact_config(case, case["name"], STEPS, MICRO, {"update": case["update"], **case["train"]}, parallel,
+                        tmp / "out", partition={"cache_dir": str(tmp / "cache")})
 
 
 def _batches(step: int, count: int = MICRO) -> list:
@@ -106,7 +93,7 @@ def _reference(case: dict, tmp: Path) -> dict:
     from scheduler.single import SingleEngine
 
     cfg = _cfg(case, 0, tmp)
-    model = initial_model(cfg, _model_cfg(case, cfg), None)
+    model = initial_model(cfg, adapted_model(case, cfg), None)
     return _train(SingleEngine(model, cfg, torch.device("cpu")), cfg, case.get("overflow", False))
 
 
@@ -117,7 +104,7 @@ def _planned(case: dict, world: int, tmp: Path) -> dict:
     cfg = _cfg(case, world, tmp)
     machine = Machine.detect(cfg)
     settings = resolve(cfg, machine)
-    mc = _model_cfg(case, cfg)
+    mc = adapted_model(case, cfg)
     plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
     par = case["parallel"]
     for key in ("resident", "kept"):

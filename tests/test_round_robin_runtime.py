@@ -14,11 +14,10 @@ import torch
 
 from mobius.app.run import train
 from mobius.checkpoint import canonical_name
-from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
 from partition.schedule.roundrobin import Cuts
-from spawned import case_model, delayed_run_config, metric_rows, resume_from, spawn_cases, token_batches
-from spawned import train_delayed_case
+from spawned import adapted_model, delayed_run_config, exact_config, metric_rows, resume_from, spawn_cases
+from spawned import token_batches, train_delayed_case
 
 STEPS, MICRO = 4, 3
 UNITS = 12  # every fixture: the embedding, 10 blocks, the head
@@ -36,22 +35,10 @@ CASES = {
 
 
 def _cfg(case: dict, world: int, tmp: Path):
-    raw = {"model": {"checkpoint": str(case["ck"])},
-           "data": {"seq_len": 16},
-           "train": {"max_steps": STEPS, "micro_batch_size": 2, "micro_batches": case.get("micro", MICRO), "lr": 1e-2,
-                     "warmup_steps": 1, "weight_decay": 0.1, "seed": 3, **case["train"]},
-           "parallel": {"mode": "pipeline" if world else "single", "device": "cpu", "devices": max(world, 1),
-                        **({"stages": 6, "resident_stages": [], "kept_stages": []} if world else {})},
-           "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / "out")}}
-    if case["lora"]:
-        raw["lora"] = {"rank": 4, "alpha": 8.0, "train": ["norms"]}
-    return config_from_dict(raw, case["name"])
-
-
-def _model_cfg(case: dict, cfg):
-    from mobius.assemble import with_adapters
-
-    return with_adapters(case_model(case["ck"], None), cfg)
+    parallel = {"mode": "pipeline" if world else "single", "device": "cpu", "devices": max(world, 1),
+                **({"stages": 6, "resident_stages": [], "kept_stages": []} if world else {})}
+    return exact_config(case, case["name"], STEPS, case.get("micro", MICRO), case["train"], parallel, tmp / "out",
+                        partition={"cache_dir": str(tmp / "cache")})
 
 
 def _batches(step: int, count: int = MICRO) -> list:
@@ -66,7 +53,7 @@ def _planned(case: dict, world: int, tmp: Path) -> dict:
     cfg = _cfg(case, world, tmp)
     machine = Machine.detect(cfg)
     settings = resolve(cfg, machine)
-    mc = _model_cfg(case, cfg)
+    mc = adapted_model(case, cfg)
     plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
     fwd, bwd = case["cuts"]
     plan.round_robin = {**Cuts(fwd, bwd, UNITS).to_json(), "runs": True}
@@ -99,7 +86,7 @@ def _reference(case: dict, tmp: Path) -> dict:
     from scheduler.single import SingleEngine
 
     cfg = _cfg(case, 0, tmp)
-    model = initial_model(cfg, _model_cfg(case, cfg), None)
+    model = initial_model(cfg, adapted_model(case, cfg), None)
     return train_delayed_case(SingleEngine(model, cfg, torch.device("cpu")), cfg, STEPS,
                               lambda s, n=case.get("micro", MICRO): _batches(s, n), lambda e: {},
                               case.get("overflow", -1))

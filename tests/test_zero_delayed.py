@@ -17,7 +17,7 @@ from mobius.app.run import train
 from mobius.checkpoint import COMPUTE_FILE, canonical_name
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
-from spawned import case_model, spawn_cases, token_batches, train_delayed_case
+from spawned import adapted_model, exact_config, spawn_cases, token_batches, train_delayed_case
 from spawned import delayed_run_config, metric_rows, resume_from
 
 STEPS, MICRO = 4, 4
@@ -45,21 +45,9 @@ CASES = {
 
 
 def _cfg(case: dict, zero: bool):
-    raw = {"model": {"checkpoint": str(case["ck"]), "activation_checkpointing": case["engine"]["ac"]},
-           "data": {"seq_len": 16},
-           "train": {"max_steps": STEPS, "micro_batch_size": 2, "micro_batches": MICRO, "lr": 1e-2, "warmup_steps": 1,
-                     "weight_decay": 0.1, "seed": 3, "update": case["update"], **case["train"]},
-           "parallel": {"mode": "zero" if zero else "single", "device": "cpu", "devices": 2 if zero else 1},
-           "output": {"dir": str(case["ck"].parent / "out")}}
-    if case["lora"]:
-        raw["lora"] = {"rank": 4, "alpha": 8.0, "train": ["norms"]}
-    return config_from_dict(raw, case["name"])
-
-
-def _model_cfg(case: dict, cfg):
-    from mobius.assemble import with_adapters
-
-    return with_adapters(case_model(case["ck"], None), cfg)
+    parallel = {"mode": "zero" if zero else "single", "device": "cpu", "devices": 2 if zero else 1}
+    return exact_config(case, case["name"], STEPS, MICRO, {"update": case["update"], **case["train"]}, parallel,
+                        case["ck"].parent / "out", model={"activation_checkpointing": case["engine"]["ac"]})
 
 
 def _batches(step: int, count: int = MICRO) -> list:
@@ -108,7 +96,7 @@ def _run_case(case: dict, world: int) -> dict:
     from scheduler.zero import ZeroEngine
 
     cfg = _cfg(case, zero=True)
-    mc = _model_cfg(case, cfg)
+    mc = adapted_model(case, cfg)
     engine = ZeroEngine(cfg, mc, _plan(case, cfg, mc), None, torch.device("cpu"),
                         WeightSource(str(case["ck"]), None, cfg.train.seed))
     try:
@@ -129,7 +117,7 @@ def _reference(case: dict) -> dict:
     from scheduler.single import SingleEngine
 
     cfg = _cfg(case, zero=False)
-    model = initial_model(cfg, _model_cfg(case, cfg), None)
+    model = initial_model(cfg, adapted_model(case, cfg), None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model; two threads only contend with the workers' processes
     try:
@@ -179,7 +167,7 @@ def test_zero_delayed_equals_single_delayed(deep_checkpoint: Path, llama_checkpo
         assert set(weights) == set(ref["weights"]), where
         for name, w in ref["weights"].items():
             torch.testing.assert_close(weights[name], w, rtol=0, atol=atol, msg=f"{where}: {name}")
-        mc = _model_cfg(case, _cfg(case, zero=False))
+        mc = adapted_model(case, _cfg(case, zero=False))
         compute = {canonical_name(k, mc): v for k, v in _joined(ranks, "compute", where).items()}
         if case["update"] == "sync":
             assert not compute and not ref["compute"]
@@ -224,7 +212,7 @@ def test_zero_plan_counts_the_compute_copies(deep_checkpoint: Path) -> None:
     plans = {}
     for update in ("sync", "delayed"):
         cfg = _cfg({**case, "update": update}, zero=True)
-        plans[update] = _plan({**case, "update": update}, cfg, _model_cfg(case, cfg))
+        plans[update] = _plan({**case, "update": update}, cfg, adapted_model(case, cfg))
     sync, delayed = plans["sync"], plans["delayed"]
     assert (delayed.gpu_chunks, delayed.cache_blocks) == (sync.gpu_chunks, sync.cache_blocks) and delayed.delayed
     shard = delayed.padded_chunk // delayed.world
@@ -234,7 +222,7 @@ def test_zero_plan_counts_the_compute_copies(deep_checkpoint: Path) -> None:
     assert "train.update=delayed" in delayed.summary().splitlines()[0]
     cfg = _cfg(case, zero=True)
     with pytest.raises(MobiusError, match="the zero plan was made for train.update=sync"):
-        ZeroEngine(cfg, _model_cfg(case, cfg), sync, None, torch.device("cpu"))
+        ZeroEngine(cfg, adapted_model(case, cfg), sync, None, torch.device("cpu"))
 
 
 def test_zero_and_auto_accept_delayed() -> None:
@@ -309,7 +297,7 @@ def _resume_case(case: dict, world: int) -> dict:
     from scheduler.zero import ZeroEngine
 
     cfg = _cfg(case, zero=True)
-    mc = _model_cfg(case, cfg)
+    mc = adapted_model(case, cfg)
     kept, logger = _Kept(), logging.getLogger("scheduler.zero.engine")
     logger.addHandler(kept)
     logger.setLevel(logging.INFO)
