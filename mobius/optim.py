@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -186,6 +187,21 @@ class FlatAdamW:
                                  eps=self.cfg.eps, maximize=False)
             if self.half is not None:
                 self.half[a:b].copy_(self.master[a:b])
+
+    def update(self, grad: torch.Tensor, lr: float, grad_factor: float = 1.0, skip: bool = False,
+               copied: threading.Event | None = None) -> None:
+        """One optimizer step as both runtimes' stores run it: with a compute copy (``train.update: delayed``)
+        first the copy takes the master (w_{t-1}, what the next step computes with; a skipped step too) and
+        ``copied`` is set -- after a failure too, so that what waits for it goes on and the failure is raised
+        where it is checked -- then AdamW (:meth:`step`) unless ``skip`` (an fp16 overflow)."""
+        if self.compute is not None:
+            try:
+                self.to_compute()
+            finally:
+                if copied is not None:
+                    copied.set()
+        if not skip:
+            self.step(grad, lr, grad_factor)
 
     def to_compute(self) -> None:
         """The compute copy takes the master (w_{t-1}, what the next step computes with); none: nothing."""

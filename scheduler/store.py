@@ -135,13 +135,8 @@ class StageStore:
         none. ``delayed``: first the half copy takes the master (w_{t-1}, what the next step computes
         with; a skipped step too) and ``updated`` is set, so that uploads wait for that copy only;
         then AdamW makes the newest weights in the master alone."""
-        if self.delayed:
-            try:
-                self.optimizer.to_compute()
-            finally:  # uploads go on after a failure too: the dispatch thread raises it
-                self.updated.set()
-        if not skip:
-            self.optimizer.step(self.grads_in if grad is None else grad, lr, grad_factor)
+        self.optimizer.update(self.grads_in if grad is None else grad, lr, grad_factor, skip,
+                              self.updated if self.delayed else None)
 
     def newest(self) -> contextlib.AbstractContextManager:
         """While open, the copy the GPU computes with holds the newest weights (an evaluation; under delayed

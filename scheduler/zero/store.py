@@ -90,6 +90,10 @@ class Shards:
         if self.chunks:
             self.optimizer.step(self.grad, lr, factor)
 
+    def update(self, lr: float, factor: float, skip: bool, copied: threading.Event | None) -> None:
+        """:meth:`FlatAdamW.update` of the shard (no chunks: the compute copy only)."""
+        self.optimizer.update(self.grad, lr, factor, skip or not self.chunks, copied)
+
     def moments_of(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """AdamW (m, v) of a chunk's shard as two flat vectors; None before the first update."""
         if self.optimizer.steps == 0:
@@ -130,10 +134,4 @@ class HostChunk:
         ``skip`` (an fp16 overflow): none. ``delayed``: first the half copy takes the master (w_{t-1}; a
         skipped step too) and ``ready`` is set, so that gathers wait for that copy only; then AdamW makes
         the newest weights in the master alone (the optimizer thread sets ``consumed`` at the end)."""
-        if self.delayed:
-            try:
-                self.shards.master_to_compute()
-            finally:  # gathers go on after a failure too: the dispatch thread raises it
-                self.ready.set()
-        if not skip:
-            self.shards.step(lr, factor)
+        self.shards.update(lr, factor, skip, self.ready if self.delayed else None)
