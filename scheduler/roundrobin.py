@@ -54,7 +54,7 @@ from scheduler.links import DirectLink, LocalLink, StagedLink
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import bind
 from scheduler.trace import ComputeSpans
-from scheduler.updater import CpuUpdater, sum_over_ranks
+from scheduler.updater import CpuUpdater, Events, sum_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -712,7 +712,7 @@ class _Dispatch:
             self.stores.version[k] = index + 1
             return n
 
-        self.updater.submit(update, _Finished(st.downloaded[k]), _Nothing())
+        self.updater.submit(update, _Finished(st.downloaded[k]), Events())  # waiters read `version` instead
 
     def _reduce(self, a: Action) -> None:
         """The end of this worker's step: its sends, uploads and downloads finished, then its statistics posted to
@@ -775,11 +775,6 @@ class _Dispatch:
             us = self.stores.span(u, u + 1)
             lo = us.lo - s.lo
             slot.params[lo:lo + us.trainable].copy_(master[us.glo:us.ghi])
-
-
-class _Nothing:
-    def set(self) -> None:
-        pass
 
 
 class _Finished:

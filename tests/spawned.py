@@ -130,6 +130,46 @@ def train_delayed_case(engine: Any, cfg: Any, steps: int, batches: Any, state_of
     return out
 
 
+def joined(ranks: list[dict], key: str, where: str, each_once: bool = False) -> dict[str, torch.Tensor]:
+    """The ranks' numpy tensors of ``key`` by name, as torch tensors: a name several ranks report (a tied weight's
+    two ends) must agree, or (``each_once``) must not happen."""
+    got: dict = {}
+    for part in ranks:
+        for name, w in part[key].items():
+            assert name not in got or (not each_once and (got[name] == w).all()), \
+                f"{where}: {name} {'on two ranks' if each_once else 'differs between ranks'}"
+            got[name] = w
+    return {k: torch.from_numpy(v) for k, v in got.items()}
+
+
+def check_against_reference(ranks: list[dict], ref: dict, where: str, steps: int, atol: float, update: str,
+                            model_cfg: Any, weights: bool = True, each_once: bool = False, behind: bool = True) -> None:
+    """A case's ranks (:func:`train_delayed_case`'s results) against the reference's on the same batches: the
+    optimizer steps, the losses and evaluations within ``atol``; with ``weights`` every weight, and (delayed) the
+    compute weights a checkpoint keeps, by canonical name (``behind``: one update behind the newest)."""
+    from mobius.checkpoint import canonical_name
+
+    assert all(r["optimizer_step"] == ref["optimizer_step"] == steps for r in ranks), where
+    for key in ("losses", "evals"):
+        torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(ref[key]), rtol=0, atol=atol,
+                                   msg=lambda m, key=key: f"{where}: {key}: {m}")
+    if not weights:
+        return
+    got = joined(ranks, "weights", where, each_once)
+    assert set(got) == set(ref["weights"]), where
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=atol, msg=f"{where}: {name}")
+    compute = {canonical_name(k, model_cfg): v for k, v in joined(ranks, "compute", where, each_once).items()}
+    if update == "sync":
+        assert not compute and not ref["compute"], where
+        return
+    assert set(compute) == set(ref["compute"]) and compute, where
+    for name, w in ref["compute"].items():
+        torch.testing.assert_close(compute[name], w, rtol=0, atol=atol, msg=f"{where}: compute {name}")
+    if behind:
+        assert any((compute[n] - got[n]).abs().max() > 1e-4 for n in compute), where  # one update behind
+
+
 def delayed_run_config(tmp: Any, ck: Any, corpus: Any, out: str, micro_batches: int, mode: dict,
                        **sections: dict) -> Any:
     """A 4-step ``train.update: delayed`` run of ``mobius train`` on CPU workers (evaluations every 2 steps):

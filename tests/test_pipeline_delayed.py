@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from mobius.app.run import train
-from mobius.checkpoint import COMPUTE_FILE, canonical_name
+from mobius.checkpoint import COMPUTE_FILE
 from mobius.models.hf import read_state_dict
 from spawned import adapted_model, exact_config, spawn_cases, token_batches, train_delayed_case
-from spawned import delayed_run_config, metric_rows, resume_from
+from spawned import check_against_reference, delayed_run_config, metric_rows, resume_from
 
 STEPS, MICRO = 4, 3
 SWAPPED = {"resident_stages": [], "kept_stages": []}
@@ -114,16 +114,6 @@ def _planned(case: dict, world: int, tmp: Path) -> dict:
     return {**case, "cfg": cfg, "settings": settings, "plan": plan, "model_cfg": mc}
 
 
-def _joined(ranks: list[dict], key: str, where: str) -> dict[str, torch.Tensor]:
-    """The workers' tensors of ``key`` by name; a tied weight (on two workers) must agree."""
-    got: dict = {}
-    for part in ranks:
-        for name, w in part[key].items():
-            assert name not in got or (got[name] == w).all(), f"{where}: {name} differs between ranks"
-            got[name] = w
-    return {k: torch.from_numpy(v) for k, v in got.items()}
-
-
 def _case(name: str, cks: dict[str, Path]) -> dict:
     ck, par, tr, update, atol = CASES[name]
     return {"name": name, "ck": cks[ck], "parallel": par, "train": tr, "update": update, "atol": atol,
@@ -141,25 +131,8 @@ def test_pipeline_delayed_equals_single_delayed(tmp_path: Path, deep_checkpoint:
     results = dict(zip(CASES, spawn_cases(_run_case, cases, 2)))
     for case in cases:
         ranks, where, atol = results[case["name"]], case["name"], case["atol"]
-        ref = _reference(case, tmp_path)
-        assert all(r["optimizer_step"] == ref["optimizer_step"] == STEPS for r in ranks), where
-        for key in ("losses", "evals"):
-            torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(ref[key]), rtol=0, atol=atol,
-                                       msg=lambda m, key=key: f"{where}: {key}: {m}")
-        if case["train"].get("precision") == "bf16":
-            continue
-        weights = _joined(ranks, "weights", where)
-        assert set(weights) == set(ref["weights"]), where
-        for name, w in ref["weights"].items():
-            torch.testing.assert_close(weights[name], w, rtol=0, atol=atol, msg=f"{where}: {name}")
-        compute = {canonical_name(k, case["model_cfg"]): v for k, v in _joined(ranks, "compute", where).items()}
-        if case["update"] == "sync":
-            assert not compute and not ref["compute"]
-            continue
-        assert set(compute) == set(ref["compute"]) and compute, where
-        for name, w in ref["compute"].items():
-            torch.testing.assert_close(compute[name], w, rtol=0, atol=atol, msg=f"{where}: compute {name}")
-        assert any((compute[n] - weights[n]).abs().max() > 1e-4 for n in compute), where  # one update behind
+        check_against_reference(ranks, _reference(case, tmp_path), where, STEPS, atol, case["update"],
+                                case["model_cfg"], weights=case["train"].get("precision") != "bf16")
     delayed, sync = results["swapped-2x6-clipped"][0]["losses"], results["sync-swapped-2x6"][0]["losses"]
     assert delayed[0] == pytest.approx(sync[0], abs=1e-6) and all(abs(a - b) > 1e-4 for a, b in zip(delayed[1:],
                                                                                                      sync[1:]))

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from mobius.app.run import train
-from mobius.checkpoint import canonical_name
 from mobius.models.hf import read_state_dict
 from partition.schedule.roundrobin import Cuts
 from spawned import adapted_model, delayed_run_config, exact_config, metric_rows, resume_from, spawn_cases
-from spawned import token_batches, train_delayed_case
+from spawned import check_against_reference, token_batches, train_delayed_case
 
 STEPS, MICRO = 4, 3
 UNITS = 12  # every fixture: the embedding, 10 blocks, the head
@@ -92,36 +91,14 @@ def _reference(case: dict, tmp: Path) -> dict:
                               case.get("overflow", -1))
 
 
-def _joined(ranks: list[dict], key: str) -> dict[str, torch.Tensor]:
-    got: dict = {}
-    for part in ranks:
-        for name, w in part[key].items():
-            got[name] = w
-    return {k: torch.from_numpy(v) for k, v in got.items()}
-
-
 def _case(name: str, cks: dict[str, Path]) -> dict:
     ck, cuts, train = CASES[name]
     return {"name": name, "ck": cks[ck], "cuts": cuts, "train": train, "lora": ck == "llama"}
 
 
 def _check(case: dict, ranks: list[dict], ref: dict) -> None:
-    where = case["name"]
-    assert all(r["optimizer_step"] == ref["optimizer_step"] == STEPS for r in ranks), where
-    for key in ("losses", "evals"):
-        torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(ref[key]), rtol=0, atol=1e-5,
-                                   msg=lambda m, key=key: f"{where}: {key}: {m}")
-    weights = _joined(ranks, "weights")
-    assert set(weights) == set(ref["weights"]), where
-    for name, w in ref["weights"].items():
-        torch.testing.assert_close(weights[name], w, rtol=0, atol=1e-5, msg=f"{where}: {name}")
-    compute = {canonical_name(k, case["model_cfg"]): v for k, v in _joined(ranks, "compute").items()}
-    if case["train"]["update"] == "sync":
-        assert not compute and not ref["compute"], where
-        return
-    assert set(compute) == set(ref["compute"]) and compute, where
-    for name, w in ref["compute"].items():
-        torch.testing.assert_close(compute[name], w, rtol=0, atol=1e-5, msg=f"{where}: compute {name}")
+    check_against_reference(ranks, ref, case["name"], STEPS, 1e-5, case["train"]["update"], case["model_cfg"],
+                            behind=False)
 
 
 @pytest.mark.slow

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from mobius.app.run import train
-from mobius.checkpoint import COMPUTE_FILE, canonical_name
+from mobius.checkpoint import COMPUTE_FILE
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
 from spawned import adapted_model, exact_config, spawn_cases, token_batches, train_delayed_case
-from spawned import delayed_run_config, metric_rows, resume_from
+from spawned import check_against_reference, delayed_run_config, metric_rows, resume_from
 
 STEPS, MICRO = 4, 4
 CHUNK = 4999  # as tests/test_zero.py: no world divides it; the token embedding spans two chunks
@@ -126,16 +126,6 @@ def _reference(case: dict) -> dict:
         torch.set_num_threads(threads)
 
 
-def _joined(ranks: list[dict], key: str, where: str) -> dict[str, torch.Tensor]:
-    """The ranks' tensors of ``key`` by name (each parameter on one rank)."""
-    got: dict = {}
-    for part in ranks:
-        for name, w in part[key].items():
-            assert name not in got, f"{where}: {name} on two ranks"
-            got[name] = w
-    return {k: torch.from_numpy(v) for k, v in got.items()}
-
-
 def _case(name: str, cks: dict[str, Path]) -> dict:
     ck, engine, tr, update, atol = CASES[name]
     return {"name": name, "ck": cks[ck], "engine": engine, "train": tr, "update": update, "atol": atol,
@@ -156,26 +146,9 @@ def test_zero_delayed_equals_single_delayed(deep_checkpoint: Path, llama_checkpo
         placement = {"mix": ranks[0]["gpu_chunks"] > 0 < ranks[0]["offloaded"], "all": ranks[0]["gpu_chunks"] == 0,
                      "none": ranks[0]["offloaded"] == 0}
         assert placement[case["engine"]["offload"]], (where, ranks[0]["gpu_chunks"], ranks[0]["offloaded"])
-        ref = _reference(case)
-        assert all(r["optimizer_step"] == ref["optimizer_step"] == STEPS for r in ranks), where
-        for key in ("losses", "evals"):
-            torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(ref[key]), rtol=0, atol=atol,
-                                       msg=lambda m, key=key: f"{where}: {key}: {m}")
-        if case["train"].get("precision") == "bf16":
-            continue
-        weights = _joined(ranks, "weights", where)
-        assert set(weights) == set(ref["weights"]), where
-        for name, w in ref["weights"].items():
-            torch.testing.assert_close(weights[name], w, rtol=0, atol=atol, msg=f"{where}: {name}")
-        mc = adapted_model(case, _cfg(case, zero=False))
-        compute = {canonical_name(k, mc): v for k, v in _joined(ranks, "compute", where).items()}
-        if case["update"] == "sync":
-            assert not compute and not ref["compute"]
-            continue
-        assert set(compute) == set(ref["compute"]) and compute, where
-        for name, w in ref["compute"].items():
-            torch.testing.assert_close(compute[name], w, rtol=0, atol=atol, msg=f"{where}: compute {name}")
-        assert any((compute[n] - weights[n]).abs().max() > 1e-4 for n in compute), where  # one update behind
+        check_against_reference(ranks, _reference(case), where, STEPS, atol, case["update"],
+                                adapted_model(case, _cfg(case, zero=False)),
+                                weights=case["train"].get("precision") != "bf16", each_once=True)
     delayed, sync = results["mix-clipped"][0]["losses"], results["sync-mix-clipped"][0]["losses"]
     assert delayed[0] == pytest.approx(sync[0], abs=1e-6) and all(abs(a - b) > 1e-4 for a, b in zip(delayed[1:],
                                                                                                      sync[1:]))
