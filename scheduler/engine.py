@@ -36,7 +36,7 @@ from partition.plan import Plan
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
 from scheduler.arbiter import UploadArbiter, arbiter_name, remove_stale
 from scheduler.counters import Counters
-from scheduler.links import DirectLink, LocalLink, StagedLink
+from scheduler.links import link_to
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
 from scheduler.stages import stage_layouts
 from scheduler.store import StageStore, check_host_memory, host_bytes
@@ -134,18 +134,8 @@ class PipelineEngine:
     def _links(self) -> dict:
         S = self.plan.num_stages
         peers = {self.gpu_of[j + d] for j in self.stores for d in (-1, 1) if 0 <= j + d < S}
-        links: dict = {}
         nccl = dist.new_group(backend="nccl") if self.settings.p2p else None
-        for p in sorted(peers):
-            if p == self.rank:
-                links[p] = LocalLink()
-            elif self.device.type != "cuda":
-                links[p] = DirectLink(p, self.counters)
-            elif self.settings.p2p:
-                links[p] = DirectLink(p, self.counters, self.device, nccl)
-            else:
-                links[p] = StagedLink(p, self.device, self.counters)
-        return links
+        return {p: link_to(p, self.rank, self.device, self.counters, nccl) for p in sorted(peers)}
 
     def _tied_ranges(self) -> tuple[tuple[int, int, int], ...]:
         """(stage, offset, numel) of each end of the tied weight, when the ends are on two stages."""

@@ -121,3 +121,16 @@ class StagedLink:
         for f in self.sends:
             f.result()
         self.sends.clear()
+
+
+def link_to(peer: int, rank: int, device: torch.device, counters: Counters,
+            nccl: dist.ProcessGroup | None = None) -> LocalLink | DirectLink | StagedLink:
+    """The link from this worker (``rank``) to ``peer``: in place to itself, gloo between CPU workers, NCCL between
+    GPUs with peer access (``nccl``, their group), through pinned host memory between GPUs without."""
+    if peer == rank:
+        return LocalLink()
+    if device.type != "cuda":
+        return DirectLink(peer, counters)
+    if nccl is not None:
+        return DirectLink(peer, counters, device, nccl)
+    return StagedLink(peer, device, counters)

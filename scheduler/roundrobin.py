@@ -47,10 +47,10 @@ from mobius.optim import UpdateRule
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
 from partition.schedule import COMPUTE, Action, Kind, PipelineOptions
-from partition.schedule.roundrobin import Cuts, RoundRobinSchedule, build_round_robin
+from partition.schedule.roundrobin import Cuts, RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot
-from scheduler.links import DirectLink, LocalLink, StagedLink
+from scheduler.links import link_to
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import bind
 from scheduler.trace import ComputeSpans
@@ -198,8 +198,7 @@ class RoundRobinEngine:
     def schedule(self, index: int) -> RoundRobinSchedule:
         """Step ``index``'s lists: the rotation goes on from the step before (its first op on the worker after
         the one that ran the previous step's last)."""
-        rounds = -(-self.cfg.train.micro_batches // self.world)
-        first = index * rounds * self.cuts.num_ops % self.world
+        first = rotation_start(self.cuts, self.world, self.cfg.train.micro_batches, index)
         if first not in self.scheds:
             self.scheds[first] = build_round_robin(self.cuts, self.world, self.cfg.train.micro_batches, 1, self.options,
                                                    bool(self.tied), first)
@@ -301,7 +300,7 @@ class RoundRobinEngine:
 
 class _Dispatch:
     """One worker's dispatch: runs its action lists over the shared stores, with an upload thread (the
-    copy stream on a GPU) and the CPU optimizer thread."""
+    copy stream on a GPU), a download thread (the d2h stream) and the CPU optimizer thread."""
 
     def __init__(self, engine: RoundRobinEngine, device: torch.device):
         self.e, self.device = engine, device
@@ -332,15 +331,10 @@ class _Dispatch:
                          Kind.DOWNLOAD: self._download, Kind.UPDATE: self._update, Kind.REDUCE: self._reduce}
 
     def _links(self) -> dict:
-        e, out = self.e, {}
-        for p in sorted({(e.rank - 1) % e.world, (e.rank + 1) % e.world}):
-            if p == e.rank:
-                out[p] = LocalLink()
-            elif not self.cuda:
-                out[p] = DirectLink(p, self.counters)
-            else:
-                out[p] = StagedLink(p, self.device, self.counters)
-        return out
+        """To the workers before and after this one in the ring (no peer-to-peer activations yet)."""
+        e = self.e
+        return {p: link_to(p, e.rank, self.device, self.counters) for p in sorted({(e.rank - 1) % e.world,
+                                                                                  (e.rank + 1) % e.world})}
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, st: _Step, before: _Reduce | None) -> None:

@@ -104,7 +104,7 @@ class RoundRobinSchedule:
     num_slots = property(lambda self: self.options.num_slots)
     barrier = property(lambda self: self.options.barrier)
     num_stages = property(lambda self: self.cuts.num_ops)
-    rounds = property(lambda self: math.ceil(self.micro_batches / self.num_workers))  # per step
+    rounds = property(lambda self: rounds_per_step(self.micro_batches, self.num_workers))
     tie_ends = property(lambda self: (self.cuts.num_ops - 1, self.cuts.num_forward))  # unit 0's backward, the head
 
     def round_of(self, micro: int) -> int:
@@ -147,6 +147,17 @@ class RoundRobinSchedule:
         """(round, op) occurrences of ``worker``, in the order it runs them."""
         K = self.cuts.num_ops
         return [(q, k) for q in range(self.steps * self.rounds) for k in range(K) if self.worker_of(k, q) == worker]
+
+
+def rounds_per_step(micro_batches: int, num_workers: int) -> int:
+    """Rounds of one step: one micro-batch per worker in each, the last one short."""
+    return math.ceil(micro_batches / num_workers)
+
+
+def rotation_start(cuts: Cuts, num_workers: int, micro_batches: int, step: int) -> int:
+    """The worker of step ``step``'s first op when the rotation goes on from step to step (``first`` of a list
+    that holds that step alone)."""
+    return step * rounds_per_step(micro_batches, num_workers) * cuts.num_ops % num_workers
 
 
 def build_round_robin(cuts: Cuts, num_workers: int, micro_batches: int, steps: int = 1,
