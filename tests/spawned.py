@@ -198,6 +198,32 @@ def resume_from(tmp: Any, run: str, step: int, into: str) -> Any:
     return Path(shutil.copytree(tmp / run / "checkpoints" / name, tmp / into / "checkpoints" / name))
 
 
+def resumed_equals_straight(tmp: Any, run_cfg: Callable[..., Any], compute_file: bool = True) -> Any:
+    """Run ``first`` (4 delayed steps, a checkpoint every 2), then ``second`` resumed from its step-2 checkpoint:
+    the same losses, metrics lines and final weights. ``compute_file``: the checkpoint holds the compute weights
+    (every trainable weight once, the tied head under the embedding's name, fp32, one update behind the
+    newest). ``run_cfg(tmp, out, **sections)`` makes a run's config; returns ``first``'s result."""
+    from safetensors.torch import load_file
+
+    from mobius.app.run import train
+    from mobius.checkpoint import COMPUTE_FILE
+    from mobius.models.hf import load_checkpoint, read_state_dict
+
+    first = train(run_cfg(tmp, "first", output={"save_every": 2, "keep_last": 1}))
+    step2 = resume_from(tmp, "first", 2, "second")
+    if compute_file:
+        compute, newest = load_file(str(step2 / COMPUTE_FILE)), load_checkpoint(step2).state_dict()
+        assert set(compute) == set(newest) - {"head.lm_head.weight"}  # the tied head under the embedding's name
+        assert all(v.dtype == torch.float32 for v in compute.values())
+        assert any(not torch.equal(v, newest[k]) for k, v in compute.items())  # one update behind
+    second = train(run_cfg(tmp, "second"), resume="auto")
+    assert second.losses == first.losses
+    assert metric_rows(tmp / "second") == metric_rows(tmp / "first", after=2)
+    a, b = read_state_dict(first.final_dir), read_state_dict(second.final_dir)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    return first
+
+
 def metric_rows(run: Any, after: int = 0) -> list[tuple]:
     """The metrics lines of steps after ``after``: step, loss, evaluation loss, update rule (no timings)."""
     import json
