@@ -170,6 +170,27 @@ def check_against_reference(ranks: list[dict], ref: dict, where: str, steps: int
         assert any((compute[n] - got[n]).abs().max() > 1e-4 for n in compute), where  # one update behind
 
 
+def to_numpy(out: dict) -> dict:
+    """:func:`train_delayed_case`'s result with its tensors as numpy arrays (what goes back from a worker): the
+    weights, the compute weights, and the per-store (master, compute copy) pairs before and after an overflow."""
+    numpy = lambda d: {k: v.numpy().copy() for k, v in d.items()}  # noqa: E731
+    out["weights"], out["compute"] = numpy(out["weights"]), numpy(out["compute"])
+    for key in ("before", "after"):
+        if key in out:
+            out[key] = {j: (m.numpy().copy(), c.float().numpy().copy()) for j, (m, c) in out[key].items()}
+    return out
+
+
+def pipeline_plan(cfg: Any, model_cfg: Any) -> tuple[Any, Any]:
+    """The plan ``mobius train`` makes for a pipeline run on this machine, and the run's parallel settings."""
+    from mobius.app.planning import plan_pipeline
+    from mobius.app.settings import Machine, resolve
+
+    machine = Machine.detect(cfg)
+    settings = resolve(cfg, machine)
+    return plan_pipeline(cfg, model_cfg, settings, machine)[0], settings
+
+
 def delayed_run_config(tmp: Any, ck: Any, corpus: Any, out: str, micro_batches: int, mode: dict,
                        **sections: dict) -> Any:
     """A 4-step ``train.update: delayed`` run of ``mobius train`` on CPU workers (evaluations every 2 steps):

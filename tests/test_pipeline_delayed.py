@@ -15,7 +15,7 @@ from mobius.app.run import train
 from mobius.models.hf import read_state_dict
 from spawned import adapted_model, exact_config, spawn_cases, token_batches, train_delayed_case
 from spawned import check_against_reference, delayed_run_config, metric_rows, resume_from
-from spawned import resumed_equals_straight
+from spawned import pipeline_plan, resumed_equals_straight, to_numpy
 
 STEPS, MICRO = 4, 3
 SWAPPED = {"resident_stages": [], "kept_stages": []}
@@ -80,12 +80,7 @@ def _run_case(case: dict, world: int) -> dict:
         out = _train(engine, cfg, case.get("overflow", False))
     finally:
         engine.close()
-    numpy = lambda d: {k: v.numpy().copy() for k, v in d.items()}  # noqa: E731
-    out["weights"], out["compute"] = numpy(out["weights"]), numpy(out["compute"])
-    for key in ("before", "after"):
-        if key in out:
-            out[key] = {j: (m.numpy().copy(), h.float().numpy().copy()) for j, (m, h) in out[key].items()}
-    return out
+    return to_numpy(out)
 
 
 def _reference(case: dict, tmp: Path) -> dict:
@@ -98,14 +93,9 @@ def _reference(case: dict, tmp: Path) -> dict:
 
 
 def _planned(case: dict, world: int, tmp: Path) -> dict:
-    from mobius.app.planning import plan_pipeline
-    from mobius.app.settings import Machine, resolve
-
     cfg = _cfg(case, world, tmp)
-    machine = Machine.detect(cfg)
-    settings = resolve(cfg, machine)
     mc = adapted_model(case, cfg)
-    plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
+    plan, settings = pipeline_plan(cfg, mc)
     par = case["parallel"]
     for key in ("resident", "kept"):
         if f"{key}_stages" in par:

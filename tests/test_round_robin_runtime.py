@@ -15,7 +15,7 @@ import torch
 from mobius.app.run import train
 from partition.schedule.roundrobin import Cuts
 from spawned import adapted_model, delayed_run_config, exact_config, resume_from, resumed_equals_straight, spawn_cases
-from spawned import check_against_reference, token_batches, train_delayed_case
+from spawned import check_against_reference, pipeline_plan, to_numpy, token_batches, train_delayed_case
 
 STEPS, MICRO = 4, 3
 UNITS = 12  # every fixture: the embedding, 10 blocks, the head
@@ -45,14 +45,9 @@ def _batches(step: int, count: int = MICRO) -> list:
 
 def _planned(case: dict, world: int, tmp: Path) -> dict:
     """The run's pipeline plan with the case's round-robin cuts to run."""
-    from mobius.app.planning import plan_pipeline
-    from mobius.app.settings import Machine, resolve
-
     cfg = _cfg(case, world, tmp)
-    machine = Machine.detect(cfg)
-    settings = resolve(cfg, machine)
     mc = adapted_model(case, cfg)
-    plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
+    plan, settings = pipeline_plan(cfg, mc)
     fwd, bwd = case["cuts"]
     plan.round_robin = {**Cuts(fwd, bwd, UNITS).to_json(), "runs": True}
     return {**case, "cfg": cfg, "settings": settings, "plan": plan, "model_cfg": mc}
@@ -67,16 +62,12 @@ def _run_case(case: dict, world: int) -> dict:
     engine = make_engine(cfg, case["model_cfg"], case["plan"], case["settings"],
                          open_device(case["settings"], int(os.environ["LOCAL_RANK"])),
                          WeightSource(str(case["ck"]), None, cfg.train.seed))
-    moved = []
     try:
         out = train_delayed_case(engine, cfg, STEPS, lambda s, n=case.get("micro", MICRO): _batches(s, n),
                                  lambda e: {}, case.get("overflow", -1))
     finally:
         engine.close()
-    numpy = lambda d: {k: v.numpy().copy() for k, v in d.items()}  # noqa: E731
-    out["weights"], out["compute"] = numpy(out["weights"]), numpy(out["compute"])
-    out["moved"] = moved
-    return out
+    return to_numpy(out)
 
 
 def _reference(case: dict, tmp: Path) -> dict:

@@ -18,7 +18,7 @@ from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
 from spawned import adapted_model, exact_config, spawn_cases, token_batches, train_delayed_case
 from spawned import check_against_reference, delayed_run_config, metric_rows, resume_from
-from spawned import resumed_equals_straight
+from spawned import resumed_equals_straight, to_numpy
 
 STEPS, MICRO = 4, 4
 CHUNK = 4999  # as tests/test_zero.py: no world divides it; the token embedding spans two chunks
@@ -104,12 +104,7 @@ def _run_case(case: dict, world: int) -> dict:
         out["gpu_chunks"], out["offloaded"] = len(engine.gpu.chunks), len(engine.hosts)
     finally:
         engine.close()
-    numpy = lambda d: {k: v.numpy().copy() for k, v in d.items()}  # noqa: E731
-    out["weights"], out["compute"] = numpy(out["weights"]), numpy(out["compute"])
-    for key in ("before", "after"):
-        if key in out:
-            out[key] = {j: (m.numpy().copy(), c.float().numpy().copy()) for j, (m, c) in out[key].items()}
-    return out
+    return to_numpy(out)
 
 
 def _reference(case: dict) -> dict:
