@@ -155,6 +155,11 @@ class _Flow:
     def remaining(self) -> float:
         return self.total - self.done
 
+    def due(self, t: float) -> bool:
+        """Done at time ``t``, up to a byte's fraction or a time too short to move the clock on from ``t``
+        (a fast link's last bytes)."""
+        return self.remaining() < max(_EPS_BYTES, self.rate * max(_EPS_T, 4 * math.ulp(t)))
+
 
 @dataclass
 class _Task:
@@ -627,12 +632,12 @@ class _Sim:
                 self.opt_left[w] = max(0.0, self.opt_left[w] - self.opt_rate[w] * dt)
         for f in self.flows:
             f.done = min(f.total, f.done + f.rate * dt)
-            if f.remaining() < _EPS_BYTES:
+            if f.due(t_next):
                 f.done = f.total
         self.t = t_next
 
     def _complete_due(self) -> None:
-        for f in [f for f in self.flows if f.remaining() < _EPS_BYTES]:
+        for f in [f for f in self.flows if f.due(self.t)]:
             self.flows.remove(f)
             self.flows_changed = True
             self._finish_flow(f)

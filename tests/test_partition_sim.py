@@ -50,6 +50,15 @@ def test_a_step_computed_by_hand() -> None:
             pytest.approx(17.0)
 
 
+def test_links_too_fast_to_move_the_clock_still_finish_their_flows() -> None:
+    """A transfer's last bytes at 1e15 B/s take less than the clock's resolution at t ~ 17 s: they are
+    done, not a loop that cannot advance (it hung the planner with near-infinite links)."""
+    prof = hand_profile()
+    fast = Hardware.uniform(2, 64 * GiB, 1e15, cpu_adam_params_per_s=0.25e9)
+    res = simulate(prof, [0, 1, 2, 3], fast, [0, 1], 2, steps=6)
+    assert res.step_s == pytest.approx(14.0, abs=1e-5)  # the hand step's 17 s less a's upload (1 s) and download (2 s)
+
+
 def test_two_slots_hide_uploads_and_one_slot_is_slower() -> None:
     prof = toy_profile(blocks=14)
     hw = _separate(4)
