@@ -4,7 +4,12 @@ micro-batches of 4 x 2048 tokens, 16 per step, bf16. Both mobius figures come fr
 --parallel.schedule=auto` makes; RoundPipe's are its artifact's (measured, and its simulator's).
 
 Also the round-robin steady state with two of mobius's costs removed, to show where the difference from
-RoundPipe's simulator goes: the fp32 gradient sums per micro-batch (``acc_s``), and the host links.
+RoundPipe's simulator goes: the fp32 gradient sums per micro-batch (``acc_s``), and the host links. And the
+like-for-like comparison of the two cut choosers on the same unit times: RoundPipe's own cuts (its
+``pp-simulate/run.sh``) simulated by mobius's simulator with mobius's costs, beside the cuts mobius's plan
+chose; and both under RoundPipe's simulator's assumptions (the CPU update, the host links and the fp32 sums
+free), where mobius's search chooses again (one step from empty GPUs, which is what RoundPipe's simulator
+reports, and the delayed steady state).
 
     python bench/roundrobin_bench.py                 # the three models, clipping off and at 1.0 (about 2 min)
     python bench/roundrobin_bench.py --models llama-3.1-8b --json out.json
@@ -27,7 +32,8 @@ from mobius.app.planning import plan_pipeline  # noqa: E402
 from mobius.app.settings import Machine, resolve  # noqa: E402
 from mobius.assemble import planned_architecture  # noqa: E402
 from mobius.config import load_config  # noqa: E402
-from partition.roundrobin import simulate_round_robin  # noqa: E402
+from partition.evaluate import GB  # noqa: E402
+from partition.roundrobin import search_cuts, simulate_round_robin  # noqa: E402
 from partition.schedule import PipelineOptions  # noqa: E402
 from partition.schedule.roundrobin import Cuts  # noqa: E402
 
@@ -39,7 +45,14 @@ UNITS = {  # RoundPipe's pp-simulate/run.sh: ms per micro-batch of 4 x 2048 (blo
 }
 ROUNDPIPE = {  # tokens/s: measured sync and delayed (exp/raw-data.csv), its simulator's one step (pp-simulate/log)
     "llama-3.1-8b": (18888, 24275, 21485), "qwen3-1.7b": (56489, 65417, 57337), "qwen3-32b": (4164, 5516, 5466)}
+ROUNDPIPE_CUTS = {  # pp-simulate/run.sh: layers per forward stage | per backward stage from the top (the first: the
+    # head alone, fused with its forward)
+    "llama-3.1-8b": ("5,5,5,5,6,6", "0" + ",2" * 16),
+    "qwen3-1.7b": ("7,7,7,7", "0,3,3,3,3,3,3,3,3,2,2"),
+    "qwen3-32b": ("2,2" + ",3" * 20, "0" + ",1" * 64),
+}
 TOKENS = 16 * 4 * 2048
+FREE = 1e13  # "free": a link (bytes/s) or a CPU update rate (parameters/s) that takes no time at these sizes
 
 
 def _plan(model: str, clip: float, profile_file: Path):
@@ -69,6 +82,46 @@ def _ablations(prof, hw, plan) -> dict[str, float]:
                                                                       opts, record=False).step_s}
 
 
+def roundpipe_cuts(model: str, num_units: int) -> Cuts:
+    """RoundPipe's cuts of ``model`` as mobius's units (0: the embedding, then the blocks, then the head): the
+    embedding joins the first forward stage and the last backward stage."""
+    fwd, bwd = ([int(x) for x in part.split(",")] for part in ROUNDPIPE_CUTS[model])
+    assert bwd[0] == 0 and sum(fwd) == sum(bwd) == num_units - 2, (model, fwd, bwd)
+    def bounds(layers: list[int]) -> tuple[int, ...]:
+        return (0, *(1 + sum(layers[:i + 1]) for i in range(len(layers))))
+    return Cuts(bounds(fwd), bounds(bwd[1:][::-1]), num_units)
+
+
+def _free(prof, hw):
+    """The profile and machine under RoundPipe's simulator's assumptions: no fp32 sums, free links, a free CPU update."""
+    no_acc = dataclasses.replace(prof, units=[dataclasses.replace(u, acc_s=0.0) for u in prof.units])
+    free = dataclasses.replace(hw, rc_h2d_Bps=[FREE] * len(hw.groups), rc_d2h_Bps=[FREE] * len(hw.groups),
+                               h2d_Bps=[FREE] * hw.num_gpus, d2h_Bps=[FREE] * hw.num_gpus,
+                               cpu_adam_params_per_s=FREE, host_adam_params_per_s=FREE)
+    return no_acc, free
+
+
+def _like_for_like(model: str, prof, hw, plan) -> dict[str, float]:
+    """Seconds per step of RoundPipe's cuts and mobius's under mobius's costs (sync and delayed steady state),
+    and under RoundPipe's simulator's assumptions (sync: one step from empty GPUs; delayed: steady state),
+    where mobius's search chooses its cuts again."""
+    rr, gpus = plan.round_robin, plan.worker_gpus
+    theirs, ours = roundpipe_cuts(model, prof.num_units), Cuts(tuple(rr["forward"]), tuple(rr["backward"]),
+                                                               prof.num_units)
+    out: dict[str, float] = {}
+    for delayed in (False, True):
+        rule, opts = "delayed" if delayed else "sync", PipelineOptions(delayed=delayed)
+        out[f"roundpipe_cuts_{rule}_s"] = simulate_round_robin(prof, theirs, hw, gpus, 16, opts, record=False).step_s
+        free_prof, free_hw = _free(prof, hw)
+        mine = search_cuts(free_prof, free_hw, gpus, 16, opts, hw.gpu_memory_bytes / GB).cuts
+        for who, cuts in (("roundpipe_cuts", theirs), ("mobius_cuts", mine)):
+            res = simulate_round_robin(free_prof, cuts, free_hw, gpus, 16, opts, record=False)
+            out[f"free_{who}_{rule}_s"] = res.step_s if delayed else res.step_ends[0]
+    out["mobius_cuts_sync_s"] = rr["step_s"] if rr["update"] == "sync" else rr["sync_step_s"]
+    out["mobius_cuts_delayed_s"] = rr.get("delayed_step_s", rr["step_s"])
+    return out
+
+
 def run(models: list[str], clips: list[float]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,6 +142,7 @@ def run(models: list[str], clips: list[float]) -> list[dict]:
                        "roundpipe_simulator_one_step": ROUNDPIPE[model][2]}
                 if "error" not in rr and clip == 0:
                     row.update(_ablations(prof, hw, plan))
+                    row["like_for_like"] = _like_for_like(model, prof, hw, plan)
                 row["plan_s"] = time.perf_counter() - t0
                 rows.append(row)
                 print(_line(row), flush=True)
@@ -111,6 +165,16 @@ def _line(r: dict) -> str:
             f"simulator {r['roundpipe_simulator_one_step']:,}  [{r['plan_s']:.0f} s]")
 
 
+def _like_line(r: dict) -> str:
+    f = {k: TOKENS / v for k, v in r["like_for_like"].items()}
+    return (f"{r['model']:<13} mobius's costs: RoundPipe's cuts {f['roundpipe_cuts_sync_s']:>8,.0f} / "
+            f"{f['roundpipe_cuts_delayed_s']:>8,.0f}, mobius's {f['mobius_cuts_sync_s']:>8,.0f} / "
+            f"{f['mobius_cuts_delayed_s']:>8,.0f}  | RoundPipe's assumptions: its cuts {f['free_roundpipe_cuts_sync_s']:>8,.0f}"
+            f" / {f['free_roundpipe_cuts_delayed_s']:>8,.0f}, mobius's search {f['free_mobius_cuts_sync_s']:>8,.0f} / "
+            f"{f['free_mobius_cuts_delayed_s']:>8,.0f}  (RoundPipe's simulator, one step: "
+            f"{r['roundpipe_simulator_one_step']:,})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(UNITS), help="comma-separated: " + ", ".join(UNITS))
@@ -120,6 +184,13 @@ def main() -> None:
     print("tokens/s per step of 16 x 4 x 2048 tokens, predicted by mobius's simulator (8 x RTX 4090 times, two root "
           "complexes, no P2P)")
     rows = run(a.models.split(","), [float(c) for c in a.clips.split(",")])
+    like = [r for r in rows if "like_for_like" in r]
+    if like:
+        print("\nlike for like, tokens/s sync / delayed: the same unit times and simulator, RoundPipe's cuts against "
+              "mobius's; with mobius's costs, and under RoundPipe's simulator's assumptions (no fp32 sums, free links "
+              "and CPU update; sync: one step from empty GPUs)")
+        for r in like:
+            print(_like_line(r))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -133,44 +133,78 @@ class RoundRobinChoice:
     rejected: list[str] = field(default_factory=list)  # candidates over the memory budget, why
 
 
-def candidate_cuts(profile: ModelProfile, workers: int, fused_choices: int = 2) -> list[Cuts]:
-    """Cuts to compare: for the fused stage from the head alone up to ``fused_choices`` units, and for target
-    op times around the fused op's, the fewest forward and backward ops under the target, each cut minimax."""
+Shape = tuple[int, int, int]  # (the fused stage's first unit, forward ops, backward ops)
+
+
+def _times(profile: ModelProfile, c: int) -> tuple[list[float], list[float]]:
+    """Per unit below the fused stage at ``c``: its forward, and its recompute + backward (with the fp32 sums)."""
+    return [u.fwd_s for u in profile.units[:c]], [u.bwd_s + u.acc_s for u in profile.units[:c]]
+
+
+def candidate_shapes(profile: ModelProfile, fused_choices: int = 2) -> list[Shape]:
+    """Shapes to compare: for the fused stage from the head alone up to ``fused_choices`` units, and for target
+    op times around the fused op's, the fewest forward and backward ops under the target."""
     U, out = profile.num_units, []
     for c in range(U - 1, max(U - 1 - fused_choices, 0), -1):
         head = stage_cost(profile, c, U)
-        fwd = [u.fwd_s for u in profile.units[:c]]
-        bwd = [u.bwd_s + u.acc_s for u in profile.units[:c]]
+        fwd, bwd = _times(profile, c)
         fused = head.bwd_s + head.acc_s
         targets = {fused * x / 10 for x in range(5, 21)} | {max(bwd) * k for k in range(1, 7)}
-        pairs = {(min(parts_for(fwd, t), c), min(parts_for(bwd, t), c)) for t in targets}
-        for F, B in sorted(pairs):
-            out.append(Cuts(minimax_cuts(fwd, F), minimax_cuts(bwd, B), U))
-    return out
+        out += sorted({(c, min(parts_for(fwd, t), c), min(parts_for(bwd, t), c)) for t in targets})
+    return list(dict.fromkeys(out))
+
+
+def shape_cuts(profile: ModelProfile, shape: Shape) -> Cuts:
+    """The minimax cuts of a shape (each part's time as even as it can be)."""
+    c, F, B = shape
+    fwd, bwd = _times(profile, c)
+    return Cuts(minimax_cuts(fwd, F), minimax_cuts(bwd, B), profile.num_units)
+
+
+def neighbours(shape: Shape) -> list[Shape]:
+    """One forward or one backward op more or fewer."""
+    c, F, B = shape
+    return [(c, f, b) for f, b in ((F - 1, B), (F + 1, B), (F, B - 1), (F, B + 1)) if 1 <= f <= c and 1 <= b <= c]
 
 
 def search_cuts(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int], micro_batches: int,
-                options: PipelineOptions, budget_gb: float, sharing: Sharing = "priority") -> RoundRobinChoice:
-    """The candidate cuts (:func:`candidate_cuts`) that fit ``budget_gb`` per GPU, each simulated; the fastest
+                options: PipelineOptions, budget_gb: float, sharing: Sharing = "priority",
+                climbs: int = 8) -> RoundRobinChoice:
+    """The cuts of the candidate shapes (:func:`candidate_shapes`) that fit ``budget_gb`` per GPU, each simulated,
+    then up to ``climbs`` moves from the fastest to a faster neighbouring shape (:func:`neighbours`); the fastest
     predicted step wins (ties: fewer ops). Raises ``ValueError`` when none fits."""
     t0 = time.perf_counter()
-    best: tuple[float, int, Cuts, SimResult] | None = None
-    rejected, tried = [], 0
-    for cuts in candidate_cuts(profile, len(worker_gpus)):
-        need = round_robin_peaks(profile, cuts, len(worker_gpus), options.num_slots)
-        if need > budget_gb:
-            rejected.append(f"{cuts.num_forward}+1+{cuts.num_backward} ops need {need:.1f} GB")
-            continue
-        res = simulate_round_robin(profile, cuts, hardware, worker_gpus, micro_batches, options, sharing,
-                                   record=False)
-        tried += 1
-        key = (res.step_s, cuts.num_ops)
-        if best is None or key < best[:2]:
-            best = (res.step_s, cuts.num_ops, cuts, res)
+    seen: dict[Shape, tuple[float, int] | None] = {}
+    results: dict[Shape, tuple[Cuts, SimResult]] = {}
+    rejected: list[str] = []
+
+    def judge(shape: Shape) -> tuple[float, int] | None:
+        if shape not in seen:
+            cuts = shape_cuts(profile, shape)
+            need = round_robin_peaks(profile, cuts, len(worker_gpus), options.num_slots)
+            if need > budget_gb:
+                rejected.append(f"{cuts.num_forward}+1+{cuts.num_backward} ops need {need:.1f} GB")
+                seen[shape] = None
+            else:
+                res = simulate_round_robin(profile, cuts, hardware, worker_gpus, micro_batches, options, sharing,
+                                           record=False)
+                seen[shape], results[shape] = (res.step_s, cuts.num_ops), (cuts, res)
+        return seen[shape]
+
+    def fastest(shapes: list[Shape]) -> Shape | None:
+        judged = [(key, sh) for sh in shapes if (key := judge(sh)) is not None]
+        return min(judged)[1] if judged else None
+
+    best = fastest(candidate_shapes(profile))
     if best is None:
         raise ValueError(f"no round-robin cuts fit {budget_gb:.1f} GB per GPU ({'; '.join(rejected[:3])})")
-    log.debug("round-robin cuts: %d simulated in %.1f s", tried, time.perf_counter() - t0)
-    return RoundRobinChoice(best[2], best[3], tried, time.perf_counter() - t0, rejected)
+    for _ in range(climbs):
+        step = fastest(neighbours(best))
+        if step is None or seen[step] >= seen[best]:
+            break
+        best = step
+    log.debug("round-robin cuts: %d simulated in %.1f s", len(results), time.perf_counter() - t0)
+    return RoundRobinChoice(*results[best], len(results), time.perf_counter() - t0, rejected)
 
 
 @dataclass

@@ -13,7 +13,8 @@ import pytest
 
 from partition.costs import ModelProfile, UnitCost
 from partition.hardware import Hardware
-from partition.roundrobin import candidate_cuts, minimax_cuts, parts_for, round_robin_peaks, simulate_round_robin
+from partition.roundrobin import (candidate_shapes, minimax_cuts, neighbours, parts_for, round_robin_peaks, search_cuts,
+                                  shape_cuts, simulate_round_robin)
 from partition.schedule import COMPUTE, Kind, PipelineOptions, ScheduleError
 from partition.schedule.roundrobin import Cuts, build_round_robin, round_robin_timeline
 
@@ -123,7 +124,21 @@ def test_the_memory_model_counts_the_next_op_in_the_second_slot() -> None:
     cuts = Cuts((0, 9), (0, 9), prof.num_units)
     one, two = round_robin_peaks(prof, cuts, 2, 1), round_robin_peaks(prof, cuts, 2, 2)
     assert two > one > 9 * 2 * 100_000_000 / 1e9  # a forward op holds its 9 units' half weights at least
-    assert all(c.fused_from in (prof.num_units - 1, prof.num_units - 2) for c in candidate_cuts(prof, 4))
+    assert all(shape_cuts(prof, s).fused_from in (prof.num_units - 1, prof.num_units - 2) for s in candidate_shapes(prof))
+
+
+def test_the_search_ends_no_slower_than_every_candidate_and_every_neighbouring_shape() -> None:
+    """The cuts it returns are the fastest simulated of the candidate shapes, and one forward or backward op more
+    or fewer would not be faster (it climbs until then)."""
+    prof, hw, gpus = _profile(blocks=12), Hardware.paper_3090ti(), [0, 1, 2, 3]
+    choice = search_cuts(prof, hw, gpus, 8, PipelineOptions(), 22.0)
+    def step(shape) -> float:
+        return simulate_round_robin(prof, shape_cuts(prof, shape), hw, gpus, 8, PipelineOptions(), record=False).step_s
+    c = choice.cuts
+    shape = (c.fused_from, c.num_forward, c.num_backward)
+    assert shape_cuts(prof, shape) == c and choice.result.step_s == pytest.approx(step(shape))
+    for other in candidate_shapes(prof) + neighbours(shape):
+        assert step(other) >= choice.result.step_s - 1e-9, other
 
 
 def test_mobius_plan_prints_the_round_robin_prediction_under_both_update_rules(tmp_path) -> None:
