@@ -29,7 +29,7 @@ KERNELS = {"embed": 3, "block": 14, "head": 5}  # forward kernels per unit (back
 LOSS_BYTES_PER_LOGIT = 16  # mobius's loss (mobius.models.base.lm_loss): fp32 logits, log-softmax, their gradient
 
 
-ACC_BYTES_PER_PARAM = 12  # fp32 sums += half gradients, then the gradients zeroed: read 4 + 2, write 4 + 2
+ACC_BYTES_PER_PARAM = 10  # fp32 sums += each micro-batch's half gradients (scheduler.stages.add_gradients): read 4 + 2, write 4
 
 
 def precision_bytes(precision: str) -> int:

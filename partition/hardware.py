@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mobius.errors import ConfigError
-from partition.costs import ADAM_BYTES, PRECISION_BYTES
+from partition.costs import UPDATE_BYTES
 from partition.estimate import MEMORY_EFFICIENCY
 from partition.gpus import GB, GPU_CATALOGUE, PCIE_LANE_Bps, GiB, gpu_spec, lookup_gpu
 
@@ -46,7 +46,7 @@ HOST_DEFAULT_SOURCE = (f"a default for a server planned from elsewhere: the Mobi
 HOST_COPY_Bps = 5e9  # assumed: memory copies within one host, the one figure for both a tensor sent between two
 # worker processes (a gloo send through a socket: a tied weight's exchange) and CPU workers' "links" (memcpy between
 # a worker's host and device buffers; mobius.app.planning's CPU workers)
-DEVICE_ADAM_BYTES = ADAM_BYTES + PRECISION_BYTES["bf16"]  # a resident stage's AdamW on its device, per parameter:
+DEVICE_ADAM_BYTES = UPDATE_BYTES  # a resident stage's AdamW on its device, per parameter:
 # the fused step's traffic (partition.costs.ADAM_BYTES) and writing the half copy the stage computes with (2 bytes)
 
 

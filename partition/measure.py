@@ -90,13 +90,13 @@ def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: in
 
 
 def _accumulate_s(numel: int, dtype, dev, reps: int, warmup: int) -> float:
-    """Seconds to add one micro-batch's half-precision gradients into fp32 sums and zero them (what
-    the pipeline does after every backward in bf16/fp16)."""
+    """Seconds to add one micro-batch's half-precision gradients into fp32 sums (what the pipelines do
+    after every backward in bf16/fp16: ``scheduler.stages.add_gradients``)."""
     import torch
 
     grads = torch.zeros(numel, dtype=dtype, device=dev)
     acc = torch.zeros(numel, dtype=torch.float32, device=dev)
-    return _time(lambda: (acc.add_(grads), grads.zero_()), dev, reps, warmup)
+    return _time(lambda: acc.add_(grads), dev, reps, warmup)
 
 
 def _unit_step(kind: str, module, x, targets):

@@ -572,7 +572,7 @@ class _Sim:
             self.opt_queue[w].pop(0)
             self.opt_running[w], self.opt_start[w] = (step, j), self.t
             self.begun[j] += 1
-            self.opt_left[w] = float(self.costs[j].trainable_count)
+            self.opt_left[w] = float(self.costs[j].trainable_count) * self.sched.update_work
             self.opt_busy[w] = self.t  # timed by _share_cpu
             started = True
         return started

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch import nn
 
 from mobius.engine import autocast
 from mobius.models import ModelConfig
@@ -45,7 +46,7 @@ from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.arbiter import UploadArbiter
 from scheduler.counters import Counters
 from mobius.models.params import build_units
-from scheduler.stages import StageLayout, bind
+from scheduler.stages import StageLayout, add_gradients, bind
 from scheduler.store import StageStore
 from scheduler.trace import ComputeSpans, StepTrace
 from scheduler.updater import CpuUpdater, Events
@@ -144,6 +145,7 @@ class DeviceSlot:
         self.released: torch.cuda.Event | None = None  # last use finished (CUDA); the next upload waits on it
         self.grads_live = False  # gradients zeroed for this residency
         self.bound: tuple[int, str] | None = None  # (stage, "grads" | "graph" | "infer") the modules point here for
+        self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # with ``acc``: (bound parameter, its fp32 sum)
 
 
 @dataclass
@@ -418,14 +420,14 @@ class Executor:
             slot.released = None
         n, t = self.layouts[j].numel, self.layouts[j].trainable_numel
         if grads and not slot.grads_live:
-            slot.grads[:t].zero_()
-            if slot.acc is not None:
-                slot.acc[:t].zero_()
+            (slot.acc if slot.acc is not None else slot.grads)[:t].zero_()
             slot.grads_live = True
         mode = "grads" if grads else "graph" if graph else "infer"
         if slot.bound != (j, mode):
-            bind(self.units[j], self.layouts[j], self.num_units, slot.params[:n], slot.grads[:t] if grads else None,
-                 requires_grad=grads or graph)
+            sums = slot.acc is not None and grads  # half precision: each micro-batch's gradients go into the fp32 sums
+            slot.pairs = bind(self.units[j], self.layouts[j], self.num_units, slot.params[:n],
+                              slot.grads[:t] if grads and not sums else None, requires_grad=grads or graph,
+                              sums=slot.acc[:t] if sums else None)
             slot.bound = (j, mode)
         return slot
 
@@ -507,7 +509,7 @@ class Executor:
             loss = lm_loss(self._run(j, x, m), st.batches["targets"][m])
         (loss * st.io.loss_factor).backward()
         self._count_loss(loss.detach())
-        self._accumulate(slot, j)
+        add_gradients(slot.pairs)
         if j > 0:
             st.outputs[("g", j, m)] = x.grad
         self.st.computed.add("backward", start)
@@ -520,27 +522,25 @@ class Executor:
         saved = st.saved.pop((j, m))
         g = st.waiting.pop(("g", j, m))()
         start = self.st.computed.mark()
+        pairs = slot.pairs
         if isinstance(saved, Graph):
             x, y = saved.x, saved.y
             if saved.params:  # swapped: the graph accumulates into its forward's parameters -> this slot's buffers
+                sums, pairs = {id(p): total for p, total in slot.pairs}, []
                 for old, new in zip(saved.params, self.units[j].parameters(), strict=True):
-                    old.grad = new.grad
+                    old.grad = new.grad  # fp32: the slot's gradient views; half: empty, the fp32 sums take them
+                    if id(new) in sums:
+                        pairs.append((old, sums[id(new)]))
         else:
             x = saved.detach().requires_grad_() if saved.is_floating_point() else saved
             with autocast(self.device, self.opt.precision):
                 y = self._run(j, x, m)
         if y.requires_grad:  # a stage of frozen weights over token ids (LoRA's embedding) has nothing to do
             torch.autograd.backward(y, g.to(y.dtype))
-        self._accumulate(slot, j)
+        add_gradients(pairs)
         if j > 0:
             st.outputs[("g", j, m)] = x.grad
         self.st.computed.add("backward", start)
-
-    def _accumulate(self, slot: DeviceSlot, j: int) -> None:
-        if slot.acc is not None:
-            t = self.layouts[j].trainable_numel
-            slot.acc[:t].add_(slot.grads[:t])
-            slot.grads[:t].zero_()
 
     def _count_loss(self, loss: torch.Tensor) -> None:
         self.st.loss_sum = self.st.loss_sum + loss.detach().float()

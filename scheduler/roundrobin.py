@@ -52,7 +52,7 @@ from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot
 from scheduler.links import link_to
 from scheduler.shared import Span, UnitStores, wait_for
-from scheduler.stages import bind
+from scheduler.stages import add_gradients, bind
 from scheduler.trace import ComputeSpans
 from scheduler.updater import CpuUpdater, Events, sum_over_ranks
 
@@ -441,9 +441,7 @@ class _Dispatch:
             slot.ready_event = None
         s = self.spans[k]
         if grads and not slot.grads_live:
-            slot.grads[:s.trainable].zero_()
-            if slot.acc is not None:
-                slot.acc[:s.trainable].zero_()
+            (slot.acc if slot.acc is not None else slot.grads)[:s.trainable].zero_()
             slot.grads_live = True
         key = (self.slots.index(slot), k, "grads" if grads else "infer")
         if self.bound != key:
@@ -452,12 +450,16 @@ class _Dispatch:
         return slot
 
     def _bind(self, slot: DeviceSlot, s: Span, grads: bool) -> None:
-        U = self.stores.num_units
+        """Bind the op's units to the slot (half precision with gradients: each micro-batch's gradients go
+        into the fp32 sums, ``slot.pairs``)."""
+        U, sums = self.stores.num_units, grads and slot.acc is not None
+        slot.pairs = []
         for u in range(s.first, s.end):
             us = self.stores.span(u, u + 1)
-            lo, glo = us.lo - s.lo, us.glo - s.glo
-            bind(self.units[u:u + 1], self.stores.layouts[u], U, slot.params[lo:lo + us.numel],
-                 slot.grads[glo:glo + us.trainable] if grads else None)
+            lo, glo, ghi = us.lo - s.lo, us.glo - s.glo, us.glo - s.glo + us.trainable
+            slot.pairs += bind(self.units[u:u + 1], self.stores.layouts[u], U, slot.params[lo:lo + us.numel],
+                               slot.grads[glo:ghi] if grads and not sums else None, requires_grad=grads,
+                               sums=slot.acc[glo:ghi] if sums else None)
 
     # ---- compute --------------------------------------------------------------------------------
     def _run(self, first: int, end: int, x: torch.Tensor, m: int) -> torch.Tensor:
@@ -575,7 +577,7 @@ class _Dispatch:
         start = self.st.computed.mark()
         if y.requires_grad:  # frozen units over token ids (LoRA's embedding) have nothing to do
             torch.autograd.backward(y, g.to(y.dtype))
-        self._accumulate(slot, k)
+        add_gradients(slot.pairs)
         if self.cuts.units(k)[0] > 0:
             st.outputs[("g", k, m)] = x.grad
         self.st.computed.add("backward", start)
@@ -592,15 +594,9 @@ class _Dispatch:
         (loss * st.loss_factor).backward()
         st.loss_sum = st.loss_sum + loss.detach().float()
         st.losses += 1
-        self._accumulate(slot, k)
+        add_gradients(slot.pairs)
         st.outputs[("g", k, m)] = x.grad
         self.st.computed.add("backward", start)
-
-    def _accumulate(self, slot: DeviceSlot, k: int) -> None:
-        if slot.acc is not None:
-            t = self.spans[k].trainable
-            slot.acc[:t].add_(slot.grads[:t])
-            slot.grads[:t].zero_()
 
     # ---- activations ----------------------------------------------------------------------------
     def _tag(self, kind: str, sender: int, m: int) -> int:

@@ -105,14 +105,32 @@ def views(buf: torch.Tensor, layout: StageLayout, trainable_only: bool = False) 
 
 
 def bind(units: nn.ModuleList, layout: StageLayout, num_units: int, params: torch.Tensor,
-         grads: torch.Tensor | None, requires_grad: bool | None = None) -> None:
+         grads: torch.Tensor | None, requires_grad: bool | None = None,
+         sums: torch.Tensor | None = None) -> list[tuple[nn.Parameter, torch.Tensor]]:
     """Point the stage's unit modules at views of ``params`` (and their ``.grad`` at ``grads``, which
-    holds the trainable elements only); ``requires_grad`` (default: whether ``grads`` are given)
-    applies to what trains, frozen parameters never require gradients."""
-    requires_grad = grads is not None if requires_grad is None else requires_grad
+    holds the trainable elements only); ``requires_grad`` (default: whether ``grads`` or ``sums`` are
+    given) applies to what trains, frozen parameters never require gradients. With ``sums`` (fp32, the
+    trainable elements) instead of ``grads``, each trainable parameter's ``.grad`` starts empty, so that
+    autograd hands it each micro-batch's gradient without adding it anywhere, and the pairs (parameter,
+    its view of ``sums``) are returned for :func:`add_gradients`."""
+    requires_grad = grads is not None or sums is not None if requires_grad is None else requires_grad
     pv = views(params, layout)
     gv = views(grads, layout, trainable_only=True) if grads is not None else {}
+    sv = views(sums, layout, trainable_only=True) if sums is not None else {}
+    pairs = []
     for k, unit in zip(range(layout.first_unit, layout.end_unit), units):
-        bind_parameters(unit, unit_prefix(k, num_units), pv.__getitem__,
-                        lambda name: requires_grad and layout.trains(name), gv.get)
+        bound = bind_parameters(unit, unit_prefix(k, num_units), pv.__getitem__,
+                                lambda name: requires_grad and layout.trains(name), gv.get)
+        pairs += [(param, sv[name]) for name, param in bound if name in sv]
+    return pairs
+
+
+def add_gradients(pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Add each parameter's gradient of one micro-batch into its fp32 sum and drop it: one pass over the
+    gradients (no half-precision buffer to accumulate into and zero again), one multi-tensor add."""
+    ready = [(total, param) for param, total in pairs if param.grad is not None]
+    if ready:
+        torch._foreach_add_([total for total, _ in ready], [param.grad for _, param in ready])
+    for _, param in ready:
+        param.grad = None
 

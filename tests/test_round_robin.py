@@ -119,6 +119,19 @@ def test_the_simulator_runs_the_lists_and_a_delayed_update_is_not_slower(tied: b
     assert "C" in delayed.to_ascii(80) or "c" in delayed.to_ascii(80)
 
 
+def test_an_ops_cpu_update_also_pays_for_adding_the_later_rounds_sums_and_the_norm() -> None:
+    """The download thread adds each later round's fp32 sums into the host sum (12 bytes per parameter) and reads
+    the total for the norm (4), on the memory the CPU AdamW uses (30): an update's work grows by that much."""
+    prof, hw = _profile(), Hardware.paper_3090ti()
+    cuts = Cuts((0, 3, 6, 9), (0, 2, 4, 6, 7, 8, 9), prof.num_units)
+    assert build_round_robin(cuts, 4, 4).update_work == pytest.approx(1 + 4 / 30)  # one round
+    assert build_round_robin(cuts, 1, 2).update_work == pytest.approx(1 + 16 / 30)  # two
+    res = simulate_round_robin(prof, cuts, hw, [0], 2, PipelineOptions(), steps=1)  # one worker: one update at a time
+    busy = sum(e.end - e.start for e in res.events if e.cat == "adam")
+    trainable = sum(u.trainable_count for u in prof.units)
+    assert busy == pytest.approx(trainable * (1 + 16 / 30) / hw.cpu_update_rate())
+
+
 def test_the_memory_model_counts_the_next_op_in_the_second_slot() -> None:
     prof = _profile()
     cuts = Cuts((0, 9), (0, 9), prof.num_units)

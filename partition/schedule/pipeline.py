@@ -169,6 +169,7 @@ class Schedule:
     rounds = 1  # rounds per step (a round-robin notion: one here)
     compute_copies = 1  # train.update: delayed: host copies per stage of the weights the GPU computes with (and
     # of its gradient buffer)
+    update_work = 1.0  # host memory work of a stage's CPU update, in updates of its parameters (the sums arrive whole)
     tie_ends = property(lambda self: (0, self.num_stages - 1))  # the stages holding the two ends of a tied weight
 
     def worker_for(self, stage: int, micro: int) -> int:

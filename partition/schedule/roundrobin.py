@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from partition.costs import HOST_NORM_BYTES, HOST_SUM_BYTES, UPDATE_BYTES
 from partition.schedule.pipeline import COMPUTE, Action, Kind, PipelineOptions, ScheduleError
 
 
@@ -100,6 +101,13 @@ class RoundRobinSchedule:
     resident = frozenset()
     kept = frozenset()
     offloaded = frozenset()
+
+    @property
+    def update_work(self) -> float:
+        """Host memory work of an op's CPU update, in updates of its parameters: the AdamW, plus adding each later
+        round's downloaded sums into the host sum and reading the total once for the norm (the download thread
+        does both on the same memory)."""
+        return 1.0 + ((self.rounds - 1) * HOST_SUM_BYTES + HOST_NORM_BYTES) / UPDATE_BYTES
 
     num_slots = property(lambda self: self.options.num_slots)
     barrier = property(lambda self: self.options.barrier)

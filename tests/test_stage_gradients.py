@@ -1,0 +1,57 @@
+"""A stage's half-precision gradients go into its fp32 sums directly (scheduler.stages.bind/add_gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mobius.models.base import lm_loss, run_units
+from mobius.models.gpt2 import GPT2Config
+from mobius.models.params import build_units
+from scheduler.stages import add_gradients, bind, stage_layouts
+
+
+def _stage(tied: bool):
+    """A whole tiny GPT-2 as one stage (embedding, 2 blocks, head): its units, layout and bf16 weights."""
+    cfg = GPT2Config(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, tie_word_embeddings=tied)
+    layout = stage_layouts(cfg, [0, 4])[0]
+    units = build_units(cfg, 0, 4)
+    torch.manual_seed(0)
+    params = (torch.randn(layout.numel) * 0.05).to(torch.bfloat16)
+    return units, layout, params
+
+
+def _micro_batch(units, m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    tokens = torch.randint(0, 320, (2, 16), generator=g)
+    lm_loss(run_units(list(units), tokens), torch.randint(0, 320, (2, 16), generator=g)).backward()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_micro_batchs_half_gradients_are_added_into_the_fp32_sums_once(tied: bool) -> None:
+    """With ``sums`` every trainable ``.grad`` starts empty, so autograd hands over each micro-batch's gradient
+    without adding it into a half buffer, and add_gradients adds it into the fp32 sum and drops it. The sums equal
+    each micro-batch's gradient taken alone (into a zeroed half buffer, as before), summed in fp32; a weight tied
+    within the stage gets both ends' gradients in its one sum."""
+    units, layout, params = _stage(tied)
+    t = layout.trainable_numel
+    alone = []
+    for m in range(3):  # the old way: .grad views of a zeroed bf16 buffer, one micro-batch each
+        grads = torch.zeros(t, dtype=torch.bfloat16)
+        bind(units, layout, 4, params, grads)
+        _micro_batch(units, m)
+        alone.append(grads.float())
+    sums = torch.zeros(t)
+    pairs = bind(units, layout, 4, params, None, sums=sums)
+    assert pairs and all(p.grad is None and p.requires_grad for p, _ in pairs)
+    for m in range(3):
+        _micro_batch(units, m)
+        add_gradients(pairs)
+        assert all(p.grad is None for p, _ in pairs)
+    expected = alone[0] + alone[1] + alone[2]
+    if not tied:
+        assert torch.equal(sums, expected)
+    else:  # the old way added the two ends in bf16 first: the same within its rounding, and both ends are there
+        assert torch.allclose(sums, expected, rtol=1e-2, atol=1e-4)
+        assert len(pairs) == len({id(p) for p, _ in pairs}) and len(pairs) > len({s.data_ptr() for _, s in pairs})
