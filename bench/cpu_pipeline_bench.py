@@ -12,7 +12,9 @@ worker processes (gloo), in several variants: as planned; with clipping; with on
 the CPU update off the step's critical path), and both again with 2 micro-batches, where the CPU update
 weighs more. For each: the plan's
 predicted step time (``plan.json``, the simulator) and the measured median step time of the
-steady-state steps (``metrics.jsonl``). ``--repeats R`` runs the whole set R times, interleaved, each
+steady-state steps (``metrics.jsonl``); and the plan's step simulated again with every unit's forward and
+backward scaled to the compute phases the run measured (``calibrated``: the simulator's schedule given the
+compute the run really took, apart from the profile's error). ``--repeats R`` runs the whole set R times, interleaved, each
 time with a fresh cache (the units profiled and the CPU update rate learnt anew, as on a new machine),
 so a slow spell of a shared machine does not fall on one variant; the table gives each variant's
 median error and its range. Prints the table and writes ``<out>/cpu_pipeline_bench.json``.
@@ -106,7 +108,52 @@ def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args:
             "resident": plan["resident"], "kept": plan["kept"], "predicted_s": round(predicted, 4),
             "measured_s": round(measured, 4), "error": round(predicted / measured - 1, 4),
             "model_s": round(plan["model_step_s"], 4), "cpu_adam_params_per_s": plan["cpu_adam_params_per_s"],
-            "wall_s": round(wall, 1)}
+            "wall_s": round(wall, 1), **replayed(cfg, plan, rows, args.warmup)}
+
+
+def replayed(cfg, plan: dict, rows: list[dict], warmup: int) -> dict:
+    """The plan's step simulated again with the cached profile (``as_planned_s``: it must equal the plan's
+    prediction), then with every unit's forward and backward scaled until the simulated forward and backward
+    phases equal the ones the run measured (``calibrated_s``): the simulator's schedule given the compute the run
+    really took, apart from the profile's error on this machine (``forward_x``, ``backward_x``: the scales)."""
+    import dataclasses
+
+    from mobius.app.planning import hardware, profile
+    from mobius.app.settings import Machine, resolve
+    from mobius.assemble import planned_architecture
+    from partition import simulate
+    from partition.roundrobin import simulate_round_robin
+    from partition.schedule import PipelineOptions
+    from partition.schedule.roundrobin import Cuts
+
+    machine = Machine.detect(cfg)
+    settings = resolve(cfg, machine, "pipeline", "")
+    hw = hardware(cfg, settings, machine)
+    prof = profile(cfg, planned_architecture(cfg), settings, machine, hw)
+    rr, M = plan.get("round_robin", {}), cfg.train.micro_batches
+    opts = PipelineOptions(num_slots=plan["num_slots"], offload_inputs=plan["offload_inputs"], barrier=plan["barrier"],
+                           resident=frozenset(plan["resident"]), kept=frozenset(plan["kept"]),
+                           grad_dtype=plan["grad_dtype"], prefetch_bytes=plan["prefetch_bytes"], delayed=plan["delayed"])
+
+    def run(p):
+        if rr.get("runs"):
+            cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), p.num_units)
+            return simulate_round_robin(p, cuts, hw, plan["worker_gpus"], M,
+                                        PipelineOptions(barrier=opts.barrier, delayed=opts.delayed))
+        return simulate(p, plan["boundaries"], hw, plan["worker_gpus"], M, opts)
+
+    steady = rows[warmup:]
+    want = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
+    fx = bx = 1.0
+    for _ in range(4):  # fixed point: a backward recomputes a forward
+        units = [dataclasses.replace(u, fwd_s=u.fwd_s * fx, bwd_s=u.fwd_s * fx + (u.bwd_s - u.fwd_s) * bx)
+                 for u in prof.units]
+        res = run(dataclasses.replace(prof, units=units))
+        split = res.time_split()
+        fx *= want["forward"] / split["forward"] if split["forward"] else 1.0
+        bx *= want["backward"] / split["backward"] if split["backward"] else 1.0
+    return {"as_planned_s": round(run(prof).step_s, 4), "calibrated_s": round(res.step_s, 4),
+            "forward_x": round(fx, 3), "backward_x": round(bx, 3)}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -122,7 +169,8 @@ def summarize(rows: list[dict]) -> list[dict]:
              "predicted_s": round(statistics.median(r["predicted_s"] for r in rs), 4),
              "measured_s": round(statistics.median(r["measured_s"] for r in rs), 4),
              "error": round(statistics.median(r["error"] for r in rs), 4),
-             "error_min": min(r["error"] for r in rs), "error_max": max(r["error"] for r in rs)}
+             "error_min": min(r["error"] for r in rs), "error_max": max(r["error"] for r in rs),
+             "calibrated_error": round(statistics.median(r["calibrated_s"] / r["measured_s"] - 1 for r in rs), 4)}
             for name, rs in by.items()]
 
 
@@ -147,12 +195,12 @@ def main() -> None:
                 rows.append(run_variant(name, VARIANTS[name], ck, root, repeat, args))
                 print(json.dumps(rows[-1]), flush=True)
     summary = summarize(rows)
-    print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s}   "
+    print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s} {'calibrated':>10s}   "
           "forward, backward, upload wait, dispatch: predicted / measured s")
     for r in summary:
         split = ", ".join(f"{r[k][0]:.3f} / {r[k][1]:.3f}" for k in PHASE_KEYS)
         print(f"{r['variant']:32s} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} {100 * r['error']:+6.1f}% "
-              f"{100 * r['error_min']:+7.1f}..{100 * r['error_max']:+.1f}%   {split}")
+              f"{100 * r['error_min']:+7.1f}..{100 * r['error_max']:+.1f}% {100 * r['calibrated_error']:+9.1f}%   {split}")
     out = Path(args.out) / "cpu_pipeline_bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "rows": rows, "summary": summary},
