@@ -14,9 +14,9 @@ weighs more. For each: the plan's
 predicted step time (``plan.json``, the simulator) and the measured median step time of the
 steady-state steps (``metrics.jsonl``); and the plan's step simulated again with every unit's forward and
 backward scaled to the compute phases the run measured (``calibrated``: the simulator's schedule given the
-compute the run really took, apart from the profile's error). ``--repeats R`` runs the whole set R times, interleaved, each
-time with a fresh cache (the units profiled and the CPU update rate learnt anew, as on a new machine),
-so a slow spell of a shared machine does not fall on one variant; the table gives each variant's
+compute the run really took, apart from the profile's error). ``--repeats R`` runs the whole set R times,
+interleaved, each time with a fresh cache (the units profiled and the CPU update rate learnt anew, as on a new
+machine), so a slow spell of a shared machine does not fall on one variant; the table gives each variant's
 median error and its range. Prints the table and writes ``<out>/cpu_pipeline_bench.json``.
 """
 

@@ -73,9 +73,7 @@ def _ablations(prof, hw, plan) -> dict[str, float]:
     rr = plan.round_robin
     cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), prof.num_units)
     opts = PipelineOptions(grad_dtype=plan.options.grad_dtype, delayed=True)
-    no_acc = dataclasses.replace(prof, units=[dataclasses.replace(u, acc_s=0.0) for u in prof.units])
-    fast = dataclasses.replace(hw, rc_h2d_Bps=[1e11] * len(hw.groups), rc_d2h_Bps=[1e11] * len(hw.groups),
-                               h2d_Bps=[1e11] * hw.num_gpus, d2h_Bps=[1e11] * hw.num_gpus)
+    no_acc, fast = _no_sums(prof), _links(hw, 1e11)
     return {"delayed_no_fp32_sums_s": simulate_round_robin(no_acc, cuts, hw, plan.worker_gpus, 16, opts,
                                                            record=False).step_s,
             "delayed_no_fp32_sums_fast_links_s": simulate_round_robin(no_acc, cuts, fast, plan.worker_gpus, 16,
@@ -92,13 +90,21 @@ def roundpipe_cuts(model: str, num_units: int) -> Cuts:
     return Cuts(bounds(fwd), bounds(bwd[1:][::-1]), num_units)
 
 
+def _no_sums(prof):
+    """The profile with the fp32 gradient sums of each micro-batch free (``acc_s`` 0)."""
+    return dataclasses.replace(prof, units=[dataclasses.replace(u, acc_s=0.0) for u in prof.units])
+
+
+def _links(hw, rate: float):
+    """The machine with every host link and root complex at ``rate`` bytes/s each way."""
+    return dataclasses.replace(hw, rc_h2d_Bps=[rate] * len(hw.groups), rc_d2h_Bps=[rate] * len(hw.groups),
+                               h2d_Bps=[rate] * hw.num_gpus, d2h_Bps=[rate] * hw.num_gpus)
+
+
 def _free(prof, hw):
     """The profile and machine under RoundPipe's simulator's assumptions: no fp32 sums, free links, a free CPU update."""
-    no_acc = dataclasses.replace(prof, units=[dataclasses.replace(u, acc_s=0.0) for u in prof.units])
-    free = dataclasses.replace(hw, rc_h2d_Bps=[FREE] * len(hw.groups), rc_d2h_Bps=[FREE] * len(hw.groups),
-                               h2d_Bps=[FREE] * hw.num_gpus, d2h_Bps=[FREE] * hw.num_gpus,
-                               cpu_adam_params_per_s=FREE, host_adam_params_per_s=FREE)
-    return no_acc, free
+    return _no_sums(prof), dataclasses.replace(_links(hw, FREE), cpu_adam_params_per_s=FREE,
+                                               host_adam_params_per_s=FREE)
 
 
 def _like_for_like(model: str, prof, hw, plan) -> dict[str, float]:

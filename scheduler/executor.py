@@ -147,6 +147,18 @@ class DeviceSlot:
         self.bound: tuple[int, str] | None = None  # (stage, "grads" | "graph" | "infer") the modules point here for
         self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # with ``acc``: (bound parameter, its fp32 sum)
 
+    @property
+    def sums(self) -> torch.Tensor:
+        """The gradients summed over the step's micro-batches: the fp32 accumulator in half precision, the
+        gradient buffer itself in fp32."""
+        return self.acc if self.acc is not None else self.grads
+
+    def gradients_to(self, lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Where elements ``[lo, hi)`` of a backward's gradients go, as :func:`~scheduler.stages.bind` takes them
+        (``grads``, ``sums``): in fp32 ``.grad`` views autograd accumulates into; in half precision the fp32
+        sums, each micro-batch's handed over to :func:`~scheduler.stages.add_gradients`."""
+        return (None, self.acc[lo:hi]) if self.acc is not None else (self.grads[lo:hi], None)
+
 
 @dataclass
 class StepState:
@@ -420,14 +432,13 @@ class Executor:
             slot.released = None
         n, t = self.layouts[j].numel, self.layouts[j].trainable_numel
         if grads and not slot.grads_live:
-            (slot.acc if slot.acc is not None else slot.grads)[:t].zero_()
+            slot.sums[:t].zero_()
             slot.grads_live = True
         mode = "grads" if grads else "graph" if graph else "infer"
         if slot.bound != (j, mode):
-            sums = slot.acc is not None and grads  # half precision: each micro-batch's gradients go into the fp32 sums
-            slot.pairs = bind(self.units[j], self.layouts[j], self.num_units, slot.params[:n],
-                              slot.grads[:t] if grads and not sums else None, requires_grad=grads or graph,
-                              sums=slot.acc[:t] if sums else None)
+            into, sums = slot.gradients_to(0, t) if grads else (None, None)
+            slot.pairs = bind(self.units[j], self.layouts[j], self.num_units, slot.params[:n], into,
+                              requires_grad=grads or graph, sums=sums)
             slot.bound = (j, mode)
         return slot
 
@@ -585,7 +596,7 @@ class Executor:
         self.check()
         host.updated.clear()
         host.consumed.clear()
-        src = slot.acc[:n] if slot.acc is not None else slot.grads[:n]  # fp32 either way
+        src = slot.sums[:n]  # fp32 either way
         st.sumsq.append(self._sumsq(src, self.tied.get(j)))  # the exact norm, before any rounding
         if self.opt.half_grads:
             src = slot.grads[:n].copy_(src)  # the slot's half gradients are free once summed
@@ -641,7 +652,7 @@ class Executor:
         half copy takes the master first, then AdamW updates the master alone)."""
         j, st = a.stage, self.st
         slot, n = self.slot_of[j], self.layouts[j].trainable_numel
-        self.resident[j].update(st.io.lr, st.factor, slot.acc[:n] if slot.acc is not None else slot.grads[:n],
+        self.resident[j].update(st.io.lr, st.factor, slot.sums[:n],
                                 skip=st.skipped or self.opt.skip_updates)
         slot.grads_live = False  # zeroed before the next backward
 
@@ -679,7 +690,7 @@ class Executor:
         if st.sched.train:  # resident gradients are still on the device (an update without a factor leaves them)
             for j in self.resident:
                 slot, n = self.slot_of[j], self.layouts[j].trainable_numel
-                st.sumsq.append(self._sumsq(slot.acc[:n] if slot.acc is not None else slot.grads[:n], None))
+                st.sumsq.append(self._sumsq(slot.sums[:n], None))
         self.check()
         stats = self._local_stats(st)
         total = self.coll.reduce(stats)

@@ -441,7 +441,7 @@ class _Dispatch:
             slot.ready_event = None
         s = self.spans[k]
         if grads and not slot.grads_live:
-            (slot.acc if slot.acc is not None else slot.grads)[:s.trainable].zero_()
+            slot.sums[:s.trainable].zero_()
             slot.grads_live = True
         key = (self.slots.index(slot), k, "grads" if grads else "infer")
         if self.bound != key:
@@ -452,14 +452,14 @@ class _Dispatch:
     def _bind(self, slot: DeviceSlot, s: Span, grads: bool) -> None:
         """Bind the op's units to the slot (half precision with gradients: each micro-batch's gradients go
         into the fp32 sums, ``slot.pairs``)."""
-        U, sums = self.stores.num_units, grads and slot.acc is not None
+        U = self.stores.num_units
         slot.pairs = []
         for u in range(s.first, s.end):
             us = self.stores.span(u, u + 1)
-            lo, glo, ghi = us.lo - s.lo, us.glo - s.glo, us.glo - s.glo + us.trainable
-            slot.pairs += bind(self.units[u:u + 1], self.stores.layouts[u], U, slot.params[lo:lo + us.numel],
-                               slot.grads[glo:ghi] if grads and not sums else None, requires_grad=grads,
-                               sums=slot.acc[glo:ghi] if sums else None)
+            lo, glo = us.lo - s.lo, us.glo - s.glo
+            into, sums = slot.gradients_to(glo, glo + us.trainable) if grads else (None, None)
+            slot.pairs += bind(self.units[u:u + 1], self.stores.layouts[u], U, slot.params[lo:lo + us.numel], into,
+                               requires_grad=grads, sums=sums)
 
     # ---- compute --------------------------------------------------------------------------------
     def _run(self, first: int, end: int, x: torch.Tensor, m: int) -> torch.Tensor:
@@ -620,7 +620,7 @@ class _Dispatch:
         k, q, st = a.stage, a.round, self.st
         s, slot, R, index = self.spans[k], self.slot_of[(st.index, k, a.round)], st.sched.rounds, st.index
         readers = (k, *(self.e.tied[k][:1] if k in self.e.tied else ())) if q == 0 else ()
-        src, ready = (slot.acc if slot.acc is not None else slot.grads)[:s.trainable], self._compute_so_far()
+        src, ready = slot.sums[:s.trainable], self._compute_so_far()
         done = index * R + q  # rounds of op k summed before this one
 
         def job() -> None:
