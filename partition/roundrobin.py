@@ -6,7 +6,8 @@ and CPU update model) over several consecutive steps, so that with ``train.updat
 next step's rounds fill the GPUs while the last one drains. :func:`search_cuts` chooses the two
 partitions: for each split of the units into forward, fused and backward parts and each target op
 time, the fewest-ops minimax cuts (exact, by dynamic programming) that fit the GPUs, judged by the
-simulator; the best predicted step wins. Pure numbers: no torch.
+simulator; from the best it climbs to one forward or backward op more or fewer while that is faster.
+Pure numbers: no torch.
 """
 
 from __future__ import annotations
@@ -210,8 +211,8 @@ def search_cuts(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int
 @dataclass
 class RoundRobinPlan:
     """The round-robin family's plan of a run: its cuts and their simulated step under the run's update rule
-    and under the other one (same cuts), as the planner compares it with the swapped pipeline's. mobius's
-    runtime does not run this schedule yet: ``mobius train`` runs the swapped pipeline."""
+    and under the other one (same cuts), as the planner compares it with the swapped pipeline's (``mobius train``
+    runs it when asked for, or under ``auto`` when it is predicted faster: ``scheduler/roundrobin.py``)."""
 
     cuts: Cuts
     update: str  # the run's rule: "sync" or "delayed"
