@@ -9,9 +9,11 @@ like-for-like comparison of the two cut choosers on the same unit times: RoundPi
 ``pp-simulate/run.sh``) simulated by mobius's simulator with mobius's costs, beside the cuts mobius's plan
 chose; and both under RoundPipe's simulator's assumptions (the CPU update, the host links and the fp32 sums
 free), where mobius's search chooses again (one step from empty GPUs, which is what RoundPipe's simulator
-reports, and the delayed steady state).
+reports, and the delayed steady state). And the host's share: Llama-3.1-8B's round-robin plan at RoundPipe's
+measured batch (64 micro-batches, 524,288 tokens per step), and each model's at 16 with a host four times the
+default's CPU AdamW rate.
 
-    python bench/roundrobin_bench.py                 # the three models, clipping off and at 1.0 (about 2 min)
+    python bench/roundrobin_bench.py                 # the three models, clipping off and at 1.0 (about 8 min)
     python bench/roundrobin_bench.py --models llama-3.1-8b --json out.json
 """
 
@@ -52,16 +54,22 @@ ROUNDPIPE_CUTS = {  # pp-simulate/run.sh: layers per forward stage | per backwar
     "qwen3-32b": ("2,2" + ",3" * 20, "0" + ",1" * 64),
 }
 TOKENS = 16 * 4 * 2048
+MEASURED_MICRO_BATCHES = {"llama-3.1-8b": 64}  # RoundPipe's measured runs: 524,288 tokens per step (its paper)
+HOST_RATES = (16.0,)  # partition.cpu_update_rate (G parameters/s, measured alone) beside the default host's 4.0
 FREE = 1e13  # "free": a link (bytes/s) or a CPU update rate (parameters/s) that takes no time at these sizes
 
 
-def _plan(model: str, clip: float, profile_file: Path):
-    """The pipeline plan ``mobius plan`` makes, with the round-robin family beside it."""
+def _plan(model: str, clip: float, profile_file: Path, micro_batches: int = 16, cpu_rate: float | None = None,
+          schedule: str = "auto"):
+    """The pipeline plan ``mobius plan`` makes, with the round-robin family beside it (``cpu_rate``: the host's
+    ``partition.cpu_update_rate``, G parameters/s; None: the default for a server planned from elsewhere)."""
     import topology
 
     overrides = [f"--model.preset={model}", "--parallel.devices=8", "--train.micro_batch_size=4",
-                 "--train.micro_batches=16", f"--partition.profile_file={profile_file}", "--partition.gpu=rtx4090",
-                 "--parallel.schedule=auto", f"--train.grad_clip={clip}"]
+                 f"--train.micro_batches={micro_batches}", f"--partition.profile_file={profile_file}",
+                 "--partition.gpu=rtx4090", f"--parallel.schedule={schedule}", f"--train.grad_clip={clip}"]
+    if cpu_rate is not None:
+        overrides.append(f"--partition.cpu_update_rate={cpu_rate}")
     cfg = load_config(str(ROOT / "configs/finetune-llama-3.1-8b.yaml"), overrides)
     machine = Machine.saved(topology.load_topology(str(TOPOLOGY)))
     settings = resolve(cfg, machine, "pipeline", "")
@@ -128,7 +136,28 @@ def _like_for_like(model: str, prof, hw, plan) -> dict[str, float]:
     return out
 
 
-def run(models: list[str], clips: list[float]) -> list[dict]:
+def _sync_delayed(rr: dict) -> tuple[float, float]:
+    """(sync, delayed) seconds per step of a round-robin plan (both rules are simulated on its cuts)."""
+    sync = rr["step_s"] if rr["update"] == "sync" else rr["sync_step_s"]
+    return sync, rr.get("delayed_step_s", rr["step_s"])
+
+
+def _host(model: str, profile_file: Path) -> list[dict]:
+    """The round-robin plan, sync and delayed, at RoundPipe's measured batch and with a faster host."""
+    settings = [(MEASURED_MICRO_BATCHES.get(model, 0), None)] + [(16, r) for r in HOST_RATES]
+    out = []
+    for micro, rate in settings:
+        if not micro:
+            continue
+        plan, _, _ = _plan(model, 0.0, profile_file, micro, rate, "round_robin")
+        sync, delayed = _sync_delayed(plan.round_robin)
+        tokens = micro * 4 * 2048
+        out.append({"micro_batches": micro, "cpu_update_rate": rate, "sync_tokens_per_s": tokens / sync,
+                    "delayed_tokens_per_s": tokens / delayed})
+    return out
+
+
+def run(models: list[str], clips: list[float], host: bool = True) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
@@ -149,6 +178,8 @@ def run(models: list[str], clips: list[float]) -> list[dict]:
                 if "error" not in rr and clip == 0:
                     row.update(_ablations(prof, hw, plan))
                     row["like_for_like"] = _like_for_like(model, prof, hw, plan)
+                    if host:
+                        row["host"] = _host(model, path)
                 row["plan_s"] = time.perf_counter() - t0
                 rows.append(row)
                 print(_line(row), flush=True)
@@ -160,8 +191,7 @@ def _line(r: dict) -> str:
     if "error" in rr:
         robin = f"round-robin: {rr['error'][:60]}"
     else:
-        sync = rr["step_s"] if rr["update"] == "sync" else rr["sync_step_s"]
-        delayed = rr.get("delayed_step_s", rr["step_s"])
+        sync, delayed = _sync_delayed(rr)
         robin = f"round-robin sync {TOKENS / sync:>8,.0f}  delayed {TOKENS / delayed:>8,.0f}"
         if "delayed_no_fp32_sums_s" in r:
             robin += (f"  (delayed without fp32 sums {TOKENS / r['delayed_no_fp32_sums_s']:,.0f}, and fast links "
@@ -181,15 +211,30 @@ def _like_line(r: dict) -> str:
             f"{r['roundpipe_simulator_one_step']:,})")
 
 
+def _host_lines(r: dict) -> list[str]:
+    out = []
+    for h in r["host"]:
+        host = f"host {h['cpu_update_rate']:g} G params/s" if h["cpu_update_rate"] else "the default host"
+        line = (f"{r['model']:<13} {h['micro_batches']} micro-batches, {host}: round-robin sync "
+                f"{h['sync_tokens_per_s']:>8,.0f} / delayed {h['delayed_tokens_per_s']:>8,.0f}")
+        if h["micro_batches"] == MEASURED_MICRO_BATCHES.get(r["model"]):
+            line += (f"  | RoundPipe measured at this batch {r['roundpipe_measured_sync']:,} / "
+                     f"{r['roundpipe_measured_delayed']:,}")
+        out.append(line)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(UNITS), help="comma-separated: " + ", ".join(UNITS))
     ap.add_argument("--clips", default="0,1.0", help="train.grad_clip values (0: off)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--no-host", action="store_true", help="skip the third table (RoundPipe's measured batch, a "
+                                                            "faster host: about 2 min)")
     a = ap.parse_args()
     print("tokens/s per step of 16 x 4 x 2048 tokens, predicted by mobius's simulator (8 x RTX 4090 times, two root "
           "complexes, no P2P)")
-    rows = run(a.models.split(","), [float(c) for c in a.clips.split(",")])
+    rows = run(a.models.split(","), [float(c) for c in a.clips.split(",")], not a.no_host)
     like = [r for r in rows if "like_for_like" in r]
     if like:
         print("\nlike for like, tokens/s sync / delayed: the same unit times and simulator, RoundPipe's cuts against "
@@ -197,6 +242,12 @@ def main() -> None:
               "and CPU update; sync: one step from empty GPUs)")
         for r in like:
             print(_like_line(r))
+    hosts = [line for r in like if r.get("host") for line in _host_lines(r)]
+    if hosts:
+        print("\nthe host's share: mobius's round-robin plan (its cuts for sync, both rules simulated), tokens/s, at "
+              "RoundPipe's measured batch and with a host whose CPU AdamW runs at 16 G params/s alone (the default "
+              "for a server planned from elsewhere: 4.0, the Mobius paper's two Xeon Gold 6130)")
+        print("\n".join(hosts))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

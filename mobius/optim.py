@@ -7,7 +7,7 @@ import contextlib
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -168,6 +168,7 @@ class FlatAdamW:
         dev = master.device  # one step count per piece: the kernel counts each of them up by one per step
         self._counts = [[torch.zeros((), device=dev) for _ in p] for _, _, groups in self._blocks for p in groups]
         self._scratch: torch.Tensor | None = None
+        self.pause: Callable[[], None] | None = None  # called before each block (a caller's thread that comes first)
 
     def step(self, grad: torch.Tensor, lr: float, grad_factor: float = 1.0) -> None:
         """One AdamW step with gradient ``grad * grad_factor`` (an fp32 ``grad`` is scaled in place)."""
@@ -175,6 +176,8 @@ class FlatAdamW:
         scale = torch.tensor(1.0 / grad_factor, device=self.master.device) if grad_factor != 1.0 else None
         counts = iter(self._counts)
         for a, b, groups in self._blocks:
+            if self.pause is not None:
+                self.pause()
             g = grad[a:b] if grad.dtype == torch.float32 else self._fp32(grad[a:b])  # [b - a]
             for decay, pieces in zip((True, False), groups):
                 if not pieces:

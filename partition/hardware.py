@@ -46,6 +46,10 @@ HOST_DEFAULT_SOURCE = (f"a default for a server planned from elsewhere: the Mobi
 HOST_COPY_Bps = 5e9  # assumed: memory copies within one host, the one figure for both a tensor sent between two
 # worker processes (a gloo send through a socket: a tied weight's exchange) and CPU workers' "links" (memcpy between
 # a worker's host and device buffers; mobius.app.planning's CPU workers)
+GLOO_MESSAGE_S = 0.7e-3  # measured: a CPU worker's dispatch thread per activation or gradient message it posts to
+# another worker (gloo) inside a run, 0.64-0.78 ms (the executor's handlers timed per action kind, GPT-2 of
+# python bench/cpu_pipeline_bench.py on 2 workers, 2-core VM, 2026-11-27); a bare gloo post of 0.5 MB between two
+# idle processes takes 0.09 ms there: the rest is the two cores' other threads
 DEVICE_ADAM_BYTES = UPDATE_BYTES  # a resident stage's AdamW on its device, per parameter:
 # the fused step's traffic (partition.costs.ADAM_BYTES) and writing the half copy the stage computes with (2 bytes)
 
@@ -79,6 +83,8 @@ class Hardware:
     cpu_adam_half_grads_params_per_s: float | None = None  # ... reading half-precision gradients (None: the same)
     host_adam_params_per_s: float | None = None  # the host's total while all its workers update (None: unshared)
     host_copy_Bps: float = HOST_COPY_Bps  # tensors between worker processes through host memory (gloo)
+    message_s: float = 0.0  # a worker's dispatch thread per message it posts to another worker (a send or a
+    # receive), which holds up its next compute: CPU workers' gloo (GLOO_MESSAGE_S); a GPU's runs ahead of its stream
     device_adam_params_per_s: float = DEVICE_ADAM_PARAMS_PER_S  # a resident stage's AdamW on its device
     host_memory_bytes: int | None = None  # host memory the stores may use (None: unknown, not checked)
     name: str = "custom"

@@ -179,7 +179,8 @@ def _stage_list(stages: Collection[int]) -> str:
 
 def _time_split_line(split: dict[str, float], step_s: float) -> str:
     """"where the time goes": the simulated step's seconds per GPU by what fills them."""
-    names = {"forward": "forward", "backward": "backward (recompute and the last stage's forward included)", "device_adamw": "device AdamW",
+    names = {"forward": "forward", "backward": "backward (recompute and the last stage's forward included)",
+             "device_adamw": "device AdamW", "dispatch": "messages posted to other workers",
              "upload_wait": "waiting for uploads", "idle": "idle (pipeline fill and drain, activations)"}
     parts = [f"{label} {split[k]:.3f} s ({100 * split[k] / step_s:.0f}%)" for k, label in names.items()
              if split.get(k, 0.0) > 0.0005 * step_s or k in ("forward", "backward", "upload_wait")]

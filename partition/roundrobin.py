@@ -78,15 +78,20 @@ def simulate_round_robin(profile: ModelProfile, cuts: Cuts, hardware: Hardware, 
     return res
 
 
-def round_robin_host_bytes(profile: ModelProfile, cuts: Cuts, micro_batches: int, delayed: bool) -> int:
-    """Host memory the round-robin runtime's shared stores take: per trainable parameter the fp32 master and
-    AdamW moments (12) and one fp32 gradient sum per compute copy (4 each); every parameter once per compute
+def round_robin_host_bytes(profile: ModelProfile, cuts: Cuts, micro_batches: int, delayed: bool,
+                           workers: int = 1) -> int:
+    """Host memory the round-robin runtime takes: in the shared stores, per trainable parameter the fp32 master
+    and AdamW moments (12) and one fp32 gradient sum per compute copy (4 each); every parameter once per compute
     copy in the training dtype (delayed: two copies of both, alternating by step); and the stash of every
-    micro-batch's input of each unit where a backward op starts."""
+    micro-batch's input of each unit where a backward op starts. Each of the ``workers`` also has a staging
+    buffer that a later round's gradient sums of its largest op come down into (fp32)."""
     copies = 2 if delayed else 1
     trainable = sum(u.trainable_count for u in profile.units)
     kept = sum(profile.units[c].in_bytes for c in cuts.backward[1:-1]) * micro_batches
-    return trainable * (12 + 4 * copies) + profile.param_bytes() * copies + kept
+    staging = 0
+    if micro_batches > workers:  # more than one round
+        staging = workers * 4 * max(stage_cost(profile, *cuts.units(k)).trainable_count for k in range(cuts.num_ops))
+    return trainable * (12 + 4 * copies) + profile.param_bytes() * copies + kept + staging
 
 
 def minimax_cuts(times: list[float], parts: int) -> tuple[int, ...]:
@@ -263,7 +268,7 @@ def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: lis
     fp32, as the runtime adds them up in host memory)."""
     options = PipelineOptions(barrier=options.barrier, delayed=options.delayed)  # fp32 sums, as the runtime keeps
     choice = search_cuts(profile, hardware, worker_gpus, micro_batches, options, budget_bytes / GB, sharing)
-    host = round_robin_host_bytes(profile, choice.cuts, micro_batches, options.delayed)
+    host = round_robin_host_bytes(profile, choice.cuts, micro_batches, options.delayed, len(worker_gpus))
     if hardware.host_memory_bytes and host > hardware.host_memory_bytes:
         raise ValueError(f"its shared host stores need {host / 2**30:.1f} GiB of host memory, "
                          f"{hardware.host_memory_bytes / 2**30:.1f} GiB is available")

@@ -40,6 +40,7 @@ from partition.timing import Shape, StageExprs, memory_peaks
 Sharing = Literal["priority", "fair"]
 _EPS_BYTES = 1e-3
 _EPS_T = 1e-12
+STAGING = 1  # a worker's pinned buffers that a later round's gradient sums come down into, to wait to be added
 
 
 @dataclass
@@ -51,7 +52,7 @@ class SimEvent:
     name: str
     start: float
     end: float
-    cat: str  # fwd | bwd | upload | act | grad | ckpt | adam
+    cat: str  # fwd | bwd | upload | act | grad | ckpt | adam | dadam | sum (a summing thread's host work) | dispatch
     nbytes: float = 0.0  # what a transfer moved
 
 
@@ -90,17 +91,18 @@ class SimResult:
 
     def time_split(self) -> dict[str, float]:
         """Where the reported step's time goes, in seconds per GPU averaged over the GPUs that compute:
-        forward, backward (recompute included), device AdamW, waiting for uploads, and idle (pipeline
+        forward, backward (recompute included), device AdamW, the dispatch thread's messages
+        (``Hardware.message_s``), waiting for uploads, and idle (pipeline
         fill and drain, waiting for activations); ``tail``: the step's end after the last compute
         (global norm, CPU AdamW, reduce). Needs the recorded events (``record=True``)."""
-        busy: dict[str, float] = {"fwd": 0.0, "bwd": 0.0, "dadam": 0.0}
+        busy: dict[str, float] = {"fwd": 0.0, "bwd": 0.0, "dadam": 0.0, "dispatch": 0.0}
         gpus = {e.gpu for e in self.events if e.track == "compute"}
         for e in self.events:
             if e.track == "compute":
                 busy[e.cat] += e.end - e.start
         n = max(len(gpus), 1)
         split = {"forward": busy["fwd"] / n, "backward": busy["bwd"] / n, "device_adamw": busy["dadam"] / n,
-                 "upload_wait": sum(t.upload_wait_s for t in self.stages) / n}
+                 "dispatch": busy["dispatch"] / n, "upload_wait": sum(t.upload_wait_s for t in self.stages) / n}
         split["idle"] = max(0.0, self.compute_end_s - sum(split.values()))
         split["tail"] = max(0.0, self.step_s - self.compute_end_s)
         return split
@@ -187,6 +189,7 @@ class _Worker:
         self.d2h: list[_Task] = []  # gradient downloads and input offloads, in issue order
         self.updates: dict[int, list[int]] = {}  # step -> stages with a CPU update after its REDUCE, in order
         self.reloads: list[int] = []  # compute tasks that first bring their input back from host memory
+        self.posts: list[int] = []  # per compute task, the messages posted after it (set by the simulation)
         self._split(sched.actions[w])
         self.reset()
 
@@ -282,10 +285,37 @@ class _Sim:
         self.opt_left = [0.0] * self.N  # parameters the running update has left
         self.opt_rate = [0.0] * self.N  # its parameters per second: its share of the host (:meth:`_share_cpu`)
         self.opt_start = [0.0] * self.N
+        self.add_queue: list[list[tuple[_Task, float]]] = [[] for _ in range(self.N)]  # a worker's summing thread:
+        # the host work on gradients that are down (round-robin: a later round's sums added into the host sum, the
+        # norm read), in updates of their parameters, in download order
+        self.adding: list[tuple[_Task, float] | None] = [None] * self.N  # the running one, with its start
+        self.add_left = [0.0] * self.N  # (in updates of its parameters; timed like the CPU updates)
+        self.add_busy: list[float | None] = [None] * self.N
+        self.add_rate = [0.0] * self.N
         self.reduced_steps: set[int] = set()  # a program's steps whose gradients are all down
         self.tie_at: dict[int, float] = {}  # step -> when its tied ends' gradients are summed
         self.tie_s = _tie_seconds(profile, hw, worker_gpus, self.S, self.program)
+        for w in self.workers:
+            w.posts = self._posts(w)
         self._new_step_state()
+
+    def _posts(self, w: _Worker) -> list[int]:
+        """Per compute task of the worker, the messages its dispatch thread posts after it and before the next:
+        the send of its output, the receive of the next one's input (to and from other workers)."""
+        def crossing(stage: int, micro: int) -> int:
+            return int(0 <= stage < self.S and self.sched.worker_for(stage, micro) != w.w)
+
+        def ends(task: _Task) -> tuple[int, int]:  # (receives, sends)
+            if task.kind not in (Kind.FORWARD, Kind.BACKWARD, Kind.FB):
+                return 0, 0
+            back = task.kind != Kind.FORWARD
+            return (crossing(self.sched.producer(task.stage, back), task.micro),
+                    crossing(self.sched.consumer(task.stage, back), task.micro))
+        edges = [ends(t) for t in w.compute]
+        posts = [sends + (edges[i + 1][0] if i + 1 < len(edges) else 0) for i, (_, sends) in enumerate(edges)]
+        if posts:
+            posts[0] += edges[0][0]
+        return posts
 
     # ---- steps -------------------------------------------------------------------------------
     def _new_step_state(self) -> None:
@@ -353,6 +383,7 @@ class _Sim:
         if self.program:
             started |= self._program_reduces()
         started |= self._start_updates()
+        started |= self._start_adds()
         return started
 
     def _start_upload(self, w: _Worker) -> bool:
@@ -432,7 +463,10 @@ class _Sim:
         start = max(self.t, uploaded)
         wait = max(0.0, uploaded - max(w.last_end, inputs))
         dur = self._duration(task)
-        w.busy_until = start + dur
+        posted = self.hw.message_s * w.posts[w.ci]  # the dispatch thread's messages after it
+        w.busy_until = start + dur + posted
+        if posted:
+            self._event(w.gpu, "compute", f"m{task.stage}.{task.micro}", start + dur, start + dur + posted, "dispatch")
         tm = self.timing[task.stage]
         if self._opens(task):
             if task.kind in (Kind.BACKWARD, Kind.RECOMPUTE):
@@ -484,12 +518,15 @@ class _Sim:
         if (task.kind == Kind.DOWNLOAD and self.delay and self.sched.compute_copies == 1
                 and self.version[task.stage] < self.step + task.tstep):
             return False  # the previous step's update still reads the stage's one gradient buffer
+        if (task.kind == Kind.DOWNLOAD and task.round % self.sched.rounds > 0
+                and len(self.add_queue[w.w]) + (self.adding[w.w] is not None) >= STAGING):
+            return False  # a later round's sums come down into a staging buffer; all of them wait to be added
         w.downloading = True
         w.di += 1
         if task.kind == Kind.DOWNLOAD:
             nbytes = self.grad_bytes * self.costs[task.stage].trainable_count  # fp32 sums or half
             self._d2h_flow(w.gpu, f"G{task.stage}", "grad", nbytes, (2, self.S - task.stage),
-                           lambda t, w=w, task=task: self._downloaded(w, task, t))
+                           lambda t, w=w, task=task: self._grad_down(w, task, t))
         else:
             nbytes = self.costs[task.stage].in_bytes if task.unit < 0 else self.profile.units[task.unit].in_bytes
             self._d2h_flow(w.gpu, f"ckpt{task.stage}.{task.micro}", "ckpt", nbytes, (3, task.stage),
@@ -500,10 +537,33 @@ class _Sim:
         w.downloading = False
         self.kept_at[(task.unit, task.micro)] = t
 
-    def _downloaded(self, w: _Worker, task: _Task, t: float) -> None:
-        """A gradient is down; the stage's last of the step queues its update (without a barrier)."""
+    def _grad_down(self, w: _Worker, task: _Task, t: float) -> None:
+        """A gradient's copy is down: the download engine and the slot are free; the summing thread's host work
+        on it follows, if any (:meth:`_downloaded` once it is done)."""
         w.downloading = False
         w.released[task.occ] = t  # the slot is reused only after the copy has read it
+        work = self.sched.download_work(task.round) * self.costs[task.stage].trainable_count
+        if work <= 0:
+            self._downloaded(w, task, t)
+        else:
+            self.add_queue[w.w].append((task, work))
+
+    def _start_adds(self) -> bool:
+        """Each summing thread takes its next gradient once the op's rounds before it are summed."""
+        started = False
+        for w in range(self.N):
+            if self.adding[w] is not None or not self.add_queue[w]:
+                continue
+            task, work = self.add_queue[w][0]
+            if self.downloads_done.get((self.step + task.tstep, task.stage), 0) < task.round % self.sched.rounds:
+                continue
+            self.add_queue[w].pop(0)
+            self.adding[w], self.add_left[w], self.add_busy[w] = (task, self.t), work, self.t  # timed by _share_cpu
+            started = True
+        return started
+
+    def _downloaded(self, w: _Worker, task: _Task, t: float) -> None:
+        """A gradient is down and summed; the stage's last of the step queues its update (without a barrier)."""
         step = self.step + task.tstep
         key = (step, task.stage)
         self.downloads_done[key] = self.downloads_done.get(key, 0) + 1
@@ -572,18 +632,26 @@ class _Sim:
             self.opt_queue[w].pop(0)
             self.opt_running[w], self.opt_start[w] = (step, j), self.t
             self.begun[j] += 1
-            self.opt_left[w] = float(self.costs[j].trainable_count) * self.sched.update_work
+            self.opt_left[w] = float(self.costs[j].trainable_count)
             self.opt_busy[w] = self.t  # timed by _share_cpu
             started = True
         return started
 
     def _share_cpu(self) -> None:
-        """The running CPU updates' rates: each worker's share of the host while this many update."""
+        """The running CPU updates' and summing threads' rates: each one's share of the host while this many
+        work on its memory; a worker's update pauses while its summing thread adds (the sums hold up downloads and
+        slots, the update only the next step)."""
+        adding = [w for w in range(self.N) if self.adding[w] is not None]
         running = [w for w in range(self.N) if self.opt_running[w] is not None]
-        rate = self.hw.cpu_update_rate(self.half_grads, updating=len(running)) if running else 0.0
+        paused = [w for w in running if self.adding[w] is not None]  # a worker's update yields to its sums
+        n = len(running) - len(paused) + len(adding)
+        rate = self.hw.cpu_update_rate(self.half_grads, updating=n) if n else 0.0
         for w in running:
-            self.opt_rate[w] = rate
-            self.opt_busy[w] = self.t + self.opt_left[w] / rate
+            self.opt_rate[w] = 0.0 if w in paused else rate
+            self.opt_busy[w] = math.inf if w in paused else self.t + self.opt_left[w] / rate
+        for w in adding:
+            self.add_rate[w] = rate
+            self.add_busy[w] = self.t + self.add_left[w] / rate
 
     # ---- the end of a step ---------------------------------------------------------------------
     def _try_reduce(self) -> bool:
@@ -591,7 +659,7 @@ class _Sim:
         for w in self.workers:
             if w.ci < len(w.compute) or w.busy_until is not None or w.ui < len(w.uploads) or w.uploading:
                 return False
-            if w.di < len(w.d2h) or w.downloading or w.pending_sends:
+            if w.di < len(w.d2h) or w.downloading or w.pending_sends or self.add_queue[w.w] or self.adding[w.w]:
                 return False
             if not (self.sched.barrier or self.delay) and (self.opt_queue[w.w] or self.opt_busy[w.w] is not None):
                 return False
@@ -620,7 +688,7 @@ class _Sim:
     # ---- time ----------------------------------------------------------------------------------
     def _next_time(self) -> float:
         times = [w.busy_until for w in self.workers if w.busy_until is not None]
-        times += [b for b in self.opt_busy if b is not None]
+        times += [b for b in self.opt_busy + self.add_busy if b is not None]
         times += [t for t in self.tie_at.values() if t > self.t + _EPS_T]
         times += [self.t + f.remaining() / f.rate for f in self.flows if f.rate > 0]
         return max(min(times), self.t) if times else math.inf
@@ -630,6 +698,8 @@ class _Sim:
         for w in range(self.N):
             if self.opt_running[w] is not None:
                 self.opt_left[w] = max(0.0, self.opt_left[w] - self.opt_rate[w] * dt)
+            if self.adding[w] is not None:
+                self.add_left[w] = max(0.0, self.add_left[w] - self.add_rate[w] * dt)
         for f in self.flows:
             f.done = min(f.total, f.done + f.rate * dt)
             if f.due(t_next):
@@ -654,6 +724,11 @@ class _Sim:
                 self._event(-1, "cpu", f"adam{j}", self.opt_start[w], self.t, "adam")
                 self.version[j] += 1
                 self.opt_busy[w], self.opt_running[w] = None, None
+            if self.add_busy[w] is not None and self.add_busy[w] <= self.t + _EPS_T:
+                task, start = self.adding[w]
+                self._event(-1, "cpu", f"sum{task.stage}", start, self.t, "sum")
+                self.adding[w], self.add_busy[w] = None, None
+                self._downloaded(self.workers[w], task, self.t)
 
     def _compute_done(self, w: _Worker) -> None:
         task = w.compute[w.ci]
@@ -881,7 +956,7 @@ def _ascii(res: SimResult, width: int) -> str:
     rows.append(f"{'CPU adam':<12}|{_row(cpu, cell, width)}|")
     legend = (f"step {res.step_s * 1e3:.1f} ms, {cell * 1e3:.2f} ms per column; compute: stage j forward = "
               f"chr('a'+j%26), backward = upper case; links: > upload, a activation, g gradient, < grad download, "
-              f"c checkpoint; CPU: stage (mod 10) being updated")
+              f"c checkpoint, . messages posted; CPU: stage (mod 10) being updated, + a download's sums added")
     return "\n".join(rows + [legend])
 
 
@@ -907,6 +982,10 @@ def _glyph(e: SimEvent) -> str:
         return str(int(e.name[4:]) % 10)
     if e.cat == "dadam":
         return "*"
+    if e.cat == "sum":
+        return "+"
+    if e.cat == "dispatch":
+        return "."
     return {"upload": ">", "grad": "<", "ckpt": "c"}.get(e.cat, "g" if e.name.startswith("g") else "a")
 
 

@@ -211,6 +211,7 @@ class Rates:
     cpu: float
     tie_s: float = 0.0  # exchange of the tied gradients between two workers (0 on one worker)
     device: float = 1e12  # G parameters/s of the AdamW of a resident stage, on its device
+    message_s: float = 0.0  # the dispatch thread per message posted to another worker (Hardware.message_s)
 
 
 Name = tuple[str, int]  # a variable's name in the MIP: (what, stage or worker)
@@ -381,7 +382,7 @@ def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
              j: int) -> None:
     """First and last micro-batch of stage j's forward (FB for the last stage)."""
     S, N, M = shape.num_stages, shape.num_workers, shape.micro_batches
-    per = st[j].bwd if j == S - 1 else st[j].fwd
+    per = (st[j].bwd if j == S - 1 else st[j].fwd) + r.message_s * _posts(shape, j, False)
     first: list[Expr] = []
     if j not in shape.resident:
         first.append(up.done("FB" if j == S - 1 else "R" if shape.turns(j) else "F", j))
@@ -391,7 +392,7 @@ def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
     elif shape.barrier and shape.resident:
         first.append(either(shape.frees(j), lambda free: 0.0 if free else _device_updates(st, r, shape, j)))
     if j > 0:
-        hop = st[j - 1].fwd + st[j - 1].out_b * r.lat_in[j]
+        hop = st[j - 1].fwd + r.message_s * _posts(shape, j - 1, False) + st[j - 1].out_b * r.lat_in[j]
         first.append(t.fwd_start[j - 1] + hop)
         last.append(t.fwd_last[j - 1] + hop)
     t.fwd_start[j] = alg.max(("sf0_", j), first)
@@ -410,14 +411,23 @@ def _backward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Ste
     first: list[Expr] = [t.fwd_end[j] if shape.last_forward(j) else t.bwd_end[j + N]]
     if not shape.turns(j):
         first.append(up.done("B", j))
-    per = shape.bwd_time(st[j], j)
-    hop = shape.bwd_time(st[j + 1], j + 1) + st[j + 1].in_b * r.lat_back[j]
+    per = shape.bwd_time(st[j], j) + r.message_s * _posts(shape, j, True)
+    hop = shape.bwd_time(st[j + 1], j + 1) + r.message_s * _posts(shape, j + 1, True) + st[j + 1].in_b * r.lat_back[j]
     first.append(t.bwd_start[j + 1] + hop)
     t.bwd_start[j] = alg.max(("sb0_", j), first)
     t.bwd_last[j] = alg.max(("sbl_", j), [t.bwd_last[j + 1] + hop, t.bwd_start[j] + per * (M - 1)])
     t.bwd_end[j] = t.bwd_last[j] + per
     if j in shape.resident and not shape.barrier:  # its device AdamW follows on the compute stream
         t.bwd_end[j] = t.bwd_end[j] + st[j].params * (1.0 / r.device)
+
+
+def _posts(shape: Shape, j: int, backward: bool) -> int:
+    """Messages stage j's dispatch thread posts per micro-batch of a phase, where the neighbour is on another
+    worker: the receive of its input and the send of its output (the last stage's FB: the activations in, their
+    gradients out)."""
+    S = shape.num_stages
+    ends = (j - 1, j - 1) if j == S - 1 else (j + 1, j - 1) if backward else (j - 1, j + 1)
+    return sum(0 <= k < S and shape.worker(k) != shape.worker(j) for k in ends)
 
 
 def _download(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, j: int) -> None:

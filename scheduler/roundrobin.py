@@ -25,12 +25,13 @@ step goes on with the next while the others finish, as in the simulator's progra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -300,7 +301,8 @@ class RoundRobinEngine:
 
 class _Dispatch:
     """One worker's dispatch: runs its action lists over the shared stores, with an upload thread (the
-    copy stream on a GPU), a download thread (the d2h stream) and the CPU optimizer thread."""
+    copy stream on a GPU), a download thread (the d2h stream), a summing thread (later rounds' gradients into
+    the host sums, and the norm) and the CPU optimizer thread."""
 
     def __init__(self, engine: RoundRobinEngine, device: torch.device):
         self.e, self.device = engine, device
@@ -317,13 +319,19 @@ class _Dispatch:
         self.links = self._links()
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
         self.downloader = ThreadPoolExecutor(1, thread_name_prefix="download")
+        self.summer = ThreadPoolExecutor(1, thread_name_prefix="sum")
         self.freed = threading.Condition()  # a slot's last reader (its gradients' download) has ended
         self.updater = CpuUpdater()
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
         self.failure: BaseException | None = None
-        self._staging: torch.Tensor | None = None  # pinned fp32: a later round's gradients on their way to the sum
+        self._staging: torch.Tensor | None = None  # (pinned) fp32: a later round's gradients waiting to be summed
+        self._staging_free = threading.Semaphore(1)  # ... taken by its download, given back once they are added
+        self._summing = threading.Condition()  # held up by the summing thread's additions: this worker's updates
+        self._adds = 0  # pause between blocks while it adds (the sums hold up downloads and slots)
+        for opt in self.stores.optimizers:
+            opt.pause = self._after_sums
         self.handlers = {Kind.UPLOAD: self._upload, Kind.FREE: self._free, Kind.FORWARD: self._forward,
                          Kind.FB: self._fb, Kind.RECOMPUTE: self._recompute, Kind.BACKWARD: self._backward,
                          Kind.RECV_ACT: self._recv, Kind.RECV_GRAD: self._recv, Kind.SEND_ACT: self._send,
@@ -361,6 +369,7 @@ class _Dispatch:
     def close(self) -> None:
         self.copier.shutdown(wait=True)
         self.downloader.shutdown(wait=True)
+        self.summer.shutdown(wait=True)
         self.updater.close()
 
     # ---- weights in ---------------------------------------------------------------------------
@@ -522,8 +531,9 @@ class _Dispatch:
         e.record(torch.cuda.current_stream(self.device))
         return e
 
-    def _d2h_job(self, job: Callable[[], None]) -> Future:
-        """Queue ``job`` on the download thread; a failure is kept for the dispatch thread (and wakes it)."""
+    def _d2h_job(self, job: Callable[[], None], thread: ThreadPoolExecutor | None = None) -> Future:
+        """Queue ``job`` on the download thread (or ``thread``); a failure is kept for the dispatch thread (and
+        wakes it)."""
         def run() -> None:
             try:
                 if self.cuda:
@@ -534,7 +544,7 @@ class _Dispatch:
                     self.failure = self.failure or e
                     self.freed.notify_all()
                 raise
-        return self.downloader.submit(run)
+        return (thread or self.downloader).submit(run)
 
     def _to_host(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         """(The download thread) ``src`` into host memory ``dst`` once ``ready``; returns when it is there."""
@@ -614,43 +624,73 @@ class _Dispatch:
 
     # ---- gradients and updates ------------------------------------------------------------------
     def _download(self, a: Action) -> None:
-        """Round ``a.round``'s gradient sums of op k into the host sum (the download thread), after the rounds
-        before; the first round of a step writes it once the last update to read it (the step before's, or the
-        one before that under delayed; a tied weight's other end too) has."""
+        """Round ``a.round``'s gradient sums of op k to host memory (the download thread), and the slot is free:
+        the first round of a step straight into the host sum once the last update to read it (the step before's,
+        or the one before that under delayed; a tied weight's other end too) has; a later round into the staging
+        buffer, which the summing thread then adds into the host sum after the rounds before. The last round's
+        total gives the op's share of the norm (the summing thread)."""
         k, q, st = a.stage, a.round, self.st
         s, slot, R, index = self.spans[k], self.slot_of[(st.index, k, a.round)], st.sched.rounds, st.index
         readers = (k, *(self.e.tied[k][:1] if k in self.e.tied else ())) if q == 0 else ()
         src, ready = slot.sums[:s.trainable], self._compute_so_far()
         done = index * R + q  # rounds of op k summed before this one
+        dst = self.stores.grad(index)[s.glo:s.ghi]
 
-        def job() -> None:
-            wait_for(lambda: int(self.stores.summed[k]) >= done, f"round {q - 1} of op {k}'s gradients")
+        def copy() -> None:
             for o in readers:
                 wait_for(lambda o=o: int(self.stores.version[o]) >= self._ready_version(index),
                          f"the update of op {o} that reads its gradient sums")
-            dst = self.stores.grad(index)[s.glo:s.ghi]
-            if q == 0:
-                self._to_host(dst, src, ready)
+            if q == 0:  # the previous step's rounds are summed first (the sum counts in order)
+                wait_for(lambda: int(self.stores.summed[k]) >= done, f"op {k}'s gradients of the step before")
             else:
-                dst.add_(self._fetched(src, ready))
-            if q == R - 1:
-                st.sumsq += self._sumsq(k, dst)
-            self.stores.summed[k] = done + 1
+                self._staging_free.acquire()
+            self._to_host(dst if q == 0 else self._staged(src.numel()), src, ready)
             self._release(index, k, q, compute=False)
+            if q == 0 and R > 1:
+                self.stores.summed[k] = done + 1
 
-        st.downloaded[k] = self._d2h_job(job)
-        st.d2h.append(st.downloaded[k])
+        def add(copied: Future) -> None:
+            try:
+                copied.result()
+                wait_for(lambda: int(self.stores.summed[k]) >= done, f"round {q - 1} of op {k}'s gradients")
+                with self._adding():
+                    if q > 0:
+                        dst.add_(self._staged(src.numel()))
+                    if q == R - 1:
+                        st.sumsq += self._sumsq(k, dst)
+            finally:
+                if q > 0:
+                    self._staging_free.release()
+            self.stores.summed[k] = done + 1
+
+        copied = self._d2h_job(copy)
+        st.downloaded[k] = copied if q == 0 and R > 1 else self._d2h_job(lambda: add(copied), self.summer)
+        st.d2h += [copied, st.downloaded[k]]
         self.counters.add(d2h=s.trainable * 4)
 
-    def _fetched(self, src: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
-        """(The download thread) ``src`` in host memory: itself on the CPU, a pinned copy from the GPU."""
-        if not self.cuda:
-            return src
-        if self._staging is None or self._staging.numel() < src.numel():
-            self._staging = torch.empty(max(sp.trainable for sp in self.spans), dtype=torch.float32, pin_memory=True)
-        out = self._staging[:src.numel()]
-        self._to_host(out, src, ready)
-        return out
+    @contextlib.contextmanager
+    def _adding(self) -> Iterator[None]:
+        """(The summing thread) while open, this worker's CPU updates pause at their next block."""
+        with self._summing:
+            self._adds += 1
+        try:
+            yield
+        finally:
+            with self._summing:
+                self._adds -= 1
+                self._summing.notify_all()
+
+    def _after_sums(self) -> None:
+        """(The optimizer thread, between blocks) wait while the summing thread adds."""
+        with self._summing:
+            self._summing.wait_for(lambda: self._adds == 0)
+
+    def _staged(self, numel: int) -> torch.Tensor:
+        """The staging buffer's first ``numel`` elements (pinned on a GPU's host; made on first use)."""
+        if self._staging is None:
+            self._staging = torch.empty(max(sp.trainable for sp in self.spans), dtype=torch.float32,
+                                        pin_memory=self.cuda)
+        return self._staging[:numel]
 
     def _sumsq(self, k: int, g: torch.Tensor) -> float:
         """The op's share of the squared gradient norm; a tied weight's end is left out (rank 0 counts the sum

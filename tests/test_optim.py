@@ -86,3 +86,16 @@ def test_load_resumes_exactly() -> None:
     for gr in grads[3:]:
         resumed.step(gr.clone(), 1e-2)
     assert torch.equal(resumed.master, straight.master) and torch.equal(resumed.m, straight.m)
+
+
+def test_a_step_pauses_before_each_block_where_it_is_asked_to() -> None:
+    """``pause`` runs before each block (a round-robin worker's update waits there while its summing thread adds);
+    the result is the step's without it."""
+    runs = [(0, 30, True), (30, 77, False)]
+    grad = torch.randn(77, generator=torch.Generator().manual_seed(3))
+    plain, paused = (FlatAdamW(torch.ones(77), None, runs, CFG, block=16) for _ in range(2))
+    done: list[int] = []
+    paused.pause = lambda: done.append(int(paused.m.ne(0).sum()))  # moments written so far
+    plain.step(grad.clone(), 1e-2)
+    paused.step(grad.clone(), 1e-2)
+    assert done == [0, 16, 32, 48, 64] and torch.equal(paused.master, plain.master)

@@ -366,3 +366,38 @@ def test_the_first_pass_tries_every_count_when_solves_overrun_their_limit(monkey
     res = solve_partition(prof, hw, _sequential(4), 4, time_limit_s=1.0)
     assert res.stage_counts_skipped == 0 and res.lower_bound == pytest.approx(0.1), (len(caps), caps[-3:])
     assert res.status_text().startswith("within ")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_model_and_the_simulator_charge_the_same_messages(seed: int) -> None:
+    """``Hardware.message_s`` (a CPU worker's dispatch thread per message it posts): the timing model, the MIP with
+    its cuts fixed and the simulator all pay it for each micro-batch's receive and send between workers, and agree
+    again; the simulated dispatch is the count of those messages."""
+    prof, hw, M, options = _case(seed, "separate")
+    N = hw.num_gpus
+    hw = replace(hw, message_s=0.3 * sum(u.fwd_s for u in prof.units) / prof.num_units)
+    ev = ModelEvaluator(prof, hw, _sequential(N), M, options=options)
+    free = ModelEvaluator(prof, replace(hw, message_s=0.0), _sequential(N), M, options=options)
+    parts = [b for b in all_partitions(prof.num_units) if len(b) - 1 >= max(N, 2)]
+    random.Random(seed).shuffle(parts)
+    tried = 0
+    for bounds in parts:
+        model = ev.evaluate(bounds)
+        if model.violations:
+            continue
+        S = len(bounds) - 1
+        assert model.T > free.evaluate(bounds).T  # S - 1 boundaries between workers
+        sim = simulate(prof, bounds, hw, list(range(N)), M, options)
+        assert sim.step_s == pytest.approx(model.T, rel=0.03), bounds
+        assert sim.time_split()["dispatch"] * N == pytest.approx(hw.message_s * M * 4 * (S - 1))
+        if tried == 0:
+            built = build_model(prof, hw, list(range(N)), M, S, encoding="cut", options=options)
+            for k, name in enumerate(built.lm.names):
+                if name.startswith("z"):
+                    i, j = map(int, name[1:].split("_"))
+                    built.lm.lb[k] = built.lm.ub[k] = 1.0 if i < bounds[j + 1] else 0.0
+            assert solve(built.lm, "highs").objective == pytest.approx(model.T, rel=1e-6), bounds
+        tried += 1
+        if tried == 4:
+            break
+    assert tried >= 2

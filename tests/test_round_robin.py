@@ -3,6 +3,7 @@ pipeline's simulator, the exact minimax cuts and the planner's comparison."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -119,17 +120,30 @@ def test_the_simulator_runs_the_lists_and_a_delayed_update_is_not_slower(tied: b
     assert "C" in delayed.to_ascii(80) or "c" in delayed.to_ascii(80)
 
 
-def test_an_ops_cpu_update_also_pays_for_adding_the_later_rounds_sums_and_the_norm() -> None:
+def test_the_download_thread_pays_for_adding_the_later_rounds_sums_and_the_norm_when_they_land() -> None:
     """The download thread adds each later round's fp32 sums into the host sum (12 bytes per parameter) and reads
-    the total for the norm (4), on the memory the CPU AdamW uses (30): an update's work grows by that much."""
+    the last round's total for the norm (4), on the memory the CPU AdamW uses (30 per update), as each download
+    lands: an op's update itself is one AdamW (it pauses while they add), and with more rounds the adds run during
+    the step, not after it."""
     prof, hw = _profile(), Hardware.paper_3090ti()
     cuts = Cuts((0, 3, 6, 9), (0, 2, 4, 6, 7, 8, 9), prof.num_units)
-    assert build_round_robin(cuts, 4, 4).update_work == pytest.approx(1 + 4 / 30)  # one round
-    assert build_round_robin(cuts, 1, 2).update_work == pytest.approx(1 + 16 / 30)  # two
-    res = simulate_round_robin(prof, cuts, hw, [0], 2, PipelineOptions(), steps=1)  # one worker: one update at a time
-    busy = sum(e.end - e.start for e in res.events if e.cat == "adam")
+    one, three = build_round_robin(cuts, 4, 4), build_round_robin(cuts, 1, 3)
+    assert one.download_work(0) == pytest.approx(4 / 30)  # one round: the norm only
+    assert [three.download_work(q) for q in (0, 1, 2, 3, 5)] == pytest.approx([0, 12 / 30, 16 / 30, 0, 16 / 30])
+    hw = dataclasses.replace(hw, host_adam_params_per_s=None)  # the two threads do not slow each other down here
+    res = simulate_round_robin(prof, cuts, hw, [0], 3, PipelineOptions(), steps=1)
     trainable = sum(u.trainable_count for u in prof.units)
-    assert busy == pytest.approx(trainable * (1 + 16 / 30) / hw.cpu_update_rate())
+    def busy(cat: str) -> float:
+        return sum(e.end - e.start for e in res.events if e.cat == cat)
+    sums = [e for e in res.events if e.cat == "sum"]
+    paused = sum(max(0.0, min(e.end, s.end) - max(e.start, s.start)) for e in res.events if e.cat == "adam"
+                 for s in sums)  # an update waits while its worker's summing thread adds
+    assert busy("adam") - paused == pytest.approx(trainable / hw.cpu_update_rate())
+    assert busy("sum") == pytest.approx(trainable * 28 / 30 / hw.cpu_update_rate())
+    first_update = min(e.start for e in res.events if e.cat == "adam")
+    assert any(e.cat == "sum" and e.end <= first_update for e in res.events)  # round 1's adds, before any update
+    last_compute = max(e.end for e in res.events if e.track == "compute")
+    assert any(e.cat == "sum" and e.end < last_compute for e in res.events)  # ... ran beside the compute
 
 
 def test_the_memory_model_counts_the_next_op_in_the_second_slot() -> None:
@@ -195,3 +209,17 @@ def test_a_delayed_update_takes_the_cpu_update_off_the_swapped_pipelines_step() 
     fast_sync = simulate(prof, bounds, hw, [0, 1], 4, PipelineOptions(barrier=True), record=False)
     fast_delayed = simulate(prof, bounds, hw, [0, 1], 4, PipelineOptions(barrier=True, delayed=True), record=False)
     assert fast_delayed.step_s <= fast_sync.step_s + 1e-9
+
+
+def test_each_hand_off_between_ops_costs_its_two_workers_a_message_each() -> None:
+    """With ``Hardware.message_s`` the simulated step pays one message per send and one per receive of every
+    micro-batch between consecutive ops (on other workers), in the step's dispatch time."""
+    prof = _profile()
+    hw = Hardware.paper_3090ti()
+    cuts = Cuts((0, 3, 6, 9), (0, 2, 4, 6, 7, 8, 9), prof.num_units)
+    base = simulate_round_robin(prof, cuts, hw, [0, 1, 2, 3], 8, PipelineOptions(), steps=1)
+    slow = simulate_round_robin(prof, cuts, dataclasses.replace(hw, message_s=1e-3), [0, 1, 2, 3], 8,
+                                PipelineOptions(), steps=1)
+    messages = 2 * (cuts.num_ops - 1) * 8  # per step, over the 4 workers
+    assert slow.time_split()["dispatch"] * 4 == pytest.approx(messages * 1e-3)
+    assert base.time_split()["dispatch"] == 0 and slow.step_s > base.step_s

@@ -136,7 +136,8 @@ def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: Plan, rate: 
 
 
 PHASES = {"forward": "forward_s", "backward": "backward_s", "upload_wait": "upload_wait_s",  # plan -> metrics
-          "dispatch": "dispatch_s"}  # (the simulator has no dispatch time: 0 predicted)
+          "dispatch": "dispatch_s"}  # (predicted: the messages posted to other workers; measured: every action's
+# dispatch but compute and the reduce)
 STEADY_FROM = 2  # steps before the measured medians (warm-up, the first uploads)
 
 
@@ -144,8 +145,9 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
            steady_from: int = STEADY_FROM) -> dict[str, tuple[float, float]] | None:
     """Predicted beside measured, per phase of a pipeline step (seconds per worker; the median of the
     metrics lines after ``steady_from``): the whole step, and where the plan's simulated step spends it
-    (``split``: forward, backward with recompute, waiting for uploads; the dispatch thread's own time
-    on messages, uploads issued and downloads, which it does not model). None without steady steps."""
+    (``split``: forward, backward with recompute, waiting for uploads; the dispatch thread's own time,
+    predicted for the messages it posts to other workers, measured on every action but compute and the reduce).
+    None without steady steps."""
     steady = [r for r in rows if "step_s" in r and "forward_s" in r][steady_from:]
     if not steady:
         return None

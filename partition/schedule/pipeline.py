@@ -169,7 +169,12 @@ class Schedule:
     rounds = 1  # rounds per step (a round-robin notion: one here)
     compute_copies = 1  # train.update: delayed: host copies per stage of the weights the GPU computes with (and
     # of its gradient buffer)
-    update_work = 1.0  # host memory work of a stage's CPU update, in updates of its parameters (the sums arrive whole)
+
+    def download_work(self, round: int) -> float:
+        """Host memory work after a gradient download, in CPU updates of its parameters: none (the sums arrive
+        whole and the GPU reads them for the norm)."""
+        return 0.0
+
     tie_ends = property(lambda self: (0, self.num_stages - 1))  # the stages holding the two ends of a tied weight
 
     def worker_for(self, stage: int, micro: int) -> int:
@@ -183,6 +188,11 @@ class Schedule:
     def consumer(self, stage: int, backward: bool) -> int:
         """The stage a compute action of ``stage`` hands its output to (out of range: none)."""
         return stage - 1 if backward else stage + 1
+
+    def producer(self, stage: int, backward: bool) -> int:
+        """The stage whose output a compute action of ``stage`` takes in (out of range: none); the last stage's
+        FB takes the activations of the stage before."""
+        return stage + 1 if backward and stage < self.num_stages - 1 else stage - 1
 
     def update_deps(self, stage: int) -> tuple[int, ...]:
         """The stages whose updates an upload of ``stage`` waits for (the weights it copies)."""

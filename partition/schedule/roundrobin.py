@@ -102,12 +102,12 @@ class RoundRobinSchedule:
     kept = frozenset()
     offloaded = frozenset()
 
-    @property
-    def update_work(self) -> float:
-        """Host memory work of an op's CPU update, in updates of its parameters: the AdamW, plus adding each later
-        round's downloaded sums into the host sum and reading the total once for the norm (the download thread
-        does both on the same memory)."""
-        return 1.0 + ((self.rounds - 1) * HOST_SUM_BYTES + HOST_NORM_BYTES) / UPDATE_BYTES
+    def download_work(self, round: int) -> float:
+        """Host memory work of a gradient download of round ``round`` of its step once it is down, in updates of
+        its parameters (the CPU AdamW's measure): the download thread adds a later round's fp32 sums into the
+        host sum and reads the last round's total once for the norm, on the memory the updates use."""
+        r = round % self.rounds
+        return ((r > 0) * HOST_SUM_BYTES + (r == self.rounds - 1) * HOST_NORM_BYTES) / UPDATE_BYTES
 
     num_slots = property(lambda self: self.options.num_slots)
     barrier = property(lambda self: self.options.barrier)
@@ -133,6 +133,9 @@ class RoundRobinSchedule:
     def consumer(self, stage: int, backward: bool) -> int:
         """Ops form one chain per micro-batch: forward ops, the fused op, the backward ops."""
         return stage + 1
+
+    def producer(self, stage: int, backward: bool) -> int:
+        return stage - 1
 
     @cached_property
     def _owners(self) -> dict[int, tuple[int, ...]]:
