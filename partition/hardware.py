@@ -191,8 +191,9 @@ class Hardware:
         pairs = sum(1 for a in range(self.num_gpus) for b in range(self.num_gpus) if a != b and self.p2p_rate(a, b))
         p2p = (f"P2P on {pairs} of {self.num_gpus * (self.num_gpus - 1)} GPU pairs" if pairs
                else "no P2P (activations via host memory)")
+        messages = f", {self.message_s * 1e3:.2f} ms per message posted" if self.message_s else ""
         return (f"{self.name}: {self.num_gpus} GPU(s), {self.gpu_memory_bytes / GiB:.1f} GiB usable each, "
-                f"link {link:.1f} GB/s, root complexes {rc} GB/s, {p2p}, "
+                f"link {link:.1f} GB/s, root complexes {rc} GB/s, {p2p}{messages}, "
                 f"CPU AdamW {self.host_update_total() / 1e9:.2f} G params/s in total")
 
     def to_json(self) -> dict:
