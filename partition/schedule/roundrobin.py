@@ -104,8 +104,8 @@ class RoundRobinSchedule:
 
     def download_work(self, round: int) -> float:
         """Host memory work of a gradient download of round ``round`` of its step once it is down, in updates of
-        its parameters (the CPU AdamW's measure): the download thread adds a later round's fp32 sums into the
-        host sum and reads the last round's total once for the norm, on the memory the updates use."""
+        its parameters (the CPU AdamW's measure): the worker's summing thread adds a later round's fp32 sums into
+        the host sum and reads the last round's total once for the norm, on the memory the updates use."""
         r = round % self.rounds
         return ((r > 0) * HOST_SUM_BYTES + (r == self.rounds - 1) * HOST_NORM_BYTES) / UPDATE_BYTES
 
