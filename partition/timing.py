@@ -25,7 +25,8 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
   (the worker's updates up to ``j``).
 * **Compute** of a micro-batch starts when its input (activation, or gradient) has arrived, the
   occupancy is uploaded and the worker's previous phase has ended; per micro-batch a forward takes
-  ``fwd``, a backward ``bwd`` (recompute, backward and the fp32 gradient accumulation). Only the
+  ``fwd``, a backward ``bwd`` (recompute, backward and the fp32 gradient accumulation), each plus
+  ``message_s`` per message its dispatch thread posts to another worker (:func:`_posts`). Only the
   first and the last micro-batch need a time: with identical micro-batches the last one's start is
   the longest path through the (stage, micro-batch) grid, which the two chains state exactly.
 * **Gradients** (fp32 sums, 4 bytes per parameter) download after a stage's last backward, one at
