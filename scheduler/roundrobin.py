@@ -25,13 +25,12 @@ step goes on with the next while the others finish, as in the simulator's progra
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -328,10 +327,10 @@ class _Dispatch:
         self.failure: BaseException | None = None
         self._staging: torch.Tensor | None = None  # (pinned) fp32: a later round's gradients waiting to be summed
         self._staging_free = threading.Semaphore(1)  # ... taken by its download, given back once they are added
-        self._summing = threading.Condition()  # held up by the summing thread's additions: this worker's updates
-        self._adds = 0  # pause between blocks while it adds (the sums hold up downloads and slots)
+        self._not_adding = threading.Event()  # cleared while the summing thread adds: this worker's updates pause
+        self._not_adding.set()  # between blocks then (the sums hold up downloads and slots)
         for opt in self.stores.optimizers:
-            opt.pause = self._after_sums
+            opt.pause = self._not_adding.wait
         self.handlers = {Kind.UPLOAD: self._upload, Kind.FREE: self._free, Kind.FORWARD: self._forward,
                          Kind.FB: self._fb, Kind.RECOMPUTE: self._recompute, Kind.BACKWARD: self._backward,
                          Kind.RECV_ACT: self._recv, Kind.RECV_GRAD: self._recv, Kind.SEND_ACT: self._send,
@@ -653,12 +652,13 @@ class _Dispatch:
             try:
                 copied.result()
                 wait_for(lambda: int(self.stores.summed[k]) >= done, f"round {q - 1} of op {k}'s gradients")
-                with self._adding():
-                    if q > 0:
-                        dst.add_(self._staged(src.numel()))
-                    if q == R - 1:
-                        st.sumsq += self._sumsq(k, dst)
+                self._not_adding.clear()
+                if q > 0:
+                    dst.add_(self._staged(src.numel()))
+                if q == R - 1:
+                    st.sumsq += self._sumsq(k, dst)
             finally:
+                self._not_adding.set()
                 if q > 0:
                     self._staging_free.release()
             self.stores.summed[k] = done + 1
@@ -667,23 +667,6 @@ class _Dispatch:
         st.downloaded[k] = copied if q == 0 and R > 1 else self._d2h_job(lambda: add(copied), self.summer)
         st.d2h += [copied, st.downloaded[k]]
         self.counters.add(d2h=s.trainable * 4)
-
-    @contextlib.contextmanager
-    def _adding(self) -> Iterator[None]:
-        """(The summing thread) while open, this worker's CPU updates pause at their next block."""
-        with self._summing:
-            self._adds += 1
-        try:
-            yield
-        finally:
-            with self._summing:
-                self._adds -= 1
-                self._summing.notify_all()
-
-    def _after_sums(self) -> None:
-        """(The optimizer thread, between blocks) wait while the summing thread adds."""
-        with self._summing:
-            self._summing.wait_for(lambda: self._adds == 0)
 
     def _staged(self, numel: int) -> torch.Tensor:
         """The staging buffer's first ``numel`` elements (pinned on a GPU's host; made on first use)."""
