@@ -192,13 +192,21 @@ def _line(r: dict) -> str:
         robin = f"round-robin: {rr['error'][:60]}"
     else:
         sync, delayed = _sync_delayed(rr)
-        robin = f"round-robin sync {TOKENS / sync:>8,.0f}  delayed {TOKENS / delayed:>8,.0f}"
+        robin = (f"round-robin sync {TOKENS / sync:>8,.0f}  delayed {TOKENS / delayed:>8,.0f}  (its compute alone: "
+                 f"{TOKENS / compute_s(rr):,.0f})")
         if "delayed_no_fp32_sums_s" in r:
             robin += (f"  (delayed without fp32 sums {TOKENS / r['delayed_no_fp32_sums_s']:,.0f}, and fast links "
                       f"{TOKENS / r['delayed_no_fp32_sums_fast_links_s']:,.0f})")
     return (f"{r['model']:<13} clip {r['grad_clip']:<4} swapped {r['swapped_tokens_per_s']:>8,.0f}  {robin}  | "
             f"RoundPipe measured {r['roundpipe_measured_sync']:,} / {r['roundpipe_measured_delayed']:,}, its "
             f"simulator {r['roundpipe_simulator_one_step']:,}  [{r['plan_s']:.0f} s]")
+
+
+def compute_s(rr: dict) -> float:
+    """Seconds per step that each GPU computes in a round-robin plan (either update rule: the same ops), which bounds
+    its step from below."""
+    split = rr["time_split"]
+    return split["forward"] + split["backward"] + split["device_adamw"] + split["dispatch"]
 
 
 def _like_line(r: dict) -> str:

@@ -84,6 +84,9 @@ class SimResult:
     events: list[SimEvent] = field(repr=False, default_factory=list)
     gpu_names: list[str] = field(default_factory=list)
     step_ends: list[float] = field(default_factory=list)  # REDUCE time of every simulated step
+    busy_s: dict[str, float] | None = None  # a program's compute and upload waits in its reported step per GPU, by
+    # event category (its events are the step's period, which with a delayed update holds part of the step before's
+    # compute instead of the next step's)
 
     def total_bytes(self) -> float:
         """All bytes moved over host links (P2P counted once)."""
@@ -94,15 +97,17 @@ class SimResult:
         forward, backward (recompute included), device AdamW, the dispatch thread's messages
         (``Hardware.message_s``), waiting for uploads, and idle (pipeline
         fill and drain, waiting for activations); ``tail``: the step's end after the last compute
-        (global norm, CPU AdamW, reduce). Needs the recorded events (``record=True``)."""
-        busy: dict[str, float] = {"fwd": 0.0, "bwd": 0.0, "dadam": 0.0, "dispatch": 0.0}
-        gpus = {e.gpu for e in self.events if e.track == "compute"}
-        for e in self.events:
-            if e.track == "compute":
-                busy[e.cat] += e.end - e.start
-        n = max(len(gpus), 1)
-        split = {"forward": busy["fwd"] / n, "backward": busy["bwd"] / n, "device_adamw": busy["dadam"] / n,
-                 "dispatch": busy["dispatch"] / n, "upload_wait": sum(t.upload_wait_s for t in self.stages) / n}
+        (global norm, CPU AdamW, reduce). Needs the recorded events (``record=True``), but for a program's."""
+        busy = self.busy_s
+        if busy is None:
+            n = max(len({e.gpu for e in self.events if e.track == "compute"}), 1)
+            busy = {"fwd": 0.0, "bwd": 0.0, "dadam": 0.0, "dispatch": 0.0,
+                    "upload_wait": sum(t.upload_wait_s for t in self.stages) / n}
+            for e in self.events:
+                if e.track == "compute":
+                    busy[e.cat] += (e.end - e.start) / n
+        split = {"forward": busy["fwd"], "backward": busy["bwd"], "device_adamw": busy["dadam"],
+                 "dispatch": busy["dispatch"], "upload_wait": busy["upload_wait"]}
         split["idle"] = max(0.0, self.compute_end_s - sum(split.values()))
         split["tail"] = max(0.0, self.step_s - self.compute_end_s)
         return split
@@ -329,6 +334,7 @@ class _Sim:
                       "rc_d2h": [0.0] * len(self.hw.groups)}
         self.by_kind: dict[str, float] = {}
         self.events: list[SimEvent] = []
+        self.busy = dict.fromkeys(("fwd", "bwd", "dadam", "dispatch"), 0.0)  # a program's last step's compute
         self.compute_end_s = 0.0
         for w in self.workers:
             w.reset()
@@ -466,7 +472,7 @@ class _Sim:
         posted = self.hw.message_s * w.posts[w.ci]  # the dispatch thread's messages after it
         w.busy_until = start + dur + posted
         if posted:
-            self._event(w.gpu, "compute", f"m{task.stage}.{task.micro}", start + dur, start + dur + posted, "dispatch")
+            self._compute_event(w, task, f"m{task.stage}.{task.micro}", start + dur, start + dur + posted, "dispatch")
         tm = self.timing[task.stage]
         if self._opens(task):
             if task.kind in (Kind.BACKWARD, Kind.RECOMPUTE):
@@ -475,11 +481,16 @@ class _Sim:
                 tm.fwd_start = start - self.step_start
             tm.upload_wait_s += wait
         if task.kind == Kind.DEVICE_UPDATE:
-            self._event(w.gpu, "compute", f"Od{task.stage}", start, start + dur, "dadam")
+            self._compute_event(w, task, f"Od{task.stage}", start, start + dur, "dadam")
             return True
         cat = "bwd" if task.kind != Kind.FORWARD else "fwd"
-        self._event(w.gpu, "compute", f"{task.kind.value}{task.stage}.{task.micro}", start, start + dur, cat)
+        self._compute_event(w, task, f"{task.kind.value}{task.stage}.{task.micro}", start, start + dur, cat)
         return True
+
+    def _compute_event(self, w: _Worker, task: _Task, name: str, start: float, end: float, cat: str) -> None:
+        self._event(w.gpu, "compute", name, start, end, cat)
+        if task.tstep == self.sched.steps - 1:
+            self.busy[cat] += end - start
 
     def _opens(self, task: _Task) -> bool:
         """A stage's first compute of the reported step (round-robin: of each of its rounds there)."""
@@ -862,17 +873,20 @@ class _Sim:
                          gpu_names=list(self.hw.gpu_names), step_ends=list(ends))
 
     def _program_result(self, step: float) -> SimResult:
-        """A program's figures: bytes per step (its steps move the same), the last step's window of events."""
+        """A program's figures: bytes per step (its steps move the same), the last step's period and the events in
+        it, and that step's compute wherever it fell (``busy_s``: the time split's)."""
         n = self.sched.steps
         lo = self.step_ends[-2] if n > 1 else 0.0
         per = {k: [x / n for x in v] for k, v in self.bytes.items()}
         events = [dataclasses.replace(e, start=e.start - lo, end=e.end - lo) for e in self.events if e.end > lo
                   and e.start < self.step_ends[-1]]
+        busy = {k: v / self.N for k, v in self.busy.items()}
+        busy["upload_wait"] = sum(t.upload_wait_s for t in self.timing) / self.N
         return SimResult(step_s=step, compute_end_s=step, peak_bytes=[0] * self.hw.num_gpus, h2d_bytes=per["h2d"],
                          d2h_bytes=per["d2h"], p2p_bytes=per["p2p"], rc_h2d_bytes=per["rc_h2d"],
                          rc_d2h_bytes=per["rc_d2h"], bytes_by_kind={k: v / n for k, v in self.by_kind.items()},
                          stages=self.timing, events=events, gpu_names=list(self.hw.gpu_names),
-                         step_ends=list(self.step_ends))
+                         step_ends=list(self.step_ends), busy_s=busy)
 
     def _peaks(self) -> list[int]:
         st: list[StageExprs] = [stage_exprs(c, self.half) for c in self.costs]

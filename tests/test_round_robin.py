@@ -120,6 +120,22 @@ def test_the_simulator_runs_the_lists_and_a_delayed_update_is_not_slower(tied: b
     assert "C" in delayed.to_ascii(80) or "c" in delayed.to_ascii(80)
 
 
+def test_the_time_split_holds_the_reported_steps_compute_under_either_update_rule() -> None:
+    """With a delayed update the next step computes before the reported step's end, and part of this one's compute
+    falls before the period it reports: the split counts the step's own compute wherever it fell, as much as in sync,
+    and adds up to the step."""
+    prof, hw = _profile(), Hardware.paper_3090ti()
+    cuts = Cuts((0, 3, 6, 9), (0, 2, 4, 6, 7, 8, 9), prof.num_units)
+    res = {rule: simulate_round_robin(prof, cuts, hw, [0, 1, 2, 3], 8, PipelineOptions(delayed=rule == "delayed"),
+                                      record=rule == "sync") for rule in ("sync", "delayed")}
+    busy = {rule: r.time_split()["forward"] + r.time_split()["backward"] for rule, r in res.items()}
+    assert busy["delayed"] == pytest.approx(busy["sync"], rel=1e-6)
+    computed = sum(e.end - e.start for e in res["sync"].events if e.track == "compute" and e.cat != "dispatch") / 4
+    assert busy["sync"] == pytest.approx(computed)  # a sync step's compute lies in its period
+    for r in res.values():
+        assert sum(r.time_split().values()) == pytest.approx(r.step_s)
+
+
 def test_the_download_thread_pays_for_adding_the_later_rounds_sums_and_the_norm_when_they_land() -> None:
     """The download thread adds each later round's fp32 sums into the host sum (12 bytes per parameter) and reads
     the last round's total for the norm (4), on the memory the CPU AdamW uses (30 per update), as each download
