@@ -1,8 +1,10 @@
 """Unit costs measured on this machine, one unit at a time.
 
 :func:`profile_units` builds each *distinct* unit once (units with equal ``signature`` are identical:
-the paper's layer similarity), runs its forward and its recompute+backward on one micro-batch, and
-takes the median of several timed repetitions (CUDA events on a GPU, ``perf_counter`` on the CPU).
+the paper's layer similarity), runs its forward and its recompute+backward on one micro-batch in turn,
+and takes the median of each over several timed rounds (CUDA events on a GPU; ``perf_counter`` on the
+CPU, with more rounds: a 2-core VM's forward-to-backward ratio varied by 13% from one profile to the next
+when each was timed in a block of its own, 3% in turn).
 Saved activations are counted with autograd's saved-tensor hooks; peak working memory is measured
 with ``torch.cuda.max_memory_allocated`` on a GPU and estimated on the CPU (twice the output plus the
 largest saved tensor). A 13B-shaped model has three distinct units, so it profiles in seconds without
@@ -22,6 +24,8 @@ from partition.estimate import precision_bytes
 
 log = logging.getLogger(__name__)
 
+CPU_REPS = 15  # timed repetitions of each unit on the CPU, whose speed varies more from moment to moment than a GPU's
+
 
 def profile_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str,
                   device: str = "auto", reps: int = 5, warmup: int = 2) -> ModelProfile:
@@ -32,6 +36,7 @@ def profile_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, pre
 
     dev = _resolve_device(device)
     dtype = DTYPES[precision]
+    reps = reps if dev.type == "cuda" else max(reps, CPU_REPS)
     t0 = time.perf_counter()
     by_sig: dict[str, UnitCost] = {}
     distinct = list({s.signature: s for s in specs}.values())
@@ -72,8 +77,7 @@ def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: in
     x = spec.make_input(mbs, seq, dev, dtype)
     targets = torch.randint(0, spec.vocab_size, (mbs, seq), device=dev) if spec.kind == "head" else None
     step = _unit_step(spec.kind, module, x, targets)
-    fwd = _time(lambda: step(False), dev, reps, warmup)
-    bwd = _time(lambda: step(True), dev, reps, warmup)
+    fwd, bwd = _time_interleaved([lambda: step(False), lambda: step(True)], dev, reps, warmup)
     saved, largest = _saved_bytes(module, x, step)
     trainable = spec.param_count - spec.frozen_count  # frozen weights (LoRA's) get no gradients
     work = _peak_work(step, dev, saved, trainable * elem) if dev.type == "cuda" else None
@@ -125,24 +129,37 @@ def _unit_step(kind: str, module, x, targets):
 
 def _time(fn, dev, reps: int, warmup: int) -> float:
     """Median seconds of ``fn`` over ``reps`` runs after ``warmup`` runs."""
+    return _time_interleaved([fn], dev, reps, warmup)[0]
+
+
+def _time_interleaved(fns: list, dev, reps: int, warmup: int) -> list[float]:
+    """Median seconds of each of ``fns`` over ``reps`` rounds that run them in turn, after ``warmup`` rounds:
+    a slow spell of the machine falls on all of them alike, not on one (their ratios are what the plan
+    weighs)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            out.append(_once(fn, dev))
+    return [statistics.median(t) for t in times]
+
+
+def _once(fn, dev) -> float:
+    """Seconds of one run of ``fn`` (CUDA events on a GPU, ``perf_counter`` on the CPU)."""
     import torch
 
-    for _ in range(warmup):
+    if dev.type != "cuda":
+        t = time.perf_counter()
         fn()
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        return time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _saved_bytes(module, x, step) -> tuple[int, int]:

@@ -58,6 +58,18 @@ def test_identical_units_are_profiled_once(measured: ModelProfile) -> None:
     assert sum(u.bwd_s for u in measured.units[1:]) > sum(u.fwd_s for u in measured.units[1:])
 
 
+def test_a_units_forward_and_backward_are_timed_in_turn() -> None:
+    """Forward and backward alternate, warm-up rounds first, so that a slow spell of the machine falls on both
+    (the plan weighs their ratio); each gets the median of its own runs."""
+    from partition.measure import _time_interleaved
+
+    calls: list[str] = []
+    def run(name: str):
+        return lambda: calls.append(name)
+    fwd, bwd = _time_interleaved([run("f"), run("b")], torch.device("cpu"), 3, 1)
+    assert calls == ["f", "b"] * 4 and 0 <= fwd and 0 <= bwd
+
+
 def test_estimate_matches_measured_proportions_between_units(measured: ModelProfile) -> None:
     """Compute-bound units: the datasheet estimate and a CPU measurement split the time alike --
     within a factor of two, a bound a loaded or slow machine's timings stay inside."""
