@@ -15,9 +15,7 @@ there meanwhile, and a resumable checkpoint keeps the compute weights beside the
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -28,7 +26,6 @@ from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats
 from mobius.errors import CheckpointError, MobiusError
-from mobius.files import write_text_atomic
 from mobius.models import ModelConfig, dropout_active, hidden_size, tied_weights, unit_prefix
 from mobius.optim import UpdateRule
 from mobius.parallel import ParallelSettings
@@ -40,7 +37,7 @@ from scheduler.links import link_to
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
 from scheduler.stages import stage_layouts
 from scheduler.store import StageStore, check_host_memory, host_bytes
-from scheduler.trace import StepTrace
+from scheduler.trace import StepTrace, write_step_trace
 from scheduler.updater import sum_over_ranks
 
 log = logging.getLogger(__name__)
@@ -197,16 +194,7 @@ class PipelineEngine:
     def _write_trace(self, trace: StepTrace, step: int) -> None:
         """Finish the traced step (its CPU updates included) and write one Chrome trace for all workers."""
         self.ex.sync()
-        events = trace.events(self.rank + 1)
-        events.insert(0, {"name": "process_name", "ph": "M", "pid": self.rank + 1,
-                          "args": {"name": f"worker {self.rank} ({self.device})"}})
-        gathered = self.comm.all_gather_object(events)
-        if self.is_main:
-            out = Path(self.cfg.output.dir) / f"trace-step{step}.json"
-            write_text_atomic(out, json.dumps({"traceEvents": [e for part in gathered for e in part],
-                                               "displayTimeUnit": "ms",
-                                               "otherData": {"generator": "mobius runtime", "step": step}}))
-            log.info("wrote %s (open it in https://ui.perfetto.dev)", out)
+        write_step_trace(trace, self.comm, self.rank, self.device, self.cfg.output.dir, step)
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:

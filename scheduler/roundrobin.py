@@ -53,7 +53,7 @@ from scheduler.executor import DeviceSlot
 from scheduler.links import link_to
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, bind
-from scheduler.trace import ComputeSpans
+from scheduler.trace import ComputeSpans, StepTrace, write_step_trace
 from scheduler.updater import CpuUpdater, Events, sum_over_ranks
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class _Step:
     computed: ComputeSpans | None = None  # set by the dispatch for its device
     reduce: _Reduce | None = None  # its statistics over the workers (posted at REDUCE)
     seconds: float = 0.0  # this worker's list, from its first action to its REDUCE
+    trace: StepTrace | None = None  # parallel.trace_step's: its spans on the simulator's tracks
 
 
 class RoundRobinEngine:
@@ -130,9 +131,6 @@ class RoundRobinEngine:
         if settings.nodes > 1:
             raise ConfigError("the round-robin schedule runs on one machine (its workers share host memory); "
                               f"this run spans {settings.nodes} nodes: use parallel.schedule=swapped")
-        if cfg.parallel.trace_step:
-            raise ConfigError("parallel.trace_step: the round-robin runtime writes no step trace yet; set it to 0 "
-                              "or use parallel.schedule=swapped")
         self.cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), rr["fused"][1])
         self.delayed = plan.options.delayed
         if self.delayed != (cfg.train.update == "delayed"):
@@ -218,6 +216,9 @@ class RoundRobinEngine:
         if upcoming is not None and self.looks_ahead:
             self.ahead = self._run(step + 1, *upcoming)
         total, norm, skipped, _ = st.reduce.result()
+        if st.trace is not None:  # once its updates have run (and those of a step run ahead)
+            self.updates_done()
+            write_step_trace(st.trace, self.comm, self.rank, self.device, self.cfg.output.dir, step + 1)
         n = self.world
         moved = total["h2d_bytes"] + total["d2h_bytes"] + total["p2p_bytes"]
         extra = {"schedule": "round_robin", "h2d_bytes": int(total["h2d_bytes"]), "d2h_bytes": int(total["d2h_bytes"]),
@@ -233,6 +234,8 @@ class RoundRobinEngine:
         adam_step = self.adam_base + index + 1 if self.looks_ahead else self.rule.optimizer_step + 1
         st = _Step(self.schedule(index), index, step, [x for x, _ in batches], [y for _, y in batches],
                    self.rule.loss_factor() / M, lr, adam_step)
+        if self.cfg.parallel.trace_step == step + 1:
+            st.trace = StepTrace(self.device)
         t0 = time.perf_counter()
         self.ex.run(st, self.last_reduce)
         st.seconds = time.perf_counter() - t0  # this worker's part of the step, to its REDUCE
@@ -350,11 +353,18 @@ class _Dispatch:
         st.computed = ComputeSpans(self.device)
         for unit in self.units:
             unit.train(True)
+        stream = self._compute_stream()
         for a in st.sched.actions[self.e.rank]:
             t0 = time.perf_counter()
+            start = st.trace.mark(stream) if st.trace is not None and a.kind in COMPUTE else None
             self.handlers[a.kind](a)
+            if start is not None:
+                st.trace.add("compute", str(a), start, st.trace.mark(stream))
             if a.kind not in COMPUTE and a.kind != Kind.REDUCE:  # the dispatch thread's own time (messages, copies)
                 st.dispatch_s += time.perf_counter() - t0
+
+    def _compute_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self.cuda else None
 
     def sync(self) -> None:
         self.updater.sync()
@@ -399,23 +409,29 @@ class _Dispatch:
                 st.wait_s += wait_for(lambda o=o: int(self.stores.version[o]) >= version,
                                       f"the update of op {o} (step {version})")
             s = self.spans[k]
-            self._to_slot(slot, self.stores.half(st.index)[s.lo:s.hi])
+            self._to_slot(slot, self.stores.half(st.index)[s.lo:s.hi], st.trace, f"U{k}")
         except BaseException as e:  # raised by check() on the dispatch thread
             self.failure = self.failure or e
         finally:
             slot.ready.set()
 
-    def _to_slot(self, slot: DeviceSlot, src: torch.Tensor) -> None:
+    def _to_slot(self, slot: DeviceSlot, src: torch.Tensor, trace: StepTrace | None = None, name: str = "") -> None:
         n = src.numel()
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 if slot.released is not None:
                     self.copy_stream.wait_event(slot.released)
+                start = trace.mark(self.copy_stream) if trace is not None else None
                 slot.params[:n].copy_(src, non_blocking=True)
                 slot.ready_event = torch.cuda.Event()
                 slot.ready_event.record(self.copy_stream)
+                if trace is not None:
+                    trace.add("h2d", name, start, trace.mark(self.copy_stream))
         else:
+            start = time.perf_counter()
             slot.params[:n].copy_(src)
+            if trace is not None:
+                trace.add("h2d", name, start, time.perf_counter())
         self.counters.add(h2d=n * src.element_size())
 
     def _free(self, a: Action) -> None:
@@ -512,11 +528,12 @@ class _Dispatch:
 
     def _offload(self, a: Action) -> None:
         """A micro-batch's input of a unit where a backward op starts to the shared stash (the download thread)."""
-        x, i, index = self.st.kept.pop((a.micro, a.unit)), self._entry(a.micro, a.unit), self.st.index
+        x, i = self.st.kept.pop((a.micro, a.unit)), self._entry(a.micro, a.unit)
+        index, trace = self.st.index, self.st.trace
         ready = self._compute_so_far()
 
         def job() -> None:
-            self._to_host(self._stash(i), x, ready)
+            self._to_host(self._stash(i), x, ready, trace, f"H{a.unit}")
             self.stores.stashed[i] = index + 1
 
         self.st.d2h.append(self._d2h_job(job))
@@ -545,14 +562,22 @@ class _Dispatch:
                 raise
         return (thread or self.downloader).submit(run)
 
-    def _to_host(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event | None) -> None:
-        """(The download thread) ``src`` into host memory ``dst`` once ``ready``; returns when it is there."""
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event | None,
+                 trace: StepTrace | None = None, name: str = "") -> None:
+        """(The download thread) ``src`` into host memory ``dst`` once ``ready``; returns when it is there
+        (``trace``: its span on the d2h track, as ``name``)."""
         if not self.cuda:
+            start = time.perf_counter()
             dst.copy_(src)
+            if trace is not None:
+                trace.add("d2h", name, start, time.perf_counter())
             return
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(ready)
+            start = trace.mark(self.d2h_stream) if trace is not None else None
             dst.copy_(src, non_blocking=True)
+            if trace is not None:
+                trace.add("d2h", name, start, trace.mark(self.d2h_stream))
         self.d2h_stream.synchronize()
 
     def _reload(self, a: Action) -> None:
@@ -561,7 +586,11 @@ class _Dispatch:
         index = self.st.index
         self.st.wait_s += wait_for(lambda: int(self.stores.stashed[i]) > index,
                                    f"micro-batch {a.micro}'s input of unit {a.unit}")
+        trace, stream = self.st.trace, self._compute_stream()
+        start = trace.mark(stream) if trace is not None else None
         x = self._stash(i).to(self.device, copy=True)
+        if trace is not None:
+            trace.add("h2d", f"L{a.unit}", start, trace.mark(stream))
         self.st.reloaded[(a.stage, a.micro)] = x
         self.counters.add(h2d=x.nbytes)
 
@@ -643,7 +672,7 @@ class _Dispatch:
                 wait_for(lambda: int(self.stores.summed[k]) >= done, f"op {k}'s gradients of the step before")
             else:
                 self._staging_free.acquire()
-            self._to_host(dst if q == 0 else self._staged(src.numel()), src, ready)
+            self._to_host(dst if q == 0 else self._staged(src.numel()), src, ready, st.trace, f"D{k}")
             self._release(index, k, q, compute=False)
             if q == 0 and R > 1:
                 self.stores.summed[k] = done + 1
@@ -653,10 +682,13 @@ class _Dispatch:
                 copied.result()
                 wait_for(lambda: int(self.stores.summed[k]) >= done, f"round {q - 1} of op {k}'s gradients")
                 self._not_adding.clear()
+                start = time.perf_counter()
                 if q > 0:
                     dst.add_(self._staged(src.numel()))
                 if q == R - 1:
                     st.sumsq += self._sumsq(k, dst)
+                if st.trace is not None:
+                    st.trace.add("cpu", f"+{k}", start, time.perf_counter())
             finally:
                 self._not_adding.set()
                 if q > 0:
@@ -704,15 +736,20 @@ class _Dispatch:
         reduced = st.reduce  # None before the REDUCE: no barrier, so no clipping and no fp16 (factor 1)
         s = self.spans[k]
 
+        def inputs() -> None:  # what the update waits for, outside the time it counts as the CPU AdamW's
+            st.downloaded[k].result()
+            if reduced is not None:
+                reduced.result()
+            if k in self.e.tied:
+                other, _, _ = self.e.tied[k]
+                wait_for(lambda: int(self.stores.summed[other]) >= (index + 1) * R, f"op {other}'s gradients")
+
         def update() -> int:
             factor, skip = 1.0, False
             if reduced is not None:
                 _, _, skip, factor = reduced.result()
             skip = skip or self.e.skip_updates
             grad = self.stores.grad(index)
-            if k in self.e.tied:
-                other, _, _ = self.e.tied[k]
-                wait_for(lambda: int(self.stores.summed[other]) >= (index + 1) * R, f"op {other}'s gradients")
             n = 0
             for u in range(s.first, s.end):
                 us = self.stores.span(u, u + 1)
@@ -725,7 +762,8 @@ class _Dispatch:
             self.stores.version[k] = index + 1
             return n
 
-        self.updater.submit(update, _Finished(st.downloaded[k]), Events())  # waiters read `version` instead
+        timed = (lambda t0, t1: st.trace.add("cpu", f"O{k}", t0, t1)) if st.trace is not None else None
+        self.updater.submit(update, _Waited(inputs), Events(), timed)  # waiters read `version` instead
 
     def _reduce(self, a: Action) -> None:
         """The end of this worker's step: its sends, uploads and downloads finished, then its statistics posted to
@@ -790,11 +828,8 @@ class _Dispatch:
             slot.params[lo:lo + us.trainable].copy_(master[us.glo:us.ghi])
 
 
-class _Finished:
-    """A job's future as what an update waits for (``synchronize``: its end, raising its failure)."""
+class _Waited:
+    """What an update waits for, as the optimizer thread waits (``synchronize``: ``wait()``, raising its failure)."""
 
-    def __init__(self, job: Future):
-        self.job = job
-
-    def synchronize(self) -> None:
-        self.job.result()
+    def __init__(self, wait: Callable[[], None]):
+        self.synchronize = wait

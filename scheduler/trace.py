@@ -1,15 +1,23 @@
-"""Spans of one pipeline step on the simulator's tracks, written as a Chrome trace (Perfetto); and the
-compute time of a step's forwards and backwards, which both pipeline runtimes report beside the simulator's
+"""Spans of one pipeline step on the simulator's tracks, written as a Chrome trace (Perfetto) by both pipeline
+runtimes; and the compute time of a step's forwards and backwards, which both report beside the simulator's
 split."""
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from mobius.files import write_text_atomic
+
 from partition.simulate import TRACKS
+
+log = logging.getLogger(__name__)
 
 
 class StepTrace:
@@ -77,3 +85,18 @@ class ComputeSpans:
         if self.cuda:
             return sum(a.elapsed_time(b) for a, b in self.spans[phase]) / 1e3
         return sum(b - a for a, b in self.spans[phase])
+
+
+def write_step_trace(trace: StepTrace, comm: Any, rank: int, device: torch.device, out_dir: str, step: int) -> None:
+    """Gather every worker's spans of the traced step (a collective: every worker calls it) and write them as one
+    Chrome trace, ``trace-step<step>.json`` in ``out_dir`` (rank 0)."""
+    events = trace.events(rank + 1)
+    events.insert(0, {"name": "process_name", "ph": "M", "pid": rank + 1,
+                      "args": {"name": f"worker {rank} ({device})"}})
+    gathered = comm.all_gather_object(events)
+    if rank == 0:
+        out = Path(out_dir) / f"trace-step{step}.json"
+        write_text_atomic(out, json.dumps({"traceEvents": [e for part in gathered for e in part],
+                                           "displayTimeUnit": "ms",
+                                           "otherData": {"generator": "mobius runtime", "step": step}}))
+        log.info("wrote %s (open it in https://ui.perfetto.dev)", out)

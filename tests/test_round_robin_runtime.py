@@ -136,12 +136,20 @@ def _run_cfg(tmp: Path, ck: Path, corpus: Path, out: str, **sections: dict):
 
 def test_round_robin_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
     """4 delayed round-robin steps (the tied weight's ends in two ops) == 2 steps, the step-2 checkpoint,
-    --resume, 2 more: the same losses, evaluations and weights; the run's metrics say the schedule; and the
-    same checkpoint resumed in the swapped pipeline continues as 4 swapped steps do."""
-    runs = lambda tmp, out, **sec: _run_cfg(tmp, deep_checkpoint, corpus, out, **sec)  # noqa: E731
+    --resume, 2 more: the same losses, evaluations and weights; the run's metrics say the schedule and its step
+    trace has both workers' compute, copies and updates; and the same checkpoint resumed in the swapped pipeline
+    continues as 4 swapped steps do."""
+    def runs(tmp: Path, out: str, **sec: dict):  # the first run traces step 3, which runs step 4 ahead
+        return _run_cfg(tmp, deep_checkpoint, corpus, out, **({"parallel": {"trace_step": 3}} if out == "first"
+                                                              else {}), **sec)
     first = resumed_equals_straight(tmp_path, runs, compute_file=False)
     rows = [json.loads(line) for line in (tmp_path / "first" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["schedule"] == "round_robin" and r["update"] == "delayed" for r in rows)
+    trace = json.loads((tmp_path / "first" / "trace-step3.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {1, 2}  # both workers
+    kinds = {(e["tid"], e["name"].rstrip("0123456789.,")) for e in spans}
+    assert kinds >= {(0, "F"), (0, "FB"), (0, "C"), (0, "B"), (1, "U"), (2, "D"), (4, "O")}, kinds
     swapped = {"parallel": {"schedule": "swapped", "stages": 4}}
     straight = train(_run_cfg(tmp_path, deep_checkpoint, corpus, "swapped", **swapped))
     torch.testing.assert_close(torch.tensor(first.losses), torch.tensor(straight.losses), rtol=0, atol=1e-5)
