@@ -246,13 +246,13 @@ class Executor:
             units.train(io.training)
         self.st = StepState(io, sched, self._stage_batches(sched, io), trace, self._runs * ORDER_STRIDE,
                             computed=ComputeSpans(self.device))
-        stream = torch.cuda.current_stream(self.device) if self.cuda else None
         for action in sched.actions[self.rank]:
-            if trace is not None and action.kind in COMPUTE:
-                start = trace.mark(stream)
+            if action.kind in COMPUTE:
+                self.st.computed.last = None
                 self.handlers[action.kind](action)
-                trace.add("compute", str(action), start, trace.mark(stream))
-            elif action.kind in COMPUTE or action.kind == Kind.REDUCE:
+                if trace is not None and self.st.computed.last is not None:  # from after its waits for inputs
+                    trace.add("compute", str(action), *self.st.computed.last)
+            elif action.kind == Kind.REDUCE:
                 self.handlers[action.kind](action)
             else:  # the dispatch thread's own time on everything else (messages, uploads issued, downloads)
                 t0 = time.perf_counter()

@@ -353,13 +353,12 @@ class _Dispatch:
         st.computed = ComputeSpans(self.device)
         for unit in self.units:
             unit.train(True)
-        stream = self._compute_stream()
         for a in st.sched.actions[self.e.rank]:
             t0 = time.perf_counter()
-            start = st.trace.mark(stream) if st.trace is not None and a.kind in COMPUTE else None
+            st.computed.last = None
             self.handlers[a.kind](a)
-            if start is not None:
-                st.trace.add("compute", str(a), start, st.trace.mark(stream))
+            if st.trace is not None and st.computed.last is not None:  # from after its waits for inputs
+                st.trace.add("compute", str(a), *st.computed.last)
             if a.kind not in COMPUTE and a.kind != Kind.REDUCE:  # the dispatch thread's own time (messages, copies)
                 st.dispatch_s += time.perf_counter() - t0
 

@@ -68,6 +68,7 @@ class ComputeSpans:
     def __init__(self, device: torch.device):
         self.cuda, self.device = device.type == "cuda", device
         self.spans: dict[str, list[tuple[object, object]]] = {"forward": [], "backward": []}
+        self.last: tuple[object, object] | None = None  # the span added last (a step trace's compute span)
 
     def mark(self) -> object:
         """Now on the compute stream: where an action's own work starts."""
@@ -79,7 +80,8 @@ class ComputeSpans:
 
     def add(self, phase: str, start: object) -> None:
         """The action begun at ``start`` ends now (``phase``: forward; backward: FB, recompute, backward)."""
-        self.spans[phase].append((start, self.mark()))
+        self.last = (start, self.mark())
+        self.spans[phase].append(self.last)
 
     def seconds(self, phase: str) -> float:
         if self.cuda:
