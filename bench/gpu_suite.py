@@ -14,8 +14,8 @@ train      ``mobius train`` as a user runs it (bench/train_bench.py): OPT-2.7B a
 delayed    the same two pipelines at 24 GiB with ``train.update: delayed``, beside ``train``'s sync and all-in-GPU
            rows of the same session: is the CPU update's tail gone (about 3 min)?
 roundrobin OPT-2.7B on two workers sharing the GPU (24 GiB each) through ``mobius train``: the round-robin
-           schedule sync and delayed beside the swapped pipeline on the same two workers; the first GPU run of the
-           round-robin runtime (about 6 min)
+           schedule sync and delayed beside the swapped pipeline on the same two workers, a trace of one step of
+           each; the first GPU run of the round-robin runtime (about 6 min)
 threads    OPT-2.7B's pipeline at 24 GiB with the workers' default CPU threads, 8 and 4: does the CPU AdamW starve the
            thread that launches the kernels (the traced step's forwards took 2.6x their profile)?
 train-lora the same for Llama-3.1-8B LoRA (rank 16, all linear layers), single and pipeline (2 min)
@@ -70,8 +70,7 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
     "delayed": [("delayed-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b",
                                                   "--modes", "pipeline", "--set=--train.update=delayed"], 300)],
     "roundrobin": [(f"roundrobin-opt-2.7b-{name}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes",
-                                                  "pipeline", "--set=--parallel.devices=2",
-                                                  "--set=--parallel.trace_step=0", *extra], 180)
+                                                  "pipeline", "--set=--parallel.devices=2", *extra], 180)
                    for name, extra in (("round-robin", ["--set=--parallel.schedule=round_robin"]),
                                        ("round-robin-delayed", ["--set=--parallel.schedule=round_robin",
                                                                 "--set=--train.update=delayed"]),
