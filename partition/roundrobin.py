@@ -83,13 +83,14 @@ def round_robin_host_bytes(profile: ModelProfile, cuts: Cuts, micro_batches: int
     """Host memory the round-robin runtime takes: in the shared stores, per trainable parameter the fp32 master
     and AdamW moments (12) and one fp32 gradient sum per compute copy (4 each); every parameter once per compute
     copy in the training dtype (delayed: two copies of both, alternating by step); and the stash of every
-    micro-batch's input of each unit where a backward op starts. Each of the ``workers`` also has a staging
-    buffer that a later round's gradient sums of its largest op come down into (fp32)."""
+    micro-batch's input of each unit where a backward op starts. With more than two rounds each of the
+    ``workers`` also has a staging buffer that a middle round's gradient sums of its largest op come down into
+    (fp32)."""
     copies = 2 if delayed else 1
     trainable = sum(u.trainable_count for u in profile.units)
     kept = sum(profile.units[c].in_bytes for c in cuts.backward[1:-1]) * micro_batches
     staging = 0
-    if micro_batches > workers:  # more than one round
+    if micro_batches > 2 * workers:  # more than two rounds
         staging = workers * 4 * max(stage_cost(profile, *cuts.units(k)).trainable_count for k in range(cuts.num_ops))
     return trainable * (12 + 4 * copies) + profile.param_bytes() * copies + kept + staging
 

@@ -408,9 +408,14 @@ class _Sim:
         elif task.occ >= K and task.occ - K not in w.released:
             return False  # the slot it takes is still in use
         else:  # what the buffer does not hold (its part moves into the slot on the device: not a transfer)
+            sums = self.sched.sums_up(task.stage, task.round)
+            if sums and self.downloads_done.get((self.step + task.tstep, task.stage), 0) < task.round % self.sched.rounds:
+                return False  # the step's earlier rounds of its gradient sums are not all down yet
             nbytes = param_bytes - w.prefetched.pop(task.occ, 0.0)
             if task.reload:
                 nbytes += len(self.sched.reload_micros(task.stage, task.round)) * self.costs[task.stage].in_bytes
+            if sums:
+                nbytes += 4.0 * self.costs[task.stage].trainable_count
             done = lambda t, w=w, occ=task.occ: self._upload_done(w, occ, t)
         w.uploading = True
         w.ui += 1

@@ -303,8 +303,8 @@ class RoundRobinEngine:
 
 class _Dispatch:
     """One worker's dispatch: runs its action lists over the shared stores, with an upload thread (the
-    copy stream on a GPU), a download thread (the d2h stream), a summing thread (later rounds' gradients into
-    the host sums, and the norm) and the CPU optimizer thread."""
+    copy stream on a GPU), a download thread (the d2h stream), a summing thread (middle rounds' gradients into
+    the host sums) and the CPU optimizer thread."""
 
     def __init__(self, engine: RoundRobinEngine, device: torch.device):
         self.e, self.device = engine, device
@@ -328,7 +328,7 @@ class _Dispatch:
             self.copy_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
         self.failure: BaseException | None = None
-        self._staging: torch.Tensor | None = None  # (pinned) fp32: a later round's gradients waiting to be summed
+        self._staging: torch.Tensor | None = None  # (pinned) fp32: a middle round's gradients waiting to be summed
         self._staging_free = threading.Semaphore(1)  # ... taken by its download, given back once they are added
         self._not_adding = threading.Event()  # cleared while the summing thread adds: this worker's updates pause
         self._not_adding.set()  # between blocks then (the sums hold up downloads and slots)
@@ -395,11 +395,12 @@ class _Dispatch:
             slot.stage, slot.grads_live = (a.stage, a.round), False
         slot.ready.clear()
         self.slot_of[(self.st.index, a.stage, a.round)] = slot
-        self.st.uploads.append(self.copier.submit(self._copy_job, self.st, a.stage, slot))
+        self.st.uploads.append(self.copier.submit(self._copy_job, self.st, a.stage, a.round, slot))
 
-    def _copy_job(self, st: _Step, k: int, slot: DeviceSlot) -> None:
+    def _copy_job(self, st: _Step, k: int, q: int, slot: DeviceSlot) -> None:
         """(The upload thread) op k's units from step ``st``'s compute copy into ``slot``, once the updates its
-        owners had to run have."""
+        owners had to run have; in a step's last round after the first, a gradient op's host sum of the earlier
+        rounds too, once they are down, so that its backward adds onto them (:meth:`_download`)."""
         if self.cuda:
             torch.cuda.set_device(self.device)
         try:
@@ -407,21 +408,31 @@ class _Dispatch:
             for o in st.sched.update_deps(k):
                 st.wait_s += wait_for(lambda o=o: int(self.stores.version[o]) >= version,
                                       f"the update of op {o} (step {version})")
-            s = self.spans[k]
-            self._to_slot(slot, self.stores.half(st.index)[s.lo:s.hi], st.trace, f"U{k}")
+            s, sums = self.spans[k], None
+            if st.sched.sums_up(k, q):
+                done = st.index * st.sched.rounds + q  # rounds of op k summed before this one
+                st.wait_s += wait_for(lambda: int(self.stores.summed[k]) >= done, f"op {k}'s gradients of round {q - 1}")
+                sums = self.stores.grad(st.index)[s.glo:s.ghi]
+            self._to_slot(slot, self.stores.half(st.index)[s.lo:s.hi], st.trace, f"U{k}", sums)
+            slot.grads_live = sums is not None  # the backward adds onto the sums it brought
         except BaseException as e:  # raised by check() on the dispatch thread
             self.failure = self.failure or e
         finally:
             slot.ready.set()
 
-    def _to_slot(self, slot: DeviceSlot, src: torch.Tensor, trace: StepTrace | None = None, name: str = "") -> None:
-        n = src.numel()
+    def _to_slot(self, slot: DeviceSlot, src: torch.Tensor, trace: StepTrace | None = None, name: str = "",
+                 sums: torch.Tensor | None = None) -> None:
+        """``src`` into the slot's weights (and ``sums``, fp32, into its gradient sums), once its last reader is
+        done."""
+        n, moved = src.numel(), src.nbytes + (sums.nbytes if sums is not None else 0)
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 if slot.released is not None:
                     self.copy_stream.wait_event(slot.released)
                 start = trace.mark(self.copy_stream) if trace is not None else None
                 slot.params[:n].copy_(src, non_blocking=True)
+                if sums is not None:
+                    slot.sums[:sums.numel()].copy_(sums, non_blocking=True)
                 slot.ready_event = torch.cuda.Event()
                 slot.ready_event.record(self.copy_stream)
                 if trace is not None:
@@ -429,9 +440,11 @@ class _Dispatch:
         else:
             start = time.perf_counter()
             slot.params[:n].copy_(src)
+            if sums is not None:
+                slot.sums[:sums.numel()].copy_(sums)
             if trace is not None:
                 trace.add("h2d", name, start, time.perf_counter())
-        self.counters.add(h2d=n * src.element_size())
+        self.counters.add(h2d=moved)
 
     def _free(self, a: Action) -> None:
         """The op's slot may take the next upload; an op with gradients keeps it until its DOWNLOAD has read
@@ -651,17 +664,19 @@ class _Dispatch:
 
     # ---- gradients and updates ------------------------------------------------------------------
     def _download(self, a: Action) -> None:
-        """Round ``a.round``'s gradient sums of op k to host memory (the download thread), and the slot is free:
-        the first round of a step straight into the host sum once the last update to read it (the step before's,
-        or the one before that under delayed; a tied weight's other end too) has; a later round into the staging
-        buffer, which the summing thread then adds into the host sum after the rounds before. The last round's
-        total gives the op's share of the norm (the summing thread)."""
+        """Round ``a.round``'s gradient sums of op k to host memory (the download thread), and the slot is free.
+        The first round of a step comes straight into the host sum, once the last update to read it (the step
+        before's, or the one before that under delayed; a tied weight's other end too) has; so does the last,
+        which took the earlier rounds' sums up (:meth:`_copy_job`) and is the step's total, whose share of the norm
+        it reads on the device. A middle round comes into the staging buffer, which the summing thread then adds
+        into the host sum after the rounds before."""
         k, q, st = a.stage, a.round, self.st
         s, slot, R, index = self.spans[k], self.slot_of[(st.index, k, a.round)], st.sched.rounds, st.index
         readers = (k, *(self.e.tied[k][:1] if k in self.e.tied else ())) if q == 0 else ()
         src, ready = slot.sums[:s.trainable], self._compute_so_far()
         done = index * R + q  # rounds of op k summed before this one
         dst = self.stores.grad(index)[s.glo:s.ghi]
+        whole = q in (0, R - 1)  # straight into the host sum
 
         def copy() -> None:
             for o in readers:
@@ -669,11 +684,13 @@ class _Dispatch:
                          f"the update of op {o} that reads its gradient sums")
             if q == 0:  # the previous step's rounds are summed first (the sum counts in order)
                 wait_for(lambda: int(self.stores.summed[k]) >= done, f"op {k}'s gradients of the step before")
-            else:
+            elif not whole:
                 self._staging_free.acquire()
-            self._to_host(dst if q == 0 else self._staged(src.numel()), src, ready, st.trace, f"D{k}")
+            self._to_host(dst if whole else self._staged(src.numel()), src, ready, st.trace, f"D{k}")
+            if q == R - 1:
+                st.sumsq += self._sumsq(k, src)  # (on the device, down before its slot is free)
             self._release(index, k, q, compute=False)
-            if q == 0 and R > 1:
+            if whole:
                 self.stores.summed[k] = done + 1
 
         def add(copied: Future) -> None:
@@ -682,20 +699,16 @@ class _Dispatch:
                 wait_for(lambda: int(self.stores.summed[k]) >= done, f"round {q - 1} of op {k}'s gradients")
                 self._not_adding.clear()
                 start = time.perf_counter()
-                if q > 0:
-                    dst.add_(self._staged(src.numel()))
-                if q == R - 1:
-                    st.sumsq += self._sumsq(k, dst)
+                dst.add_(self._staged(src.numel()))
                 if st.trace is not None:
                     st.trace.add("cpu", f"+{k}", start, time.perf_counter())
             finally:
                 self._not_adding.set()
-                if q > 0:
-                    self._staging_free.release()
+                self._staging_free.release()
             self.stores.summed[k] = done + 1
 
         copied = self._d2h_job(copy)
-        st.downloaded[k] = copied if q == 0 and R > 1 else self._d2h_job(lambda: add(copied), self.summer)
+        st.downloaded[k] = copied if whole else self._d2h_job(lambda: add(copied), self.summer)
         st.d2h += [copied, st.downloaded[k]]
         self.counters.add(d2h=s.trainable * 4)
 

@@ -175,6 +175,10 @@ class Schedule:
         whole and the GPU reads them for the norm)."""
         return 0.0
 
+    def sums_up(self, stage: int, round: int) -> bool:
+        """Whether an upload also brings gradient sums up (a round-robin notion: never here)."""
+        return False
+
     tie_ends = property(lambda self: (0, self.num_stages - 1))  # the stages holding the two ends of a tied weight
 
     def worker_for(self, stage: int, micro: int) -> int:

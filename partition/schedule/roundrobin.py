@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from partition.costs import HOST_NORM_BYTES, HOST_SUM_BYTES, UPDATE_BYTES
+from partition.costs import HOST_SUM_BYTES, UPDATE_BYTES
 from partition.schedule.pipeline import COMPUTE, Action, Kind, PipelineOptions, ScheduleError
 
 
@@ -104,10 +104,17 @@ class RoundRobinSchedule:
 
     def download_work(self, round: int) -> float:
         """Host memory work of a gradient download of round ``round`` of its step once it is down, in updates of
-        its parameters (the CPU AdamW's measure): the worker's summing thread adds a later round's fp32 sums into
-        the host sum and reads the last round's total once for the norm, on the memory the updates use."""
+        its parameters (the CPU AdamW's measure): the worker's summing thread adds a middle round's fp32 sums
+        into the host sum, on the memory the updates use. The first round's come down into the host sum and the
+        last round's are the step's total (:meth:`sums_up`), whose norm the GPU reads."""
         r = round % self.rounds
-        return ((r > 0) * HOST_SUM_BYTES + (r == self.rounds - 1) * HOST_NORM_BYTES) / UPDATE_BYTES
+        return (0 < r < self.rounds - 1) * HOST_SUM_BYTES / UPDATE_BYTES
+
+    def sums_up(self, stage: int, round: int) -> bool:
+        """Whether the upload of ``stage`` for round ``round`` also brings the host sum of its step's earlier
+        rounds (fp32) into its slot, once they are down: a gradient op's in a step's last round, after the first,
+        so that its download is the step's total and the host adds nothing."""
+        return self.rounds > 1 and round % self.rounds == self.rounds - 1 and self.cuts.kind(stage) != Kind.FORWARD
 
     num_slots = property(lambda self: self.options.num_slots)
     barrier = property(lambda self: self.options.barrier)
