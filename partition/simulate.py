@@ -40,7 +40,7 @@ from partition.timing import Shape, StageExprs, memory_peaks
 Sharing = Literal["priority", "fair"]
 _EPS_BYTES = 1e-3
 _EPS_T = 1e-12
-STAGING = 1  # a worker's pinned buffers that a later round's gradient sums come down into, to wait to be added
+STAGING = 1  # a worker's pinned buffers that a middle round's gradient sums come down into, to wait to be added
 
 
 @dataclass
@@ -291,8 +291,8 @@ class _Sim:
         self.opt_rate = [0.0] * self.N  # its parameters per second: its share of the host (:meth:`_share_cpu`)
         self.opt_start = [0.0] * self.N
         self.add_queue: list[list[tuple[_Task, float]]] = [[] for _ in range(self.N)]  # a worker's summing thread:
-        # the host work on gradients that are down (round-robin: a later round's sums added into the host sum, the
-        # norm read), in updates of their parameters, in download order
+        # the host work on gradients that are down (round-robin: a middle round's sums added into the host sum), in
+        # updates of their parameters, in download order
         self.adding: list[tuple[_Task, float] | None] = [None] * self.N  # the running one, with its start
         self.add_left = [0.0] * self.N  # (in updates of its parameters; timed like the CPU updates)
         self.add_busy: list[float | None] = [None] * self.N
@@ -335,6 +335,7 @@ class _Sim:
         self.by_kind: dict[str, float] = {}
         self.events: list[SimEvent] = []
         self.busy = dict.fromkeys(("fwd", "bwd", "dadam", "dispatch"), 0.0)  # a program's last step's compute
+        # (the time split's: SimResult.busy_s)
         self.compute_end_s = 0.0
         for w in self.workers:
             w.reset()
@@ -409,8 +410,8 @@ class _Sim:
             return False  # the slot it takes is still in use
         else:  # what the buffer does not hold (its part moves into the slot on the device: not a transfer)
             sums = self.sched.sums_up(task.stage, task.round)
-            if sums and self.downloads_done.get((self.step + task.tstep, task.stage), 0) < task.round % self.sched.rounds:
-                return False  # the step's earlier rounds of its gradient sums are not all down yet
+            if sums and not self._rounds_before_summed(task):
+                return False  # it brings the step's earlier rounds of its gradient sums up: not all down yet
             nbytes = param_bytes - w.prefetched.pop(task.occ, 0.0)
             if task.reload:
                 nbytes += len(self.sched.reload_micros(task.stage, task.round)) * self.costs[task.stage].in_bytes
@@ -494,7 +495,7 @@ class _Sim:
 
     def _compute_event(self, w: _Worker, task: _Task, name: str, start: float, end: float, cat: str) -> None:
         self._event(w.gpu, "compute", name, start, end, cat)
-        if task.tstep == self.sched.steps - 1:
+        if self.program and task.tstep == self.sched.steps - 1:
             self.busy[cat] += end - start
 
     def _opens(self, task: _Task) -> bool:
@@ -571,12 +572,16 @@ class _Sim:
             if self.adding[w] is not None or not self.add_queue[w]:
                 continue
             task, work = self.add_queue[w][0]
-            if self.downloads_done.get((self.step + task.tstep, task.stage), 0) < task.round % self.sched.rounds:
+            if not self._rounds_before_summed(task):
                 continue
             self.add_queue[w].pop(0)
             self.adding[w], self.add_left[w], self.add_busy[w] = (task, self.t), work, self.t  # timed by _share_cpu
             started = True
         return started
+
+    def _rounds_before_summed(self, task: _Task) -> bool:
+        """The rounds of ``task``'s step before its own are down and summed for its stage (round-robin)."""
+        return self.downloads_done.get((self.step + task.tstep, task.stage), 0) >= task.round % self.sched.rounds
 
     def _downloaded(self, w: _Worker, task: _Task, t: float) -> None:
         """A gradient is down and summed; the stage's last of the step queues its update (without a barrier)."""
