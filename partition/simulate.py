@@ -535,9 +535,9 @@ class _Sim:
         if (task.kind == Kind.DOWNLOAD and self.delay and self.sched.compute_copies == 1
                 and self.version[task.stage] < self.step + task.tstep):
             return False  # the previous step's update still reads the stage's one gradient buffer
-        if (task.kind == Kind.DOWNLOAD and task.round % self.sched.rounds > 0
+        if (task.kind == Kind.DOWNLOAD and self.sched.download_work(task.round) > 0
                 and len(self.add_queue[w.w]) + (self.adding[w.w] is not None) >= STAGING):
-            return False  # a later round's sums come down into a staging buffer; all of them wait to be added
+            return False  # a middle round's sums come down into a staging buffer; all of them wait to be added
         w.downloading = True
         w.di += 1
         if task.kind == Kind.DOWNLOAD:
