@@ -91,14 +91,21 @@ class ComputeSpans:
 
 def write_step_trace(trace: StepTrace, comm: Any, rank: int, device: torch.device, out_dir: str, step: int) -> None:
     """Gather every worker's spans of the traced step (a collective: every worker calls it) and write them as one
-    Chrome trace, ``trace-step<step>.json`` in ``out_dir`` (rank 0)."""
+    Chrome trace, ``trace-step<step>.json`` in ``out_dir`` (rank 0), on one clock: each worker's spans from where
+    the earliest worker began the step (``perf_counter`` is the host's monotonic clock, which the workers of one
+    host share; a GPU's from its reference event, recorded when the worker began)."""
     events = trace.events(rank + 1)
     events.insert(0, {"name": "process_name", "ph": "M", "pid": rank + 1,
                       "args": {"name": f"worker {rank} ({device})"}})
-    gathered = comm.all_gather_object(events)
+    gathered = comm.all_gather_object((trace.t0, events))
     if rank == 0:
+        origin = min(t0 for t0, _ in gathered)
+        for t0, part in gathered:
+            for e in part:
+                if "ts" in e:
+                    e["ts"] += (t0 - origin) * 1e6
         out = Path(out_dir) / f"trace-step{step}.json"
-        write_text_atomic(out, json.dumps({"traceEvents": [e for part in gathered for e in part],
+        write_text_atomic(out, json.dumps({"traceEvents": [e for _, part in gathered for e in part],
                                            "displayTimeUnit": "ms",
                                            "otherData": {"generator": "mobius runtime", "step": step}}))
         log.info("wrote %s (open it in https://ui.perfetto.dev)", out)

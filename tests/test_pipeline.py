@@ -384,6 +384,41 @@ def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path, demo_single
     spans = [e for e in trace if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {1, 2}  # both workers
     assert {e["name"][0] for e in spans} >= {"F", "B", "U", "D", "O"}  # compute, uploads, downloads, CPU AdamW
+    assert _received_after_sent(spans) > 0
+
+
+def _received_after_sent(spans: list[dict]) -> int:
+    """Each forward whose input came from the other worker starts after that worker's forward ended (the workers'
+    tracks on one clock); how many such pairs the trace holds."""
+    import re
+
+    at = {}
+    for e in spans:
+        m = re.fullmatch(r"F(\d+),(\d+)", e["name"])
+        if m and e["tid"] == 0:
+            at[int(m[1]), int(m[2])] = e
+    pairs = [(at[j - 1, m], e) for (j, m), e in at.items() if (j - 1, m) in at and at[j - 1, m]["pid"] != e["pid"]]
+    for sent, got in pairs:
+        assert got["ts"] >= sent["ts"] + sent["dur"] - 1, (sent, got)  # (microseconds)
+    return len(pairs)
+
+
+def test_a_step_trace_puts_every_worker_on_one_clock(tmp_path: Path) -> None:
+    """Each worker times its spans from where it began the step; the trace shifts them to where the first began."""
+    from scheduler.trace import StepTrace, write_step_trace
+
+    first, second = StepTrace(torch.device("cpu")), StepTrace(torch.device("cpu"))
+    second.t0 = first.t0 + 0.25  # the second worker began the step 250 ms later
+    for trace in (first, second):
+        trace.add("compute", "F0,0", trace.t0 + 0.001, trace.t0 + 0.002)
+
+    class Two:
+        def all_gather_object(self, mine: object) -> list[object]:
+            return [mine, (second.t0, second.events(2))]
+
+    write_step_trace(first, Two(), 0, torch.device("cpu"), str(tmp_path), 1)
+    spans = [e for e in json.loads((tmp_path / "trace-step1.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert sorted((e["pid"], round(e["ts"])) for e in spans) == [(1, 1000), (2, 251000)]
 
 
 def test_a_run_measures_its_cpu_adamw_rate_for_the_next_plan(tmp_path: Path, deep_checkpoint: Path,
