@@ -41,52 +41,43 @@ class DirectLink:
     """Point-to-point sends of tensors already where they must go: CPU tensors through gloo (CPU
     workers standing in for GPUs, tagged), or GPU tensors through NCCL (peer-to-peer, in order).
 
-    Gloo's posts go through a thread of their own: posting one blocks while gloo's thread moves another
-    message of the same pair (measured on 2 CPU workers: a receive's post took 0.05-0.2 ms, and 1.5-7 ms
-    one time in four), which the dispatch thread, that computes on a CPU worker, would wait out."""
+    Gloo's receives are posted by a thread of the link's own: a post blocks while gloo's thread moves another
+    message of the same pair (measured on 2 CPU workers: 0.05-0.2 ms, and 1.5-7 ms one time in four), which
+    the dispatch thread, that computes on a CPU worker, would wait out. Sends stay on the dispatch thread: handed
+    to another thread, a send waited for that thread to get the interpreter while the next compute ran, and
+    its message arrived later."""
 
     def __init__(self, peer: int, counters: Counters, device: torch.device | None = None,
                  group: dist.ProcessGroup | None = None):
         self.peer, self.counters, self.group = peer, counters, group
         self.device = device or torch.device("cpu")
         self.nccl = self.device.type == "cuda"  # NCCL matches sends and receives by order, not tag
-        self.poster = None if self.nccl else ThreadPoolExecutor(1, thread_name_prefix=f"post{peer}")
-        self.pending: list[Callable[[], None]] = []
-
-    def _post(self, op: Callable, t: torch.Tensor, tag: int) -> Callable[[], None]:
-        """``op`` (isend or irecv) of ``t``, posted in order; the returned call waits for it to complete (and
-        holds ``t`` until then)."""
-        if self.poster is None:
-            work = op(t, self.peer, group=self.group, tag=0)
-            return lambda: _wait(work, t)
-        posted = self.poster.submit(op, t, self.peer, group=self.group, tag=tag)
-        return lambda: _wait(posted.result(), t)
+        self.poster = None if self.nccl else ThreadPoolExecutor(1, thread_name_prefix=f"recv{peer}")
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, t: torch.Tensor, tag: int) -> None:
-        t = t.detach().contiguous()  # (held by the posted send until it completes)
-        self.pending.append(self._post(dist.isend, t, tag))
+        t = t.detach().contiguous()
+        self.pending.append((dist.isend(t, self.peer, group=self.group, tag=0 if self.nccl else tag), t))
         self.counters.add(**({"p2p": t.nbytes} if self.nccl else {"d2h": t.nbytes}))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        done = self._post(dist.irecv, buf, tag)
-        if not self.nccl:
-            self.counters.add(h2d=buf.nbytes)
-
-        def wait() -> torch.Tensor:
-            done()
-            return buf
-        return wait
+        if self.poster is None:
+            work = dist.irecv(buf, self.peer, group=self.group, tag=0)
+            return lambda: _received(work, buf)
+        posted = self.poster.submit(dist.irecv, buf, self.peer, group=self.group, tag=tag)  # in order
+        self.counters.add(h2d=buf.nbytes)
+        return lambda: _received(posted.result(), buf)
 
     def flush(self) -> None:
-        for wait in self.pending:
-            wait()
+        for work, _ in self.pending:
+            work.wait()
         self.pending.clear()
 
 
-def _wait(work: dist.Work, t: torch.Tensor) -> None:
-    """Until ``work`` on ``t`` completes (``t``: the tensor it reads or writes, held until then)."""
+def _received(work: dist.Work, buf: torch.Tensor) -> torch.Tensor:
     work.wait()
+    return buf
 
 
 class StagedLink:
