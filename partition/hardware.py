@@ -47,11 +47,11 @@ HOST_COPY_Bps = 5e9  # assumed: memory copies within one host, the one figure fo
 # worker processes (a gloo send through a socket: a tied weight's exchange) and CPU workers' "links" (memcpy between
 # a worker's host and device buffers; mobius.app.planning's CPU workers)
 GLOO_MESSAGE_S = 0.3e-3  # measured: a CPU worker's dispatch thread per activation or gradient message it posts to
-# another worker (gloo; receives through the link's posting thread: scheduler.links.DirectLink), 0.26-0.30 ms inside
-# a run (the handlers timed per action kind: receives 0.13-0.20 ms, sends 0.34-0.50; GPT-2 of
-# python bench/cpu_pipeline_bench.py on 2 workers, swapped pipeline of 8 stages and round-robin, 2-core VM,
-# 2026-11-27); with receives posted on the dispatch thread itself they took 0.64-1.1 ms, a receive's post blocking
-# 1.5-7 ms one time in four while gloo's thread moved another message of the pair
+# another worker (gloo: scheduler.links.DirectLink), 0.28-0.38 ms per message inside a run (the handlers timed per
+# action kind: a receive, posted when the step began by the link's thread, 0.02 ms where the list has it; a send,
+# which then writes its data at once, 0.51-0.93 ms; GPT-2 of python bench/cpu_pipeline_bench.py on 2 workers,
+# swapped pipeline of 8 stages and round-robin, 2-core VM, 2026-11-27); with receives posted on the dispatch thread
+# where the list has them, 0.64-1.1 ms, a post blocking 1.5-7 ms one time in four
 DEVICE_ADAM_BYTES = UPDATE_BYTES  # a resident stage's AdamW on its device, per parameter:
 # the fused step's traffic (partition.costs.ADAM_BYTES) and writing the half copy the stage computes with (2 bytes)
 

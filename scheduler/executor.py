@@ -45,6 +45,7 @@ from mobius.optim import UpdateRule
 from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.arbiter import UploadArbiter
 from scheduler.counters import Counters
+from scheduler.links import post_early
 from mobius.models.params import build_units
 from scheduler.stages import StageLayout, add_gradients, bind
 from scheduler.store import StageStore
@@ -246,6 +247,7 @@ class Executor:
             units.train(io.training)
         self.st = StepState(io, sched, self._stage_batches(sched, io), trace, self._runs * ORDER_STRIDE,
                             computed=ComputeSpans(self.device))
+        post_early(sched.actions[self.rank], self.links, self._recv)
         for action in sched.actions[self.rank]:
             if action.kind in COMPUTE:
                 self.st.computed.last = None
@@ -575,6 +577,8 @@ class Executor:
 
     def _recv(self, a: Action) -> None:
         kind = "a" if a.kind == Kind.RECV_ACT else "g"
+        if (kind, a.stage, a.micro) in self.st.waiting:  # posted when the step began
+            return
         sender = a.stage - 1 if kind == "a" else a.stage + 1
         self.st.waiting[(kind, a.stage, a.micro)] = self.links[a.peer].recv(
             self.opt.activation_shape, self.opt.dtype, self._tag(kind, sender, a.micro))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from partition.schedule import Action, Kind
 from scheduler.counters import Counters
 
 Waiter = Callable[[], torch.Tensor]
@@ -23,6 +24,8 @@ Waiter = Callable[[], torch.Tensor]
 
 class LocalLink:
     """Adjacent stages on the same worker: nothing moves."""
+
+    posts_early = False
 
     def __init__(self) -> None:
         self.box: dict[int, torch.Tensor] = {}
@@ -41,11 +44,13 @@ class DirectLink:
     """Point-to-point sends of tensors already where they must go: CPU tensors through gloo (CPU
     workers standing in for GPUs, tagged), or GPU tensors through NCCL (peer-to-peer, in order).
 
-    Gloo's receives are posted by a thread of the link's own: a post blocks while gloo's thread moves another
-    message of the same pair (measured on 2 CPU workers: 0.05-0.2 ms, and 1.5-7 ms one time in four), which
-    the dispatch thread, that computes on a CPU worker, would wait out. Sends stay on the dispatch thread: handed
-    to another thread, a send waited for that thread to get the interpreter while the next compute ran, and
-    its message arrived later."""
+    Gloo's receives are posted when the step begins (:func:`post_early`), by a thread of the link's own. Gloo
+    moves a message only once its receive is posted: posted just before the compute that needs it, every hop
+    waited for the sender's gloo thread, which shares its core with the sender's compute, to answer. And a post
+    blocks while gloo's thread moves another message of the pair (measured on 2 CPU workers: 0.05-0.2 ms, and
+    1.5-7 ms one time in four), which the dispatch thread, that computes on a CPU worker, would wait out.
+    Sends stay on the dispatch thread: handed to another thread, a send waited for that thread to get the
+    interpreter while the next compute ran."""
 
     def __init__(self, peer: int, counters: Counters, device: torch.device | None = None,
                  group: dist.ProcessGroup | None = None):
@@ -53,6 +58,8 @@ class DirectLink:
         self.device = device or torch.device("cpu")
         self.nccl = self.device.type == "cuda"  # NCCL matches sends and receives by order, not tag
         self.poster = None if self.nccl else ThreadPoolExecutor(1, thread_name_prefix=f"recv{peer}")
+        self.posts_early = not self.nccl  # (NCCL matches in order: a receive posted early could wait on a send
+        # that comes after one of this worker's own)
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, t: torch.Tensor, tag: int) -> None:
@@ -82,6 +89,8 @@ def _received(work: dist.Work, buf: torch.Tensor) -> torch.Tensor:
 
 class StagedLink:
     """GPU tensors through pinned host memory and gloo, for GPUs without peer-to-peer access."""
+
+    posts_early = False
 
     def __init__(self, peer: int, device: torch.device, counters: Counters):
         self.peer, self.device, self.counters = peer, device, counters
@@ -131,6 +140,14 @@ class StagedLink:
         for f in self.sends:
             f.result()
         self.sends.clear()
+
+
+def post_early(actions: list[Action], links: dict, recv: Callable[[Action], None]) -> None:
+    """Post, in list order, the receives of a step's ``actions`` whose links take them when the step begins
+    (``recv``: the runtime's handler of a receive, which then finds them posted)."""
+    for a in actions:
+        if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and links[a.peer].posts_early:
+            recv(a)
 
 
 def link_to(peer: int, rank: int, device: torch.device, counters: Counters,

@@ -50,7 +50,7 @@ from partition.schedule import COMPUTE, Action, Kind, PipelineOptions
 from partition.schedule.roundrobin import Cuts, RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot
-from scheduler.links import link_to
+from scheduler.links import link_to, post_early
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, bind
 from scheduler.trace import ComputeSpans, StepTrace, write_step_trace
@@ -353,6 +353,7 @@ class _Dispatch:
         st.computed = ComputeSpans(self.device)
         for unit in self.units:
             unit.train(True)
+        post_early(st.sched.actions[self.e.rank], self.links, self._recv)
         for a in st.sched.actions[self.e.rank]:
             t0 = time.perf_counter()
             st.computed.last = None
@@ -654,6 +655,8 @@ class _Dispatch:
 
     def _recv(self, a: Action) -> None:
         kind = "a" if a.kind == Kind.RECV_ACT else "g"
+        if (kind, a.stage, a.micro) in self.st.waiting:  # posted when the step began
+            return
         self.st.waiting[(kind, a.stage, a.micro)] = self.links[a.peer].recv(self.e.act_shape, self.e.dtype,
                                                                             self._tag(kind, a.stage - 1, a.micro))
 

@@ -442,3 +442,20 @@ def test_a_run_measures_its_cpu_adamw_rate_for_the_next_plan(tmp_path: Path, dee
     rate, source = cpu_update_rate_in_step(settings.cpu_threads, "fp32", cache / "partition", "cpu")
     assert source == "measured inside training steps on this machine" and 1e5 < rate < 1e11
     assert hardware(cfg, settings, Machine.detect(cfg)).cpu_adam_params_per_s == rate
+
+
+def test_receives_from_gloo_links_are_posted_when_the_step_begins() -> None:
+    """Gloo moves a message only once its receive is posted: a step's receives from CPU workers' links are posted
+    up front, in list order; those from the worker itself (in place) and from NCCL links (matched in order) are
+    posted where the list has them."""
+    from partition.schedule import Action, Kind
+    from scheduler.counters import Counters
+    from scheduler.links import DirectLink, LocalLink, post_early
+
+    gloo = DirectLink(1, Counters())
+    assert gloo.posts_early and not LocalLink.posts_early and not DirectLink(1, Counters(), torch.device("cuda")).posts_early
+    actions = [Action(Kind.RECV_ACT, 1, 0, peer=1), Action(Kind.FORWARD, 1, 0), Action(Kind.RECV_ACT, 2, 0, peer=0),
+               Action(Kind.FORWARD, 2, 0), Action(Kind.RECV_GRAD, 1, 1, peer=1), Action(Kind.SEND_ACT, 2, 0, peer=1)]
+    posted: list[Action] = []
+    post_early(actions, {0: LocalLink(), 1: gloo}, posted.append)
+    assert posted == [actions[0], actions[4]]
