@@ -57,9 +57,10 @@ class DirectLink:
         self.peer, self.counters, self.group = peer, counters, group
         self.device = device or torch.device("cpu")
         self.nccl = self.device.type == "cuda"  # NCCL matches sends and receives by order, not tag
+        # gloo's receives are posted early by this thread; NCCL's where the list has them (it matches in order: a
+        # receive posted early could wait on a send that comes after one of this worker's own)
         self.poster = None if self.nccl else ThreadPoolExecutor(1, thread_name_prefix=f"recv{peer}")
-        self.posts_early = not self.nccl  # (NCCL matches in order: a receive posted early could wait on a send
-        # that comes after one of this worker's own)
+        self.posts_early = self.poster is not None
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, t: torch.Tensor, tag: int) -> None:
