@@ -2,7 +2,7 @@
 processes (no GPU needed): the check of the simulator's fidelity on machines without a GPU.
 
     python bench/cpu_pipeline_bench.py --out bench_out               # ~2 minutes on 2 cores
-    python bench/cpu_pipeline_bench.py --out bench_out --repeats 3   # ~7 minutes
+    python bench/cpu_pipeline_bench.py --out bench_out --repeats 2   # ~8.5 minutes
 
 A GPT-2 style model (hidden 256, 8 blocks, sequence 128, 4 micro-batches of 4) is trained from
 scratch on the standard library's docstrings with ``mobius train`` as a user runs it, on 2 CPU
@@ -15,9 +15,13 @@ predicted step time (``plan.json``, the simulator) and the measured median step 
 steady-state steps (``metrics.jsonl``); and the plan's step simulated again with every unit's forward and
 backward scaled to the compute phases the run measured (``calibrated``: the simulator's schedule given the
 compute the run really took, apart from the profile's error). ``--repeats R`` runs the whole set R times,
-interleaved, each time with a fresh cache (the units profiled and the CPU update rate learnt anew, as on a new
-machine), so a slow spell of a shared machine does not fall on one variant; the table gives each variant's
-median error and its range. Prints the table and writes ``<out>/cpu_pipeline_bench.json``.
+interleaved, each time with a fresh cache (the units profiled, the CPU update rate and the compute inside the
+steps learnt anew, as on a new machine), so a slow spell of a shared machine does not fall on one variant; the
+table gives each variant's median error and its range. Within a repeat the variants run in order on one
+cache, as a user's runs on one machine: every plan after the first is made with the compute the earlier runs
+measured in their steps (``runs learnt``: how many, per repeat; :mod:`partition.calibrate`), and ``profile
+alone`` gives the same plan's step from the profile as measured. Prints the table and writes
+``<out>/cpu_pipeline_bench.json``.
 """
 
 from __future__ import annotations
@@ -112,48 +116,33 @@ def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args:
 
 
 def replayed(cfg, plan: dict, rows: list[dict], warmup: int) -> dict:
-    """The plan's step simulated again with the cached profile (``as_planned_s``: it must equal the plan's
-    prediction), then with every unit's forward and backward scaled until the simulated forward and backward
-    phases equal the ones the run measured (``calibrated_s``): the simulator's schedule given the compute the run
-    really took, apart from the profile's error on this machine (``forward_x``, ``backward_x``: the scales)."""
-    import dataclasses
-
+    """The plan's step simulated again with the profile it was planned with (``as_planned_s``: it must equal
+    the plan's prediction) and with the profile as measured (``profile_only_s``: the prediction without what
+    earlier runs on the machine taught the planner, ``learnt_runs`` of them, :mod:`partition.calibrate`), then
+    with every unit's forward and backward scaled until the simulated forward and backward phases equal the
+    ones the run measured (``calibrated_s``): the simulator's schedule given the compute the run really took,
+    apart from the profile's error on this machine (``forward_x``, ``backward_x``: the scales against the
+    profile as measured)."""
     from mobius.app.planning import hardware, profile
     from mobius.app.settings import Machine, resolve
     from mobius.assemble import planned_architecture
-    from partition import simulate
-    from partition.roundrobin import simulate_round_robin
-    from partition.schedule import PipelineOptions
-    from partition.schedule.roundrobin import Cuts
+    from partition.calibrate import ComputeScale, fit_scale
+    from partition.plan import Plan
 
     machine = Machine.detect(cfg)
     settings = resolve(cfg, machine, "pipeline", "")
     hw = hardware(cfg, settings, machine)
-    prof = profile(cfg, planned_architecture(cfg), settings, machine, hw)
-    rr, M = plan.get("round_robin", {}), cfg.train.micro_batches
-    opts = PipelineOptions(num_slots=plan["num_slots"], offload_inputs=plan["offload_inputs"], barrier=plan["barrier"],
-                           resident=frozenset(plan["resident"]), kept=frozenset(plan["kept"]),
-                           grad_dtype=plan["grad_dtype"], prefetch_bytes=plan["prefetch_bytes"], delayed=plan["delayed"])
-
-    def run(p):
-        if rr.get("runs"):
-            cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), p.num_units)
-            return simulate_round_robin(p, cuts, hw, plan["worker_gpus"], M,
-                                        PipelineOptions(barrier=opts.barrier, delayed=opts.delayed))
-        return simulate(p, plan["boundaries"], hw, plan["worker_gpus"], M, opts)
-
+    measured = profile(cfg, planned_architecture(cfg), settings, machine, hw)
+    learnt = ComputeScale(**plan["compute_scale"])
+    planned = Plan.from_json(plan)
     steady = rows[warmup:]
     want = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
-    fx = bx = 1.0
-    for _ in range(4):  # fixed point: a backward recomputes a forward
-        units = [dataclasses.replace(u, fwd_s=u.fwd_s * fx, bwd_s=u.fwd_s * fx + (u.bwd_s - u.fwd_s) * bx)
-                 for u in prof.units]
-        res = run(dataclasses.replace(prof, units=units))
-        split = res.time_split()
-        fx *= want["forward"] / split["forward"] if split["forward"] else 1.0
-        bx *= want["backward"] / split["backward"] if split["backward"] else 1.0
-    return {"as_planned_s": round(run(prof).step_s, 4), "calibrated_s": round(res.step_s, 4),
-            "forward_x": round(fx, 3), "backward_x": round(bx, 3)}
+    fit = fit_scale(measured, lambda p: planned.replay(p, hw), want)
+    return {"as_planned_s": round(planned.replay(learnt.apply(measured), hw).step_s, 4),
+            "profile_only_s": round(planned.replay(measured, hw).step_s, 4),
+            "calibrated_s": round(planned.replay(fit.apply(measured), hw).step_s, 4),
+            "forward_x": round(fit.forward, 3), "backward_x": round(fit.backward, 3),
+            "learnt_runs": learnt.runs, "learnt_x": [round(learnt.forward, 3), round(learnt.backward, 3)]}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -170,7 +159,9 @@ def summarize(rows: list[dict]) -> list[dict]:
              "measured_s": round(statistics.median(r["measured_s"] for r in rs), 4),
              "error": round(statistics.median(r["error"] for r in rs), 4),
              "error_min": min(r["error"] for r in rs), "error_max": max(r["error"] for r in rs),
-             "calibrated_error": round(statistics.median(r["calibrated_s"] / r["measured_s"] - 1 for r in rs), 4)}
+             "calibrated_error": round(statistics.median(r["calibrated_s"] / r["measured_s"] - 1 for r in rs), 4),
+             "profile_only_error": round(statistics.median(r["profile_only_s"] / r["measured_s"] - 1 for r in rs), 4),
+             "learnt_runs": [r["learnt_runs"] for r in rs]}
             for name, rs in by.items()]
 
 
@@ -195,12 +186,13 @@ def main() -> None:
                 rows.append(run_variant(name, VARIANTS[name], ck, root, repeat, args))
                 print(json.dumps(rows[-1]), flush=True)
     summary = summarize(rows)
-    print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s} {'calibrated':>10s}   "
-          "forward, backward, upload wait, dispatch: predicted / measured s")
+    print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s} {'calibrated':>10s} "
+          f"{'profile alone':>13s} {'runs learnt':>11s}   forward, backward, upload wait, dispatch: predicted / measured s")
     for r in summary:
         split = ", ".join(f"{r[k][0]:.3f} / {r[k][1]:.3f}" for k in PHASE_KEYS)
         print(f"{r['variant']:32s} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} {100 * r['error']:+6.1f}% "
-              f"{100 * r['error_min']:+7.1f}..{100 * r['error_max']:+.1f}% {100 * r['calibrated_error']:+9.1f}%   {split}")
+              f"{100 * r['error_min']:+7.1f}..{100 * r['error_max']:+.1f}% {100 * r['calibrated_error']:+9.1f}% "
+              f"{100 * r['profile_only_error']:+12.1f}% {','.join(map(str, r['learnt_runs'])):>11s}   {split}")
     out = Path(args.out) / "cpu_pipeline_bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "rows": rows, "summary": summary},

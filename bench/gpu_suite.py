@@ -13,6 +13,8 @@ train      ``mobius train`` as a user runs it (bench/train_bench.py): OPT-2.7B a
            its split, step, predicted beside measured, a trace of one pipeline step (5.6 min on one H100)
 delayed    the same two pipelines at 24 GiB with ``train.update: delayed``, beside ``train``'s sync and all-in-GPU
            rows of the same session: is the CPU update's tail gone (about 3 min)?
+learnt     OPT-2.7B's pipeline at 24 GiB twice in a row (6 steps each): the second run is planned with the compute the
+           first measured inside its steps (``partition/calibrate.py``); is its prediction within 10% (about 3 min)?
 roundrobin OPT-2.7B on two workers sharing the GPU (24 GiB each) through ``mobius train``: the round-robin
            schedule sync and delayed beside the swapped pipeline on the same two workers, a trace of one step of
            each; the first GPU run of the round-robin runtime (about 6 min)
@@ -69,6 +71,8 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
                                                 "single,pipeline,zero"], 480)],
     "delayed": [("delayed-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b",
                                                   "--modes", "pipeline", "--set=--train.update=delayed"], 300)],
+    "learnt": [("learnt-opt-2.7b", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline,pipeline",
+                                    "--steps", "6"], 330)],
     "roundrobin": [(f"roundrobin-opt-2.7b-{name}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes",
                                                   "pipeline", "--set=--parallel.devices=2", *extra], 180)
                    for name, extra in (("round-robin", ["--set=--parallel.schedule=round_robin"]),

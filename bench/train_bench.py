@@ -106,6 +106,9 @@ def summarise(args: argparse.Namespace, preset: str, name: str, out: Path, wall:
         row["schedule"] = "round_robin" if rr.get("runs") else "swapped"
         row["predicted_step_s"] = ran["step_s"] if ran is rr else planned["predicted_step_s"]
         row["predicted_split"] = ran.get("time_split", {})  # beside forward_s, backward_s, upload_wait_s
+        row["learnt_runs"] = planned.get("compute_scale", {}).get("runs", 0)  # earlier runs' compute it was planned with
+        if row["learnt_runs"]:
+            row["name"] += f" (planned with the compute of {row['learnt_runs']} earlier run(s))"
     traces = sorted(out.glob("trace-step*.json"))
     if traces:
         row["trace"] = str(traces[0])
@@ -153,7 +156,7 @@ def main() -> None:
     p.add_argument("--presets", default="opt-2.7b,llama-3.2-3b")
     p.add_argument("--modes", default="single,pipeline")
     p.add_argument("--layers", type=int, default=0, help="blocks per model (0: the preset's)")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 4; 3 with --smoke)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on all linear layers (0: "
@@ -164,8 +167,9 @@ def main() -> None:
                         "named with it")
     p.add_argument("--smoke", action="store_true", help="tiny models on 2 CPU workers")
     args = p.parse_args()
+    args.steps = args.steps or (3 if args.smoke else 4)
     if args.smoke:
-        args.presets, args.seq, args.steps, args.micro_batches = "gpt2-tiny,opt-125m", 64, 3, 2
+        args.presets, args.seq, args.micro_batches = "gpt2-tiny,opt-125m", 64, 2
         args.layers = args.layers or 2
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -30,10 +30,11 @@ from partition.evaluate import ModelEvaluator, stage_exprs
 from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
+from partition.schedule.roundrobin import Cuts
 from partition.mapping import GpusFor, as_gpus_function
 from partition.mip import MipResult, StageCountResult, explain_infeasible, given_partition, solve_partition
 from partition.request import PlanRequest
-from partition.roundrobin import plan_round_robin
+from partition.roundrobin import plan_round_robin, round_robin_options, simulate_round_robin
 from partition.simulate import SimResult, simulate
 from partition.timing import Numbers, Shape, worker_needs
 
@@ -103,6 +104,8 @@ class Plan:
     time_split: dict[str, float] = field(default_factory=dict)  # SimResult.time_split of the predicted step
     round_robin: dict = field(default_factory=dict)  # the round-robin family's plan (RoundRobinPlan.to_json; {}:
     # not asked for), for comparison: the runtime runs the swapped pipeline
+    compute_scale: dict = field(default_factory=dict)  # the factors the profile's times were scaled by to the
+    # compute earlier runs measured in their steps (partition.calibrate.ComputeScale's fields; {}: as profiled)
 
     @property
     def num_stages(self) -> int:
@@ -129,6 +132,16 @@ class Plan:
         kw["stages"] = [StagePlan.from_json(s) for s in data["stages"]]
         kw["options"] = PipelineOptions.from_json(data)
         return cls(**kw)
+
+    def replay(self, profile: ModelProfile, hardware: Hardware) -> SimResult:
+        """The step of the schedule this plan runs (the round-robin one when it runs) simulated again with
+        ``profile``'s unit times on ``hardware`` (the plan's own profile and machine: its prediction)."""
+        rr = self.round_robin
+        if rr.get("runs"):
+            cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), profile.num_units)
+            return simulate_round_robin(profile, cuts, hardware, self.worker_gpus, self.micro_batches,
+                                        round_robin_options(self.options))
+        return simulate(profile, self.boundaries, hardware, self.worker_gpus, self.micro_batches, self.options)
 
     def runtime_settings(self) -> dict:
         """What the runtime takes from the plan (the test that the plan shown is the plan run compares these)."""
@@ -318,6 +331,7 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     plan.model_step_s = ctx.evaluator(best.model_hw, options).step_time(bounds)
     plan.mip["contention_plans"] = tried
     plan.mip["alternatives"] = best.alternatives
+    plan.compute_scale = {k: v for k, v in profile.notes.get("in_run", {}).items() if k != "key"}
     if request.schedule != "swapped":
         plan.round_robin = _round_robin(ctx, plan)
     if best.model_hw is not hardware:

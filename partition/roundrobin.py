@@ -262,12 +262,17 @@ class RoundRobinPlan:
                 f"{self.search_s:.1f} s"]
 
 
+def round_robin_options(options: PipelineOptions) -> PipelineOptions:
+    """What of the swapped pipeline's ``options`` the round-robin schedule runs with: the barrier and the
+    update rule (two device slots; the gradient sums come down in fp32, as the runtime keeps them)."""
+    return PipelineOptions(barrier=options.barrier, delayed=options.delayed)
+
+
 def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int], micro_batches: int,
                      options: PipelineOptions, budget_bytes: float, sharing: Sharing = "priority") -> RoundRobinPlan:
-    """Search the cuts for the run's update rule (``options.delayed``) and simulate them under both rules. Of the
-    swapped pipeline's ``options`` the barrier and the rule apply (two device slots; the gradient sums come down in
-    fp32, as the runtime adds them up in host memory)."""
-    options = PipelineOptions(barrier=options.barrier, delayed=options.delayed)  # fp32 sums, as the runtime keeps
+    """Search the cuts for the run's update rule (``options.delayed``) and simulate them under both rules, with
+    :func:`round_robin_options` of the swapped pipeline's ``options``."""
+    options = round_robin_options(options)
     choice = search_cuts(profile, hardware, worker_gpus, micro_batches, options, budget_bytes / GB, sharing)
     host = round_robin_host_bytes(profile, choice.cuts, micro_batches, options.delayed, len(worker_gpus))
     if hardware.host_memory_bytes and host > hardware.host_memory_bytes:

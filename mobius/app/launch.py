@@ -29,6 +29,8 @@ from mobius.engine import Engine
 from mobius.models import ModelConfig
 from mobius.parallel import ParallelSettings
 from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
+from mobius.app.planning import Planned
+from partition.calibrate import ComputeScale, fit_scale, record_scale
 from partition.cpu_rate import record_in_step_rate
 from partition.plan import Plan
 from partition.zero import ZeroPlan
@@ -139,6 +141,15 @@ PHASES = {"forward": "forward_s", "backward": "backward_s", "upload_wait": "uplo
           "dispatch": "dispatch_s"}  # (predicted: the messages posted to other workers; measured: every action's
 # dispatch but compute and the reduce)
 STEADY_FROM = 2  # steps before the measured medians (warm-up, the first uploads)
+MIN_STEADY_STEPS = 3  # steady steps a run needs before its compute is kept for the next plan
+
+
+def run_rows(metrics: Path) -> list[dict]:
+    """The lines of ``metrics`` (a run's metrics.jsonl) this run wrote: a resumed run appends after its
+    predecessor's, and each run's first step line records when it was ready (``ready_s``)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    starts = [i for i, r in enumerate(rows) if "ready_s" in r]
+    return rows[starts[-1]:] if starts else rows
 
 
 def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
@@ -157,9 +168,30 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
     return out
 
 
+def keep_compute_scale(cfg: Config, planned: Planned, metrics: Path) -> None:
+    """Fit the compute a pipeline or round-robin run measured in its steady steps (``metrics``) to the
+    profile its plan was made with, and keep it for the next plan of the setting on this machine
+    (nothing for a run too short to measure, or planned from a datasheet or a profile file)."""
+    prof, plan = planned.profile, planned.plan
+    info = prof.notes.get("in_run") if prof is not None else None
+    steady = [r for r in run_rows(metrics) if "forward_s" in r and "backward_s" in r][STEADY_FROM:]
+    if info is None or not isinstance(plan, Plan) or len(steady) < MIN_STEADY_STEPS:
+        return
+    measured = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
+    fitted = fit_scale(prof, lambda p: plan.replay(p, planned.hardware), measured)
+    if not fitted.runs:
+        return
+    scale = fitted.times(ComputeScale(info["forward"], info["backward"]))  # relative to the profile as measured
+    record_scale(os.path.join(cfg.partition.cache_dir, "partition"), info["key"], scale,
+                 {"device": prof.device_name, "workers": planned.settings.workers,
+                  "threads": planned.settings.cpu_threads})
+    log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's); kept "
+             "for the next plan on this machine", fitted.forward, fitted.backward, scale.forward, scale.backward)
+
+
 def log_phases(plan: Plan, metrics: Path) -> None:
     """Log :func:`phases` of the run whose metrics are in ``metrics`` in one line (of the schedule that ran)."""
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = run_rows(metrics)
     rr = plan.round_robin
     table = (phases(rr["step_s"], rr["time_split"], rows) if rr.get("runs")
              else phases(plan.predicted_step_s, plan.time_split, rows))

@@ -6,6 +6,7 @@ plan`` prints its result and ``mobius train`` runs it, so the plan shown is the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import asdict, dataclass
@@ -19,7 +20,8 @@ from mobius.models.lora import trains
 from mobius.parallel import Mode, ParallelSettings
 from partition import Hardware, ModelProfile, Plan, PlanRequest, get_profile, lookup_gpu, plan_model
 from partition.estimate import estimate_units
-from partition.profile import apply_profile_file, read_profile_file
+from partition.calibrate import ComputeScale, learnt_scale, scale_key
+from partition.profile import apply_profile_file, profile_key, read_profile_file
 from partition.gpus import gpu_spec
 from partition.cpu_rate import cpu_update_rate_in_step, host_update_rates_in_step
 from partition.costs import ADAM_BYTES
@@ -141,6 +143,22 @@ def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, mac
     return prof
 
 
+def as_runs_compute(prof: ModelProfile, cfg: Config, model_cfg: ModelConfig,
+                    settings: ParallelSettings) -> ModelProfile:
+    """A measured ``prof`` scaled to the compute the last pipeline runs of this setting measured inside
+    their steps on this machine (:mod:`partition.calibrate`; as measured when none has), with the key the
+    next run keeps its own factors under (``notes["in_run"]``). A datasheet's or a profile file's as given."""
+    if prof.source != "measured" or cfg.partition.profile_file:
+        return prof
+    t = cfg.train
+    key = scale_key(profile_key(unit_specs(model_cfg), t.micro_batch_size, cfg.data.seq_len, t.precision,
+                                prof.device_name), settings.workers, settings.cpu_threads)
+    learnt = learnt_scale(os.path.join(cfg.partition.cache_dir, "partition"), key)
+    out = learnt.apply(prof)
+    out.notes["in_run"] = {"key": key, **dataclasses.asdict(learnt)}
+    return out
+
+
 def _from_profile_file(cfg: Config, specs: list, hw: Hardware) -> ModelProfile:
     """The units' times from ``partition.profile_file``; the kinds it does not name estimated for the
     file's GPU (or the GPU planned for)."""
@@ -201,7 +219,10 @@ def profile_line(prof: ModelProfile) -> str:
     if "profile_file" in prof.notes:
         return f"measured on {prof.device_name}, from {why}"
     took = f"in {prof.profile_s:.1f} s" if prof.profile_s else "(cached)"
-    return f"measured on {prof.device_name} {took}" + (f" ({why})" if why else "")
+    learnt = prof.notes.get("in_run", {})
+    runs = (f"; {ComputeScale(learnt['forward'], learnt['backward'], learnt['runs']).line()}"
+            if learnt.get("runs") else "")
+    return f"measured on {prof.device_name} {took}" + (f" ({why})" if why else "") + runs
 
 
 def even_boundaries(num_units: int, num_stages: int) -> list[int]:
@@ -215,7 +236,7 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
                   bandwidth_file: str | None = None) -> tuple[Plan, ModelProfile, Hardware]:
     """The pipeline plan of a run: the MIP's partition, or ``parallel.stages`` split evenly."""
     hw = hardware(cfg, settings, machine, bandwidth_file)
-    prof = profile(cfg, model_cfg, settings, machine, hw)
+    prof = as_runs_compute(profile(cfg, model_cfg, settings, machine, hw), cfg, model_cfg, settings)
     forced = even_boundaries(prof.num_units, cfg.parallel.stages) if cfg.parallel.stages else None
     if forced is not None and len(forced) - 1 < settings.workers:
         raise ConfigError(f"parallel.stages={cfg.parallel.stages} cannot keep {settings.workers} workers busy; "

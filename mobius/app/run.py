@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mobius.app import torchrun
-from mobius.app.launch import open_device, run_worker, spawn
+from mobius.app.launch import keep_compute_scale, open_device, run_worker, spawn
 from mobius.app.planning import AnyPlan, ModeChoice, plan_run, profile_line
 from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static_mode
@@ -68,7 +68,10 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
         settings, plan = choice.chosen.settings, choice.chosen.plan
         if settings.mode == "single":
             return _run_single(cfg, settings, ready, startup)
-        return spawn(cfg, settings, plan, ready, startup)
+        result = spawn(cfg, settings, plan, ready, startup)
+        if settings.mode == "pipeline":
+            keep_compute_scale(cfg, choice.chosen, Path(cfg.output.dir) / "metrics.jsonl")
+        return result
     finally:
         rundir.release()
 

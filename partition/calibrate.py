@@ -1,0 +1,123 @@
+"""The compute of a run against its unit profile: fitted from what a run measured, kept per machine, and
+applied to the next plan.
+
+A unit profile times each unit alone, minutes before the run. Inside a pipeline or round-robin step the
+same units compute slower (on 2 CPU workers of a 2-core VM 5-35% slower from run to run, 15% at the median;
+on one H100 a block's forward 2.4-3.7x its profile beside the CPU AdamW), so the plan's step is
+optimistic by that much even where its schedule is right. :func:`fit_scale` finds the two factors (one
+for every forward, one for every backward apart from its recompute) that make the plan's simulated
+forward and backward phases equal the ones the run measured; the app keeps the last runs' factors per
+profile and machine (:func:`record_scale`) and plans the next run with their mean
+(:func:`learnt_scale`, :meth:`ComputeScale.apply`). Pure functions over numbers, but the cache's files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from mobius.files import write_text_atomic
+from partition.costs import ModelProfile
+
+log = logging.getLogger(__name__)
+
+KEPT_RUNS = 5  # the runs whose factors the next plan averages (a single run's moment drifts by 10-30% here)
+
+
+class Split(Protocol):
+    """A simulated step's phases (:meth:`partition.simulate.SimResult.time_split`)."""
+
+    def time_split(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class ComputeScale:
+    """Unit times as a run computes them, relative to the profile: every forward (and the forward a
+    backward recomputes) times ``forward``, the rest of every backward times ``backward``; ``runs``: how
+    many runs' factors were averaged (0: none, the profile as measured)."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+    runs: int = 0
+
+    def apply(self, profile: ModelProfile) -> ModelProfile:
+        """``profile`` with every unit's times scaled (the fp32 gradient sums, ``acc_s``, as profiled)."""
+        if self.forward == 1.0 and self.backward == 1.0:
+            return profile
+        units = [dataclasses.replace(u, fwd_s=u.fwd_s * self.forward,
+                                     bwd_s=u.fwd_s * self.forward + (u.bwd_s - u.fwd_s) * self.backward)
+                 for u in profile.units]
+        return dataclasses.replace(profile, units=units, notes=dict(profile.notes))
+
+    def times(self, other: "ComputeScale") -> "ComputeScale":
+        """This scale applied after ``other`` (scales compose factor by factor)."""
+        return ComputeScale(self.forward * other.forward, self.backward * other.backward, self.runs)
+
+    def line(self) -> str:
+        return (f"x{self.forward:.2f} forward, x{self.backward:.2f} backward as "
+                f"{'the last run' if self.runs == 1 else f'the last {self.runs} runs'} on this machine computed")
+
+
+def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
+              measured: dict[str, float]) -> ComputeScale:
+    """The factors that make ``simulate(scaled profile)``'s forward and backward phases equal
+    ``measured`` ({"forward": s, "backward": s}, seconds per worker and step as the run's metrics give
+    them), relative to ``profile``; the identity when nothing was measured.
+
+    A phase is a sum of compute spans, each a sum of unit times, so it is linear in the two factors (plus
+    what they do not scale, the fp32 gradient sums): three simulations give its coefficients, and the two
+    equations their solution."""
+    if not (measured.get("forward", 0) > 0 and measured.get("backward", 0) > 0):
+        return ComputeScale()
+    keys = ("forward", "backward")
+    at = {xy: simulate(ComputeScale(*xy).apply(profile)).time_split() for xy in ((1.0, 1.0), (2.0, 1.0), (1.0, 2.0))}
+    (a, b), (c, d) = [[at[xy][k] - at[(1.0, 1.0)][k] for xy in ((2.0, 1.0), (1.0, 2.0))] for k in keys]
+    e, f = (measured[k] - at[(1.0, 1.0)][k] for k in keys)
+    det = a * d - b * c
+    if abs(det) < 1e-12 * max(abs(a * d), abs(b * c), 1e-30):
+        return ComputeScale()  # a phase the factors do not move (no forward in the step): nothing to fit
+    fx, bx = 1.0 + (e * d - b * f) / det, 1.0 + (a * f - e * c) / det
+    return ComputeScale(fx, bx, 1) if fx > 0 and bx > 0 else ComputeScale()
+
+
+def scale_key(profile_key: str, workers: int, threads: int) -> str:
+    """Where a run's factors are kept: per profile (its units, setting and device), number of workers and
+    CPU threads per worker (what the compute shares the machine with)."""
+    return hashlib.sha1(json.dumps([profile_key, workers, threads]).encode()).hexdigest()[:16]
+
+
+def scale_path(cache_dir: str | Path, key: str) -> Path:
+    return Path(cache_dir) / "in_run" / f"{key}.json"
+
+
+def learnt_scale(cache_dir: str | Path | None, key: str) -> ComputeScale:
+    """The mean of the factors the last :data:`KEPT_RUNS` runs kept under ``key`` (none: 1, 1)."""
+    runs = _read_runs(scale_path(cache_dir, key)) if cache_dir is not None else []
+    if not runs:
+        return ComputeScale()
+    return ComputeScale(statistics.fmean(r["forward"] for r in runs), statistics.fmean(r["backward"] for r in runs),
+                        len(runs))
+
+
+def record_scale(cache_dir: str | Path, key: str, scale: ComputeScale, about: dict) -> None:
+    """Keep one run's factors (relative to the profile as measured) under ``key``, with the last runs'."""
+    path = scale_path(cache_dir, key)
+    runs = (_read_runs(path) + [{"forward": scale.forward, "backward": scale.backward}])[-KEPT_RUNS:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"runs": runs, **about}, indent=1) + "\n")
+
+
+def _read_runs(path: Path) -> list[dict[str, float]]:
+    """The kept runs' factors; a missing or unreadable file (another version's, a torn write) holds none."""
+    try:
+        runs = json.loads(path.read_text())["runs"]
+        return [{"forward": float(r["forward"]), "backward": float(r["backward"])} for r in runs
+                if float(r["forward"]) > 0 and float(r["backward"]) > 0]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []

@@ -1,0 +1,83 @@
+"""The compute of a run against its profile: fitted, kept per machine, applied to the next plan."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.partition.profiles import toy_profile
+from partition import Hardware, Plan, PlanRequest, plan_model
+from partition.calibrate import (KEPT_RUNS, ComputeScale, fit_scale, learnt_scale, record_scale, scale_key,
+                                 scale_path)
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+
+
+def _plan(schedule: str) -> tuple[Plan, Hardware]:
+    prof, hw = toy_profile(blocks=6), Hardware.uniform(2, 8 * GiB, 10e9)
+    return plan_model(prof, hw, PlanRequest(micro_batches=4, mapping=[0, 1], schedule=schedule)), hw
+
+
+@pytest.mark.parametrize("schedule", ["swapped", "round_robin"])
+def test_the_fit_finds_the_factors_a_run_computed_at(schedule: str) -> None:
+    """A run whose forwards took 1.3x and backwards (apart from their recompute) 0.9x the profile: the fit
+    against the phases that step shows gives those factors back, for the schedule that ran."""
+    plan, hw = _plan(schedule)
+    assert plan.round_robin.get("runs", False) == (schedule == "round_robin")
+    prof = toy_profile(blocks=6)
+    assert plan.replay(prof, hw).step_s == pytest.approx(plan.round_robin.get("step_s", plan.predicted_step_s))
+    truth = ComputeScale(1.3, 0.9)
+    ran = plan.replay(truth.apply(prof), hw).time_split()
+    fit = fit_scale(prof, lambda p: plan.replay(p, hw), {k: ran[k] for k in ("forward", "backward")})
+    assert (fit.forward, fit.backward, fit.runs) == (pytest.approx(1.3, rel=1e-3), pytest.approx(0.9, rel=1e-3), 1)
+    composed = fit.times(ComputeScale(2.0, 0.5))  # as apply composes
+    assert (composed.forward, composed.backward) == (pytest.approx(2.6, rel=1e-3), pytest.approx(0.45, rel=1e-3))
+    twice = ComputeScale(2.0, 0.5).apply(truth.apply(prof))
+    once = fit.times(ComputeScale(2.0, 0.5)).apply(prof)
+    assert [u.bwd_s for u in twice.units] == pytest.approx([u.bwd_s for u in once.units], rel=1e-3)
+    assert fit_scale(prof, lambda p: plan.replay(p, hw), {"forward": 0.0, "backward": 1.0}) == ComputeScale()
+
+
+def test_the_next_plan_uses_the_mean_of_the_last_runs_and_ignores_a_torn_file(tmp_path: Path) -> None:
+    key = scale_key("profile", 2, 1)
+    assert learnt_scale(tmp_path, key) == ComputeScale()  # nothing learnt: the profile as measured
+    for k in range(KEPT_RUNS + 2):
+        record_scale(tmp_path, key, ComputeScale(1.0 + k, 2.0), {"device": "cpu"})
+    mean = 1.0 + sum(range(2, KEPT_RUNS + 2)) / KEPT_RUNS
+    assert learnt_scale(tmp_path, key) == ComputeScale(pytest.approx(mean), pytest.approx(2.0), KEPT_RUNS)
+    assert learnt_scale(tmp_path, scale_key("profile", 4, 1)).runs == 0  # another worker count: its own
+    scale_path(tmp_path, key).write_text('{"runs": [{"forward": 1.2')
+    assert learnt_scale(tmp_path, key) == ComputeScale()
+
+
+def test_a_pipeline_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Path,
+                                                                              demo_data_cache: Path) -> None:
+    """The demo on 2 CPU workers, 6 steps: the run keeps the factors its steady steps measured, and ``mobius
+    plan`` then plans with them and says so."""
+    cache = tmp_path / "cache"
+    common = [f"--data.cache_dir={demo_data_cache}", f"--partition.cache_dir={cache}", "--parallel.mode=pipeline",
+              "--parallel.devices=2", "--train.eval_every=0"]
+    demo = str(ROOT / "configs" / "demo.yaml")
+
+    r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", demo, f"--output.dir={tmp_path / 'run'}",
+                        "--train.max_steps=6", *common], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compute inside the steps: forward x" in r.stderr
+    kept = [json.loads(p.read_text()) for p in (cache / "partition" / "in_run").glob("*.json")]
+    assert len(kept) == 1 and len(kept[0]["runs"]) == 1 and kept[0]["workers"] == 2
+    factors = kept[0]["runs"][0]
+    assert 0.2 < factors["forward"] < 5 and 0.2 < factors["backward"] < 5
+    shown = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, "--json", *common],
+                           capture_output=True, text=True, timeout=600)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    plan = json.loads(shown.stdout)
+    assert plan["compute_scale"] == {**factors, "runs": 1}
+    text = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, *common], capture_output=True,
+                          text=True, timeout=600)
+    assert f"x{factors['forward']:.2f} forward, x{factors['backward']:.2f} backward as the last run on this " \
+           f"machine computed" in text.stdout + text.stderr
