@@ -2,8 +2,8 @@
 applied to the next plan.
 
 A unit profile times each unit alone, minutes before the run. Inside a pipeline or round-robin step the
-same units compute slower (on 2 CPU workers of a 2-core VM 5-35% slower from run to run, 15% at the median;
-on one H100 a block's forward 2.4-3.7x its profile beside the CPU AdamW), so the plan's step is
+same units compute slower (on 2 CPU workers of a 2-core VM forwards 0.99-1.59x their profile, median 1.24x,
+over 56 runs; on one H100 a block's forward 2.4-3.7x beside the CPU AdamW), so the plan's step is
 optimistic by that much even where its schedule is right. :func:`fit_scale` finds the two factors (one
 for every forward, one for every backward apart from its recompute) that make the plan's simulated
 forward and backward phases equal the ones the run measured; the app keeps the last runs' factors per
