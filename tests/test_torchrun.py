@@ -143,16 +143,20 @@ def test_torchrun_killed_with_9_leaves_no_process_and_no_shared_memory_file_5_s_
 
 def test_the_pipeline_under_torchrun_on_one_node_trains_like_one_device(tmp_path: Path, deep_checkpoint: Path,
                                                                         corpus: Path) -> None:
-    ref = train(config_from_dict(_raw(tmp_path, deep_checkpoint, corpus, "ref", "single"), "ref.yaml"))
+    """... and, being long enough to measure (6 steps), keeps its compute for the next plan like a run mobius
+    started (:mod:`partition.calibrate`)."""
+    ref = train(config_from_dict(_raw(tmp_path, deep_checkpoint, corpus, "ref", "single", max_steps=6), "ref.yaml"))
     run_file = tmp_path / "run.yaml"
-    raw = _raw(tmp_path, deep_checkpoint, corpus, "pipe", "pipeline")
+    raw = _raw(tmp_path, deep_checkpoint, corpus, "pipe", "pipeline", max_steps=6)
     raw["parallel"]["stages"] = 4
     run_file.write_text(json.dumps(raw))
     (node,) = _two_nodes(run_file, nodes=1)
     out, err = node.communicate(timeout=300)
     assert node.returncode == 0, err[-3000:]
-    assert "mode pipeline: 2 CPU worker process(es)" in err and "done: 4 steps" in out
+    assert "mode pipeline: 2 CPU worker process(es)" in err and "done: 6 steps" in out
     torch.testing.assert_close(_losses(tmp_path / "pipe"), torch.tensor(ref.losses), rtol=0, atol=1e-5)
+    kept = list((tmp_path / "cache" / "partition" / "in_run").glob("*.json"))
+    assert len(kept) == 1 and len(json.loads(kept[0].read_text())["runs"]) == 1
 
 
 def test_the_pipeline_across_nodes_is_refused_in_one_line(tmp_path: Path, deep_checkpoint: Path,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from mobius.app import torchrun
 from mobius.app.launch import keep_compute_scale, open_device, run_worker, spawn
-from mobius.app.planning import AnyPlan, ModeChoice, plan_run, profile_line
+from mobius.app.planning import AnyPlan, ModeChoice, Planned, plan_run, profile_line
 from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static_mode
 from mobius.app.supervise import end_when_orphaned
@@ -205,20 +205,25 @@ def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | 
     torchrun.check_shared_dir(Path(cfg.output.dir), run)
     with startup.phase("data"):
         ready = torchrun.prepare_per_node(lambda: prepare(cfg, resume), run)
+    chosen: list[Planned] = []  # rank 0's plan, for what its run measured
     with startup.phase("plan"):
-        mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, ready, machine, rundir))
+        mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, ready, machine, rundir, chosen))
         settings = torchrun.on_ranks(lambda: resolve(cfg, machine, mode, reason), True)  # this node's devices
     if mode != "single":
-        return run_worker(cfg, settings, plan, ready, startup)
+        result = run_worker(cfg, settings, plan, ready, startup)
+        if mode == "pipeline" and chosen:
+            keep_compute_scale(cfg, chosen[0], Path(cfg.output.dir) / "metrics.jsonl")
+        return result
     try:
         return _run_single(cfg, settings, ready, startup)
     finally:
         dist.destroy_process_group()
 
 
-def _plan_and_announce(cfg: Config, ready: Prepared, machine: Machine,
-                       rundir: RunDir | None) -> tuple[Mode, str, AnyPlan | None]:
+def _plan_and_announce(cfg: Config, ready: Prepared, machine: Machine, rundir: RunDir | None,
+                       chosen: list[Planned]) -> tuple[Mode, str, AnyPlan | None]:
     choice = plan_run(cfg, ready.model_cfg, machine)
+    chosen.append(choice.chosen)
     _check_before_start(cfg, choice, ready, machine)
     if rundir is not None:
         rundir.set_aside()
