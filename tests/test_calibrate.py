@@ -81,3 +81,17 @@ def test_a_pipeline_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_
                           text=True, timeout=600)
     assert f"x{factors['forward']:.2f} forward, x{factors['backward']:.2f} backward as the last run on this " \
            f"machine computed" in text.stdout + text.stderr
+
+
+def test_the_rows_of_this_run_are_those_after_the_lines_before_it_and_a_torn_line_is_left_out(tmp_path: Path) -> None:
+    from mobius.app.launch import metrics_lines, run_rows
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert metrics_lines(metrics) == 0 and run_rows(metrics, 0) == []
+    earlier = [{"step": 1, "ready_s": 3.0}, {"step": 2}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    before = metrics_lines(metrics)
+    with metrics.open("a") as f:  # a resumed run appends; killed while writing its last line
+        f.write(json.dumps({"step": 3, "ready_s": 2.0}) + "\n" + json.dumps({"step": 4}) + "\n" + '{"step": 5, "lo')
+    assert [r["step"] for r in run_rows(metrics, before)] == [3, 4]
+    assert [r["step"] for r in run_rows(metrics)] == [3, 4]  # without the count: from the last run's first line

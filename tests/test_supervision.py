@@ -194,6 +194,19 @@ def test_ctrl_c_sigterm_and_sighup_stop_every_worker_within_10_s(tmp_path: Path,
     assert "stopped by SIG" in _one_line(err) and took < 10
 
 
+def test_a_pipeline_run_stopped_by_ctrl_c_keeps_the_compute_its_steps_measured(tmp_path: Path, deep_checkpoint: Path,
+                                                                              corpus: Path) -> None:
+    """Users stop long runs with Ctrl-C: the steady steps before it still teach the next plan
+    (:mod:`partition.calibrate`), and the run still ends in its one line."""
+    cache = tmp_path / "cache"
+    proc = _start(_run_file(tmp_path, deep_checkpoint, corpus, cache), tmp_path, steps=6)
+    os.killpg(proc.pid, signal.SIGINT)
+    returncode, err, _ = _finish(proc, within=10)
+    assert returncode == 130 and "stopped by SIGINT" in _one_line(err), err[-3000:]
+    kept = list((cache / "partition" / "in_run").glob("*.json"))
+    assert len(kept) == 1 and len(json.loads(kept[0].read_text())["runs"]) == 1
+
+
 def test_ctrl_c_while_the_workers_start_is_one_line_and_a_plain_rerun_follows(tmp_path: Path, deep_checkpoint: Path,
                                                                               corpus: Path, cache: Path) -> None:
     """The signal comes as soon as the first worker exists (the next may not be launched yet): none

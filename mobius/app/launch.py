@@ -144,10 +144,31 @@ STEADY_FROM = 2  # steps before the measured medians (warm-up, the first uploads
 MIN_STEADY_STEPS = 3  # steady steps a run needs before its compute is kept for the next plan
 
 
-def run_rows(metrics: Path) -> list[dict]:
-    """The lines of ``metrics`` (a run's metrics.jsonl) this run wrote: a resumed run appends after its
-    predecessor's, and each run's first step line records when it was ready (``ready_s``)."""
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+def metrics_lines(metrics: Path) -> int:
+    """How many lines ``metrics`` holds (0: none yet): a resumed run appends its own after them."""
+    try:
+        return len(metrics.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def run_rows(metrics: Path, skip: int | None = None) -> list[dict]:
+    """The lines of ``metrics`` (a run's metrics.jsonl) this run wrote: those after the first ``skip``
+    (the lines there before it started), or, unknown, from the last that records when a run was ready
+    (``ready_s``: a resumed run appends after its predecessor's). A line cut short (the run was killed
+    while writing it) is left out."""
+    rows = []
+    try:
+        lines = metrics.read_text().splitlines()[skip or 0:]
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    if skip is not None:
+        return rows
     starts = [i for i, r in enumerate(rows) if "ready_s" in r]
     return rows[starts[-1]:] if starts else rows
 
@@ -168,13 +189,22 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
     return out
 
 
-def keep_compute_scale(cfg: Config, planned: Planned, metrics: Path) -> None:
-    """Fit the compute a pipeline or round-robin run measured in its steady steps (``metrics``) to the
+def keep_compute_scale(cfg: Config, planned: Planned, metrics: Path, skip: int) -> None:
+    """Fit the compute a pipeline or round-robin run measured in its steady steps (``metrics`` after its
+    first ``skip`` lines, :func:`metrics_lines` before the run) to the
     profile its plan was made with, and keep it for the next plan of the setting on this machine
-    (nothing for a run too short to measure, or planned from a datasheet or a profile file)."""
+    (nothing for a run too short to measure, or planned from a datasheet or a profile file). Runs
+    however the run ended, so it only logs what goes wrong here."""
+    try:
+        _keep_compute_scale(cfg, planned, run_rows(metrics, skip))
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("the compute this run measured was not kept for the next plan: %s", e)
+
+
+def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None:
     prof, plan = planned.profile, planned.plan
     info = prof.notes.get("in_run") if prof is not None else None
-    steady = [r for r in run_rows(metrics) if "forward_s" in r and "backward_s" in r][STEADY_FROM:]
+    steady = [r for r in rows if "forward_s" in r and "backward_s" in r][STEADY_FROM:]
     if info is None or not isinstance(plan, Plan) or len(steady) < MIN_STEADY_STEPS:
         return
     measured = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}

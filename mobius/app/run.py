@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mobius.app import torchrun
-from mobius.app.launch import keep_compute_scale, open_device, run_worker, spawn
+from mobius.app.launch import keep_compute_scale, metrics_lines, open_device, run_worker, spawn
 from mobius.app.planning import AnyPlan, ModeChoice, Planned, plan_run, profile_line
 from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static_mode
@@ -68,10 +68,13 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
         settings, plan = choice.chosen.settings, choice.chosen.plan
         if settings.mode == "single":
             return _run_single(cfg, settings, ready, startup)
-        result = spawn(cfg, settings, plan, ready, startup)
-        if settings.mode == "pipeline":
-            keep_compute_scale(cfg, choice.chosen, Path(cfg.output.dir) / "metrics.jsonl")
-        return result
+        metrics = Path(cfg.output.dir) / "metrics.jsonl"
+        before = metrics_lines(metrics)
+        try:
+            return spawn(cfg, settings, plan, ready, startup)
+        finally:  # a run stopped after its steady steps (Ctrl-C, a failure) measured them too
+            if settings.mode == "pipeline":
+                keep_compute_scale(cfg, choice.chosen, metrics, before)
     finally:
         rundir.release()
 
@@ -210,10 +213,13 @@ def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | 
         mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, ready, machine, rundir, chosen))
         settings = torchrun.on_ranks(lambda: resolve(cfg, machine, mode, reason), True)  # this node's devices
     if mode != "single":
-        result = run_worker(cfg, settings, plan, ready, startup)
-        if mode == "pipeline" and chosen:
-            keep_compute_scale(cfg, chosen[0], Path(cfg.output.dir) / "metrics.jsonl")
-        return result
+        metrics = Path(cfg.output.dir) / "metrics.jsonl"
+        before = metrics_lines(metrics)
+        try:
+            return run_worker(cfg, settings, plan, ready, startup)
+        finally:
+            if mode == "pipeline" and chosen:
+                keep_compute_scale(cfg, chosen[0], metrics, before)
     try:
         return _run_single(cfg, settings, ready, startup)
     finally:
