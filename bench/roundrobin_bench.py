@@ -78,8 +78,7 @@ def _plan(model: str, clip: float, profile_file: Path, micro_batches: int = 16, 
 
 def _ablations(prof, hw, plan) -> dict[str, float]:
     """The round-robin delayed steady state with the fp32 sums free, and with 100 GB/s host links too."""
-    rr = plan.round_robin
-    cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), prof.num_units)
+    cuts = plan.round_robin_cuts()
     opts = PipelineOptions(grad_dtype=plan.options.grad_dtype, delayed=True)
     no_acc, fast = _no_sums(prof), _links(hw, 1e11)
     return {"delayed_no_fp32_sums_s": simulate_round_robin(no_acc, cuts, hw, plan.worker_gpus, 16, opts,
@@ -120,8 +119,7 @@ def _like_for_like(model: str, prof, hw, plan) -> dict[str, float]:
     and under RoundPipe's simulator's assumptions (sync: one step from empty GPUs; delayed: steady state),
     where mobius's search chooses its cuts again."""
     rr, gpus = plan.round_robin, plan.worker_gpus
-    theirs, ours = roundpipe_cuts(model, prof.num_units), Cuts(tuple(rr["forward"]), tuple(rr["backward"]),
-                                                               prof.num_units)
+    theirs, ours = roundpipe_cuts(model, prof.num_units), plan.round_robin_cuts()
     out: dict[str, float] = {}
     for delayed in (False, True):
         rule, opts = "delayed" if delayed else "sync", PipelineOptions(delayed=delayed)

@@ -133,14 +133,17 @@ class Plan:
         kw["options"] = PipelineOptions.from_json(data)
         return cls(**kw)
 
+    def round_robin_cuts(self) -> Cuts:
+        """The round-robin family's cuts (planned beside the swapped pipeline: ``round_robin`` holds them)."""
+        rr = self.round_robin
+        return Cuts(tuple(rr["forward"]), tuple(rr["backward"]), rr["fused"][1])
+
     def replay(self, profile: ModelProfile, hardware: Hardware) -> SimResult:
         """The step of the schedule this plan runs (the round-robin one when it runs) simulated again with
         ``profile``'s unit times on ``hardware`` (the plan's own profile and machine: its prediction)."""
-        rr = self.round_robin
-        if rr.get("runs"):
-            cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), profile.num_units)
-            return simulate_round_robin(profile, cuts, hardware, self.worker_gpus, self.micro_batches,
-                                        round_robin_options(self.options))
+        if self.round_robin.get("runs"):
+            return simulate_round_robin(profile, self.round_robin_cuts(), hardware, self.worker_gpus,
+                                        self.micro_batches, round_robin_options(self.options))
         return simulate(profile, self.boundaries, hardware, self.worker_gpus, self.micro_batches, self.options)
 
     def runtime_settings(self) -> dict:

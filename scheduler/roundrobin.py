@@ -46,8 +46,9 @@ from mobius.models.params import build_units
 from mobius.optim import UpdateRule
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
-from partition.schedule import COMPUTE, Action, Kind, PipelineOptions
-from partition.schedule.roundrobin import Cuts, RoundRobinSchedule, build_round_robin, rotation_start
+from partition.roundrobin import round_robin_options
+from partition.schedule import COMPUTE, Action, Kind
+from partition.schedule.roundrobin import RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot
 from scheduler.links import link_to, post_early
@@ -131,13 +132,13 @@ class RoundRobinEngine:
         if settings.nodes > 1:
             raise ConfigError("the round-robin schedule runs on one machine (its workers share host memory); "
                               f"this run spans {settings.nodes} nodes: use parallel.schedule=swapped")
-        self.cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), rr["fused"][1])
+        self.cuts = plan.round_robin_cuts()
         self.delayed = plan.options.delayed
         if self.delayed != (cfg.train.update == "delayed"):
             raise MobiusError(f"the plan was made for train.update={'delayed' if self.delayed else 'sync'}, but the "
                               f"run has train.update={cfg.train.update}; plan again for this configuration")
         self.dtype = DTYPES[cfg.train.precision]
-        self.options = PipelineOptions(barrier=plan.options.barrier, delayed=self.delayed)
+        self.options = round_robin_options(plan.options)
         M, (B, T, H) = cfg.train.micro_batches, (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg))
         self.act_shape = (B, T, H)
         self.kept_cuts = list(self.cuts.backward[1:-1])  # units whose inputs wait in the stash
