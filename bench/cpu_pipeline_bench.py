@@ -1,8 +1,8 @@
 """The planner's predicted step time beside the measured one, for the pipeline on CPU worker
 processes (no GPU needed): the check of the simulator's fidelity on machines without a GPU.
 
-    python bench/cpu_pipeline_bench.py --out bench_out               # ~2 minutes on 2 cores
-    python bench/cpu_pipeline_bench.py --out bench_out --repeats 2   # ~8.5 minutes
+    python bench/cpu_pipeline_bench.py --out bench_out               # ~3 minutes on 2 cores
+    python bench/cpu_pipeline_bench.py --out bench_out --repeats 2   # ~6.5 minutes
 
 A GPT-2 style model (hidden 256, 8 blocks, sequence 128, 4 micro-batches of 4) is trained from
 scratch on the standard library's docstrings with ``mobius train`` as a user runs it, on 2 CPU
