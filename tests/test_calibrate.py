@@ -67,7 +67,7 @@ def test_a_pipeline_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_
     r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", demo, f"--output.dir={tmp_path / 'run'}",
                         "--train.max_steps=6", *common], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "compute inside the steps: forward x" in r.stderr
+    assert "compute inside the steps: forward x" in r.stderr and "with that compute the plan's step is" in r.stderr
     kept = [json.loads(p.read_text()) for p in (cache / "partition" / "in_run").glob("*.json")]
     assert len(kept) == 1 and len(kept[0]["runs"]) == 1 and kept[0]["workers"] == 2
     factors = kept[0]["runs"][0]

@@ -215,8 +215,11 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
     record_scale(os.path.join(cfg.partition.cache_dir, "partition"), info["key"], scale,
                  {"device": prof.device_name, "workers": planned.settings.workers,
                   "threads": planned.settings.cpu_threads})
-    log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's); kept "
-             "for the next plan on this machine", fitted.forward, fitted.backward, scale.forward, scale.backward)
+    given = plan.replay(fitted.apply(prof), planned.hardware).step_s  # the schedule's own error, apart from compute
+    log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's); with "
+             "that compute the plan's step is %.3f s against %.3f s measured; kept for the next plan on this machine",
+             fitted.forward, fitted.backward, scale.forward, scale.backward, given,
+             statistics.median(r["step_s"] for r in steady))
 
 
 def log_phases(plan: Plan, metrics: Path) -> None:
