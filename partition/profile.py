@@ -90,6 +90,7 @@ def _measured_cached(specs: Sequence[Any], mbs: int, seq: int, precision: str, d
         cached = load_cached(path) if path.is_file() else None
         if cached is not None:
             log.info("using cached profile %s", path)
+            cached.profile_s = 0.0  # nothing was measured now (the plan says "cached")
             return cached
     before = torch.get_num_threads()
     if dev.type == "cpu" and threads:
