@@ -9,6 +9,7 @@ rank and the cause.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -173,6 +175,11 @@ def run_rows(metrics: Path, skip: int | None = None) -> list[dict]:
     return rows[starts[-1]:] if starts else rows
 
 
+def steady_rows(rows: list[dict], steady_from: int = STEADY_FROM) -> list[dict]:
+    """The step lines of a run's metrics with its compute phases, after the first ``steady_from``."""
+    return [r for r in rows if "step_s" in r and "forward_s" in r and "backward_s" in r][steady_from:]
+
+
 def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
            steady_from: int = STEADY_FROM) -> dict[str, tuple[float, float]] | None:
     """Predicted beside measured, per phase of a pipeline step (seconds per worker; the median of the
@@ -180,7 +187,7 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
     (``split``: forward, backward with recompute, waiting for uploads; the dispatch thread's own time,
     predicted for the messages it posts to other workers, measured on every action but compute and the reduce).
     None without steady steps."""
-    steady = [r for r in rows if "step_s" in r and "forward_s" in r][steady_from:]
+    steady = steady_rows(rows, steady_from)
     if not steady:
         return None
     out = {"step": (predicted_step_s, statistics.median(r["step_s"] for r in steady))}
@@ -189,22 +196,29 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
     return out
 
 
-def keep_compute_scale(cfg: Config, planned: Planned, metrics: Path, skip: int) -> None:
-    """Fit the compute a pipeline or round-robin run measured in its steady steps (``metrics`` after its
-    first ``skip`` lines, :func:`metrics_lines` before the run) to the
-    profile its plan was made with, and keep it for the next plan of the setting on this machine
-    (nothing for a run too short to measure, or planned from a datasheet or a profile file). Runs
-    however the run ended, so it only logs what goes wrong here."""
+@contextlib.contextmanager
+def keeping_compute(cfg: Config, planned: Planned | None) -> Iterator[None]:
+    """Around a pipeline run (``planned``: its plan; None or another mode: nothing): however the run ends
+    (a Ctrl-C or a failure after its steady steps included), fit the compute its steady steps measured
+    (the lines of metrics.jsonl it wrote) to the profile its plan was made with, and keep it for the next
+    plan of the setting on this machine (nothing for a run too short to measure, or planned from a
+    datasheet or a profile file). What goes wrong there is only logged."""
+    metrics = Path(cfg.output.dir) / "metrics.jsonl"
+    before = metrics_lines(metrics)
     try:
-        _keep_compute_scale(cfg, planned, run_rows(metrics, skip))
-    except (OSError, ValueError, KeyError) as e:
-        log.warning("the compute this run measured was not kept for the next plan: %s", e)
+        yield
+    finally:
+        if planned is not None and planned.settings.mode == "pipeline":
+            try:
+                _keep_compute_scale(cfg, planned, run_rows(metrics, before))
+            except (OSError, ValueError, KeyError) as e:
+                log.warning("the compute this run measured was not kept for the next plan: %s", e)
 
 
 def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None:
     prof, plan = planned.profile, planned.plan
     info = prof.notes.get("in_run") if prof is not None else None
-    steady = [r for r in rows if "forward_s" in r and "backward_s" in r][STEADY_FROM:]
+    steady = steady_rows(rows)
     if info is None or not isinstance(plan, Plan) or len(steady) < MIN_STEADY_STEPS:
         return
     measured = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}

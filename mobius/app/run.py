@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mobius.app import torchrun
-from mobius.app.launch import keep_compute_scale, metrics_lines, open_device, run_worker, spawn
+from mobius.app.launch import keeping_compute, open_device, run_worker, spawn
 from mobius.app.planning import AnyPlan, ModeChoice, Planned, plan_run, profile_line
 from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static_mode
@@ -68,13 +68,8 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
         settings, plan = choice.chosen.settings, choice.chosen.plan
         if settings.mode == "single":
             return _run_single(cfg, settings, ready, startup)
-        metrics = Path(cfg.output.dir) / "metrics.jsonl"
-        before = metrics_lines(metrics)
-        try:
+        with keeping_compute(cfg, choice.chosen):
             return spawn(cfg, settings, plan, ready, startup)
-        finally:  # a run stopped after its steady steps (Ctrl-C, a failure) measured them too
-            if settings.mode == "pipeline":
-                keep_compute_scale(cfg, choice.chosen, metrics, before)
     finally:
         rundir.release()
 
@@ -213,13 +208,8 @@ def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | 
         mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, ready, machine, rundir, chosen))
         settings = torchrun.on_ranks(lambda: resolve(cfg, machine, mode, reason), True)  # this node's devices
     if mode != "single":
-        metrics = Path(cfg.output.dir) / "metrics.jsonl"
-        before = metrics_lines(metrics)
-        try:
+        with keeping_compute(cfg, chosen[0] if chosen else None):  # rank 0 planned it
             return run_worker(cfg, settings, plan, ready, startup)
-        finally:
-            if mode == "pipeline" and chosen:
-                keep_compute_scale(cfg, chosen[0], metrics, before)
     try:
         return _run_single(cfg, settings, ready, startup)
     finally:
