@@ -46,12 +46,14 @@ HOST_DEFAULT_SOURCE = (f"a default for a server planned from elsewhere: the Mobi
 HOST_COPY_Bps = 5e9  # assumed: memory copies within one host, the one figure for both a tensor sent between two
 # worker processes (a gloo send through a socket: a tied weight's exchange) and CPU workers' "links" (memcpy between
 # a worker's host and device buffers; mobius.app.planning's CPU workers)
-GLOO_MESSAGE_S = 0.3e-3  # measured: a CPU worker's dispatch thread per activation or gradient message it posts to
-# another worker (gloo: scheduler.links.DirectLink), 0.28-0.38 ms per message inside a run (the handlers timed per
-# action kind: a receive, posted when the step began by the link's thread, 0.02 ms where the list has it; a send,
-# which then writes its data at once, 0.51-0.93 ms; GPT-2 of python bench/cpu_pipeline_bench.py on 2 workers,
-# swapped pipeline of 8 stages and round-robin, 2-core VM, 2026-11-27); with receives posted on the dispatch thread
-# where the list has them, 0.64-1.1 ms, a post blocking 1.5-7 ms one time in four
+MAILBOX_MESSAGE_S = 0.1e-3  # measured: a CPU worker's dispatch thread per activation or gradient message to another
+# worker of its machine (scheduler.links.MailLink): a send, which copies it into the mailbox, 0.18-0.20 ms; a receive
+# 0.02 ms (GPT-2 of python bench/cpu_pipeline_bench.py, 2 micro-batches with clipping, 2 workers, 2-core VM,
+# 2026-11-27, the handlers timed per action kind); the copy out is the hop the links' rate times
+GLOO_MESSAGE_S = 0.3e-3  # measured: the same through gloo (scheduler.links.DirectLink, CPU workers of several
+# machines), 0.28-0.38 ms per message inside a run (a receive, posted when the step began by the link's thread, 0.02
+# ms where the list has it; a send, which then writes its data at once, 0.51-0.93 ms; GPT-2 of python
+# bench/cpu_pipeline_bench.py on 2 workers, swapped pipeline of 8 stages and round-robin, 2-core VM, 2026-11-27)
 DEVICE_ADAM_BYTES = UPDATE_BYTES  # a resident stage's AdamW on its device, per parameter:
 # the fused step's traffic (partition.costs.ADAM_BYTES) and writing the half copy the stage computes with (2 bytes)
 
@@ -86,7 +88,7 @@ class Hardware:
     host_adam_params_per_s: float | None = None  # the host's total while all its workers update (None: unshared)
     host_copy_Bps: float = HOST_COPY_Bps  # tensors between worker processes through host memory (gloo)
     message_s: float = 0.0  # a worker's dispatch thread per message it posts to another worker (a send or a
-    # receive), which holds up its next compute: CPU workers' gloo (GLOO_MESSAGE_S); a GPU's runs ahead of its stream
+    # receive), which holds up its next compute: CPU workers' (MAILBOX_MESSAGE_S, GLOO_MESSAGE_S); a GPU's runs ahead
     device_adam_params_per_s: float = DEVICE_ADAM_PARAMS_PER_S  # a resident stage's AdamW on its device
     host_memory_bytes: int | None = None  # host memory the stores may use (None: unknown, not checked)
     name: str = "custom"

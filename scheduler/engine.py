@@ -33,7 +33,7 @@ from partition.plan import Plan
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
 from scheduler.arbiter import UploadArbiter, arbiter_name, remove_stale
 from scheduler.counters import Counters
-from scheduler.links import link_to
+from scheduler.links import Mailboxes, link_to, mailbox_sends, mailboxes_work_here
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
 from scheduler.stages import stage_layouts
 from scheduler.store import StageStore, check_host_memory, host_bytes
@@ -89,7 +89,8 @@ class PipelineEngine:
                                   tied, skip_updates)
         hosts = {j: s for j, s in self.stores.items() if j not in plan.options.resident}
         resident = {j: s for j, s in self.stores.items() if j in plan.options.resident}
-        self.ex = Executor(self.rank, device, model_cfg, self.layouts, hosts, self._links(), self.arbiter,
+        links = self._links(options.activation_shape)
+        self.ex = Executor(self.rank, device, model_cfg, self.layouts, hosts, links, self.arbiter,
                            self.counters, Collectives(sum_over_ranks, self._exchange), self.rule, options, resident)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
         self.param_bytes = sum(lay.param_count for lay in self.layouts) * self.dtype.itemsize
@@ -128,11 +129,15 @@ class PipelineEngine:
         arb.unlink()
         return arb
 
-    def _links(self) -> dict:
+    def _links(self, act_shape: tuple[int, int, int]) -> dict:
         S = self.plan.num_stages
         peers = {self.gpu_of[j + d] for j in self.stores for d in (-1, 1) if 0 <= j + d < S}
         nccl = dist.new_group(backend="nccl") if self.settings.p2p else None
-        return {p: link_to(p, self.rank, self.device, self.counters, nccl) for p in sorted(peers)}
+        boxes = None
+        if self.world > 1 and mailboxes_work_here(self.device.type, self.settings.nodes):
+            sends = mailbox_sends([self.train_sched.actions], self.world)
+            boxes = Mailboxes(sends, act_shape, self.dtype)
+        return {p: link_to(p, self.rank, self.device, self.counters, nccl, boxes) for p in sorted(peers)}
 
     def _tied_ranges(self) -> tuple[tuple[int, int, int], ...]:
         """(stage, offset, numel) of each end of the tied weight, when the ends are on two stages."""

@@ -51,7 +51,7 @@ from partition.schedule import COMPUTE, Action, Kind
 from partition.schedule.roundrobin import RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot
-from scheduler.links import link_to, post_early
+from scheduler.links import Mailboxes, link_to, mailbox_sends, mailboxes_work_here, post_early
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, bind
 from scheduler.trace import ComputeSpans, StepTrace, write_step_trace
@@ -152,8 +152,8 @@ class RoundRobinEngine:
         self.rule = UpdateRule(cfg.train)
         self.skip_updates = skip_updates
         self.tied = self._tied()
-        self.ex = _Dispatch(self, device)
         self.scheds: dict[int, RoundRobinSchedule] = {}
+        self.ex = _Dispatch(self, device)
         self.steps_run = 0
         # a delayed step needs none of the step before's results (no fp16 loss scale to learn): train_step may
         # run the next step's list before it waits for this one's statistics
@@ -342,10 +342,15 @@ class _Dispatch:
                          Kind.DOWNLOAD: self._download, Kind.UPDATE: self._update, Kind.REDUCE: self._reduce}
 
     def _links(self) -> dict:
-        """To the workers before and after this one in the ring (no peer-to-peer activations yet)."""
+        """To the workers before and after this one in the ring (no peer-to-peer activations yet); on CPU
+        workers through mailboxes sized for the first steps' rotations (the runs of one machine only)."""
         e = self.e
-        return {p: link_to(p, e.rank, self.device, self.counters) for p in sorted({(e.rank - 1) % e.world,
-                                                                                  (e.rank + 1) % e.world})}
+        boxes = None
+        if e.world > 1 and mailboxes_work_here(self.device.type, 1):
+            lists = [e.schedule(i).actions for i in range(e.world)]
+            boxes = Mailboxes(mailbox_sends(lists, e.world), e.act_shape, e.dtype)
+        return {p: link_to(p, e.rank, self.device, self.counters, boxes=boxes)
+                for p in sorted({(e.rank - 1) % e.world, (e.rank + 1) % e.world})}
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, st: _Step, before: _Reduce | None) -> None:

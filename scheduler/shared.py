@@ -43,7 +43,7 @@ WAIT_TIMEOUT_S = 1800.0  # a counter that does not move for this long has lost i
 class SharedHost:
     """Named host buffers in one mapping shared by every rank of the default process group."""
 
-    def __init__(self, spec: dict[str, tuple[int, torch.dtype]], pin: bool):
+    def __init__(self, spec: dict[str, tuple[int, torch.dtype]], pin: bool, label: str = "mobius-round-robin"):
         offsets, total = {}, 0
         for name, (numel, dtype) in spec.items():
             offsets[name] = total
@@ -51,14 +51,14 @@ class SharedHost:
         box: list = [None]
         fd = -1
         if dist.get_rank() == 0:
-            fd = os.memfd_create("mobius-round-robin", 0)
+            fd = os.memfd_create(label, 0)
             os.ftruncate(fd, total)
             box = [f"/proc/{os.getpid()}/fd/{fd}"]
         dist.broadcast_object_list(box, src=0)
         try:
             self.raw = torch.from_file(box[0], shared=True, size=total, dtype=torch.uint8)
         except RuntimeError as e:
-            raise MobiusError(f"cannot map the round-robin runtime's shared host memory ({total / 2**30:.1f} GiB) "
+            raise MobiusError(f"cannot map the shared host memory {label} ({total / 2**30:.1f} GiB) "
                               f"from {box[0]}: {e}") from e
         rank, world = dist.get_rank(), dist.get_world_size()
         share = -(-total // (world * PAGE)) * PAGE
@@ -76,8 +76,9 @@ class SharedHost:
         return self.buffers[name]
 
 
-def wait_for(ready: Callable[[], bool], what: str) -> float:
-    """Poll ``ready`` (a shared counter reached) until it holds; returns the seconds waited."""
+def wait_for(ready: Callable[[], bool], what: str, longest_pause: float = 1e-3) -> float:
+    """Poll ``ready`` (a shared counter reached) until it holds, pausing at most ``longest_pause`` between
+    looks; returns the seconds waited."""
     if ready():
         return 0.0
     t0 = time.perf_counter()
@@ -86,7 +87,7 @@ def wait_for(ready: Callable[[], bool], what: str) -> float:
         if time.perf_counter() - t0 > WAIT_TIMEOUT_S:
             raise MobiusError(f"waited {WAIT_TIMEOUT_S:.0f} s for {what}: a worker has stopped")
         time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        pause = min(pause * 2, longest_pause)
     return time.perf_counter() - t0
 
 

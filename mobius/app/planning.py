@@ -27,11 +27,12 @@ from partition.cpu_rate import cpu_update_rate_in_step, host_update_rates_in_ste
 from partition.costs import ADAM_BYTES
 from partition.estimate import MEMORY_EFFICIENCY
 from partition.hardware import (CPU_UPDATE_IN_STEP, GLOO_MESSAGE_S, HOST_COPY_Bps, HOST_DEFAULT_SOURCE,
-                                PAPER_ADAM_PARAMS_PER_S)
+                                MAILBOX_MESSAGE_S, PAPER_ADAM_PARAMS_PER_S)
 from partition.single import SinglePlan
 from partition.single import plan_single as single_plan
 from partition.zero import ZeroHardware, ZeroPlan
 from partition.zero import plan as zero_plan
+from scheduler.links import mailboxes_work_here
 from topology.host import HOST_USABLE_FRACTION, available_host_bytes
 from mobius.models.params import model_params
 
@@ -48,7 +49,7 @@ def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidt
     n, mem = settings.workers, settings.memory_bytes
     if settings.device == "cpu":
         hw = Hardware.uniform(n, mem, HOST_COPY_Bps, groups=[[w] for w in range(n)], name="CPU workers")
-        hw.message_s = GLOO_MESSAGE_S
+        hw.message_s = MAILBOX_MESSAGE_S if mailboxes_work_here("cpu", settings.nodes) else GLOO_MESSAGE_S
     elif settings.shared_gpu:
         link = SHARED_GPU_LINK_Bps / max(len(g) for g in settings.groups)
         hw = Hardware.uniform(n, mem, link, groups=[list(g) for g in settings.groups], name="workers sharing GPUs")

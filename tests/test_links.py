@@ -1,0 +1,66 @@
+"""The mailboxes between CPU workers of one machine (``scheduler.links.MailLink``): every message arrives
+whole and under its own tag, whatever order the receiver takes them in, also when the mailbox is full or the
+message does not fit a slot (then it goes through gloo, as its record says)."""
+
+from __future__ import annotations
+
+import torch
+
+from partition.schedule import Kind, PipelineOptions, build_schedule
+from scheduler.links import mailbox_sends
+from spawned import spawn_cases
+
+SHAPE = (3, 4)
+
+
+def _message(tag: int, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) + 1000 * tag
+
+
+def _exchange(case: dict, world: int) -> dict:
+    import torch.distributed as dist
+
+    from scheduler.counters import Counters
+    from scheduler.links import Mailboxes, MailLink
+
+    rank = dist.get_rank()
+    boxes = Mailboxes({(0, 1): case["slots"], (1, 0): case["slots"]}, SHAPE, torch.float32)
+    link = MailLink(rank, 1 - rank, boxes, Counters())
+    through_gloo = 0
+    if rank == 0:
+        for tag in case["tags"]:
+            link.send(_message(tag, (2, 2) if tag == case.get("odd") else SHAPE), tag)
+        through_gloo = len(link.pending)
+        dist.barrier()  # every message sent before the first is taken
+        waiter = link.recv(SHAPE, torch.float32, 99)
+        back = [waiter().tolist()]
+    else:
+        waiters = {tag: link.recv((2, 2) if tag == case.get("odd") else SHAPE, torch.float32, tag)
+                   for tag in case["tags"]}
+        dist.barrier()
+        back = [waiters[tag]().tolist() for tag in case["taken"]]
+        link.send(_message(99), 99)
+    link.flush()
+    dist.barrier()
+    return {"back": back, "through_gloo": through_gloo, "left": sorted(link.arrived)}
+
+
+def test_messages_arrive_whole_in_any_order_and_past_a_full_mailbox() -> None:
+    cases = [{"slots": 8, "tags": [3, 1, 4, 5], "taken": [5, 3, 4, 1]},  # every message in a slot
+             {"slots": 2, "tags": [7, 8, 9, 10, 11], "taken": [11, 7, 9, 8, 10]},  # three past a full mailbox
+             {"slots": 4, "tags": [20, 21, 22], "taken": [21, 20, 22], "odd": 21}]  # one of another size
+    results = spawn_cases(_exchange, cases, 2)
+    for case, (sender, receiver) in zip(cases, results):
+        odd = case.get("odd")
+        assert receiver["back"] == [_message(t, (2, 2) if t == odd else SHAPE).tolist() for t in case["taken"]]
+        assert sender["back"] == [_message(99).tolist()]
+        assert sender["through_gloo"] == max(0, len(case["tags"]) - case["slots"]) + (odd is not None)
+        assert receiver["left"] == sender["left"] == []
+
+
+def test_mailboxes_hold_two_steps_of_each_pairs_messages() -> None:
+    sched = build_schedule(4, 2, 3, [0, 1, 0, 1], PipelineOptions(), False)
+    sends = mailbox_sends([sched.actions], 2)
+    for src in range(2):
+        n = sum(a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD) for a in sched.actions[src])
+        assert sends[(src, 1 - src)] == 2 * n > 0
