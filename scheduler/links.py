@@ -27,8 +27,10 @@ from partition.schedule import Action, Kind
 from mobius.errors import MobiusError
 from scheduler.counters import Counters
 from scheduler.shared import WAIT_TIMEOUT_S, SharedHost, wait_for
+from scheduler.store import check_host_memory
 
 Waiter = Callable[[], torch.Tensor]
+MAILBOX_BYTES = 64 << 20  # payload slots per ordered pair of CPU workers, at most (host memory every worker maps)
 
 
 class LocalLink:
@@ -154,13 +156,15 @@ class StagedLink:
 
 class Mailboxes:
     """One mailbox per ordered pair of CPU workers that exchange messages, in host memory every worker maps
-    (:class:`~scheduler.shared.SharedHost`). A mailbox is a ring of ``RECORDS`` records (tag, payload slot) and a
-    ring of ``slots`` payload slots of one message each; its sender alone advances what was sent, its receiver
-    alone what was taken, so neither waits on a lock. A message is in host memory the moment its send returns,
-    and the receiver's dispatch thread copies it out when it needs it: no third thread has to be scheduled
-    between them (gloo's threads had to be, on cores the workers' compute kept busy: a hop took 0.3-6 ms on 2
-    CPU workers, where the copies take 0.1). A send that finds every slot taken, or a message of another shape,
-    goes through gloo instead, and its record says so: no schedule can wait on a full mailbox.
+    (:class:`~scheduler.shared.SharedHost`). A mailbox is a ring of ``RECORDS`` records (tag, payload slot) and
+    a ring of payload slots of one message each (two steps of the pair's messages, within ``MAILBOX_BYTES``);
+    its sender alone advances what was sent, its receiver alone what was taken, so neither waits on a lock.
+    A message is in host memory the moment its send returns, and the receiver's dispatch thread copies it
+    out when it needs it: no third thread has to be scheduled between them (gloo's threads had to be, on
+    cores the workers' compute kept busy: a hop took 0.3-6 ms on 2 CPU workers, where the copies take 0.1).
+    The sender wakes the receiver's futex on the count it advanced. A send that finds every slot taken, or
+    a message of another shape, goes through gloo instead, and its record says so: no schedule can wait on
+    a full mailbox.
 
     The counters are plain stores in shared memory: the payload is written before the record that publishes
     it, which x86-64's store order keeps (:func:`mailboxes_work_here`)."""
@@ -170,12 +174,13 @@ class Mailboxes:
     def __init__(self, sends: dict[tuple[int, int], int], shape: tuple[int, ...], dtype: torch.dtype):
         self.shape, self.dtype = tuple(shape), dtype
         self.nbytes = math.prod(shape) * dtype.itemsize
-        self.slots = {pair: max(n, 1) for pair, n in sends.items()}
+        self.slots = {pair: mailbox_slots(n, self.nbytes) for pair, n in sends.items()}
         spec: dict[str, tuple[int, torch.dtype]] = {}
         for (src, dst), k in sorted(self.slots.items()):
             spec[f"count{src}>{dst}"] = (4, torch.int64)  # records sent, taken; payloads sent, taken
             spec[f"record{src}>{dst}"] = (2 * self.RECORDS, torch.int64)
             spec[f"payload{src}>{dst}"] = (k * self.nbytes, torch.uint8)
+        check_host_memory(sum(n * dtype.itemsize for n, dtype in spec.values()), "the CPU workers' mailboxes")
         self.host = SharedHost(spec, pin=False, label="mobius-mailboxes")
 
     def fits(self, t: torch.Tensor) -> bool:
@@ -230,8 +235,9 @@ def _libc() -> ctypes.CDLL:
 
 
 def mailbox_sends(action_lists: Iterable[list[list[Action]]], ranks: int) -> dict[tuple[int, int], int]:
-    """Payload slots per ordered pair of workers: twice the most messages one step's lists (of each schedule
-    in ``action_lists``) send from one to the other, so that a step's messages and the next one's fit."""
+    """Messages a mailbox would hold per ordered pair of workers for none to go through gloo: twice the most
+    that one step's lists (of each schedule in ``action_lists``) send from one to the other, so that a step's
+    messages and the next one's fit (:func:`mailbox_slots` caps it)."""
     most: dict[tuple[int, int], int] = {}
     for lists in action_lists:
         for src in range(ranks):
@@ -242,6 +248,12 @@ def mailbox_sends(action_lists: Iterable[list[list[Action]]], ranks: int) -> dic
             for dst, k in n.items():
                 most[(src, dst)] = max(most.get((src, dst), 0), 2 * k)
     return most
+
+
+def mailbox_slots(wanted: int, nbytes: int) -> int:
+    """Payload slots of one mailbox: ``wanted``, but within ``MAILBOX_BYTES`` (at least 2 slots); the messages
+    past them go through gloo, as they all did before."""
+    return max(1, min(wanted, max(2, MAILBOX_BYTES // max(nbytes, 1))))
 
 
 class MailLink:

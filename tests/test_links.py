@@ -64,3 +64,12 @@ def test_mailboxes_hold_two_steps_of_each_pairs_messages() -> None:
     for src in range(2):
         n = sum(a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD) for a in sched.actions[src])
         assert sends[(src, 1 - src)] == 2 * n > 0
+
+
+def test_a_mailbox_holds_its_messages_within_its_bytes() -> None:
+    from scheduler.links import MAILBOX_BYTES, mailbox_slots
+
+    assert mailbox_slots(36, 512 << 10) == 36  # the bench's GPT-2: two steps of messages fit
+    assert mailbox_slots(240, 64 << 20) == 2  # a 1B-class model's 64 MiB activations: two, the rest via gloo
+    assert mailbox_slots(240, 1 << 20) * (1 << 20) == MAILBOX_BYTES
+    assert mailbox_slots(1, 1 << 30) == 1
