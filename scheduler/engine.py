@@ -33,7 +33,7 @@ from partition.plan import Plan
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
 from scheduler.arbiter import UploadArbiter, arbiter_name, remove_stale
 from scheduler.counters import Counters
-from scheduler.links import Mailboxes, link_to, mailbox_sends, mailboxes_work_here
+from scheduler.links import link_to, mailboxes_for
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
 from scheduler.stages import stage_layouts
 from scheduler.store import StageStore, check_host_memory, host_bytes
@@ -133,10 +133,8 @@ class PipelineEngine:
         S = self.plan.num_stages
         peers = {self.gpu_of[j + d] for j in self.stores for d in (-1, 1) if 0 <= j + d < S}
         nccl = dist.new_group(backend="nccl") if self.settings.p2p else None
-        boxes = None
-        if self.world > 1 and mailboxes_work_here(self.device.type, self.settings.nodes):
-            sends = mailbox_sends([self.train_sched.actions], self.world)
-            boxes = Mailboxes(sends, act_shape, self.dtype)
+        boxes = mailboxes_for(self.device.type, self.settings.nodes, self.world, [self.train_sched.actions], act_shape,
+                              self.dtype)
         return {p: link_to(p, self.rank, self.device, self.counters, nccl, boxes) for p in sorted(peers)}
 
     def _tied_ranges(self) -> tuple[tuple[int, int, int], ...]:

@@ -250,6 +250,15 @@ def mailbox_sends(action_lists: Iterable[list[list[Action]]], ranks: int) -> dic
     return most
 
 
+def mailboxes_for(device_type: str, nodes: int, world: int, action_lists: Iterable[list[list[Action]]],
+                  shape: tuple[int, ...], dtype: torch.dtype) -> Mailboxes | None:
+    """A run's mailboxes, sized by the step lists it will run (read only when they are made), or None where
+    they do not link its workers (one worker, GPUs, several machines). Every rank calls it (a collective)."""
+    if world < 2 or not mailboxes_work_here(device_type, nodes):
+        return None
+    return Mailboxes(mailbox_sends(action_lists, world), shape, dtype)
+
+
 def mailbox_slots(wanted: int, nbytes: int) -> int:
     """Payload slots of one mailbox: ``wanted``, but within ``MAILBOX_BYTES`` (at least 2 slots); the messages
     past them go through gloo, as they all did before."""

@@ -12,7 +12,8 @@ all workers map (:class:`~scheduler.shared.UnitStores`), and shared counters ord
 * an ``UPDATE`` runs the op's units' CPU AdamW on this worker's optimizer thread and counts the op's update;
 * a forward's ``OFFLOAD`` puts a micro-batch's input of a unit where a backward op starts into the shared
   stash, and that backward op's ``RELOAD`` (on whichever worker it runs) takes it back; activations and their
-  gradients go to the next worker of the ring (mailboxes in shared memory between CPU workers, through host memory between GPUs).
+  gradients go to the next worker of the ring (mailboxes in shared memory between CPU workers, through host
+  memory between GPUs).
 
 A weight tied between the embedding and the head has an end in the fused op and one in the last backward op:
 each end's update waits for the other's gradients and takes their sum, and rank 0 counts its square once.
@@ -51,7 +52,7 @@ from partition.schedule import COMPUTE, Action, Kind
 from partition.schedule.roundrobin import RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot
-from scheduler.links import Mailboxes, link_to, mailbox_sends, mailboxes_work_here, post_early
+from scheduler.links import link_to, mailboxes_for, post_early
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, bind
 from scheduler.trace import ComputeSpans, StepTrace, write_step_trace
@@ -345,10 +346,8 @@ class _Dispatch:
         """To the workers before and after this one in the ring (no peer-to-peer activations yet); on CPU
         workers through mailboxes sized for the first steps' rotations (the runs of one machine only)."""
         e = self.e
-        boxes = None
-        if e.world > 1 and mailboxes_work_here(self.device.type, 1):
-            lists = [e.schedule(i).actions for i in range(e.world)]
-            boxes = Mailboxes(mailbox_sends(lists, e.world), e.act_shape, e.dtype)
+        lists = (e.schedule(i).actions for i in range(e.world))
+        boxes = mailboxes_for(self.device.type, 1, e.world, lists, e.act_shape, e.dtype)
         return {p: link_to(p, e.rank, self.device, self.counters, boxes=boxes)
                 for p in sorted({(e.rank - 1) % e.world, (e.rank + 1) % e.world})}
 
