@@ -2,9 +2,9 @@
 applied to the next plan.
 
 A unit profile times each unit alone, minutes before the run. Inside a pipeline or round-robin step the
-same units compute slower (on 2 CPU workers of a 2-core VM forwards 0.99-1.59x their profile, median 1.24x,
-over 56 runs; on one H100 a block's forward 2.4-3.7x beside the CPU AdamW), so the plan's step is
-optimistic by that much even where its schedule is right. :func:`fit_scale` finds the two factors (one
+same units compute at another speed (on 2 CPU workers of a 2-core VM forwards 0.74-1.59x their profile over
+112 runs, as the VM's speed drifted; on one H100 a block's forward 2.4-3.7x beside the CPU AdamW), so the
+plan's step is off by that much even where its schedule is right. :func:`fit_scale` finds the two factors (one
 for every forward, one for every backward apart from its recompute) that make the plan's simulated
 forward and backward phases equal the ones the run measured; the app keeps the last runs' factors per
 profile and machine (:func:`record_scale`) and plans the next run with their mean

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import platform
 import sys
@@ -225,13 +226,9 @@ def _futex_wake(address: int) -> None:
     _libc().syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1), None, None, 0)
 
 
-_LIBC: list[ctypes.CDLL] = []
-
-
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    if not _LIBC:
-        _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    return _LIBC[0]
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def mailbox_sends(action_lists: Iterable[list[list[Action]]], ranks: int) -> dict[tuple[int, int], int]:
@@ -282,9 +279,9 @@ class MailLink:
 
     def send(self, t: torch.Tensor, tag: int) -> None:
         t = t.detach().contiguous()
+        self.counters.add(d2h=t.nbytes)
         if self.out is None:  # no schedule it was sized for sends this way
             self.pending.append((dist.isend(t, self.peer, tag=tag), t))
-            self.counters.add(d2h=t.nbytes)
             return
         count, records, payload = self.out
         sent = int(count[0])
@@ -301,7 +298,6 @@ class MailLink:
         records[sent % Mailboxes.RECORDS] = (tag, slot)
         count[0] = sent + 1  # published: the payload and the record are stored before this
         _futex_wake(count.ctypes.data)  # a receiver asleep on the count (its low 32 bits)
-        self.counters.add(d2h=t.nbytes)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
         self.counters.add(h2d=math.prod(shape) * dtype.itemsize)
