@@ -17,7 +17,8 @@ learnt     OPT-2.7B's pipeline at 24 GiB twice in a row (6 steps each): the seco
            first measured inside its steps (``partition/calibrate.py``); is its prediction within 10% (about 3 min)?
 roundrobin OPT-2.7B on two workers sharing the GPU (24 GiB each) through ``mobius train``: the round-robin
            schedule sync and delayed beside the swapped pipeline on the same two workers, a trace of one step of
-           each; the first GPU run of the round-robin runtime (about 6 min)
+           each; the first GPU run of the round-robin runtime and of the page-locked mailboxes between workers
+           (``overflow_bytes``: messages that found their mailbox full) (about 6 min)
 threads    OPT-2.7B's pipeline at 24 GiB with the workers' default CPU threads, 8 and 4: does the CPU AdamW starve the
            thread that launches the kernels (the traced step's forwards took 2.6x their profile)?
 train-lora the same for Llama-3.1-8B LoRA (rank 16, all linear layers), single and pipeline (2 min)

@@ -8,9 +8,11 @@ import threading
 
 class Counters:
     """Bytes this worker moved, by kind (``h2d``, ``d2h``, ``p2p``, ``allgather``, ``reduce_scatter``),
-    counted where each copy or collective is issued; :meth:`take` returns them and starts afresh."""
+    counted where each copy or collective is issued, and the bytes of its messages that found their mailbox
+    full (``overflow``: they went through gloo, also counted as ``d2h``); :meth:`take` returns them and starts
+    afresh."""
 
-    KINDS = ("h2d", "d2h", "p2p")  # always reported (0 when nothing moved)
+    KINDS = ("h2d", "d2h", "p2p", "overflow")  # always reported (0 when nothing moved)
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -134,7 +134,7 @@ class PipelineEngine:
         peers = {self.gpu_of[j + d] for j in self.stores for d in (-1, 1) if 0 <= j + d < S}
         nccl = dist.new_group(backend="nccl") if self.settings.p2p else None
         boxes = mailboxes_for(self.device.type, self.settings.nodes, self.world, [self.train_sched.actions], act_shape,
-                              self.dtype)
+                              self.dtype, self.settings.p2p)
         return {p: link_to(p, self.rank, self.device, self.counters, nccl, boxes) for p in sorted(peers)}
 
     def _tied_ranges(self) -> tuple[tuple[int, int, int], ...]:
@@ -170,6 +170,7 @@ class PipelineEngine:
         self._count_update_rate(s)
         moved = s["h2d_bytes"] + s["d2h_bytes"] + s["p2p_bytes"]
         extra = {"h2d_bytes": int(s["h2d_bytes"]), "d2h_bytes": int(s["d2h_bytes"]), "p2p_bytes": int(s["p2p_bytes"]),
+                 "overflow_bytes": int(s["overflow_bytes"]),
                  "traffic_x_params": round(moved / self.param_bytes, 3), "stall_s": round(s["stall_s"] / n, 4),
                  "upload_wait_s": round(s["upload_wait_s"] / n, 4), "cpu_adam_s": round(s["cpu_adam_s"] / n, 4),
                  "forward_s": round(s["forward_s"] / n, 4), "backward_s": round(s["backward_s"] / n, 4),

@@ -1,12 +1,12 @@
 """Activations and their gradients between the workers of adjacent pipeline stages.
 
 * :class:`LocalLink` -- both stages on this worker: the tensor is handed over in memory;
-* :class:`MailLink` -- CPU workers of one machine (tests, the demo): a copy into a mailbox in host memory
-  both map (:class:`Mailboxes`), taken by the receiver's own dispatch thread;
+* :class:`MailLink` -- workers of one machine without peer access (CPU workers; consumer GPUs, or two
+  workers sharing one GPU): a copy into a mailbox in host memory both map (:class:`Mailboxes`, page-locked on
+  GPUs), taken by the receiver (on a GPU: DMA in, DMA out, on side streams and threads); between GPUs
+  of several machines, through pinned buffers and gloo;
 * :class:`DirectLink` -- CPU workers on several machines: gloo send/recv of CPU tensors; or CUDA
-  workers with peer-to-peer: NCCL send/recv, GPU to GPU;
-* :class:`StagedLink` -- CUDA workers without peer-to-peer (consumer GPUs, or two workers sharing one
-  GPU): GPU -> pinned host buffer -> gloo -> pinned host buffer -> GPU, on side streams and threads.
+  workers with peer-to-peer: NCCL send/recv, GPU to GPU.
 """
 
 from __future__ import annotations
@@ -100,69 +100,15 @@ def _received(work: dist.Work, buf: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-class StagedLink:
-    """GPU tensors through pinned host memory and gloo, for GPUs without peer-to-peer access."""
-
-    posts_early = False
-
-    def __init__(self, peer: int, device: torch.device, counters: Counters):
-        self.peer, self.device, self.counters = peer, device, counters
-        self.d2h_stream = torch.cuda.Stream(device)
-        self.h2d_stream = torch.cuda.Stream(device)
-        self.sender = ThreadPoolExecutor(1, thread_name_prefix=f"send{peer}")
-        self.receiver = ThreadPoolExecutor(1, thread_name_prefix=f"recv{peer}")
-        self.sends: list[Future] = []
-
-    def send(self, t: torch.Tensor, tag: int) -> None:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        t = t.detach()
-
-        def job() -> None:
-            torch.cuda.set_device(self.device)
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(ready)
-                host.copy_(t, non_blocking=True)
-            self.d2h_stream.synchronize()
-            dist.send(host, self.peer, tag=tag)
-        self.sends.append(self.sender.submit(job))
-        self.counters.add(d2h=t.nbytes)
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
-        def job() -> tuple[torch.Tensor, torch.cuda.Event]:
-            torch.cuda.set_device(self.device)
-            host = torch.empty(shape, dtype=dtype, pin_memory=True)
-            dist.recv(host, self.peer, tag=tag)
-            with torch.cuda.stream(self.h2d_stream):
-                dev = host.to(self.device, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.h2d_stream)
-            dev.record_stream(torch.cuda.current_stream(self.device))
-            return dev, done
-        fut = self.receiver.submit(job)
-        self.counters.add(h2d=int(np.prod(shape)) * dtype.itemsize)
-
-        def wait() -> torch.Tensor:
-            dev, done = fut.result()
-            torch.cuda.current_stream(self.device).wait_event(done)
-            return dev
-        return wait
-
-    def flush(self) -> None:
-        for f in self.sends:
-            f.result()
-        self.sends.clear()
-
-
 class Mailboxes:
-    """One mailbox per ordered pair of CPU workers that exchange messages, in host memory every worker maps
-    (:class:`~scheduler.shared.SharedHost`). A mailbox is a ring of ``RECORDS`` records (tag, payload slot) and
+    """One mailbox per ordered pair of workers that exchange messages, in host memory every worker maps
+    (:class:`~scheduler.shared.SharedHost`; page-locked for GPUs). A mailbox is a ring of ``RECORDS`` records (tag, payload slot) and
     a ring of payload slots of one message each (two steps of the pair's messages, within ``MAILBOX_BYTES``);
     its sender alone advances what was sent, its receiver alone what was taken, so neither waits on a lock.
-    A message is in host memory the moment its send returns, and the receiver's dispatch thread copies it
-    out when it needs it: no third thread has to be scheduled between them (gloo's threads had to be, on
-    cores the workers' compute kept busy: a hop took 0.3-6 ms on 2 CPU workers, where the copies take 0.1).
+    A message is in host memory the moment its send returns, and the receiver copies it out when it needs it:
+    no third thread has to be scheduled between them (gloo's threads had to be, on cores the workers' compute
+    kept busy: a hop took 0.3-6 ms on 2 CPU workers, where the copies take 0.1), and a GPU's message is not
+    copied again between the two processes (gloo moved a 64 MiB message at 2.5-4.2 GB/s through the loopback).
     The sender wakes the receiver's futex on the count it advanced. A send that finds every slot taken, or
     a message of another shape, goes through gloo instead, and its record says so: no schedule can wait on
     a full mailbox.
@@ -172,7 +118,7 @@ class Mailboxes:
 
     RECORDS = 4096
 
-    def __init__(self, sends: dict[tuple[int, int], int], shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, sends: dict[tuple[int, int], int], shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
         self.shape, self.dtype = tuple(shape), dtype
         self.nbytes = math.prod(shape) * dtype.itemsize
         self.slots = {pair: mailbox_slots(n, self.nbytes) for pair, n in sends.items()}
@@ -181,8 +127,8 @@ class Mailboxes:
             spec[f"count{src}>{dst}"] = (4, torch.int64)  # records sent, taken; payloads sent, taken
             spec[f"record{src}>{dst}"] = (2 * self.RECORDS, torch.int64)
             spec[f"payload{src}>{dst}"] = (k * self.nbytes, torch.uint8)
-        check_host_memory(sum(n * dtype.itemsize for n, dtype in spec.values()), "the CPU workers' mailboxes")
-        self.host = SharedHost(spec, pin=False, label="mobius-mailboxes")
+        check_host_memory(sum(n * dtype.itemsize for n, dtype in spec.values()), "the workers' mailboxes")
+        self.host = SharedHost(spec, pin=pin, label="mobius-mailboxes")
 
     def fits(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a message of the slots' shape and dtype (any other goes through gloo)."""
@@ -201,11 +147,11 @@ class Mailboxes:
         return count, records, self.host[f"payload{src}>{dst}"].view(self.slots[(src, dst)], self.nbytes)
 
 
-def mailboxes_work_here(device_type: str, nodes: int) -> bool:
-    """Mailboxes link CPU workers of one machine whose stores are seen in the order they are made (x86-64),
-    with Linux's futexes to sleep on."""
-    return (device_type == "cpu" and nodes == 1 and sys.platform == "linux"
-            and platform.machine().lower() in ("x86_64", "amd64"))
+def mailboxes_work_here(device_type: str, nodes: int, p2p: bool = False) -> bool:
+    """Mailboxes link the workers of one machine whose stores are seen in the order they are made (x86-64), with
+    Linux's futexes to sleep on: CPU workers, and GPUs without peer access (those with it use NCCL)."""
+    return (device_type in ("cpu", "cuda") and not (device_type == "cuda" and p2p) and nodes == 1
+            and sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64"))
 
 
 class _Timespec(ctypes.Structure):
@@ -248,12 +194,13 @@ def mailbox_sends(action_lists: Iterable[list[list[Action]]], ranks: int) -> dic
 
 
 def mailboxes_for(device_type: str, nodes: int, world: int, action_lists: Iterable[list[list[Action]]],
-                  shape: tuple[int, ...], dtype: torch.dtype) -> Mailboxes | None:
+                  shape: tuple[int, ...], dtype: torch.dtype, p2p: bool = False) -> Mailboxes | None:
     """A run's mailboxes, sized by the step lists it will run (read only when they are made), or None where
-    they do not link its workers (one worker, GPUs, several machines). Every rank calls it (a collective)."""
-    if world < 2 or not mailboxes_work_here(device_type, nodes):
+    they do not link its workers (one worker, GPUs with peer access, several machines). Every rank calls it (a
+    collective)."""
+    if world < 2 or not mailboxes_work_here(device_type, nodes, p2p):
         return None
-    return Mailboxes(mailbox_sends(action_lists, world), shape, dtype)
+    return Mailboxes(mailbox_sends(action_lists, world), shape, dtype, pin=device_type == "cuda")
 
 
 def mailbox_slots(wanted: int, nbytes: int) -> int:
@@ -263,25 +210,50 @@ def mailbox_slots(wanted: int, nbytes: int) -> int:
 
 
 class MailLink:
-    """Messages to and from ``peer`` through :class:`Mailboxes`: a send copies the tensor into the next free
-    payload slot and publishes its record; a receive's waiter takes every record that has arrived, in order
-    (copying each message out and freeing its slot), until it has its own tag."""
+    """Messages to and from ``peer`` through host memory: a send copies the tensor into the next free payload slot
+    of the pair's mailbox (:class:`Mailboxes`) and publishes its record; a receive takes every record that has
+    arrived, in order (copying each message out and freeing its slot), until it has its own tag. A message
+    with no slot (none for this pair, every slot taken, another shape) goes through gloo, as its record says.
+
+    CPU workers copy on the dispatch thread, which is their compute thread. GPU workers without peer access
+    copy on a sender and a receiver thread of the link's own, on side streams, so that the dispatch thread runs
+    ahead of the stream: a GPU's message goes by DMA into the page-locked slot and by DMA out of it, with no
+    third copy between the two processes (``boxes`` None, across machines: through pinned buffers and gloo)."""
 
     posts_early = False
     PAUSE_S = 5e-5  # the longest sleep between looks for room in a full mailbox (rare)
     SLEEP_S = 0.1  # the longest sleep on a futex before a receiver looks again (a wake ends it at once)
 
-    def __init__(self, rank: int, peer: int, boxes: Mailboxes, counters: Counters):
-        self.peer, self.boxes, self.counters = peer, boxes, counters
-        self.out, self.inbox = boxes.box(rank, peer), boxes.box(peer, rank)
+    def __init__(self, rank: int, peer: int, boxes: Mailboxes | None, counters: Counters,
+                 device: torch.device = torch.device("cpu")):
+        self.peer, self.boxes, self.counters, self.device = peer, boxes, counters, device
+        self.out = boxes.box(rank, peer) if boxes is not None else None
+        self.inbox = boxes.box(peer, rank) if boxes is not None else None
         self.arrived: dict[int, torch.Tensor | None] = {}  # None: on its way through gloo
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends that found the mailbox full (gloo)
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # messages sent through gloo
+        self.gpu = device.type == "cuda"
+        if self.gpu:
+            self.d2h_stream, self.h2d_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            self.sender, self.receiver = (ThreadPoolExecutor(1, thread_name_prefix=f"{what}{peer}",
+                                                             initializer=torch.cuda.set_device, initargs=(device,))
+                                          for what in ("send", "recv"))
+        self.sends: list[Future] = []
 
     def send(self, t: torch.Tensor, tag: int) -> None:
-        t = t.detach().contiguous()
+        t = t.detach()
         self.counters.add(d2h=t.nbytes)
-        if self.out is None:  # no schedule it was sized for sends this way
-            self.pending.append((dist.isend(t, self.peer, tag=tag), t))
+        if not self.gpu:
+            self._post(t.contiguous(), tag, None)
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.sends.append(self.sender.submit(self._post, t, tag, ready))
+
+    def _post(self, t: torch.Tensor, tag: int, ready: torch.cuda.Event | None) -> None:
+        """Copy ``t`` into a free slot and publish its record, or send it through gloo (after ``ready``: on a GPU,
+        the event that its compute is done)."""
+        if self.out is None:  # no mailbox this way (across machines, or no schedule sends this way)
+            self._through_gloo(t, tag, ready)
             return
         count, records, payload = self.out
         sent = int(count[0])
@@ -291,32 +263,71 @@ class MailLink:
         slot = -1
         if self.boxes.fits(t) and int(count[2]) - int(count[3]) < payload.shape[0]:
             slot = int(count[2]) % payload.shape[0]
-            self.boxes.message(payload[slot]).copy_(t)
+            self._to_host(self.boxes.message(payload[slot]), t, ready)
             count[2] += 1
-        else:
-            self.pending.append((dist.isend(t, self.peer, tag=tag), t))
         records[sent % Mailboxes.RECORDS] = (tag, slot)
         count[0] = sent + 1  # published: the payload and the record are stored before this
         _futex_wake(count.ctypes.data)  # a receiver asleep on the count (its low 32 bits)
+        if slot < 0:
+            self.counters.add(overflow=t.nbytes)
+            self._through_gloo(t, tag, ready)
+
+    def _through_gloo(self, t: torch.Tensor, tag: int, ready: torch.cuda.Event | None) -> None:
+        host = t
+        if self.gpu:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._to_host(host, t, ready)
+        self.pending.append((dist.isend(host, self.peer, tag=tag), host))
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        if not self.gpu:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ready)
+            dst.copy_(src, non_blocking=True)
+        self.d2h_stream.synchronize()
+
+    def _to_device(self, src: torch.Tensor) -> torch.Tensor:
+        """A message in host memory as a tensor of this worker's own, copied out before its memory is reused."""
+        if not self.gpu:
+            return src.clone()
+        with torch.cuda.stream(self.h2d_stream):
+            dev = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            dev.copy_(src, non_blocking=True)
+        self.h2d_stream.synchronize()
+        return dev
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> Waiter:
         self.counters.add(h2d=math.prod(shape) * dtype.itemsize)
-        if self.inbox is None:
+        if self.gpu:
+            taken = self.receiver.submit(self._take, tag, shape, dtype)
+
+            def wait() -> torch.Tensor:
+                dev = taken.result()
+                dev.record_stream(torch.cuda.current_stream(self.device))  # allocated on the copy's stream
+                return dev
+            return wait
+        if self.inbox is None:  # no mailbox this way: gloo moves it once the receive is posted, so post it now
             buf = torch.empty(shape, dtype=dtype)
             work = dist.irecv(buf, self.peer, tag=tag)
             return lambda: _received(work, buf)
         return lambda: self._take(tag, shape, dtype)
 
     def _take(self, tag: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.inbox is None:
+            return self._from_gloo(tag, shape, dtype)
         t0 = time.perf_counter()
         while tag not in self.arrived:
             if not self._collect():
                 self._sleep(t0, tag)
         buf = self.arrived.pop(tag)
-        if buf is None:  # it went through gloo: its send is posted, this takes it
-            buf = torch.empty(shape, dtype=dtype)
-            dist.recv(buf, self.peer, tag=tag)
-        return buf
+        return self._from_gloo(tag, shape, dtype) if buf is None else buf  # None: its send is posted
+
+    def _from_gloo(self, tag: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        host = torch.empty(shape, dtype=dtype, pin_memory=self.gpu)
+        dist.recv(host, self.peer, tag=tag)
+        return self._to_device(host) if self.gpu else host
 
     def _sleep(self, t0: float, tag: int) -> None:
         """Until the sender publishes another record (it wakes the futex on the count it advanced)."""
@@ -338,12 +349,15 @@ class MailLink:
             assert tag not in self.arrived, f"message {tag} from worker {self.peer} arrived twice"
             self.arrived[tag] = None
             if slot >= 0:
-                self.arrived[tag] = self.boxes.message(payload[slot]).clone()
+                self.arrived[tag] = self._to_device(self.boxes.message(payload[slot]))
                 count[3] += 1
             count[1] = i + 1
         return sent > taken
 
     def flush(self) -> None:
+        for f in self.sends:
+            f.result()
+        self.sends.clear()
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
@@ -359,14 +373,14 @@ def post_early(actions: list[Action], links: dict, recv: Callable[[Action], None
 
 def link_to(peer: int, rank: int, device: torch.device, counters: Counters,
             nccl: dist.ProcessGroup | None = None,
-            boxes: Mailboxes | None = None) -> LocalLink | MailLink | DirectLink | StagedLink:
-    """The link from this worker (``rank``) to ``peer``: in place to itself, mailboxes between CPU workers of one
-    machine (``boxes``), gloo between CPU workers of several, NCCL between GPUs with peer access (``nccl``, their
-    group), through pinned host memory between GPUs without."""
+            boxes: Mailboxes | None = None) -> LocalLink | MailLink | DirectLink:
+    """The link from this worker (``rank``) to ``peer``: in place to itself, NCCL between GPUs with peer access
+    (``nccl``, their group), mailboxes between the other workers of one machine (``boxes``), gloo between CPU
+    workers of several, pinned host buffers and gloo between GPUs of several without peer access."""
     if peer == rank:
         return LocalLink()
-    if device.type != "cuda":
-        return MailLink(rank, peer, boxes, counters) if boxes is not None else DirectLink(peer, counters)
     if nccl is not None:
         return DirectLink(peer, counters, device, nccl)
-    return StagedLink(peer, device, counters)
+    if device.type == "cuda" or boxes is not None:
+        return MailLink(rank, peer, boxes, counters, device)
+    return DirectLink(peer, counters)

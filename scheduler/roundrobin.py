@@ -224,7 +224,8 @@ class RoundRobinEngine:
         n = self.world
         moved = total["h2d_bytes"] + total["d2h_bytes"] + total["p2p_bytes"]
         extra = {"schedule": "round_robin", "h2d_bytes": int(total["h2d_bytes"]), "d2h_bytes": int(total["d2h_bytes"]),
-                 "p2p_bytes": int(total["p2p_bytes"]), "traffic_x_params": round(moved / self.param_bytes, 3),
+                 "p2p_bytes": int(total["p2p_bytes"]), "overflow_bytes": int(total["overflow_bytes"]),
+                 "traffic_x_params": round(moved / self.param_bytes, 3),
                  **{k: round(total[k] / n, 4) for k in ("upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
                                                         "dispatch_s")}}
         return StepStats(total["loss_sum"] / max(total["losses"], 1), norm, skipped, self.rule.loss_scale, extra,
@@ -343,8 +344,8 @@ class _Dispatch:
                          Kind.DOWNLOAD: self._download, Kind.UPDATE: self._update, Kind.REDUCE: self._reduce}
 
     def _links(self) -> dict:
-        """To the workers before and after this one in the ring (no peer-to-peer activations yet); on CPU
-        workers through mailboxes sized for the first steps' rotations (the runs of one machine only)."""
+        """To the workers before and after this one in the ring (no peer-to-peer activations yet), through
+        mailboxes sized for the first steps' rotations (page-locked on GPUs; the runs of one machine only)."""
         e = self.e
         lists = (e.schedule(i).actions for i in range(e.world))
         boxes = mailboxes_for(self.device.type, 1, e.world, lists, e.act_shape, e.dtype)

@@ -1,9 +1,11 @@
-"""The mailboxes between CPU workers of one machine (``scheduler.links.MailLink``): every message arrives
+"""The mailboxes between the workers of one machine (``scheduler.links.MailLink``): every message arrives
 whole and under its own tag, whatever order the receiver takes them in, also when the mailbox is full or the
-message does not fit a slot (then it goes through gloo, as its record says)."""
+message does not fit a slot (then it goes through gloo, as its record says); on CPU workers, and on two
+workers sharing a GPU (page-locked mailboxes, copies on the link's threads and side streams)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from partition.schedule import Kind, PipelineOptions, build_schedule
@@ -11,6 +13,9 @@ from scheduler.links import mailbox_sends
 from spawned import spawn_cases
 
 SHAPE = (3, 4)
+CASES = [{"slots": 8, "tags": [3, 1, 4, 5], "taken": [5, 3, 4, 1]},  # every message in a slot
+         {"slots": 2, "tags": [7, 8, 9, 10, 11], "taken": [11, 7, 9, 8, 10]},  # three past a full mailbox
+         {"slots": 4, "tags": [20, 21, 22], "taken": [21, 20, 22], "odd": 21}]  # one of another size
 
 
 def _message(tag: int, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
@@ -23,32 +28,33 @@ def _exchange(case: dict, world: int) -> dict:
     from scheduler.counters import Counters
     from scheduler.links import Mailboxes, MailLink
 
-    rank = dist.get_rank()
-    boxes = Mailboxes({(0, 1): case["slots"], (1, 0): case["slots"]}, SHAPE, torch.float32)
-    link = MailLink(rank, 1 - rank, boxes, Counters())
+    rank, device = dist.get_rank(), torch.device(case["device"])
+    boxes = Mailboxes({(0, 1): case["slots"], (1, 0): case["slots"]}, SHAPE, torch.float32, pin=device.type == "cuda")
+    link = MailLink(rank, 1 - rank, boxes, Counters(), device)
+    shape = {tag: (2, 2) if tag == case.get("odd") else SHAPE for tag in case["tags"]}
     through_gloo = 0
     if rank == 0:
         for tag in case["tags"]:
-            link.send(_message(tag, (2, 2) if tag == case.get("odd") else SHAPE), tag)
+            link.send(_message(tag, shape[tag]).to(device), tag)
+        for sent in link.sends:  # a GPU's sends run on the link's thread
+            sent.result()
         through_gloo = len(link.pending)
         dist.barrier()  # every message sent before the first is taken
-        waiter = link.recv(SHAPE, torch.float32, 99)
-        back = [waiter().tolist()]
+        back = [link.recv(SHAPE, torch.float32, 99)().cpu().tolist()]
     else:
-        waiters = {tag: link.recv((2, 2) if tag == case.get("odd") else SHAPE, torch.float32, tag)
-                   for tag in case["tags"]}
         dist.barrier()
-        back = [waiters[tag]().tolist() for tag in case["taken"]]
-        link.send(_message(99), 99)
+        waiters = {tag: link.recv(shape[tag], torch.float32, tag) for tag in case["tags"]}
+        back = [waiters[tag]().cpu().tolist() for tag in case["taken"]]
+        link.send(_message(99).to(device), 99)
     link.flush()
     dist.barrier()
     return {"back": back, "through_gloo": through_gloo, "left": sorted(link.arrived)}
 
 
-def test_messages_arrive_whole_in_any_order_and_past_a_full_mailbox() -> None:
-    cases = [{"slots": 8, "tags": [3, 1, 4, 5], "taken": [5, 3, 4, 1]},  # every message in a slot
-             {"slots": 2, "tags": [7, 8, 9, 10, 11], "taken": [11, 7, 9, 8, 10]},  # three past a full mailbox
-             {"slots": 4, "tags": [20, 21, 22], "taken": [21, 20, 22], "odd": 21}]  # one of another size
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_messages_arrive_whole_in_any_order_and_past_a_full_mailbox(device: str) -> None:
+    cases = [{**case, "device": device} for case in CASES]
     results = spawn_cases(_exchange, cases, 2)
     for case, (sender, receiver) in zip(cases, results):
         odd = case.get("odd")

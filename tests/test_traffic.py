@@ -73,6 +73,7 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
     assert measured["h2d_bytes"] == pytest.approx(sum(sim.h2d_bytes), rel=1e-9), sim.bytes_by_kind
     assert measured["d2h_bytes"] == pytest.approx(sum(sim.d2h_bytes), rel=1e-9), sim.bytes_by_kind
     assert measured["p2p_bytes"] == sum(sim.p2p_bytes) == 0
+    assert measured["overflow_bytes"] == 0  # every message found a slot in its mailbox
     if plan.options.offload_inputs:
         assert sim.bytes_by_kind.get("ckpt", 0) > 0  # inputs did go to host memory
 
@@ -115,9 +116,11 @@ def test_round_robin_moves_the_bytes_simulated(tmp_path: Path, aligned_checkpoin
     hw = Hardware.uniform(workers, 2**34, 1e9)
     options = PipelineOptions(barrier=plan.options.barrier, delayed=plan.options.delayed)
     sim = simulate_round_robin(prof, cuts, hw, plan.worker_gpus, 3, options)
-    assert sim.bytes_by_kind["ckpt"] > 0 and cuts.num_ops > workers, (cuts, sim.bytes_by_kind)  # inputs kept    assert measured["h2d_bytes"] == pytest.approx(sum(sim.h2d_bytes), rel=1e-9), sim.bytes_by_kind
+    assert sim.bytes_by_kind["ckpt"] > 0 and cuts.num_ops > workers, (cuts, sim.bytes_by_kind)  # inputs kept
+    assert measured["h2d_bytes"] == pytest.approx(sum(sim.h2d_bytes), rel=1e-9), sim.bytes_by_kind
     assert measured["d2h_bytes"] == pytest.approx(sum(sim.d2h_bytes), rel=1e-9), sim.bytes_by_kind
     assert measured["p2p_bytes"] == sum(sim.p2p_bytes) == 0
+    assert measured["overflow_bytes"] == 0  # every message found a slot in its mailbox
 
 
 @pytest.mark.parametrize("zero", [{"chunk_size": 20_000, "gpu_chunks": 3, "cache_blocks": 4},
