@@ -276,7 +276,7 @@ class _Sim:
         self.step_start = 0.0
         self.step_ends: list[float] = []
         self.version = [0] * self.S  # updates each stage has completed
-        self.begun = [0] * self.S  # ... and started
+        self.copied = [0] * self.S  # delayed: compute copies taken (one per download, as it lands)
         self.delay = int(sched.options.delayed)  # train.update: delayed (see :meth:`_weights_ready`)
         self.program = sched.steps > 1  # one list of several steps (round-robin): no per-step restart
         self.downloads_due = _downloads_per_step(sched)  # (step, stage) -> downloads before its update
@@ -444,14 +444,15 @@ class _Sim:
 
     def _weights_ready(self, stage: int, step: int) -> bool:
         """Whether ``stage``'s weights for ``step`` are in its host copy. Sync: every earlier step's update has
-        run. Delayed, with one compute copy per stage (the swapped pipeline): the previous step's update has
-        begun (it first copies the master, one update old, into the compute copy), and a download waits until
-        that update has read the stage's one gradient buffer; with two copies of both that alternate by step
-        (round-robin): the update before the previous one has run (it wrote its copy)."""
+        run. Delayed, with one compute copy per stage (the swapped pipeline): the previous step's gradients are
+        down (the runtime then copies the master, one update old, into the compute copy ahead of every update,
+        taken as instant here), and a download waits until the update has read the stage's one gradient buffer;
+        with two copies of both that alternate by step (round-robin): the update before the previous one has
+        run (it wrote its copy)."""
         if not self.delay:
             return self.version[stage] >= step
         if self.sched.compute_copies == 1:
-            return self.begun[stage] >= step
+            return self.copied[stage] >= step
         return self.version[stage] >= step - 1
 
     def _upload_done(self, w: _Worker, occ: int, t: float) -> None:
@@ -594,6 +595,7 @@ class _Sim:
         if self.downloads_done[key] < self.downloads_due[(task.tstep, task.stage)]:
             return  # round-robin: earlier rounds' gradients are summed in host memory
         self.downloaded[key] = t
+        self.copied[task.stage] += 1
         if not self.sched.barrier and not self._tied_end(task.stage):
             self.opt_queue[w.w].append((step, task.stage))
 
@@ -652,7 +654,6 @@ class _Sim:
                 continue
             self.opt_queue[w].pop(0)
             self.opt_running[w], self.opt_start[w] = (step, j), self.t
-            self.begun[j] += 1
             self.opt_left[w] = float(self.costs[j].trainable_count)
             self.opt_busy[w] = self.t  # timed by _share_cpu
             started = True

@@ -11,8 +11,9 @@ Threads and streams (see scheduler/README.md for who owns which buffer and event
 * the **download stream** brings each stage's gradient sums (fp32, or rounded to the half dtype)
   to its pinned host buffer;
 * the **optimizer thread** runs each stage's CPU AdamW (``UPDATE``) once its gradients are down
-  (``train.update: delayed``: after copying the master into the upload copy, which is all the next
-  step's uploads wait for; :class:`~scheduler.store.StageStore`).
+  (``train.update: delayed``: the copy of the master into the upload copy, which is all the next
+  step's uploads wait for, is queued at the ``DOWNLOAD`` ahead of every AdamW;
+  :class:`~scheduler.store.StageStore`).
 
 Device memory holds ``num_slots`` *slots* (the running stage and the prefetched one), each with
 the stage's half-precision parameters, their gradients and an fp32 gradient sum -- or, with one
@@ -318,8 +319,8 @@ class Executor:
 
     def _copy(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int) -> None:
         host = self.hosts[j]
-        host.updated.wait()  # the CPU update of the previous step has written this stage's copy (delayed: its
-        # first part, the compute weights)
+        host.updated.wait()  # the CPU update of the previous step has written this stage's copy (delayed: the
+        # compute copy, taken when the gradients landed)
         if self.failure is not None:
             raise RuntimeError("not uploading after an earlier failure")
         src, dst = host.half, slot.params if slot is not None else self.buffer
@@ -625,6 +626,9 @@ class Executor:
                 st.trace.add("d2h", f"D{j}", start, time.perf_counter())
         self.counters.add(d2h=n * src.element_size())
         st.arrived[j] = done
+        if host.delayed:  # what the next step's uploads wait for, ahead of every AdamW (barrier or not)
+            timed = (lambda t0, t1: st.trace.add("cpu", f"K{j}", t0, t1)) if st.trace is not None else None
+            self.updater.submit(lambda: host.to_compute() or 0, done, host.updated, timed, first=True)
 
     @staticmethod
     def _sumsq(g: torch.Tensor, skip: tuple[int, int] | None) -> torch.Tensor:
@@ -636,20 +640,20 @@ class Executor:
 
     # ---- the CPU side ---------------------------------------------------------------------------
     def _update(self, a: Action) -> None:
-        """Queue stage j's update on the optimizer thread (it waits for the gradients' download); the
-        store sets ``updated`` when the next upload may read its copy (sync: the job's end, delayed:
-        after the copy that starts it), ``consumed`` at the job's end."""
+        """Queue stage j's update on the optimizer thread (it waits for the gradients' download); its end
+        sets ``updated`` (the next upload may read the copy) and ``consumed`` (the next download may come),
+        one event in sync; delayed: ``consumed`` alone, the copy having been taken at the download."""
         j, st = a.stage, self.st
         host, skip = self.hosts[j], st.skipped or self.opt.skip_updates
         lr, factor, trace = st.io.lr, st.factor, st.trace
 
         def update() -> int:
-            host.update(lr, factor, skip=skip)
+            host.update(lr, factor, skip=skip, copy=not host.delayed)
             return 0 if skip else self.layouts[j].trainable_numel
 
         timed = (lambda t0, t1: trace.add("cpu", f"O{j}", t0, t1)) if trace is not None else None
-        # its end (or failure, even before the copy) releases the uploads and the next download alike
-        self.updater.submit(update, st.arrived.get(j), Events(host.updated, host.consumed), timed)
+        # its end (or failure) releases what waits on it
+        self.updater.submit(update, st.arrived.get(j), host.consumed if host.delayed else host.updated, timed)
 
     def _device_update(self, a: Action) -> None:
         """A resident stage's update on the compute stream, from its fp32 gradient sums (delayed: its

@@ -129,14 +129,23 @@ class StageStore:
             filled.update(p.names)
         return filled
 
-    def update(self, lr: float, grad_factor: float, grad: torch.Tensor | None = None, skip: bool = False) -> None:
+    def update(self, lr: float, grad_factor: float, grad: torch.Tensor | None = None, skip: bool = False,
+               copy: bool = True) -> None:
         """The stage's optimizer step: AdamW with gradient ``grad * grad_factor`` (default: the
         downloaded gradients), the half copy rewritten in the same pass; ``skip`` (an fp16 overflow):
         none. ``delayed``: first the half copy takes the master (w_{t-1}, what the next step computes
         with; a skipped step too) and ``updated`` is set, so that uploads wait for that copy only;
-        then AdamW makes the newest weights in the master alone."""
-        self.optimizer.update(self.grads_in if grad is None else grad, lr, grad_factor, skip,
-                              self.updated if self.delayed else None)
+        then AdamW makes the newest weights in the master alone. ``copy`` False: the half copy took the
+        master before (:meth:`to_compute`, as the gradients landed), so AdamW alone."""
+        grads = self.grads_in if grad is None else grad
+        if copy:
+            self.optimizer.update(grads, lr, grad_factor, skip, self.updated if self.delayed else None)
+        elif not skip:
+            self.optimizer.step(grads, lr, grad_factor)
+
+    def to_compute(self) -> None:
+        """``delayed``: the half copy takes the master (w_{t-1}, what the next step computes with)."""
+        self.optimizer.to_compute()
 
     def newest(self) -> contextlib.AbstractContextManager:
         """While open, the copy the GPU computes with holds the newest weights (an evaluation; under delayed

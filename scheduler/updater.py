@@ -2,16 +2,20 @@
 
 * :class:`CpuUpdater` -- one thread that runs host-side AdamW jobs (a pipeline stage's
   :class:`~mobius.optim.FlatAdamW`, an offloaded zero chunk's) in the order they are queued, each
-  once its gradients are in host memory; it times them, keeps the first failure for the dispatch
-  thread to raise, and marks each job's store ready when done (or failed).
+  once its gradients are in host memory, but a job queued ``first`` (under ``train.update: delayed``
+  the compute copy that the next step's uploads wait for) ahead of every other waiting job; it times
+  them, keeps the first failure for the dispatch thread to raise, and marks each job's store ready
+  when done (or failed).
 * :func:`sum_over_ranks` -- the step's named statistics summed over the ranks of a process group.
 """
 
 from __future__ import annotations
 
+import itertools
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Protocol
 
 import torch
@@ -42,10 +46,14 @@ class Events:
 
 
 class CpuUpdater:
-    """One optimizer thread: jobs run one at a time, in the order :meth:`submit` queues them."""
+    """One optimizer thread: jobs run one at a time, in the order :meth:`submit` queues them (those queued
+    ``first`` before the others that wait)."""
 
     def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam")
+        self.queue: queue.PriorityQueue = queue.PriorityQueue()  # (0 first / 1 / 2 stop, order, future, job)
+        self.order = itertools.count()
+        self.thread = threading.Thread(target=self._serve, name="cpu-adam", daemon=True)
+        self.thread.start()
         self.jobs: list[Future] = []
         self.failure: BaseException | None = None
         self._lock = threading.Lock()
@@ -53,12 +61,23 @@ class CpuUpdater:
         self._params = 0  # parameters those updates covered
 
     def submit(self, update: Callable[[], int], arrived: Waitable | None, done: Settable,
-               on_timed: Callable[[float, float], None] | None = None) -> None:
+               on_timed: Callable[[float, float], None] | None = None, first: bool = False) -> None:
         """Queue ``update`` (it returns how many parameters it updated) to run once ``arrived`` has
-        happened; ``done`` is set when it has finished or failed; ``on_timed(start, end)`` reports
-        its span (for a step trace)."""
+        happened, after the jobs queued before it (``first``: before every job not queued ``first`` that has
+        not begun); ``done`` is set when it has finished or failed; ``on_timed(start, end)`` reports its span
+        (for a step trace)."""
         self.jobs = [j for j in self.jobs if not j.done()]
-        self.jobs.append(self.pool.submit(self._run, update, arrived, done, on_timed))
+        job: Future = Future()
+        self.queue.put((0 if first else 1, next(self.order), job, (update, arrived, done, on_timed)))
+        self.jobs.append(job)
+
+    def _serve(self) -> None:
+        while True:
+            _, _, job, work = self.queue.get()
+            if work is None:
+                return
+            self._run(*work)
+            job.set_result(None)
 
     def _run(self, update: Callable[[], int], arrived: Waitable | None, done: Settable,
              on_timed: Callable[[float, float], None] | None) -> None:
@@ -98,7 +117,9 @@ class CpuUpdater:
             return out
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        """Run what is queued, then end the thread."""
+        self.queue.put((2, next(self.order), None, None))
+        self.thread.join()
 
 
 def sum_over_ranks(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:

@@ -50,6 +50,23 @@ def test_a_step_computed_by_hand() -> None:
             pytest.approx(17.0)
 
 
+def test_a_delayed_update_after_the_norm_leaves_the_next_step_alone_by_hand() -> None:
+    """The hand step above with clipping and train.update=delayed. The compute copies are taken as the gradients
+    land (c at 10, b at 12, a at 15 s), so the next step's uploads wait for none of the updates; the updates after
+    the norm (15 s) go in the order of the downloads (worker 0: c 15-16, a 16-18; worker 1: b 15-16) and the next
+    step's downloads (c at 24, a at 28, b at 26 s) find them done: 15 s per step, not the sync step's 17. With a
+    CPU five times slower (c 15-20, a 20-30) the next download of a waits from 28 to 30 s: 17 s per step."""
+    prof = hand_profile()
+    options = PipelineOptions(barrier=True, delayed=True)
+    hidden = simulate(prof, [0, 1, 2, 3], Hardware.uniform(2, 64 * GiB, 1e9, cpu_adam_params_per_s=0.25e9), [0, 1],
+                      2, options, steps=4)
+    assert hidden.step_ends == pytest.approx([15.0, 30.0, 45.0, 60.0])
+    assert [s.fwd_start for s in hidden.stages] == pytest.approx([1.0, 2.0, 3.0])  # no wait for an update
+    slow = simulate(prof, [0, 1, 2, 3], Hardware.uniform(2, 64 * GiB, 1e9, cpu_adam_params_per_s=0.05e9), [0, 1],
+                    2, options, steps=4)
+    assert slow.step_ends == pytest.approx([15.0, 32.0, 49.0, 66.0])
+
+
 def test_links_too_fast_to_move_the_clock_still_finish_their_flows() -> None:
     """A transfer's last bytes at 1e15 B/s take less than the clock's resolution at t ~ 17 s: they are
     done, not a loop that cannot advance (it hung the planner with near-infinite links)."""

@@ -145,6 +145,18 @@ def test_literal_timeline_of_device_updates_after_the_barrier() -> None:
     ]
 
 
+def test_delayed_updates_after_the_barrier_go_in_the_order_of_the_downloads() -> None:
+    """Under train.update=delayed the next step's uploads wait only for the compute copy taken at each DOWNLOAD,
+    and its downloads for the updates: the updates after REDUCE follow the downloads (D4 D0: O4 O0), the
+    device updates still first."""
+    s = build_schedule(6, 2, 2, options=PipelineOptions(barrier=True, delayed=True, resident=frozenset({2, 3})))
+    for acts in s.actions:
+        downloads = [a.stage for a in acts if a.kind == Kind.DOWNLOAD]
+        after = [a for a in acts[[a.kind for a in acts].index(Kind.REDUCE) + 1:]]
+        assert after[0].kind == Kind.DEVICE_UPDATE and [a.stage for a in after[1:]] == downloads
+    assert [str(a) for a in s.actions[0] if a.kind in (Kind.DOWNLOAD, Kind.UPDATE)] == ["D4", "D0", "O4", "O0"]
+
+
 def test_broken_settings_are_errors_even_under_python_O() -> None:
     """The schedule's checks raise (not assert): a tied end cannot be resident, placements must cover
     every worker."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -272,6 +273,22 @@ def test_offloading_costs_time_when_transfers_and_cpu_updates_are_slow() -> None
     assert offloaded.step_s > on_gpu.step_s + layout.num_chunks * layout.shard / 1e6  # the CPU updates alone
     assert on_gpu.traffic["h2d_bytes"] == 0 and offloaded.traffic["h2d_bytes"] > 0
     assert offloaded.cpu_adam_s == pytest.approx(layout.num_chunks * layout.shard / 1e6)
+
+
+@pytest.mark.parametrize("barrier", [False, True])
+def test_a_delayed_update_overlaps_the_next_step_up_to_the_cpu_s_own_time(barrier: bool) -> None:
+    """Offloaded chunks whose CPU AdamW takes about as long as the compute: in sync the next step's gathers wait
+    for the updates (with clipping all of them start after the norm); delayed, they wait only for the compute
+    copies taken as the gradients land, so the step is about the longer of the two (the CPU's, here)."""
+    layout, w = _layout_and_work()
+    prof, hw = _profile(layout.num_units, fwd_s=1e-3), _hw(cpu_adam_params_per_s=1e5)
+    w = replace(w, barrier=barrier)
+    sync = predict(layout, prof, hw, Setting(2, 0), w)
+    delayed = predict(layout, prof, hw, Setting(2, 0), replace(w, delayed=True))
+    cpu = layout.num_chunks * layout.shard / 1e5
+    assert delayed.cpu_adam_s == pytest.approx(cpu) and delayed.compute_s < cpu
+    assert sync.step_s > 1.2 * delayed.step_s
+    assert cpu <= delayed.step_s < 1.01 * cpu
 
 
 def test_the_plan_reports_its_choices_and_round_trips_through_json() -> None:

@@ -24,7 +24,10 @@ lists, so what is planned is what runs. They are built by small passes:
    ``UPDATE``, the exchange of a tied weight's two ends (``TIE``) and the step's ``REDUCE`` (loss,
    global gradient norm, fp16 overflow). Without clipping and fp16 a stage updates as soon as its
    gradients are down; with either, every update waits for the global norm (``REDUCE``) and the
-   stages update in ascending order, so the next step's first stages are ready first.
+   stages update in ascending order, so the next step's first stages are ready first. Under
+   ``train.update: delayed`` the next step's uploads wait only for the compute copy, which the
+   runtime takes when the gradients are down, so the updates after the norm go in the order of the
+   downloads instead: the next step's download of a stage waits for its update.
 
 :func:`timeline` prints the lists as a grid.
 """
@@ -311,10 +314,11 @@ def add_offloads(actions: list[Action], offloaded: frozenset[int]) -> list[Actio
 
 
 def add_updates(actions: list[Action], num_stages: int, barrier: bool, tied: bool,
-                resident: frozenset[int] = frozenset()) -> list[Action]:
+                resident: frozenset[int] = frozenset(), delayed: bool = False) -> list[Action]:
     """Download a stage's gradients after its last backward; update it there (or after the step's
-    REDUCE when ``barrier``); tied ends exchange their gradients (TIE) at the end. A resident stage
-    downloads nothing and updates on its device."""
+    REDUCE when ``barrier``: in ascending order, or ``delayed`` in the order of the downloads); tied ends
+    exchange their gradients (TIE) at the end. A resident stage downloads nothing and updates on its
+    device."""
     ends = {0, num_stages - 1} if tied and num_stages > 1 else set()
     if ends & resident:
         raise ScheduleError(f"stage(s) {sorted(ends & resident)} hold an end of the tied weight and cannot be "
@@ -342,8 +346,9 @@ def add_updates(actions: list[Action], num_stages: int, barrier: bool, tied: boo
             out += [_update(j, resident) for j in mine if j in ends]
     out.append(Action(Kind.REDUCE))
     if barrier:  # resident stages first: their device updates run before the next step's first forward
-        out += [_update(j, resident) for j in mine if j in resident] + [_update(j, resident) for j in mine
-                                                                        if j not in resident]
+        swapped = [a.stage for a in out if a.kind == Kind.DOWNLOAD] if delayed else [j for j in mine
+                                                                                     if j not in resident]
+        out += [_update(j, resident) for j in mine if j in resident] + [_update(j, resident) for j in swapped]
     return out
 
 
@@ -361,7 +366,7 @@ def build_schedule(num_stages: int, num_workers: int, micro_batches: int, gpu_of
         acts = compute_order(num_stages, g, micro_batches, w)
         acts = add_swaps(acts, options.num_slots, options.resident, options.prefetch_bytes > 0)
         acts = add_offloads(add_transfers(acts, num_stages, g), offloaded)
-        lists.append(tuple(add_updates(acts, num_stages, options.barrier, tied, options.resident)))
+        lists.append(tuple(add_updates(acts, num_stages, options.barrier, tied, options.resident, options.delayed)))
     sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), True, options, tied, offloaded)
     check(sched)
     return sched

@@ -1,6 +1,12 @@
 """Zero mode's step time: an event simulation of the runtime's streams (compute, gathers,
-collectives, downloads, the CPU optimizer thread) over two steps, so that the CPU updates that run
-into the next step are counted; and the bytes each rank moves per step.
+collectives, downloads, the CPU optimizer thread) over two steps (three under ``train.update: delayed``),
+so that the CPU updates that run into the next step are counted; and the bytes each rank moves per step.
+
+An offloaded chunk's next gather uploads the half copy its CPU update rewrites: in sync once the update
+has run; under ``train.update: delayed`` once its gradient is down, since the runtime then copies the
+master (one update old) into that copy ahead of every AdamW (taken as instant, as in the pipeline's
+simulator), and the chunk's next gradient download waits for the AdamW to have read the gradient shard,
+holding up the dispatch.
 
 Each stream is a lane that runs its operations one after another in issue order. The rank's PCIe
 link is two more lanes, one per direction, that everything crossing it holds while it moves its
@@ -24,7 +30,7 @@ from partition.zero.memory import GRAD_BYTES, Setting, Workload, ZeroHardware
 
 @dataclass
 class Prediction:
-    """A simulated step (the second of two, so CPU updates running into it are counted)."""
+    """A simulated step (the last of two or three, so CPU updates running into it are counted)."""
 
     step_s: float
     compute_s: float
@@ -57,7 +63,7 @@ def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Settin
     """Predicted steady-state step time and per-step traffic of one setting."""
     sim = _StepSim(layout, prof, hw, s, w)
     ends, stats = [], {}
-    for _ in range(2):
+    for _ in range(3 if w.delayed else 2):  # delayed: an update's AdamW may hold up the step after next
         stats = sim.step()
         ends.append(sim.lanes.compute)
     N, P, sh, e, run = hw.ranks, layout.padded, layout.shard, w.elem, sim.run
@@ -66,7 +72,7 @@ def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Settin
     traffic = {"replaced_bytes": run.gathers * P * e, "allgather_bytes": run.gathers * (N - 1) * sh * e,
                "reduce_scatter_bytes": flush_count * (N - 1) * sh * GRAD_BYTES,
                "h2d_bytes": len(off) * sh * e, "d2h_bytes": sum(layout.trains(c) for c in range(s.gpu_chunks, layout.num_chunks)) * sh * GRAD_BYTES}
-    return Prediction(ends[1] - ends[0], stats["compute"], stats["stall"], stats["cpu"], run.gathers, traffic)
+    return Prediction(ends[-1] - ends[-2], stats["compute"], stats["stall"], stats["cpu"], run.gathers, traffic)
 
 
 class _StepSim:
@@ -86,7 +92,8 @@ class _StepSim:
                                       else 2 * sh * GRAD_BYTES / hw.device_Bps),
                      "download": lat + sh * GRAD_BYTES / hw.g2c_Bps, "cpu_adam": sh / hw.cpu_adam_params_per_s}
         self.fold_s = w.micro_batches * (e + 8) / hw.device_Bps  # per parameter: its gradient into the fp32 sums
-        self.lanes, self.cpu_ready = _Lanes(), [0.0] * layout.num_chunks
+        self.lanes, self.cpu_ready = _Lanes(), [0.0] * layout.num_chunks  # an offloaded chunk's half copy rewritten
+        self.consumed = [0.0] * layout.num_chunks  # an offloaded chunk's last AdamW done with its gradient shard
         self.stats: dict[str, float] = {}
         self.block_free: list[float] = []  # per step: when each block's last reader ends
         self.ready: dict[int, float] = {}  # per step: when each gathered chunk is complete
@@ -109,6 +116,8 @@ class _StepSim:
             self._cpu_update(c, max(done, lanes.compute))
         gpu_trainable = sum(self.layout.trains(c) for c in range(min(self.s.gpu_chunks, self.layout.num_chunks)))
         lanes.compute += gpu_trainable * self.layout.shard / self.hw.gpu_adam_params_per_s
+        if self.w.delayed:  # the GPU chunks' compute copies take the master first, on the compute stream
+            lanes.compute += gpu_trainable * self.layout.shard * (4 + self.w.elem) / self.hw.device_Bps
         return self.stats
 
     def _operator(self, t: int, op: Any) -> None:
@@ -152,11 +161,16 @@ class _StepSim:
 
     def _flush(self, c: int) -> None:
         lanes = self.lanes
-        done = self._collective(lanes.compute, self.cost["reduce"])
         self.seen[c] += 1
-        if self.seen[c] == self.runs[c] and c >= self.s.gpu_chunks:
+        final = self.seen[c] == self.runs[c] and c >= self.s.gpu_chunks
+        if final:  # the dispatch waits for the chunk's last AdamW to have read its gradient shard (delayed)
+            lanes.compute = max(lanes.compute, self.consumed[c])
+        done = self._collective(lanes.compute, self.cost["reduce"])
+        if final:
             lanes.d2h = max(lanes.d2h, done) + self.cost["download"]
             done = lanes.d2h
+            if self.w.delayed:  # the compute copy takes the master as the gradient lands
+                self.cpu_ready[c] = done
             if self.w.barrier:
                 self.barrier_jobs.append((c, done))
             else:
@@ -164,8 +178,10 @@ class _StepSim:
         self.flush_end = max(self.flush_end, done)
 
     def _cpu_update(self, c: int, arrived: float) -> None:
-        self.lanes.cpu = max(self.lanes.cpu, arrived) + self.cost["cpu_adam"]
-        self.cpu_ready[c] = self.lanes.cpu
+        begin = max(self.lanes.cpu, arrived)
+        self.lanes.cpu = self.consumed[c] = begin + self.cost["cpu_adam"]
+        if not self.w.delayed:
+            self.cpu_ready[c] = self.lanes.cpu
         self.stats["cpu"] += self.cost["cpu_adam"]
 
 

@@ -366,13 +366,15 @@ class ZeroEngine:
         if host is not None and final:
             self.counters.add(d2h=target.nbytes)
             st.arrived.append((chunk, done))
+            if self.delayed:  # what the next step's gathers wait for, ahead of every AdamW (barrier or not)
+                self.updater.submit(lambda: host.to_compute() or 0, done, host.ready, first=True)
             if not self.plan.barrier:  # the factor is 1: update as soon as the gradient is down
                 self._queue_update(chunk, done, st.lr, 1.0, False)
 
     def _queue_update(self, chunk: int, done: object, lr: float, factor: float, skip: bool) -> None:
         """CPU AdamW of an offloaded chunk on the optimizer thread, once its gradient shard is in host
-        memory (``done``); its half copy is rewritten in the same pass (delayed: takes the master first,
-        which sets ``ready``); ``consumed`` is set at the job's end."""
+        memory (``done``); its half copy is rewritten in the same pass (delayed: took the master as the gradient
+        landed, which set ``ready``); ``consumed`` is set at the job's end."""
         host = self.hosts[chunk]
 
         def update() -> int:

@@ -129,9 +129,18 @@ class HostChunk:
         if self.half is not self.shards.master:
             self.half.copy_(self.shards.master)
 
+    def to_compute(self) -> None:
+        """``delayed``: the half copy takes the master (w_{t-1}, what the next step's gathers upload; a skipped
+        step too), as the chunk's gradient lands and ahead of every AdamW (the optimizer thread then sets
+        ``ready``)."""
+        self.shards.master_to_compute()
+
     def update(self, lr: float, factor: float, skip: bool = False) -> None:
         """CPU AdamW on the master shard, writing the half copy the next gather uploads in the same pass;
-        ``skip`` (an fp16 overflow): none. ``delayed``: first the half copy takes the master (w_{t-1}; a
-        skipped step too) and ``ready`` is set, so that gathers wait for that copy only; then AdamW makes
-        the newest weights in the master alone (the optimizer thread sets ``consumed`` at the end)."""
-        self.shards.update(lr, factor, skip, self.ready if self.delayed else None)
+        ``skip`` (an fp16 overflow): none. ``delayed``: AdamW makes the newest weights in the master alone, the
+        half copy having taken the master before (:meth:`to_compute`); the optimizer thread sets ``consumed``
+        at the end."""
+        if not self.delayed:
+            self.shards.update(lr, factor, skip, None)
+        elif not skip:
+            self.shards.step(lr, factor)
