@@ -291,6 +291,18 @@ def test_a_delayed_update_overlaps_the_next_step_up_to_the_cpu_s_own_time(barrie
     assert cpu <= delayed.step_s < 1.01 * cpu
 
 
+def test_sync_updates_after_the_norm_go_in_forward_order() -> None:
+    """With clipping every CPU update starts after the norm, and in sync the next step's gathers wait for them:
+    queued in forward order, the forward starts after the first chunk's update and follows them (about the CPU's
+    time, then the backward), where in the downloads' order it waited for all of them (the CPU's time, then the
+    whole compute)."""
+    layout, w = _layout_and_work()
+    prof, hw = _profile(layout.num_units, fwd_s=1e-3), _hw(cpu_adam_params_per_s=1e5)
+    p = predict(layout, prof, hw, Setting(2, 0), replace(w, barrier=True))
+    forward = layout.num_units * w.micro_batches * 1e-3
+    assert p.cpu_adam_s + p.compute_s - forward / 2 > p.step_s > p.cpu_adam_s + p.compute_s - forward - 0.01
+
+
 def test_the_plan_reports_its_choices_and_round_trips_through_json() -> None:
     params = _params([[4000, 96]] * 6, tied=True)
     p = plan(params, 6, _profile(6), _hw(2, memory=GiB // 4), micro_batches=4, checkpointing=False, barrier=False,

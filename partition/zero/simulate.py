@@ -112,7 +112,7 @@ class _StepSim:
             self._operator(t, op)
         lanes = self.lanes
         lanes.compute = max(lanes.compute, self.flush_end) + self.hw.collective_s  # the step's statistics
-        for c, done in self.barrier_jobs:
+        for c, done in (self.barrier_jobs if self.w.delayed else sorted(self.barrier_jobs)):  # as the runtime
             self._cpu_update(c, max(done, lanes.compute))
         gpu_trainable = sum(self.layout.trains(c) for c in range(min(self.s.gpu_chunks, self.layout.num_chunks)))
         lanes.compute += gpu_trainable * self.layout.shard / self.hw.gpu_adam_params_per_s

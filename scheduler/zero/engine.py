@@ -243,8 +243,9 @@ class ZeroEngine:
                               "sumsq": self.grads.take_sumsq()})
         norm, skipped, factor = self.rule.end(total["sumsq"])
         self.updated = self._update_gpu(lr, factor, skipped)
-        if self.plan.barrier:  # the updates waited for the global norm
-            for c, done in st.arrived:
+        if self.plan.barrier:  # the updates waited for the global norm: in forward order, where the next step's
+            # gathers wait for them (sync), or in the downloads' order, where only its downloads do (delayed)
+            for c, done in (st.arrived if self.delayed else sorted(st.arrived, key=lambda x: x[0])):
                 self._queue_update(c, done, lr, factor, skipped)
         self.cache.invalidate()
         return StepStats(total["loss_sum"] / total["micro"], norm, skipped, self.rule.loss_scale,
