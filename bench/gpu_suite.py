@@ -12,7 +12,8 @@ train      ``mobius train`` as a user runs it (bench/train_bench.py): OPT-2.7B a
            on the machine, all-in-GPU (single, uncapped) against the pipeline and zero mode at 24 GiB; ready time and
            its split, step, predicted beside measured, a trace of one pipeline step (5.6 min on one H100)
 delayed    the same two pipelines at 24 GiB with ``train.update: delayed``, beside ``train``'s sync and all-in-GPU
-           rows of the same session: is the CPU update's tail gone (about 3 min)?
+           rows of the same session: is the CPU update's tail gone, now that the compute copies go ahead of the
+           AdamWs (planned on the H100's datasheet: OPT-2.7B 0.907 s against 1.405 s in sync)? (about 3 min)
 learnt     OPT-2.7B's pipeline at 24 GiB twice in a row (6 steps each): the second run is planned with the compute the
            first measured inside its steps (``partition/calibrate.py``); is its prediction within 10% (about 3 min)?
 roundrobin OPT-2.7B on two workers sharing the GPU (24 GiB each) through ``mobius train``: the round-robin

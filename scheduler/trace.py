@@ -85,6 +85,8 @@ class ComputeSpans:
 
     def seconds(self, phase: str) -> float:
         if self.cuda:
+            if self.last is not None:
+                self.last[1].synchronize()  # the latest end on the compute stream: every span has ended
             return sum(a.elapsed_time(b) for a, b in self.spans[phase]) / 1e3
         return sum(b - a for a, b in self.spans[phase])
 

@@ -91,6 +91,22 @@ def test_round_robin_on_cuda_matches_reference(tmp_path: Path, deep_checkpoint: 
 
 
 @gpu
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_delayed_pipeline_on_cuda_matches_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path,
+                                                    clip: float) -> None:
+    """train.update=delayed, every stage swapped, two workers sharing the GPU: each stage's compute copy taken on the
+    optimizer thread once its download's CUDA event has passed, ahead of every AdamW (with clipping the AdamWs after
+    the norm, in the downloads' order): fp32 losses within 1e-4 of the single-GPU delayed reference."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev, t = {"device": "cuda"}, {"update": "delayed", "grad_clip": clip, "max_steps": 5}
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", parallel=dev, train=t))
+    train(_cfg(tmp_path, deep_checkpoint, corpus, "pipe", train=t, partition={"gpu_memory_gib": 4.0},
+               parallel={**dev, "mode": "pipeline", "devices": 2, "stages": 6, "resident_stages": []}))
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "pipe")), torch.tensor(_losses(tmp_path / "ref")),
+                               rtol=0, atol=1e-4)
+
+
+@gpu
 def test_pipeline_on_cuda_bf16(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
     """bf16 on the GPU, two workers on one GPU: close to the reference (3e-2 on the loss)."""
     dev = {"device": "cuda"}

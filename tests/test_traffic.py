@@ -140,3 +140,4 @@ def test_zero_modes_counted_bytes_equal_its_plans(tmp_path: Path, aligned_checkp
     assert plan["num_chunks"] > plan["gpu_chunks"]  # some chunks live in host memory
     for kind, predicted in plan["traffic"].items():
         assert measured[kind] == pytest.approx(predicted, rel=1e-9), kind
+    assert measured["forward_s"] > 0 and measured["backward_s"] > 0  # beside the plan's compute (zero_phases)

@@ -323,3 +323,18 @@ def test_traces_of_training_and_evaluation() -> None:
     layout = build_layout(_params([[10], [10], [10]]), 3, chunk_size=10, world=1, align=1)
     assert [str(op) for op in train_program(3)] == ["F0", "F1", "L2", "B1", "B0"]
     assert chunk_trace(eval_program(3), layout) == [(0,), (1,), (2,)]
+
+
+def test_a_zero_run_logs_its_phases_beside_the_plans() -> None:
+    """What a zero run logs at its end (mobius.app.launch.zero_phases): the step, the compute (forwards and
+    backwards, from after their gathers) and the CPU AdamW, predicted beside the median of its steady steps."""
+    from mobius.app.launch import zero_phases
+
+    p = plan(_params([[4000, 96]] * 6), 6, _profile(6), _hw(2, memory=GiB // 4), micro_batches=4, checkpointing=False,
+             barrier=False, chunk_size=2000, cache_blocks=5, gpu_chunks=3)
+    rows = [{"step": k, "step_s": 1.0 + k, "forward_s": 0.25, "backward_s": 0.5 + k, "cpu_adam_s": 0.125}
+            for k in range(5)]
+    table = zero_phases(p, rows)
+    assert table == {"step": (p.predicted_step_s, 4.0), "compute": (p.compute_s, 3.75),
+                     "cpu_adam": (p.cpu_adam_s, 0.125)}
+    assert zero_phases(p, rows[:2]) is None  # no steady step yet

@@ -121,7 +121,7 @@ def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, r
     result = trainer.finish()
     if isinstance(engine, PipelineEngine) and engine.is_main:
         keep_update_rate(cfg, settings, plan, engine.update_rate)
-    if isinstance(engine, (PipelineEngine, RoundRobinEngine)) and engine.is_main:
+    if isinstance(engine, (PipelineEngine, RoundRobinEngine, ZeroEngine)) and engine.is_main:
         log_phases(plan, Path(cfg.output.dir) / "metrics.jsonl")
     engine.close()
     dist.destroy_process_group()
@@ -142,6 +142,7 @@ def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: Plan, rate: 
 PHASES = {"forward": "forward_s", "backward": "backward_s", "upload_wait": "upload_wait_s",  # plan -> metrics
           "dispatch": "dispatch_s"}  # (predicted: the messages posted to other workers; measured: every action's
 # dispatch but compute and the reduce)
+ZERO_PHASES = {"compute": ("forward_s", "backward_s"), "cpu_adam": ("cpu_adam_s",)}  # zero plan -> metrics (summed)
 STEADY_FROM = 2  # steps before the measured medians (warm-up, the first uploads)
 MIN_STEADY_STEPS = 3  # steady steps a run needs before its compute is kept for the next plan
 
@@ -196,6 +197,19 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
     return out
 
 
+def zero_phases(plan: ZeroPlan, rows: list[dict], steady_from: int = STEADY_FROM) -> dict[str, tuple[float, float]] | None:
+    """Predicted beside measured, per phase of a zero step (seconds per rank, rank 0's; the median of the
+    metrics lines after ``steady_from``): the whole step, the compute (forwards, losses and backwards, from
+    after their gathers), and the CPU AdamW. None without steady steps."""
+    steady = steady_rows(rows, steady_from)
+    if not steady:
+        return None
+    out = {"step": (plan.predicted_step_s, statistics.median(r["step_s"] for r in steady))}
+    for phase, keys in ZERO_PHASES.items():
+        out[phase] = (getattr(plan, f"{phase}_s"), statistics.median(sum(r[k] for k in keys) for r in steady))
+    return out
+
+
 @contextlib.contextmanager
 def keeping_compute(cfg: Config, planned: Planned | None) -> Iterator[None]:
     """Around a pipeline run (``planned``: its plan; None or another mode: nothing): however the run ends
@@ -236,12 +250,16 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
              statistics.median(r["step_s"] for r in steady))
 
 
-def log_phases(plan: Plan, metrics: Path) -> None:
-    """Log :func:`phases` of the run whose metrics are in ``metrics`` in one line (of the schedule that ran)."""
+def log_phases(plan: Plan | ZeroPlan, metrics: Path) -> None:
+    """Log :func:`phases` (:func:`zero_phases`) of the run whose metrics are in ``metrics`` in one line (of the
+    schedule that ran)."""
     rows = run_rows(metrics)
-    rr = plan.round_robin
-    table = (phases(rr["step_s"], rr["time_split"], rows) if rr.get("runs")
-             else phases(plan.predicted_step_s, plan.time_split, rows))
+    if isinstance(plan, ZeroPlan):
+        table = zero_phases(plan, rows)
+    elif plan.round_robin.get("runs"):
+        table = phases(plan.round_robin["step_s"], plan.round_robin["time_split"], rows)
+    else:
+        table = phases(plan.predicted_step_s, plan.time_split, rows)
     if table is None:
         return
     log.info("predicted / measured per step: " + ", ".join(f"{p.replace('_', ' ')} {a:.3f} / {b:.3f} s"

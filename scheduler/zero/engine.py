@@ -50,6 +50,7 @@ from scheduler.collectives import all_gather_flat
 from scheduler.counters import Counters
 from scheduler.pinned import host_zeros
 from scheduler.store import check_host_memory
+from scheduler.trace import ComputeSpans
 from scheduler.zero.cache import GradBuffers, RCache, Streams
 from scheduler.updater import CpuUpdater, sum_over_ranks
 from scheduler.zero.store import HostChunk, Shards
@@ -80,6 +81,7 @@ class _Pass:
     loss_sum: torch.Tensor | float = 0.0
     flushed: dict[int, int] = field(default_factory=dict)
     arrived: list[tuple[int, object]] = field(default_factory=list)  # offloaded chunk, its gradient's event
+    computed: ComputeSpans | None = None  # each operator's compute, from after its gathers to its end
 
 
 class ZeroEngine:
@@ -216,15 +218,17 @@ class ZeroEngine:
         self.cache.begin("train" if train else "eval", self.updated)
         self.updated = None
         return _Pass(train, step, mine, {m: put(batches[m][0]) for m in mine}, {m: put(batches[m][1]) for m in mine},
-                     factor)
+                     factor, computed=ComputeSpans(self.device))
 
     def _run(self, st: _Pass) -> None:
         ops = self.program if st.train else self.eval_ops
         for t, op in enumerate(ops):
             chunks = self.layout.unit_chunks[op.unit]
             self.cache.acquire(chunks)
+            start = st.computed.mark()
             {OpKind.FORWARD: self._forward, OpKind.LOSS: self._loss, OpKind.EVAL: self._loss,
              OpKind.BACKWARD: self._backward}[op.kind](op.unit, st)
+            st.computed.add("forward" if op.kind in (OpKind.FORWARD, OpKind.EVAL) else "backward", start)
             self.cache.release(chunks)
             for c in self.flushes[t] if st.train else ():
                 self._flush(c, st)
@@ -248,8 +252,9 @@ class ZeroEngine:
             for c, done in (st.arrived if self.delayed else sorted(st.arrived, key=lambda x: x[0])):
                 self._queue_update(c, done, lr, factor, skipped)
         self.cache.invalidate()
+        computed = {f"{phase}_s": round(st.computed.seconds(phase), 4) for phase in ("forward", "backward")}
         return StepStats(total["loss_sum"] / total["micro"], norm, skipped, self.rule.loss_scale,
-                         self._counters(gathers))
+                         {**self._counters(gathers), **computed})
 
     def _update_gpu(self, lr: float, factor: float, skip: bool) -> "torch.cuda.Event | None":
         """The GPU chunks' update on the compute stream (``skip``: an fp16 overflow, no AdamW). Returns
