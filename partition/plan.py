@@ -106,6 +106,8 @@ class Plan:
     # not asked for), for comparison: the runtime runs the swapped pipeline
     compute_scale: dict = field(default_factory=dict)  # the factors the profile's times were scaled by to the
     # compute earlier runs measured in their steps (partition.calibrate.ComputeScale's fields; {}: as profiled)
+    other_update: dict = field(default_factory=dict)  # the same stages under the other train.update rule
+    # (other_update_options): its simulated "step_s" and "host_bytes"
 
     @property
     def num_stages(self) -> int:
@@ -239,6 +241,13 @@ def _summary_lines(p: Plan) -> list[str]:
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
                  f"contention; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
+    other = p.other_update
+    if other:
+        room = ("" if p.host_memory_bytes is None or other["host_bytes"] <= p.host_memory_bytes else
+                f", but its stores need {other['host_bytes'] / GiB:.1f} GiB of host memory")
+        lines.append(f"with train.update={other['update']} the same stages would take {other['step_s']:.3f} s per "
+                     f"step ({other['step_s'] / p.predicted_step_s - 1:+.0%}{room}; delayed computes each step "
+                     f"with the weights one update older)")
     alts = p.mip.get("alternatives") or []
     if len(alts) > 1:
         each = ", ".join(f"{a['num_stages']} stages {a['simulated_step_s']:.3f} s" for a in alts)
@@ -335,6 +344,10 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     plan.mip["contention_plans"] = tried
     plan.mip["alternatives"] = best.alternatives
     plan.compute_scale = {k: v for k, v in profile.notes.get("in_run", {}).items() if k != "key"}
+    other = other_update_options(options)
+    plan.other_update = {"update": "delayed" if other.delayed else "sync",
+                         "step_s": ctx.simulate(bounds, other, record=False).step_s,
+                         "host_bytes": _host_bytes(profile, bounds, other)}
     if request.schedule != "swapped":
         plan.round_robin = _round_robin(ctx, plan)
     if best.model_hw is not hardware:
@@ -675,6 +688,14 @@ def _search(ctx: PlanContext, model_hw: Hardware, time_limit_s: float,
             best[0].lower_bound, best[0].stage_counts_skipped = min(bounds), skipped
             return best
     raise explain_infeasible(ctx.prof, model_hw, req.micro_batches, _option_sets(req)[-1][-1])
+
+
+def other_update_options(options: PipelineOptions) -> PipelineOptions:
+    """``options`` under the other ``train.update`` rule: delayed downloads fp32 gradients (the half copy holds the
+    weights the next step computes with)."""
+    if options.delayed:
+        return dataclasses.replace(options, delayed=False)
+    return dataclasses.replace(options, delayed=True, grad_dtype="fp32")
 
 
 def _assemble(ctx: PlanContext, bounds: list[int], options: PipelineOptions, sim: SimResult, res: MipResult,

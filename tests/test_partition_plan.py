@@ -110,6 +110,12 @@ def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
     text = plan.summary()
     assert "predicted step time" in text and "baselines" in text and "peak GPU memory" in text
     assert "resident stages: " + ", ".join(map(str, sorted(plan.options.resident))) in text
+    # beside it, the same stages under the other update rule: delayed (fp32 gradient downloads) hides CPU updates
+    # that a step after the norm would wait for
+    other = plan.other_update
+    assert other["update"] == "delayed" and other["step_s"] <= plan.predicted_step_s * 1.001
+    assert other["host_bytes"] >= plan.host_bytes and f"with train.update=delayed the same stages" in text
+    assert Plan.from_json(plan.to_json()).other_update == other
 
 
 def test_hardware_from_a_saved_nvidia_smi_topology_and_a_bandwidth_file() -> None:
