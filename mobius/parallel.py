@@ -3,12 +3,23 @@ from the config and the machine, and passed to every path that needs any part of
 
 from __future__ import annotations
 
+import platform
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
 from mobius.errors import ConfigError
 
 Mode = Literal["single", "pipeline", "zero"]
+
+
+def mailboxes_work_here(device: str, nodes: int, p2p: bool = False) -> bool:
+    """Whether workers hand activations through mailboxes in host memory they all map
+    (``scheduler.links.Mailboxes``): the workers of one machine whose stores are seen in the order they are made
+    (x86-64), with Linux's futexes to sleep on; CPU workers, and GPUs without peer access (those with it use
+    NCCL)."""
+    return (device in ("cpu", "cuda") and not (device == "cuda" and p2p) and nodes == 1
+            and sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64"))
 
 
 @dataclass(frozen=True)
@@ -65,9 +76,11 @@ class ParallelSettings:
     def activation_path(self) -> str:
         if self.workers == 1:
             return "on one device"
-        if self.device == "cpu":
-            return "gloo between CPU workers"
-        return "GPU to GPU (NCCL)" if self.p2p else "through pinned host memory"
+        if self.p2p:
+            return "GPU to GPU (NCCL)"
+        if mailboxes_work_here(self.device, self.nodes):
+            return "through mailboxes in shared host memory" + (" (page-locked)" if self.device == "cuda" else "")
+        return "gloo between CPU workers" if self.device == "cpu" else "through pinned host memory and gloo"
 
     def describe(self) -> str:
         where = "CPU worker process(es)" if self.device == "cpu" else f"GPU(s) ({self.gpus} in use)"

@@ -14,8 +14,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import platform
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
@@ -26,6 +24,7 @@ import torch.distributed as dist
 
 from partition.schedule import Action, Kind
 from mobius.errors import MobiusError
+from mobius.parallel import mailboxes_work_here
 from scheduler.counters import Counters
 from scheduler.shared import WAIT_TIMEOUT_S, SharedHost, wait_for
 from scheduler.store import check_host_memory
@@ -114,7 +113,7 @@ class Mailboxes:
     a full mailbox.
 
     The counters are plain stores in shared memory: the payload is written before the record that publishes
-    it, which x86-64's store order keeps (:func:`mailboxes_work_here`)."""
+    it, which x86-64's store order keeps (:func:`mobius.parallel.mailboxes_work_here`)."""
 
     RECORDS = 4096
 
@@ -145,13 +144,6 @@ class Mailboxes:
         count = self.host[f"count{src}>{dst}"].numpy()
         records = self.host[f"record{src}>{dst}"].numpy().reshape(self.RECORDS, 2)
         return count, records, self.host[f"payload{src}>{dst}"].view(self.slots[(src, dst)], self.nbytes)
-
-
-def mailboxes_work_here(device_type: str, nodes: int, p2p: bool = False) -> bool:
-    """Mailboxes link the workers of one machine whose stores are seen in the order they are made (x86-64), with
-    Linux's futexes to sleep on: CPU workers, and GPUs without peer access (those with it use NCCL)."""
-    return (device_type in ("cpu", "cuda") and not (device_type == "cuda" and p2p) and nodes == 1
-            and sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64"))
 
 
 class _Timespec(ctypes.Structure):

@@ -17,7 +17,7 @@ from mobius.config import Config
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import ModelConfig, tied_param_count, tied_weights, unit_specs
 from mobius.models.lora import trains
-from mobius.parallel import Mode, ParallelSettings
+from mobius.parallel import Mode, ParallelSettings, mailboxes_work_here
 from partition import Hardware, ModelProfile, Plan, PlanRequest, get_profile, lookup_gpu, plan_model
 from partition.estimate import estimate_units
 from partition.calibrate import ComputeScale, learnt_scale, scale_key
@@ -32,7 +32,6 @@ from partition.single import SinglePlan
 from partition.single import plan_single as single_plan
 from partition.zero import ZeroHardware, ZeroPlan
 from partition.zero import plan as zero_plan
-from scheduler.links import mailboxes_work_here
 from topology.host import HOST_USABLE_FRACTION, available_host_bytes
 from mobius.models.params import model_params
 
