@@ -30,7 +30,7 @@ from scheduler.shared import WAIT_TIMEOUT_S, SharedHost, wait_for
 from scheduler.store import check_host_memory
 
 Waiter = Callable[[], torch.Tensor]
-MAILBOX_BYTES = 64 << 20  # payload slots per ordered pair of CPU workers, at most (host memory every worker maps)
+MAILBOX_BYTES = 64 << 20  # payload slots per ordered pair of workers, at most (host memory every worker maps)
 
 
 class LocalLink:

@@ -12,8 +12,8 @@ all workers map (:class:`~scheduler.shared.UnitStores`), and shared counters ord
 * an ``UPDATE`` runs the op's units' CPU AdamW on this worker's optimizer thread and counts the op's update;
 * a forward's ``OFFLOAD`` puts a micro-batch's input of a unit where a backward op starts into the shared
   stash, and that backward op's ``RELOAD`` (on whichever worker it runs) takes it back; activations and their
-  gradients go to the next worker of the ring (mailboxes in shared memory between CPU workers, through host
-  memory between GPUs).
+  gradients go to the next worker of the ring, through mailboxes in host memory both map (page-locked between
+  GPUs).
 
 A weight tied between the embedding and the head has an end in the fused op and one in the last backward op:
 each end's update waits for the other's gradients and takes their sum, and rank 0 counts its square once.
