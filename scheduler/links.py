@@ -225,6 +225,7 @@ class MailLink:
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # messages sent through gloo
         self.gpu = device.type == "cuda"
         if self.gpu:
+            device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
             self.d2h_stream, self.h2d_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
             self.sender, self.receiver = (ThreadPoolExecutor(1, thread_name_prefix=f"{what}{peer}",
                                                              initializer=torch.cuda.set_device, initargs=(device,))
