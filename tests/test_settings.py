@@ -83,6 +83,19 @@ def test_workers_sharing_a_gpu_split_it_and_stage_their_transfers() -> None:
         resolve(_cfg(mode="pipeline", devices=2, p2p="on"), _box([1]))
 
 
+def test_workers_sharing_a_gpu_are_planned_on_its_link_shared() -> None:
+    """Two workers on one GPU: each alone moves at the GPU's host link, and both together share it (one root
+    complex of that rate), as a worker alone on the GPU would be planned."""
+    from mobius.app.planning import hardware
+
+    alone_cfg, shared_cfg = _cfg(mode="pipeline", devices=1), _cfg(mode="pipeline", devices=2)
+    alone = hardware(alone_cfg, resolve(alone_cfg, _box([1])), _box([1]))
+    shared = hardware(shared_cfg, resolve(shared_cfg, _box([1])), _box([1]))
+    link = min(alone.h2d_Bps[0], alone.d2h_Bps[0])
+    assert shared.num_gpus == 2 and shared.groups == [[0, 1]]
+    assert shared.h2d_Bps == shared.d2h_Bps == [link] * 2 and shared.rc_h2d_Bps == shared.rc_d2h_Bps == [link]
+
+
 def test_peer_access_decides_p2p() -> None:
     assert resolve(_cfg(mode="pipeline", devices=2), _box([2], p2p=True)).p2p
     assert not resolve(_cfg(mode="pipeline", devices=2), _box([2], p2p=False)).p2p

@@ -36,7 +36,6 @@ from topology.host import HOST_USABLE_FRACTION, available_host_bytes
 from mobius.models.params import model_params
 
 log = logging.getLogger(__name__)
-SHARED_GPU_LINK_Bps = 25e9  # one GPU's host link, split among the workers sharing it
 NVLINK_Bps = 20e9  # one NVLink's effective rate per direction (NVLink 3: 25 GB/s), for an unmeasured box
 INTER_NODE_Bps = 12.5e9  # assumed network of one node to the others (100 Gb/s), shared by its ranks
 AnyPlan = SinglePlan | Plan | ZeroPlan
@@ -49,8 +48,9 @@ def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidt
     if settings.device == "cpu":
         hw = Hardware.uniform(n, mem, HOST_COPY_Bps, groups=[[w] for w in range(n)], name="CPU workers")
         hw.message_s = MAILBOX_MESSAGE_S if mailboxes_work_here("cpu", settings.nodes) else GLOO_MESSAGE_S
-    elif settings.shared_gpu:
-        link = SHARED_GPU_LINK_Bps / max(len(g) for g in settings.groups)
+    elif settings.shared_gpu:  # each worker alone gets its GPU's link; the workers of one GPU share it
+        gpus = _gpus(cfg, settings, machine, bandwidth_file)
+        link = min(min(gpus.h2d_Bps), min(gpus.d2h_Bps))
         hw = Hardware.uniform(n, mem, link, groups=[list(g) for g in settings.groups], name="workers sharing GPUs")
     else:
         hw = _gpus(cfg, settings, machine, bandwidth_file)
