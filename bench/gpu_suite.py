@@ -8,20 +8,25 @@ a lent GPU (about 10 minutes), and one report of all their rows.
 Parts, in the order a short GPU session should take them (``--parts all`` runs them in this order):
 
 =========  ==================================================================================================
+calls      what the host pays per CUDA call the pipeline's dispatch thread makes (bench/cuda_calls.py): timing
+           events, reading them, reading a device scalar, a synchronize, a launch; on 2026-11-27 the end of an
+           OPT-2.7B pipeline step took about 0.15 s after its last gradient was down (10 s)
+delayed    OPT-2.7B all-in-GPU, then its pipeline at 24 GiB in sync and with ``train.update: delayed``, 6 steps each
+           (the last traced, left out of the step): on 2026-11-27 the one untraced step after the first measured
+           1.297 s delayed and 1.905 s sync against 0.977 s all-in-GPU (0.886 s and 1.388 s planned); ``reduce_s``
+           in each row says how much of the step its end (REDUCE) takes (about 4 min)
 train      ``mobius train`` as a user runs it (bench/train_bench.py): OPT-2.7B and Llama-3.2-3B from checkpoints written
            on the machine, all-in-GPU (single, uncapped) against the pipeline and zero mode at 24 GiB; ready time and
            its split, step, predicted beside measured, a trace of one pipeline step (5.6 min on one H100)
-delayed    the same two pipelines at 24 GiB with ``train.update: delayed``, beside ``train``'s sync and all-in-GPU
-           rows of the same session: is the CPU update's tail gone, now that the compute copies go ahead of the
-           AdamWs (planned on the H100's datasheet: OPT-2.7B 0.907 s against 1.405 s in sync)? (about 3 min)
 learnt     OPT-2.7B's pipeline at 24 GiB twice in a row (6 steps each): the second run is planned with the compute the
            first measured inside its steps (``partition/calibrate.py``); is its prediction within 10% (about 3 min)?
 roundrobin OPT-2.7B on two workers sharing the GPU (24 GiB each) through ``mobius train``: the round-robin
            schedule sync and delayed beside the swapped pipeline on the same two workers, a trace of one step of
-           each; the first GPU run of the round-robin runtime and of the page-locked mailboxes between workers
-           (``overflow_bytes``: messages that found their mailbox full) (about 6 min)
+           each (``overflow_bytes``: messages that found their mailbox full); on 2026-11-27 its sync run measured
+           3.22 s against 6.25 s planned, no overflow (about 6 min)
 threads    OPT-2.7B's pipeline at 24 GiB with the workers' default CPU threads, 8 and 4: does the CPU AdamW starve the
-           thread that launches the kernels (the traced step's forwards took 2.6x their profile)?
+           thread that launches the kernels? On 2026-11-27 (one untraced step each): 1.905 s with 14, 1.607 s with 8,
+           2.423 s with 4 threads
 train-lora the same for Llama-3.1-8B LoRA (rank 16, all linear layers), single and pipeline (2 min)
 pipeline   1.42B, all-in-GPU and the pipeline as planned and all swapped, without and with clipping
 zero       1.42B zero mode as planned and its rCache-min / rCache-max / all-offload alternatives; clipped
@@ -71,8 +76,10 @@ def _zero(*extra: str) -> list[str]:
 PARTS: dict[str, list[tuple[str, list[str], int]]] = {
     "train": [("train-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b", "--modes",
                                                 "single,pipeline,zero"], 480)],
-    "delayed": [("delayed-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b",
-                                                  "--modes", "pipeline", "--set=--train.update=delayed"], 300)],
+    "calls": [("cuda-calls", ["bench/cuda_calls.py"], 60)],
+    "delayed": [("opt-2.7b-sync", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "single,pipeline"], 240),
+                ("opt-2.7b-delayed", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline",
+                                      "--set=--train.update=delayed"], 150)],
     "learnt": [("learnt-opt-2.7b", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline,pipeline",
                                     "--steps", "6"], 330)],
     "roundrobin": [(f"roundrobin-opt-2.7b-{name}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes",

@@ -4,9 +4,10 @@ start), and runs all-in-GPU (``parallel.mode=single``, uncapped) and as the pipe
 at 24 GiB (``partition.gpu_memory_gib=24``, the planner's choice; zero with activation checkpointing,
 which its activations need there); all at 8 micro-batches of 1 x 2048 tokens,
 bf16, clipping at 1.0, as the shipped configs. Per run: time to the first step and its split (what
-``mobius train`` logs as "ready in ..."), the step (mean of the steps after the first), tokens/s, model
-TFLOP/s, peak GPU memory (rank 0), bytes moved, the plan's predicted step beside the measured one, the
-run's wall time, and a Chrome trace of one pipeline step (``parallel.trace_step``).
+``mobius train`` logs as "ready in ..."), the step (mean of the steps after the first, but the last), tokens/s,
+model TFLOP/s, peak GPU memory (rank 0), bytes moved, the plan's predicted step beside the measured one, the
+run's wall time, and a Chrome trace of the last pipeline step (``parallel.trace_step``: a traced step waits
+for its CPU updates, so it is no steady step).
 
     python bench/train_bench.py --presets opt-2.7b,llama-3.2-3b --out runs/train-bench
     python bench/train_bench.py --presets llama-3.1-8b --lora-rank 16 --modes single,pipeline
@@ -51,7 +52,7 @@ def write_checkpoint(preset: str, where: Path, layers: int = 0) -> float:
 def run_file(args: argparse.Namespace, checkpoint: Path, mode: str, out: Path) -> dict:
     """The run's config: the shipped Llama configs' workload on this checkpoint."""
     parallel = {"mode": mode, "devices": 2 if args.smoke and mode == "pipeline" else 1,
-                "device": "cpu" if args.smoke else "cuda", "trace_step": 3 if mode == "pipeline" else 0}
+                "device": "cpu" if args.smoke else "cuda", "trace_step": args.steps if mode == "pipeline" else 0}  # the last: a traced step waits for its updates
     partition = {"cache_dir": str(args.out / "cache")}
     if mode != "single" and not args.smoke:
         partition["gpu_memory_gib"] = CAP_GIB
@@ -89,13 +90,14 @@ def train(args: argparse.Namespace, preset: str, checkpoint: Path, mode: str) ->
 def summarise(args: argparse.Namespace, preset: str, name: str, out: Path, wall: float) -> dict:
     """The row of a finished run, from its metrics.jsonl and plan.json."""
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    timed = lines[1:] or lines  # the first step warms up (allocator, kernels)
+    timed = [r for r in lines[1:] if not r.get("traced")] or lines  # the first warms up (allocator, kernels)
     step = sum(r["step_s"] for r in timed) / len(timed)
     tokens = args.micro_batches * args.seq
     row = {"name": name, "step_s": round(step, 4), **rates(tokens, model_flops(args, preset), step),
            "peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in lines), "ready_s": lines[0]["ready_s"],
            "ready": lines[0]["ready"], "wall_s": round(wall, 1), "loss": lines[-1]["loss"]}
-    for key in ("h2d_bytes", "d2h_bytes", "overflow_bytes", "upload_wait_s", "cpu_adam_s", "forward_s", "backward_s", "dispatch_s"):
+    for key in ("h2d_bytes", "d2h_bytes", "overflow_bytes", "upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
+                "dispatch_s", "reduce_s", "reduce_wait_s"):
         if key in timed[-1]:
             row[key] = round(sum(r[key] for r in timed) / len(timed), 4)
     plan = out / "plan.json"
@@ -156,7 +158,7 @@ def main() -> None:
     p.add_argument("--presets", default="opt-2.7b,llama-3.2-3b")
     p.add_argument("--modes", default="single,pipeline")
     p.add_argument("--layers", type=int, default=0, help="blocks per model (0: the preset's)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 4; 3 with --smoke)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run, the last traced (default 6; 4 with --smoke)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on all linear layers (0: "
@@ -167,7 +169,7 @@ def main() -> None:
                         "named with it")
     p.add_argument("--smoke", action="store_true", help="tiny models on 2 CPU workers")
     args = p.parse_args()
-    args.steps = args.steps or (3 if args.smoke else 4)
+    args.steps = args.steps or (4 if args.smoke else 6)
     if args.smoke:
         args.presets, args.seq, args.micro_batches = "gpt2-tiny,opt-125m", 64, 2
         args.layers = args.layers or 2

@@ -179,6 +179,7 @@ class StepState:
     stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
     wait_s: float = 0.0  # dispatch thread blocked on uploads (which wait for the stage's CPU update)
     dispatch_s: float = 0.0  # dispatch thread in actions other than compute and the reduce (host time)
+    reduce_wait_s: float = 0.0  # the reduce waiting for this worker's transfers and device work to end
     uploads: list[Future] = field(default_factory=list)
     prefetched: dict[int, int] = field(default_factory=dict)  # stage -> its first elements in the prefetch buffer
     reloads: dict[int, Future] = field(default_factory=dict)  # stage -> its offloaded inputs' way back
@@ -685,7 +686,7 @@ class Executor:
     def _reduce(self, a: Action) -> None:
         """End of the dispatch: finish this worker's transfers, then sum the step's statistics over
         workers; in training also the global norm, the fp16 overflow check and the update factor."""
-        st = self.st
+        st, t0 = self.st, time.perf_counter()
         for link in self.links.values():
             link.flush()
         for f in st.uploads + list(st.reloads.values()):
@@ -693,6 +694,7 @@ class Executor:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             st.stall_s += sum(x.elapsed_time(y) for x, y in st.stall_events) / 1e3
+        st.reduce_wait_s = time.perf_counter() - t0
         if st.sched.train and not st.sched.barrier and self.opt.step_waits_for_updates:
             self.sync()  # without a barrier a (sync) step ends when its updates have
         if st.sched.train:  # resident gradients are still on the device (an update without a factor leaves them)
@@ -701,6 +703,7 @@ class Executor:
                 st.sumsq.append(self._sumsq(slot.sums[:n], None))
         self.check()
         stats = self._local_stats(st)
+        stats["reduce_s"] = time.perf_counter() - t0  # before the sum over workers (which waits for the slowest)
         total = self.coll.reduce(stats)
         loss = total["loss_sum"] / max(total["losses"], 1)
         if not st.sched.train:
@@ -712,9 +715,9 @@ class Executor:
     def _local_stats(self, st: StepState) -> dict[str, float]:
         moved = self.counters.take()
         update_s, update_params = self.updater.take()
-        sumsq = sum(float(t) for t in st.sumsq) + st.tied_sumsq
+        sumsq = (float(torch.stack(st.sumsq).double().sum()) if st.sumsq else 0.0) + st.tied_sumsq  # one read
         return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "stall_s": st.stall_s,
                 "upload_wait_s": st.wait_s, "cpu_adam_s": update_s, "cpu_adam_params": float(update_params),
                 "forward_s": st.computed.seconds("forward"), "backward_s": st.computed.seconds("backward"),
-                "dispatch_s": st.dispatch_s,
+                "dispatch_s": st.dispatch_s, "reduce_wait_s": st.reduce_wait_s,
                 **{f"{kind}_bytes": float(n) for kind, n in moved.items()}}

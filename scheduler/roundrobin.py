@@ -228,6 +228,8 @@ class RoundRobinEngine:
                  "traffic_x_params": round(moved / self.param_bytes, 3),
                  **{k: round(total[k] / n, 4) for k in ("upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
                                                         "dispatch_s")}}
+        if st.trace is not None:
+            extra["traced"] = True  # it waited for its updates: not a steady step
         return StepStats(total["loss_sum"] / max(total["losses"], 1), norm, skipped, self.rule.loss_scale, extra,
                          seconds=st.seconds if self.looks_ahead else None)
 

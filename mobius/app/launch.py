@@ -177,8 +177,10 @@ def run_rows(metrics: Path, skip: int | None = None) -> list[dict]:
 
 
 def steady_rows(rows: list[dict], steady_from: int = STEADY_FROM) -> list[dict]:
-    """The step lines of a run's metrics with its compute phases, after the first ``steady_from``."""
-    return [r for r in rows if "step_s" in r and "forward_s" in r and "backward_s" in r][steady_from:]
+    """The step lines of a run's metrics with its compute phases, after the first ``steady_from``, but for a
+    traced step (``parallel.trace_step``: it ends when its CPU updates have, and its trace costs time)."""
+    steps = [r for r in rows if "step_s" in r and "forward_s" in r and "backward_s" in r]
+    return [r for r in steps[steady_from:] if not r.get("traced")]
 
 
 def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],

@@ -1,0 +1,84 @@
+"""What the host pays per CUDA call that the pipeline's dispatch thread makes around its actions: creating and
+recording a timing event, reading the time between two events, reading a device scalar (``float()``), a
+device synchronize, a stream waiting on an event, and launching one small kernel. On a machine whose GPU calls
+go through a sandbox (gVisor's nvproxy) these can cost far more than on bare metal, and a pipeline step makes
+hundreds of them: the end of a step (its REDUCE) reads a timing per compute action and a norm per stage.
+
+    python bench/cuda_calls.py --out runs/calls      # about 10 s on a GPU
+    python bench/cuda_calls.py --smoke               # the same calls' host-side costs on the CPU (checks the script)
+
+Prints one table (median microseconds per call over ``--reps`` calls) and writes ``<out>/cuda_calls.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from common import OUT
+
+
+def per_call_us(fn: Callable[[], object], reps: int, setup: Callable[[], None] | None = None) -> float:
+    """Median host microseconds of one ``fn()`` over ``reps`` calls (``setup`` before each, untimed)."""
+    times = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def gpu_calls(reps: int) -> dict[str, float]:
+    """Each call's median host microseconds on the current GPU (idle between calls)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x, scalar = torch.zeros(1024, device=dev), torch.ones((), device=dev)
+    side = torch.cuda.Stream(dev)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(), x.add_(1), b.record()
+    torch.cuda.synchronize(dev)
+    reused = torch.cuda.Event(enable_timing=True)
+    idle = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+    return {"new timing event, recorded": per_call_us(lambda: torch.cuda.Event(enable_timing=True).record(), reps),
+            "recording a reused event": per_call_us(reused.record, reps, idle),
+            "elapsed_time of two ended events": per_call_us(lambda: a.elapsed_time(b), reps),
+            "float() of a device scalar": per_call_us(lambda: float(scalar), reps, idle),
+            "synchronize, device idle": per_call_us(idle, reps),
+            "stream waits on an event": per_call_us(lambda: side.wait_event(reused), reps),
+            "one small kernel launched": per_call_us(lambda: x.add_(1), reps, idle)}
+
+
+def cpu_calls(reps: int) -> dict[str, float]:
+    """The host-side part of the same calls on the CPU (no events, no device): the script's check."""
+    x, scalar = torch.zeros(1024), torch.ones(())
+    return {"float() of a device scalar": per_call_us(lambda: float(scalar), reps),
+            "one small kernel launched": per_call_us(lambda: x.add_(1), reps)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=2000)
+    p.add_argument("--out", default=str(Path(OUT) / "calls"))
+    p.add_argument("--smoke", action="store_true", help="the host-side costs on the CPU (checks the script)")
+    args = p.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("cuda_calls: no CUDA GPU here (--smoke runs the CPU check)")
+    device = "cpu" if args.smoke else torch.cuda.get_device_name()
+    rows = cpu_calls(args.reps) if args.smoke else gpu_calls(args.reps)
+    print(f"| call ({device}, median of {args.reps}) | host us |\n|---|---|")
+    for name, us in rows.items():
+        print(f"| {name} | {us:.1f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cuda_calls.json").write_text(json.dumps({"device": device, "reps": args.reps, "host_us": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
