@@ -51,8 +51,9 @@ def write_checkpoint(preset: str, where: Path, layers: int = 0) -> float:
 
 def run_file(args: argparse.Namespace, checkpoint: Path, mode: str, out: Path) -> dict:
     """The run's config: the shipped Llama configs' workload on this checkpoint."""
-    parallel = {"mode": mode, "devices": 2 if args.smoke and mode == "pipeline" else 1,
-                "device": "cpu" if args.smoke else "cuda", "trace_step": args.steps if mode == "pipeline" else 0}  # the last: a traced step waits for its updates
+    parallel = {"mode": mode, "devices": 2 if args.smoke and mode == "pipeline" else 1,  # the last step traced: a
+                "device": "cpu" if args.smoke else "cuda", "trace_step": args.steps if mode == "pipeline" else 0}
+    # traced step waits for its CPU updates
     partition = {"cache_dir": str(args.out / "cache")}
     if mode != "single" and not args.smoke:
         partition["gpu_memory_gib"] = CAP_GIB

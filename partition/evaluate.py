@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from partition.costs import ModelProfile, StageCost, stage_cost
+from partition.costs import TIE_SUM_BYTES, UPDATE_BYTES, ModelProfile, StageCost, stage_cost
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
 from partition.timing import Numbers, Rates, Shape, StageExprs, StepTimes, step_model
@@ -61,6 +61,15 @@ def activation_seconds_per_byte(hw: Hardware, src: int, dst: int) -> float:
     return 1.0 / hw.uncontended_d2h(src) + 1.0 / hw.uncontended_h2d(dst)
 
 
+def tie_seconds(profile: ModelProfile, hw: Hardware, split: bool) -> float:
+    """A tied weight's two ends' gradients summed on the host (``TIE_SUM_BYTES`` a parameter at the CPU
+    update's byte rate), after their exchange through host memory when two workers hold them (``split``)."""
+    if not profile.tied_params:
+        return 0.0
+    exchange = 4 * profile.tied_params / hw.host_copy_Bps if split else 0.0
+    return exchange + profile.tied_params * TIE_SUM_BYTES / UPDATE_BYTES / hw.cpu_update_rate()
+
+
 def rates_for(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], num_stages: int,
               bandwidth: str = "link", half_grads: bool = False) -> Rates:
     """Per-stage rates of an S-stage pipeline whose stage j runs on GPU ``worker_gpus[j % N]``; a
@@ -72,8 +81,7 @@ def rates_for(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], num_s
     lat_in = [activation_seconds_per_byte(hw, gpu[j - 1], gpu[j]) * GB if j else 0.0 for j in range(num_stages)]
     lat_back = [activation_seconds_per_byte(hw, gpu[j + 1], gpu[j]) * GB if j < num_stages - 1 else 0.0
                 for j in range(num_stages)]
-    split = num_stages > 1 and gpu[0] != gpu[-1]
-    tie_s = 4 * profile.tied_params / hw.host_copy_Bps if split else 0.0
+    tie_s = tie_seconds(profile, hw, gpu[0] != gpu[-1]) if num_stages > 1 else 0.0
     cpu = hw.cpu_update_rate(half_grads, updating=N)  # the host's share while every worker updates (with clipping
     # they all do, after the global norm; the simulator follows who actually updates when)
     return Rates([up(g) / GB for g in gpu], [down(g) / GB for g in gpu], lat_in, lat_back, cpu / GB, tie_s,

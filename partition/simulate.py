@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from partition.costs import ModelProfile, StageCost, stage_costs
-from partition.evaluate import GB, PipelineOptions, stage_exprs
+from partition.evaluate import GB, PipelineOptions, stage_exprs, tie_seconds
 from partition.hardware import Hardware
 from partition.schedule import COMPUTE, Kind, Schedule, build_schedule
 from partition.timing import Shape, StageExprs, memory_peaks
@@ -922,10 +922,10 @@ def _downloads_per_step(sched) -> dict[tuple[int, int], int]:
 
 
 def _tie_seconds(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], S: int, anywhere: bool = False) -> float:
-    """The tied ends' exchange through host memory (none when one worker holds both; ``anywhere``: the
-    ends run on changing workers, so always)."""
-    split = S > 1 and (anywhere or worker_gpus[0] != worker_gpus[(S - 1) % len(worker_gpus)])
-    return 4 * profile.tied_params / hw.host_copy_Bps if profile.tied_params and split else 0.0
+    """The tied ends' sum (:func:`partition.evaluate.tie_seconds`): exchanged through host memory when two workers
+    hold them (``anywhere``: the ends run on changing workers, so always); none when one stage holds both."""
+    split = anywhere or worker_gpus[0] != worker_gpus[(S - 1) % len(worker_gpus)]
+    return tie_seconds(profile, hw, split) if S > 1 else 0.0
 
 
 def _priority(f: _Flow) -> tuple:

@@ -48,7 +48,7 @@ from scheduler.arbiter import UploadArbiter
 from scheduler.counters import Counters
 from scheduler.links import post_early
 from mobius.models.params import build_units
-from scheduler.stages import StageLayout, add_gradients, bind
+from scheduler.stages import StageLayout, add_gradients, add_tied, bind
 from scheduler.store import StageStore
 from scheduler.trace import ComputeSpans, StepTrace
 from scheduler.updater import CpuUpdater, Events
@@ -674,14 +674,12 @@ class Executor:
                 arrived.synchronize()
         ends = {j: self.hosts[j].grads_in[o:o + n] for j, (o, n) in self.tied.items()}
         if len(ends) == 2:
-            total = sum(e.float() for e in ends.values())
+            sumsq = add_tied(ends[0], ends[max(ends)], into=tuple(ends.values()))
         else:
             (j, mine), = ends.items()
             other_stage = st.sched.num_stages - 1 if j == 0 else 0
-            total = mine.float() + self.coll.exchange(mine, st.sched.gpu_of[other_stage]).float()
-        for g in ends.values():
-            g.copy_(total)
-        st.tied_sumsq = float(torch.dot(total, total)) if 0 in ends else 0.0
+            sumsq = add_tied(mine, self.coll.exchange(mine, st.sched.gpu_of[other_stage]), into=(mine,))
+        st.tied_sumsq = sumsq if 0 in ends else 0.0
 
     def _reduce(self, a: Action) -> None:
         """End of the dispatch: finish this worker's transfers, then sum the step's statistics over

@@ -54,7 +54,7 @@ from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot
 from scheduler.links import link_to, mailboxes_for, post_early
 from scheduler.shared import Span, UnitStores, wait_for
-from scheduler.stages import add_gradients, bind
+from scheduler.stages import add_gradients, add_tied, bind
 from scheduler.trace import ComputeSpans, StepTrace, write_step_trace
 from scheduler.updater import CpuUpdater, Events, sum_over_ranks
 
@@ -747,8 +747,7 @@ class _Dispatch:
             wait_for(lambda o=o: int(self.stores.summed[o]) >= (st.index + 1) * R, f"op {o}'s gradients")
         grad = self.stores.grad(st.index)
         _, ea, eb = self.e.tied[ops[0]]
-        total = grad[ea] + grad[eb]
-        return float(torch.dot(total, total))
+        return add_tied(grad[ea], grad[eb])
 
     def _update(self, a: Action) -> None:
         """Queue the CPU AdamW of op k's units on the optimizer thread. After the step's REDUCE (a barrier) it

@@ -125,6 +125,24 @@ def bind(units: nn.ModuleList, layout: StageLayout, num_units: int, params: torc
     return pairs
 
 
+TIE_CHUNK = 1 << 20  # elements of a tied weight's gradients summed at a time (4 MiB of fp32: in cache for its norm)
+
+
+def add_tied(x: torch.Tensor, y: torch.Tensor, into: tuple[torch.Tensor, ...] = ()) -> float:
+    """The sum of a tied weight's two ends' gradients, ``x + y`` in fp32, written into each of ``into`` (x, y
+    or neither), ``TIE_CHUNK`` elements at a time; returns its sum of squares. No temporary of the weight's
+    size: a fresh one of an embedding's size costs more than the sum itself, in page faults."""
+    scratch = torch.empty(min(TIE_CHUNK, x.numel()), dtype=torch.float32, device=x.device)
+    sumsq = 0.0
+    for lo in range(0, x.numel(), TIE_CHUNK):
+        hi = min(lo + TIE_CHUNK, x.numel())
+        total = scratch[:hi - lo].copy_(x[lo:hi]).add_(y[lo:hi])  # x + y in fp32, rounded once into each end
+        for end in into:
+            end[lo:hi].copy_(total)
+        sumsq += float(torch.dot(total, total))
+    return sumsq
+
+
 def add_gradients(pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
     """Add each parameter's gradient of one micro-batch into its fp32 sum and drop it: one pass over the
     gradients (no half-precision buffer to accumulate into and zero again), one multi-tensor add."""

@@ -10,7 +10,7 @@ import pytest
 from fixtures.partition.profiles import hand_profile, toy_profile
 from partition import Hardware, ModelEvaluator, PipelineOptions, simulate
 from partition.baselines import is_valid
-from partition.costs import stage_costs
+from partition.costs import TIE_SUM_BYTES, UPDATE_BYTES, stage_costs
 
 GiB = 1 << 30
 
@@ -184,15 +184,18 @@ def test_peer_to_peer_moves_activations_directly() -> None:
 
 
 def test_a_tied_weight_is_exchanged_across_workers_and_its_ends_update_last() -> None:
-    """The two ends of a tied weight sum their gradients (through host memory when they are on two
-    workers) before either updates, so both update after the last backward; the model agrees."""
+    """The two ends of a tied weight sum their gradients on the host (after an exchange through host memory
+    when they are on two workers) before either updates, so both update after the last backward; the model
+    agrees."""
     prof = toy_profile(blocks=6)
     hw = _separate(2, memory=8 * GiB)
     split, same = [0, 2, 4, 6, 8], [0, 2, 4, 8]  # stages 0 and 3 on two workers; stages 0 and 2 on one
-    untied = simulate(prof, split, hw, micro_batches=2).step_s
+    untied, untied_same = (simulate(prof, b, hw, micro_batches=2).step_s for b in (split, same))
     prof.tied_params = 500_000_000
     exchange = 4 * prof.tied_params / hw.host_copy_Bps
     assert simulate(prof, split, hw, micro_batches=2).step_s >= untied + exchange
+    summed = prof.tied_params * TIE_SUM_BYTES / UPDATE_BYTES / hw.cpu_update_rate()  # on one worker: the sum alone
+    assert simulate(prof, same, hw, micro_batches=2).step_s >= untied_same + summed - 1e-9
     for bounds in (split, same):
         model = ModelEvaluator(prof, hw, lambda S: [0, 1], 2).step_time(bounds)
         assert simulate(prof, bounds, hw, micro_batches=2).step_s == pytest.approx(model, rel=1e-3)  # activations share links

@@ -55,3 +55,23 @@ def test_each_micro_batchs_half_gradients_are_added_into_the_fp32_sums_once(tied
     else:  # the old way added the two ends in bf16 first: the same within its rounding, and both ends are there
         assert torch.allclose(sums, expected, rtol=1e-2, atol=1e-4)
         assert len(pairs) == len({id(p) for p, _ in pairs}) and len(pairs) > len({s.data_ptr() for _, s in pairs})
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ends", [2, 1, 0])
+def test_a_tied_weights_ends_sum_in_place_a_chunk_at_a_time(monkeypatch, dtype: torch.dtype, ends: int) -> None:
+    """TIE sums the two ends' gradients in fp32 into both ends (one worker holds both), one (its own) or
+    neither (the round-robin runtime's norm), without a temporary of the weight's size; the values are x + y
+    rounded once, as a whole-tensor sum gives them."""
+    import scheduler.stages as stages
+
+    monkeypatch.setattr(stages, "TIE_CHUNK", 7)  # several chunks and a short last one
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(45, generator=g).to(dtype) for _ in range(2))
+    total = x.float() + y.float()
+    mine, theirs = x.clone(), y.clone()
+    sumsq = stages.add_tied(mine, theirs, (mine, theirs)[:ends])
+    assert torch.equal(mine, total.to(dtype) if ends >= 1 else x)
+    assert torch.equal(theirs, total.to(dtype) if ends == 2 else y)
+    assert sumsq == pytest.approx(float(torch.dot(total, total)), rel=1e-6)
