@@ -328,6 +328,8 @@ class _Dispatch:
         self.downloader = ThreadPoolExecutor(1, thread_name_prefix="download")
         self.summer = ThreadPoolExecutor(1, thread_name_prefix="sum")
         self.freed = threading.Condition()  # a slot's last reader (its gradients' download) has ended
+        self.tied_grad: torch.Tensor | None = None  # a tied end unit's gradient with the other end's added (the
+        # optimizer thread's: one update at a time; kept, as a fresh one of an embedding's size costs page faults)
         self.updater = CpuUpdater()
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -778,7 +780,9 @@ class _Dispatch:
                 g = grad[us.glo:us.ghi]
                 if k in self.e.tied and u in (0, self.stores.num_units - 1):
                     _, mine, theirs = self.e.tied[k]
-                    g = g.clone()  # the shared sums stay as they are for the other end
+                    if self.tied_grad is None or self.tied_grad.numel() < g.numel():
+                        self.tied_grad = torch.empty(g.numel(), dtype=g.dtype)
+                    g = self.tied_grad[:g.numel()].copy_(g)  # the shared sums stay as they are for the other end
                     g[mine.start - us.glo:mine.stop - us.glo] += grad[theirs]
                 n += self.stores.update(u, g, lr, factor, adam_step, skip, index)
             self.stores.version[k] = index + 1
