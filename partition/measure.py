@@ -2,7 +2,7 @@
 
 :func:`profile_units` builds each *distinct* unit once (units with equal ``signature`` are identical:
 the paper's layer similarity), runs its forward and its recompute+backward on one micro-batch in turn,
-and takes the median of each over several timed rounds (CUDA events on a GPU; ``perf_counter`` on the
+as the runtimes run them (weights in the training dtype, under its autocast: normalisations in fp32), and takes the median of each over several timed rounds (CUDA events on a GPU; ``perf_counter`` on the
 CPU, with more rounds: a 2-core VM's forward-to-backward ratio varied by 13% from one profile to the next
 when each was timed in a block of its own, 3% in turn).
 Saved activations are counted with autograd's saved-tensor hooks; peak working memory is measured
@@ -72,11 +72,13 @@ def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: in
     """Time forward and recompute+backward of one unit; count its saved and working memory."""
     import torch
 
+    from mobius.engine import autocast
+
     elem = precision_bytes(precision)
     module = spec.build().to(device=dev, dtype=dtype).train()
     x = spec.make_input(mbs, seq, dev, dtype)
     targets = torch.randint(0, spec.vocab_size, (mbs, seq), device=dev) if spec.kind == "head" else None
-    step = _unit_step(spec.kind, module, x, targets)
+    step = _unit_step(spec.kind, module, x, targets, lambda: autocast(dev, precision))
     fwd, bwd = _time_interleaved([lambda: step(False), lambda: step(True)], dev, reps, warmup)
     saved, largest = _saved_bytes(module, x, step)
     trainable = spec.param_count - spec.frozen_count  # frozen weights (LoRA's) get no gradients
@@ -103,23 +105,26 @@ def _accumulate_s(numel: int, dtype, dev, reps: int, warmup: int) -> float:
     return _time(lambda: acc.add_(grads), dev, reps, warmup)
 
 
-def _unit_step(kind: str, module, x, targets):
-    """A closure running the unit's forward (no grad) or its forward with grad plus backward."""
+def _unit_step(kind: str, module, x, targets, autocast):
+    """A closure running the unit's forward (no grad) or its forward with grad plus backward, each forward
+    under ``autocast()`` (the runtimes' context for the training precision)."""
     import torch
 
     from mobius.models.base import lm_loss
 
     def step(backward: bool) -> None:
         if not backward:
-            with torch.no_grad():
+            with torch.no_grad(), autocast():
                 out = module(x)
                 if targets is not None:
                     lm_loss(out, targets)
             return
         inp = x if kind == "embed" else x.detach().requires_grad_(True)
-        out = module(inp)
-        if targets is not None:
-            lm_loss(out, targets).backward()
+        with autocast():
+            out = module(inp)
+            loss = lm_loss(out, targets) if targets is not None else None
+        if loss is not None:
+            loss.backward()
         elif out.requires_grad:  # (a frozen embedding over token ids, LoRA's, has no backward: neither has the run)
             out.backward(torch.ones_like(out))
         module.zero_grad(set_to_none=True)

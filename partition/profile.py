@@ -27,10 +27,14 @@ from partition.measure import _resolve_device, profile_units
 log = logging.getLogger(__name__)
 
 
+PROFILE_METHOD = "autocast"  # how units are run when measured (a profile measured otherwise is not reused)
+
+
 def profile_key(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str, device_name: str) -> str:
-    """Cache key: model shape (the units' signatures), micro-batch, sequence, precision, device."""
+    """Cache key: model shape (the units' signatures), micro-batch, sequence, precision, device, and how
+    the units were run (:data:`PROFILE_METHOD`)."""
     blob = json.dumps({"shape": [s.signature for s in specs], "mbs": micro_batch_size, "seq": seq_len,
-                       "precision": precision, "device": device_name})
+                       "precision": precision, "device": device_name, "method": PROFILE_METHOD})
     return hashlib.sha1(blob.encode()).hexdigest()[:20]
 
 
