@@ -3,8 +3,10 @@ recording a timing event, reading the time between two events, reading a device 
 device synchronize, a stream waiting on an event, and launching one small kernel. On a machine whose GPU calls
 go through a sandbox (gVisor's nvproxy) these can cost far more than on bare metal, and a pipeline step makes
 hundreds of them: the end of a step (its REDUCE) reads a timing per compute action and a norm per stage.
+Then one block's forward (``--preset``'s, 1 x ``--seq`` tokens): the host's time to issue it beside the
+device's time to run it, under the runtimes' bf16 autocast and without it.
 
-    python bench/cuda_calls.py --out runs/calls      # about 10 s on a GPU
+    python bench/cuda_calls.py --out runs/calls      # about 20 s on a GPU
     python bench/cuda_calls.py --smoke               # the same calls' host-side costs on the CPU (checks the script)
 
 Prints one table (median microseconds per call over ``--reps`` calls) and writes ``<out>/cuda_calls.json``.
@@ -13,6 +15,7 @@ Prints one table (median microseconds per call over ``--reps`` calls) and writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -55,6 +58,39 @@ def gpu_calls(reps: int) -> dict[str, float]:
             "one small kernel launched": per_call_us(lambda: x.add_(1), reps, idle)}
 
 
+def block_forward(preset: str, seq: int, reps: int, device: torch.device) -> dict[str, float]:
+    """One block of ``preset`` (bf16 weights, one micro-batch of 1 x ``seq``, no grad), as the pipeline's
+    forward runs it (under bf16 autocast: norms in fp32) and without autocast: microseconds the host takes to
+    issue it from an idle device, and the device's time per forward when many run back to back. Issue time
+    above device time means the forward waits on the thread that launches it."""
+    from common import architecture
+
+    from mobius.engine import autocast
+    from mobius.models import unit_specs
+
+    spec = next(s for s in unit_specs(architecture(preset)) if s.kind == "block")
+    module = spec.build().to(device=device, dtype=torch.bfloat16)
+    x = spec.make_input(1, seq, device, torch.bfloat16)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    out = {}
+    for name, ctx in (("autocast", lambda: autocast(device, "bf16")), ("plain bf16", contextlib.nullcontext)):
+        def forward(ctx=ctx) -> None:
+            with torch.no_grad(), ctx():
+                module(x)
+        for _ in range(3):
+            forward()
+        out[f"block forward issued, {name}"] = per_call_us(forward, reps, sync)
+        if sync is not None:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                forward()
+            b.record()
+            b.synchronize()
+            out[f"block forward on the device, {name}"] = a.elapsed_time(b) * 1e3 / reps
+    return out
+
+
 def cpu_calls(reps: int) -> dict[str, float]:
     """The host-side part of the same calls on the CPU (no events, no device): the script's check."""
     x, scalar = torch.zeros(1024), torch.ones(())
@@ -65,6 +101,8 @@ def cpu_calls(reps: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=2000)
+    p.add_argument("--preset", default="opt-2.7b", help="whose block's forward to time (at 1 x --seq tokens)")
+    p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--out", default=str(Path(OUT) / "calls"))
     p.add_argument("--smoke", action="store_true", help="the host-side costs on the CPU (checks the script)")
     args = p.parse_args()
@@ -72,7 +110,10 @@ def main() -> None:
         raise SystemExit("cuda_calls: no CUDA GPU here (--smoke runs the CPU check)")
     device = "cpu" if args.smoke else torch.cuda.get_device_name()
     rows = cpu_calls(args.reps) if args.smoke else gpu_calls(args.reps)
-    print(f"| call ({device}, median of {args.reps}) | host us |\n|---|---|")
+    dev = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
+    rows.update(block_forward("gpt2-tiny" if args.smoke else args.preset, 64 if args.smoke else args.seq,
+                              5 if args.smoke else 50, dev))
+    print(f"| call ({device}) | us (host, median; 'on the device': device, mean back to back) |\n|---|---|")
     for name, us in rows.items():
         print(f"| {name} | {us:.1f} |")
     out = Path(args.out)
