@@ -18,8 +18,9 @@ delayed    OPT-2.7B all-in-GPU, then its pipeline at 24 GiB in sync and with ``t
 train      ``mobius train`` as a user runs it (bench/train_bench.py): OPT-2.7B and Llama-3.2-3B from checkpoints written
            on the machine, all-in-GPU (single, uncapped) against the pipeline and zero mode at 24 GiB; ready time and
            its split, step, predicted beside measured, a trace of one pipeline step (5.6 min on one H100)
-learnt     OPT-2.7B's pipeline at 24 GiB twice in a row (6 steps each): the second run is planned with the compute the
-           first measured inside its steps (``partition/calibrate.py``); is its prediction within 10% (about 3 min)?
+learnt     OPT-2.7B's pipeline at 24 GiB twice in a row (8 steps each, the last traced): the second run is planned with
+           the compute and the CPU AdamW rate the first measured inside its steps (``partition/calibrate.py``; the rate
+           after 7 steps); is its prediction within 10% (about 3 min)?
 roundrobin OPT-2.7B on two workers sharing the GPU (24 GiB each) through ``mobius train``: the round-robin
            schedule sync and delayed beside the swapped pipeline on the same two workers, a trace of one step of
            each (``overflow_bytes``: messages that found their mailbox full); on 2026-11-27 its sync run measured
@@ -81,7 +82,7 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
                 ("opt-2.7b-delayed", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline",
                                       "--set=--train.update=delayed"], 150)],
     "learnt": [("learnt-opt-2.7b", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline,pipeline",
-                                    "--steps", "6"], 330)],
+                                    "--steps", "8"], 330)],
     "roundrobin": [(f"roundrobin-opt-2.7b-{name}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes",
                                                   "pipeline", "--set=--parallel.devices=2", *extra], 180)
                    for name, extra in (("round-robin", ["--set=--parallel.schedule=round_robin"]),
