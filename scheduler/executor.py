@@ -256,12 +256,14 @@ class Executor:
                 self.handlers[action.kind](action)
                 if trace is not None and self.st.computed.last is not None:  # from after its waits for inputs
                     trace.add("compute", str(action), *self.st.computed.last)
-            elif action.kind == Kind.REDUCE:
+            else:  # the dispatch thread's own time on everything else (messages, uploads issued, downloads, the
+                t0 = time.perf_counter()  # tied ends' sum), the reduce apart
                 self.handlers[action.kind](action)
-            else:  # the dispatch thread's own time on everything else (messages, uploads issued, downloads)
-                t0 = time.perf_counter()
-                self.handlers[action.kind](action)
-                self.st.dispatch_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                if action.kind != Kind.REDUCE:
+                    self.st.dispatch_s += t1 - t0
+                if trace is not None:
+                    trace.add("dispatch", str(action), t0, t1)
         assert self.st.outcome is not None
         return self.st.outcome
 

@@ -370,8 +370,11 @@ class _Dispatch:
             self.handlers[a.kind](a)
             if st.trace is not None and st.computed.last is not None:  # from after its waits for inputs
                 st.trace.add("compute", str(a), *st.computed.last)
-            if a.kind not in COMPUTE and a.kind != Kind.REDUCE:  # the dispatch thread's own time (messages, copies)
-                st.dispatch_s += time.perf_counter() - t0
+            if a.kind not in COMPUTE:  # the dispatch thread's own time (messages, copies), the reduce apart
+                t1 = time.perf_counter()
+                st.dispatch_s += t1 - t0 if a.kind != Kind.REDUCE else 0.0
+                if st.trace is not None:
+                    st.trace.add("dispatch", str(a), t0, t1)
 
     def _compute_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self.device) if self.cuda else None

@@ -20,9 +20,13 @@ from partition.simulate import TRACKS
 log = logging.getLogger(__name__)
 
 
+TRACE_TRACKS = (*TRACKS, "dispatch")  # the simulator's, then the dispatch thread's own time on each action but
+# compute (host time: issuing copies, messages, the tied ends' sum, the reduce), which only the runtime draws
+
+
 class StepTrace:
-    """Spans of one step's work on the simulator's tracks (compute, h2d, d2h, cpu): CUDA events on
-    the GPU (turned into times once the step has finished), ``perf_counter`` otherwise."""
+    """Spans of one step's work on the simulator's tracks (compute, h2d, d2h, cpu) and the dispatch thread's:
+    CUDA events on the GPU (turned into times once the step has finished), ``perf_counter`` otherwise."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -51,7 +55,7 @@ class StepTrace:
 
     def events(self, pid: int) -> list[dict]:
         """Chrome-trace events (call after the step's work has finished)."""
-        tracks = TRACKS
+        tracks = TRACE_TRACKS
         out = [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}
                for t, n in enumerate(tracks)]
         for track, name, a, b in self.spans:

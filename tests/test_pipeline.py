@@ -385,6 +385,10 @@ def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path, demo_single
     assert {e["pid"] for e in spans} == {1, 2}  # both workers
     assert {e["name"][0] for e in spans} >= {"F", "B", "U", "D", "O"}  # compute, uploads, downloads, CPU AdamW
     assert _received_after_sent(spans) > 0
+    from scheduler.trace import TRACE_TRACKS
+
+    dispatched = {e["name"] for e in spans if e["tid"] == TRACE_TRACKS.index("dispatch")}
+    assert "R" in dispatched and any(n.startswith("U") for n in dispatched)  # the dispatch thread's own time
     lines = [json.loads(x) for x in (tmp_path / "pipe" / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("traced", False) for r in lines] == [r["step"] == 2 for r in lines]  # left out of the medians
     assert all(0 <= r["reduce_wait_s"] <= r["reduce_s"] < r["step_s"] for r in lines)
