@@ -178,7 +178,8 @@ class StepState:
     losses: int = 0
     stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
     wait_s: float = 0.0  # dispatch thread blocked on uploads (which wait for the stage's CPU update)
-    dispatch_s: float = 0.0  # dispatch thread in actions other than compute and the reduce (host time)
+    dispatch_s: float = 0.0  # dispatch thread in actions other than compute, the tied ends' sum and the reduce
+    tie_s: float = 0.0  # dispatch thread summing the tied ends' gradients (host time; counted in reduce_s)
     reduce_wait_s: float = 0.0  # the reduce waiting for this worker's transfers and device work to end
     uploads: list[Future] = field(default_factory=list)
     prefetched: dict[int, int] = field(default_factory=dict)  # stage -> its first elements in the prefetch buffer
@@ -256,11 +257,13 @@ class Executor:
                 self.handlers[action.kind](action)
                 if trace is not None and self.st.computed.last is not None:  # from after its waits for inputs
                     trace.add("compute", str(action), *self.st.computed.last)
-            else:  # the dispatch thread's own time on everything else (messages, uploads issued, downloads, the
-                t0 = time.perf_counter()  # tied ends' sum), the reduce apart
+            else:  # the dispatch thread's own time on everything else (messages, uploads issued, downloads); the
+                t0 = time.perf_counter()  # step's end apart (the tied ends' sum and the reduce: reduce_s)
                 self.handlers[action.kind](action)
                 t1 = time.perf_counter()
-                if action.kind != Kind.REDUCE:
+                if action.kind == Kind.TIE:
+                    self.st.tie_s += t1 - t0
+                elif action.kind != Kind.REDUCE:
                     self.st.dispatch_s += t1 - t0
                 if trace is not None:
                     trace.add("dispatch", str(action), t0, t1)
@@ -703,7 +706,8 @@ class Executor:
                 st.sumsq.append(self._sumsq(slot.sums[:n], None))
         self.check()
         stats = self._local_stats(st)
-        stats["reduce_s"] = time.perf_counter() - t0  # before the sum over workers (which waits for the slowest)
+        stats["reduce_s"] = st.tie_s + time.perf_counter() - t0  # before the sum over workers (it waits for the
+        # slowest)
         total = self.coll.reduce(stats)
         loss = total["loss_sum"] / max(total["losses"], 1)
         if not st.sched.train:

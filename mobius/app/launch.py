@@ -141,7 +141,7 @@ def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: Plan, rate: 
 
 PHASES = {"forward": "forward_s", "backward": "backward_s", "upload_wait": "upload_wait_s",  # plan -> metrics
           "dispatch": "dispatch_s"}  # (predicted: the messages posted to other workers; measured: every action's
-# dispatch but compute and the reduce)
+# dispatch but compute, the tied ends' sum and the reduce)
 ZERO_PHASES = {"compute": ("forward_s", "backward_s"), "cpu_adam": ("cpu_adam_s",)}  # zero plan -> metrics (summed)
 STEADY_FROM = 2  # steps before the measured medians (warm-up, the first uploads)
 MIN_STEADY_STEPS = 3  # steady steps a run needs before its compute is kept for the next plan
@@ -188,8 +188,8 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
     """Predicted beside measured, per phase of a pipeline step (seconds per worker; the median of the
     metrics lines after ``steady_from``): the whole step, and where the plan's simulated step spends it
     (``split``: forward, backward with recompute, waiting for uploads; the dispatch thread's own time,
-    predicted for the messages it posts to other workers, measured on every action but compute and the reduce).
-    None without steady steps."""
+    predicted for the messages it posts to other workers, measured on every action but compute, the tied
+    ends' sum and the reduce). None without steady steps."""
     steady = steady_rows(rows, steady_from)
     if not steady:
         return None
