@@ -11,10 +11,11 @@ Parts, in the order a short GPU session should take them (``--parts all`` runs t
 calls      what the host pays per CUDA call the pipeline's dispatch thread makes (bench/cuda_calls.py): timing
            events, reading them, reading a device scalar, a synchronize, a launch; on 2026-11-27 the end of an
            OPT-2.7B pipeline step took about 0.15 s after its last gradient was down (10 s)
-delayed    OPT-2.7B all-in-GPU, then its pipeline at 24 GiB in sync and with ``train.update: delayed``, 6 steps each
-           (the last traced, left out of the step): on 2026-11-27 the one untraced step after the first measured
-           1.297 s delayed and 1.905 s sync against 0.977 s all-in-GPU (0.886 s and 1.388 s planned); ``reduce_s``
-           in each row says how much of the step its end (REDUCE) takes (about 4 min)
+delayed    OPT-2.7B all-in-GPU, then its pipeline and zero mode at 24 GiB in sync and with ``train.update: delayed``,
+           6 steps each (the pipeline's last traced, left out of the step): on 2026-11-27 the pipeline's one
+           untraced step after the first measured 1.297 s delayed and 1.905 s sync against 0.977 s all-in-GPU (0.886 s
+           and 1.388 s planned); zero mode delayed, planned at 0.907 s, has not run on a GPU; ``reduce_s`` in each
+           pipeline row says how much of the step its end takes (about 6 min)
 train      ``mobius train`` as a user runs it (bench/train_bench.py): OPT-2.7B and Llama-3.2-3B from checkpoints written
            on the machine, all-in-GPU (single, uncapped) against the pipeline and zero mode at 24 GiB; ready time and
            its split, step, predicted beside measured, a trace of one pipeline step (5.6 min on one H100)
@@ -79,9 +80,10 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
     "train": [("train-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b", "--modes",
                                                 "single,pipeline,zero"], 480)],
     "calls": [("cuda-calls", ["bench/cuda_calls.py"], 60)],
-    "delayed": [("opt-2.7b-sync", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "single,pipeline"], 240),
-                ("opt-2.7b-delayed", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline",
-                                      "--set=--train.update=delayed"], 150)],
+    "delayed": [("opt-2.7b-sync", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "single,pipeline,zero"],
+                 300),
+                ("opt-2.7b-delayed", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline,zero",
+                                      "--set=--train.update=delayed"], 240)],
     "learnt": [("learnt-opt-2.7b", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline,pipeline",
                                     "--steps", "8"], 330)],
     "roundrobin": [(f"roundrobin-opt-2.7b-{name}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes",
