@@ -155,8 +155,9 @@ class ParallelSection(_Section):
                                                       "between its forward and backward: auto (when GPU memory "
                                                       "is short), on, off.")
     trace_step: int = _f(0, "Write a Chrome trace (Perfetto) of this training step to output.dir (0: none); "
-                         "same tracks as the simulator's trace from 'mobius plan --trace'. The traced step ends when its CPU updates "
-                         "have: its metrics line says traced, and it is left out of the run's measured medians.", ge=0)
+                         "same tracks as the simulator's trace from 'mobius plan --trace', and the dispatch thread's. "
+                         "The traced step ends when its CPU updates have: its metrics line says traced, and it is "
+                         "left out of the run's measured medians.", ge=0)
     schedule: Literal["swapped", "round_robin", "auto"] = _f(
         "swapped", "The pipeline's schedule: swapped (Mobius: stages bound to GPUs, swapped in and out), round_robin "
         "(RoundPipe's class: every op goes to the next GPU in rotation, separate forward and backward cuts, the "

@@ -2,9 +2,10 @@
 
 :func:`profile_units` builds each *distinct* unit once (units with equal ``signature`` are identical:
 the paper's layer similarity), runs its forward and its recompute+backward on one micro-batch in turn,
-as the runtimes run them (weights in the training dtype, under its autocast: normalisations in fp32), and takes the median of each over several timed rounds (CUDA events on a GPU; ``perf_counter`` on the
-CPU, with more rounds: a 2-core VM's forward-to-backward ratio varied by 13% from one profile to the next
-when each was timed in a block of its own, 3% in turn).
+as the runtimes run them (weights in the training dtype, under its autocast: normalisations in fp32), and
+takes the median of each over several timed rounds (CUDA events on a GPU; ``perf_counter`` on the CPU,
+with more rounds: a 2-core VM's forward-to-backward ratio varied by 13% from one profile to the next when
+each was timed in a block of its own, 3% in turn).
 Saved activations are counted with autograd's saved-tensor hooks; peak working memory is measured
 with ``torch.cuda.max_memory_allocated`` on a GPU and estimated on the CPU (twice the output plus the
 largest saved tensor). A 13B-shaped model has three distinct units, so it profiles in seconds without
