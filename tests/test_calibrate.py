@@ -95,3 +95,22 @@ def test_the_rows_of_this_run_are_those_after_the_lines_before_it_and_a_torn_lin
         f.write(json.dumps({"step": 3, "ready_s": 2.0}) + "\n" + json.dumps({"step": 4}) + "\n" + '{"step": 5, "lo')
     assert [r["step"] for r in run_rows(metrics, before)] == [3, 4]
     assert [r["step"] for r in run_rows(metrics)] == [3, 4]  # without the count: from the last run's first line
+
+
+def test_a_traced_step_is_no_steady_step_and_the_log_sets_each_phase_beside_the_plan() -> None:
+    """A traced step (``parallel.trace_step``) waits for its CPU updates: the medians that a run logs, and that
+    the next plan learns its compute from, leave it out. The step's end (``reduce_s``) stands beside the plan's
+    tail where the runtime measures it (the swapped pipeline's)."""
+    from mobius.app.launch import phases, steady_rows
+
+    rows = [{"step": k, "step_s": 1.0 + k / 10, "forward_s": 0.25, "backward_s": 0.5, "upload_wait_s": 0.0,
+             "dispatch_s": 0.01, "reduce_s": 0.125} for k in range(1, 7)]
+    rows[3]["traced"] = True
+    assert [r["step"] for r in steady_rows(rows)] == [3, 5, 6]
+    assert [r["step"] for r in steady_rows(rows, steady_from=4)] == [5, 6]
+    split = {"forward": 0.2, "backward": 0.4, "upload_wait": 0.0, "dispatch": 0.0, "tail": 0.1}
+    table = phases(0.9, split, rows)
+    assert table["step"] == (0.9, 1.5) and table["tail"] == (0.1, 0.125) and table["forward"] == (0.2, 0.25)
+    for r in rows:
+        del r["reduce_s"]  # the round-robin runtime's lines: no measured end
+    assert "tail" not in phases(0.9, split, rows)

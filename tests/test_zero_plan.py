@@ -339,13 +339,3 @@ def test_a_zero_run_logs_its_phases_beside_the_plans() -> None:
                      "cpu_adam": (p.cpu_adam_s, 0.125)}
     assert zero_phases(p, rows[:2]) is None  # no steady step yet
 
-
-def test_a_traced_step_is_no_steady_step() -> None:
-    """A traced step (``parallel.trace_step``) waits for its CPU updates: the medians that a run logs, and that
-    the next plan learns its compute from, leave it out."""
-    from mobius.app.launch import steady_rows
-
-    rows = [{"step": k, "step_s": 1.0, "forward_s": 0.25, "backward_s": 0.5} for k in range(1, 7)]
-    rows[3]["traced"] = True
-    assert [r["step"] for r in steady_rows(rows)] == [3, 5, 6]
-    assert [r["step"] for r in steady_rows(rows, steady_from=4)] == [5, 6]

@@ -140,8 +140,10 @@ def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: Plan, rate: 
 
 
 PHASES = {"forward": "forward_s", "backward": "backward_s", "upload_wait": "upload_wait_s",  # plan -> metrics
-          "dispatch": "dispatch_s"}  # (predicted: the messages posted to other workers; measured: every action's
-# dispatch but compute, the tied ends' sum and the reduce)
+          "dispatch": "dispatch_s",  # (predicted: the messages posted to other workers; measured: every action's
+          # dispatch but compute, the tied ends' sum and the reduce)
+          "tail": "reduce_s"}  # the step's end (predicted: after the last compute; measured: the dispatch thread's,
+# from the tied ends' sum; the swapped pipeline's runtime measures it)
 ZERO_PHASES = {"compute": ("forward_s", "backward_s"), "cpu_adam": ("cpu_adam_s",)}  # zero plan -> metrics (summed)
 STEADY_FROM = 2  # steps before the measured medians (warm-up, the first uploads)
 MIN_STEADY_STEPS = 3  # steady steps a run needs before its compute is kept for the next plan
@@ -189,13 +191,14 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
     metrics lines after ``steady_from``): the whole step, and where the plan's simulated step spends it
     (``split``: forward, backward with recompute, waiting for uploads; the dispatch thread's own time,
     predicted for the messages it posts to other workers, measured on every action but compute, the tied
-    ends' sum and the reduce). None without steady steps."""
+    ends' sum and the reduce; the step's end, where the runtime measures it). None without steady steps."""
     steady = steady_rows(rows, steady_from)
     if not steady:
         return None
     out = {"step": (predicted_step_s, statistics.median(r["step_s"] for r in steady))}
     for phase, key in PHASES.items():
-        out[phase] = (split.get(phase, 0.0), statistics.median(r[key] for r in steady))
+        if all(key in r for r in steady):
+            out[phase] = (split.get(phase, 0.0), statistics.median(r[key] for r in steady))
     return out
 
 
