@@ -129,8 +129,8 @@ def model_flops(args: argparse.Namespace, preset: str) -> float:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | system | ready (s) | where the start went | step (s) | tokens/s | TFLOP/s | peak GiB | "
-             "vs all-in-GPU | predicted (s) | measured / predicted | forward, backward, dispatch: measured "
-             "(predicted) s |", "|" + "---|" * 12]
+             "vs all-in-GPU | predicted (s) | measured / predicted | forward, backward, dispatch, step's end: "
+             "measured (predicted) s |", "|" + "---|" * 12]
     base = {r["preset"]: r["step_s"] for r in rows if r["name"].startswith("all-in-GPU") and "step_s" in r}
     for r in rows:
         if "step_s" not in r:
@@ -146,12 +146,14 @@ def table(rows: list[dict]) -> str:
 
 
 def phases(row: dict) -> str:
-    """The step's compute and dispatch per worker, measured beside the plan's split (pipeline runs)."""
+    """The step's compute, dispatch and end per worker, measured beside the plan's split (pipeline runs; the end,
+    ``reduce_s``, where the runtime measures it, beside the plan's tail)."""
     if "forward_s" not in row:
         return ""
     split = row.get("predicted_split", {})
     return ", ".join(f"{row[key]:.3f} ({split.get(phase, 0.0):.3f})" for phase, key in
-                     (("forward", "forward_s"), ("backward", "backward_s"), ("dispatch", "dispatch_s")) if key in row)
+                     (("forward", "forward_s"), ("backward", "backward_s"), ("dispatch", "dispatch_s"),
+                      ("tail", "reduce_s")) if key in row)
 
 
 def main() -> None:
