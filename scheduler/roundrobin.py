@@ -372,7 +372,8 @@ class _Dispatch:
                 st.trace.add("compute", str(a), *st.computed.last)
             if a.kind not in COMPUTE:  # the dispatch thread's own time (messages, copies), the reduce apart
                 t1 = time.perf_counter()
-                st.dispatch_s += t1 - t0 if a.kind != Kind.REDUCE else 0.0
+                if a.kind != Kind.REDUCE:
+                    st.dispatch_s += t1 - t0
                 if st.trace is not None:
                     st.trace.add("dispatch", str(a), t0, t1)
 

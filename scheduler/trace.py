@@ -1,6 +1,6 @@
-"""Spans of one pipeline step on the simulator's tracks, written as a Chrome trace (Perfetto) by both pipeline
-runtimes; and the compute time of a step's forwards and backwards, which both report beside the simulator's
-split."""
+"""Spans of one pipeline step on the simulator's tracks and the dispatch thread's, written as a Chrome trace
+(Perfetto) by both pipeline runtimes; and the compute time of a step's forwards and backwards, which both report
+beside the simulator's split."""
 
 from __future__ import annotations
 
