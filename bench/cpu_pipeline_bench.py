@@ -1,18 +1,19 @@
 """The planner's predicted step time beside the measured one, for the pipeline on CPU worker
 processes (no GPU needed): the check of the simulator's fidelity on machines without a GPU.
 
-    python bench/cpu_pipeline_bench.py --out bench_out               # ~3 minutes on 2 cores
-    python bench/cpu_pipeline_bench.py --out bench_out --repeats 2   # ~6.5 minutes
+    python bench/cpu_pipeline_bench.py --out bench_out               # ~2.5 minutes on 2 cores
+    python bench/cpu_pipeline_bench.py --out bench_out --repeats 2   # ~5 minutes
+    python bench/cpu_pipeline_bench.py --variants "as planned" --trace-step 10 --out bench_out  # a step's trace
 
-A GPT-2 style model (hidden 256, 8 blocks, sequence 128, 4 micro-batches of 4) is trained from
-scratch on the standard library's docstrings with ``mobius train`` as a user runs it, on 2 CPU
-worker processes (gloo), in several variants: as planned; with clipping; with one device slot
-(no prefetch); with 8 even stages; with boundary inputs in host memory; with no kept activations
-(every backward recomputes its forward); with clipping and the delayed update (``train.update: delayed``,
-the CPU update off the step's critical path), and both again with 2 micro-batches, where the CPU update
-weighs more. For each: the plan's
-predicted step time (``plan.json``, the simulator) and the measured median step time of the
-steady-state steps (``metrics.jsonl``); and the plan's step simulated again with every unit's forward and
+A GPT-2 style model (hidden 256, 8 blocks, sequence 128, 4 micro-batches of 4) is trained from scratch on the
+standard library's docstrings with ``mobius train`` as a user runs it, on 2 CPU worker processes (mailboxes in
+shared memory between them, gloo for collectives), in several variants: as planned; with clipping; with one device
+slot (no prefetch); with 8 even stages; with boundary inputs in host memory; with no kept activations (every
+backward recomputes its forward); with clipping and the delayed update (``train.update: delayed``, the CPU update
+off the step's critical path), and both again with 2 micro-batches, where the CPU update weighs more; and the
+round-robin schedule (``parallel.schedule: round_robin``) in five of those settings.
+For each: the plan's predicted step time (``plan.json``, the simulator) and the measured median step time
+of the steady-state steps (``metrics.jsonl``); and the plan's step simulated again with every unit's forward and
 backward scaled to the compute phases the run measured (``calibrated``: the simulator's schedule given the
 compute the run really took, apart from the profile's error). ``--repeats R`` runs the whole set R times,
 interleaved, each time with a fresh cache (the units profiled, the CPU update rate and the compute inside the
@@ -21,7 +22,8 @@ table gives each variant's median error and its range. Within a repeat the varia
 cache, as a user's runs on one machine: every plan after the first is made with the compute the earlier runs
 measured in their steps (``runs learnt``: how many, per repeat; :mod:`partition.calibrate`), and ``profile
 alone`` gives the same plan's step from the profile as measured. Prints the table and writes
-``<out>/cpu_pipeline_bench.json``.
+``<out>/cpu_pipeline_bench.json``; with ``--trace-step N`` every run also writes the Chrome trace of its step N
+(left out of its median) into its directory under ``<out>/runs``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import OUT  # noqa: E402
-from mobius.app.launch import phases  # noqa: E402
+from mobius.app.launch import phases, steady_rows  # noqa: E402
 from mobius.app.run import train  # noqa: E402
 from mobius.checkpoint import save_model  # noqa: E402
 from mobius.config import config_from_dict  # noqa: E402
@@ -92,6 +94,8 @@ def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args:
            "output": {"dir": str(root / f"{name.replace(' ', '_')}-{repeat}"), "plot": False}}
     for section, values in extra.items():
         raw[section].update(values)
+    if args.trace_step is not None:
+        raw["parallel"]["trace_step"] = args.trace_step
     assert "," not in name, "variant names go in the comma list of --variants"
     cfg = config_from_dict(raw, name)
     t0 = time.perf_counter()
@@ -100,7 +104,7 @@ def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args:
     out = Path(cfg.output.dir)
     plan = json.loads((out / "plan.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    measured = statistics.median(r["step_s"] for r in rows[args.warmup:])
+    measured = statistics.median(r["step_s"] for r in steady_rows(rows, args.warmup))  # a traced step left out
     rr = plan.get("round_robin", {})
     runs = bool(rr.get("runs"))  # the round-robin schedule ran: its prediction and ops
     predicted = rr["step_s"] if runs else plan["predicted_step_s"]
@@ -135,7 +139,7 @@ def replayed(cfg, plan: dict, rows: list[dict], warmup: int) -> dict:
     measured = profile(cfg, planned_architecture(cfg), settings, machine, hw)
     learnt = ComputeScale(**plan["compute_scale"])
     planned = Plan.from_json(plan)
-    steady = rows[warmup:]
+    steady = steady_rows(rows, warmup)
     want = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
     fit = fit_scale(measured, lambda p: planned.replay(p, hw), want)
     return {"as_planned_s": round(planned.replay(learnt.apply(measured), hw).step_s, 4),
@@ -175,11 +179,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the measured median")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--repeats", type=int, default=1, help="run every variant this many times, interleaved")
+    p.add_argument("--trace-step", type=int, default=None,
+                   help="trace this step (1-based) of every run (parallel.trace_step; left out of the median: a traced "
+                        "step waits for its CPU updates) and keep the runs' directories under <out>/runs")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = Path(args.out) / "runs" if args.trace_step is not None else Path(tmp)
         ck = checkpoint(root, args.width, args.blocks)
         for repeat in range(args.repeats):
             for name in args.variants.split(","):

@@ -59,10 +59,13 @@ def gpu_calls(reps: int) -> dict[str, float]:
 
 
 def block_forward(preset: str, seq: int, reps: int, device: torch.device) -> dict[str, float]:
-    """One block of ``preset`` (bf16 weights, one micro-batch of 1 x ``seq``, no grad), as the pipeline's
-    forward runs it (under bf16 autocast: norms in fp32) and without autocast: microseconds the host takes to
-    issue it from an idle device, and the device's time per forward when many run back to back. Issue time
-    above device time means the forward waits on the thread that launches it."""
+    """One block of ``preset`` (bf16 weights, one micro-batch of 1 x ``seq``) run the ways the pipeline runs a
+    forward: without grad under bf16 autocast (norms in fp32; a stage that recomputes), the same without
+    autocast, and with autograd on (a kept stage's forward, whose graph stays for the backward; the profile
+    times the forward without grad), also under the saved-tensor hooks a swapped kept stage packs its saved
+    weights with (``scheduler.executor``'s ``_weights_by_position``: a Python call per saved tensor).
+    Microseconds the host takes to issue it from an idle device, and the device's time per forward when many
+    run back to back. Issue time above device time means the forward waits on the thread that launches it."""
     from common import architecture
 
     from mobius.engine import autocast
@@ -72,11 +75,17 @@ def block_forward(preset: str, seq: int, reps: int, device: torch.device) -> dic
     module = spec.build().to(device=device, dtype=torch.bfloat16)
     x = spec.make_input(1, seq, device, torch.bfloat16)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    cast = lambda: autocast(device, "bf16")  # noqa: E731
+    hooks = lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: (t,), lambda p: p[0])  # noqa: E731
+    ways = {"autocast": (torch.no_grad, cast, contextlib.nullcontext),
+            "plain bf16": (torch.no_grad, contextlib.nullcontext, contextlib.nullcontext),
+            "autocast, with grad (kept)": (torch.enable_grad, cast, contextlib.nullcontext),
+            "autocast, with grad and saved-tensor hooks (swapped, kept)": (torch.enable_grad, cast, hooks)}
     out = {}
-    for name, ctx in (("autocast", lambda: autocast(device, "bf16")), ("plain bf16", contextlib.nullcontext)):
-        def forward(ctx=ctx) -> None:
-            with torch.no_grad(), ctx():
-                module(x)
+    for name, (grad, ctx, packing) in ways.items():
+        def forward(grad=grad, ctx=ctx, packing=packing) -> None:
+            with grad(), ctx(), packing():
+                module(x.detach().requires_grad_(grad is torch.enable_grad))
         for _ in range(3):
             forward()
         out[f"block forward issued, {name}"] = per_call_us(forward, reps, sync)
