@@ -1,7 +1,8 @@
 """The CPU AdamW rates the planner plans with: one worker's measured alone on this machine (the
 runtime's own :class:`~mobius.optim.FlatAdamW`), the host's total with ``N`` workers updating at once
 (:func:`measure_host_update`: they share its memory bandwidth and cores), or as a run measured them
-inside its training steps; cached per CPU model, workers, thread count, precision and gradient dtype."""
+inside its training steps; cached per CPU model, workers, thread count, precision and gradient dtype.
+Also the rate of a streaming add in host memory (:func:`host_memory_rate`), CPU workers' memory in zero mode."""
 
 from __future__ import annotations
 
@@ -88,6 +89,37 @@ def measure_host_update(workers: int, threads: int, precision: str, numel: int =
         torch.set_num_threads(before)
 
 
+HOST_MEMORY_NUMEL = 1 << 24  # fp32 elements of the timed streaming add (192 MiB of traffic: beyond the caches)
+
+
+def measure_host_memory(threads: int, numel: int = HOST_MEMORY_NUMEL, reps: int = 5) -> float:
+    """Bytes per second of a streaming fp32 add (``a += b``: 12 bytes an element) on this machine's CPU with
+    ``threads`` threads: the rate a CPU worker folds gradients into sums and copies chunks at (zero mode's
+    "device" memory on CPU workers)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        a, b = torch.zeros(numel), torch.ones(numel)
+        return 12 * numel / _time(lambda: a.add_(b), torch.device("cpu"), reps, 1)
+    finally:
+        torch.set_num_threads(before)
+
+
+def host_memory_rate(threads: int, cache_dir: str | Path | None = None) -> float:
+    """:func:`measure_host_memory`, cached per CPU model and thread count."""
+    path = _update_cache(cache_dir, threads, "fp32", False, "memory-add")
+    rate = _read_rate(path, "bytes_per_s")
+    if rate is not None:
+        return rate
+    rate = measure_host_memory(threads)
+    log.info("CPU memory: a streaming fp32 add at %.1f GB/s with %d thread(s)", rate / 1e9, threads)
+    if path is not None:
+        _write_rate(path, rate, "bytes_per_s", threads=threads)
+    return rate
+
+
 IN_STEP = "in-step"
 
 
@@ -100,17 +132,17 @@ def _update_cache(cache_dir: str | Path | None, threads: int, precision: str, ha
     return Path(cache_dir) / "cpu_update" / f"{key}.json" if cache_dir is not None else None
 
 
-def _read_rate(path: Path | None) -> float | None:
+def _read_rate(path: Path | None, unit: str = "params_per_s") -> float | None:
     if path is None or not path.is_file():
         return None
     try:
-        return float(json.loads(path.read_text())["params_per_s"])
+        return float(json.loads(path.read_text())[unit])
     except (OSError, ValueError, KeyError):
         return None
 
 
-def _write_rate(path: Path, rate: float, **about: Any) -> None:
-    write_text_atomic(path, json.dumps({"params_per_s": rate, "cpu": _cpu_name(), **about}))
+def _write_rate(path: Path, rate: float, unit: str = "params_per_s", **about: Any) -> None:
+    write_text_atomic(path, json.dumps({unit: rate, "cpu": _cpu_name(), **about}))
 
 
 def cpu_update_rate(threads: int, precision: str, cache_dir: str | Path | None = None,

@@ -127,6 +127,30 @@ def test_the_hosts_rate_is_measured_with_the_workers_together_and_cached(tmp_pat
     assert (alone, total) == pytest.approx((0.5e9, 2e9)) and "inside training steps" in source
 
 
+def test_cpu_workers_zero_memory_is_a_streaming_add_measured_here_and_cached(tiny_yaml: Path, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zero mode on CPU workers plans its casts and gradient sums at the rate a streaming fp32 add reaches on
+    this machine (measured once per thread count, then cached), its collectives at gloo's measured figures,
+    and the dispatch thread waiting for its fills and reduce-scatters."""
+    from mobius.app.planning import GLOO_Bps, GLOO_COLLECTIVE_S, hardware, zero_hardware
+    from mobius.app.settings import Machine, resolve
+    from mobius.config import load_config
+
+    assert 1e8 < cpu_rate.measure_host_memory(1, numel=1 << 16, reps=2) < 1e14
+    calls: list[int] = []
+    monkeypatch.setattr(cpu_rate, "measure_host_memory", lambda threads: calls.append(threads) or 7e9)
+    assert cpu_rate.host_memory_rate(2, tmp_path) == cpu_rate.host_memory_rate(2, tmp_path) == 7e9
+    assert calls == [2]
+    monkeypatch.setattr(cpu_rate, "measure_cpu_update", lambda t, p, half_grads=False: 2e9)
+    monkeypatch.setattr(cpu_rate, "measure_host_update", lambda n, t, p, half_grads=False: 3e9)
+    cfg = load_config(str(tiny_yaml), ["--parallel.mode=zero", "--parallel.device=cpu", "--parallel.devices=2"])
+    machine = Machine.detect(cfg)
+    settings = resolve(cfg, machine, "zero", "")
+    zhw = zero_hardware(cfg, settings, machine, hardware(cfg, settings, machine))
+    assert zhw.device_Bps == 7e9 and calls == [2, settings.cpu_threads]
+    assert (zhw.g2g_Bps, zhw.collective_s, zhw.blocking) == (GLOO_Bps, GLOO_COLLECTIVE_S, True)
+
+
 def _zero_case() -> tuple:
     cfg = get_preset("gpt2")
     prof = estimate_units(unit_specs(cfg), 1, 512, "bf16", "rtx3090")

@@ -291,6 +291,22 @@ def test_a_delayed_update_overlaps_the_next_step_up_to_the_cpu_s_own_time(barrie
     assert cpu <= delayed.step_s < 1.01 * cpu
 
 
+def test_cpu_workers_wait_for_their_reduce_scatters_and_chunk_fills() -> None:
+    """CPU workers have no streams: the dispatch thread fills each gathered block and waits for each gloo
+    reduce-scatter, so the step takes its compute plus every reduce-scatter, where GPU streams overlap the
+    same collectives (a fifth of the compute here; rCache-max: no gathers in the backward) with the compute."""
+    layout, w = _layout_and_work(ranks=2)
+    prof = _profile(layout.num_units, fwd_s=1e-3)
+    hw = _hw(ranks=2, g2g_Bps=5e6, collective_s=1e-4)
+    s = Setting(layout.num_chunks, layout.num_chunks)
+    streams, blocking = predict(layout, prof, hw, s, w), predict(layout, prof, replace(hw, blocking=True), s, w)
+    reduces = sum(len(f) for f in grad_flushes(train_program(layout.num_units), layout))
+    reduce_s = 1e-4 + layout.shard * 4 / 5e6  # (ranks - 1) x shard x fp32 gradient bytes at g2g
+    assert blocking.compute_s == pytest.approx(streams.compute_s)
+    assert blocking.step_s >= blocking.compute_s + reduces * reduce_s
+    assert streams.step_s < blocking.step_s - reduces * reduce_s / 2
+
+
 def test_sync_updates_after_the_norm_go_in_forward_order() -> None:
     """With clipping every CPU update starts after the norm, and in sync the next step's gathers wait for them:
     queued in forward order, the forward starts after the first chunk's update and follows them (about the CPU's

@@ -23,7 +23,7 @@ from partition.estimate import estimate_units
 from partition.calibrate import ComputeScale, learnt_scale, scale_key
 from partition.profile import apply_profile_file, profile_key, read_profile_file
 from partition.gpus import gpu_spec
-from partition.cpu_rate import cpu_update_rate_in_step, host_update_rates_in_step
+from partition.cpu_rate import cpu_update_rate_in_step, host_memory_rate, host_update_rates_in_step
 from partition.costs import ADAM_BYTES
 from partition.estimate import MEMORY_EFFICIENCY
 from partition.hardware import (CPU_UPDATE_IN_STEP, GLOO_MESSAGE_S, HOST_COPY_Bps, HOST_DEFAULT_SOURCE,
@@ -251,7 +251,10 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
 
 
 # ---------------------------------------------------------------------------------------------- zero mode
-GLOO_Bps = 2e9  # collectives between CPU worker processes
+GLOO_Bps = 0.45e9  # measured: zero's collectives between CPU worker processes, the bytes a rank receives per second
+GLOO_COLLECTIVE_S = 0.4e-3  # measured: the fixed cost of one (python bench/gloo_collectives.py, 2 workers on a 2-core
+# VM, 2026-11-27, two runs: reduce-scatters 0.32-0.47 GB/s, all-gathers 0.54-0.96 GB/s for shards of 1M-10M elements;
+# 0.24-0.5 ms for a shard of 1K elements, one call in two runs 2.3 ms)
 
 
 def zero_hardware(cfg: Config, settings: ParallelSettings, machine: Machine, hw: Hardware) -> ZeroHardware:
@@ -260,9 +263,10 @@ def zero_hardware(cfg: Config, settings: ParallelSettings, machine: Machine, hw:
     update rate of one rank while every rank of its host updates (they update at the same time)."""
     n, mem = settings.workers, settings.memory_bytes
     cpu_adam = hw.cpu_update_rate(updating=settings.local_workers)
-    if settings.device == "cpu":
-        return ZeroHardware(n, mem, HOST_COPY_Bps, HOST_COPY_Bps, GLOO_Bps, HOST_COPY_Bps, cpu_adam, cpu_adam,
-                            name="CPU workers")
+    if settings.device == "cpu":  # the "device" is host memory, at the rate a streaming add reaches on this machine
+        memory = host_memory_rate(settings.cpu_threads, os.path.join(cfg.partition.cache_dir, "partition"))
+        return ZeroHardware(n, mem, HOST_COPY_Bps, HOST_COPY_Bps, GLOO_Bps, memory, cpu_adam, cpu_adam,
+                            collective_s=GLOO_COLLECTIVE_S, name="CPU workers", blocking=True)
     local = range(hw.num_gpus)
     c2g = min(hw.shared_h2d(g) for g in local)
     g2c = min(hw.shared_d2h(g) for g in local)

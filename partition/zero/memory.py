@@ -47,6 +47,8 @@ class ZeroHardware:
     collective_s: float = 30e-6  # fixed cost of one copy or collective
     name: str = ""
     host_staged: bool = False  # collectives go through host memory (no P2P): over the same PCIe links as uploads
+    blocking: bool = False  # CPU workers (no streams): the dispatch thread itself fills the chunks it gathers and
+    # reduce-scatters gradients (gloo's reduce-scatter returns when done), so the compute waits for both
 
     def describe(self) -> str:
         via = " through host memory" if self.host_staged else ""

@@ -138,11 +138,15 @@ class _StepSim:
     def _gather(self, c: int, b: int) -> None:
         lanes, offloaded = self.lanes, c >= self.s.gpu_chunks
         begin = max(lanes.gather, self.block_free[b], self.cpu_ready[c] if offloaded else 0.0)
+        if self.hw.blocking:  # the dispatch thread fills the block between its computes
+            begin = max(begin, lanes.compute)
         if offloaded:  # the upload holds the host->GPU link
             begin = max(begin, lanes.h2d)
             lanes.gather = lanes.h2d = begin + self.cost["upload"]
         else:
             lanes.gather = begin + self.cost["cast"]
+        if self.hw.blocking:
+            lanes.compute = lanes.gather
         self.ready[c] = self._collective(lanes.gather, self.cost["allgather"]) if self.hw.ranks > 1 else lanes.gather
         self.where[c] = b
 
@@ -166,6 +170,8 @@ class _StepSim:
         if final:  # the dispatch waits for the chunk's last AdamW to have read its gradient shard (delayed)
             lanes.compute = max(lanes.compute, self.consumed[c])
         done = self._collective(lanes.compute, self.cost["reduce"])
+        if self.hw.blocking:  # the dispatch thread waits for its reduce-scatter
+            lanes.compute = max(lanes.compute, done)
         if final:
             lanes.d2h = max(lanes.d2h, done) + self.cost["download"]
             done = lanes.d2h
