@@ -1,7 +1,7 @@
 """The compute of a run against its unit profile: fitted from what a run measured, kept per machine, and
 applied to the next plan.
 
-A unit profile times each unit alone, minutes before the run. Inside a pipeline or round-robin step the
+A unit profile times each unit alone, minutes before the run. Inside a pipeline, round-robin or zero step the
 same units compute at another speed (on 2 CPU workers of a 2-core VM forwards 0.74-1.59x their profile over
 112 runs, as the VM's speed drifted; on one H100 a block's forward 2.4-3.7x beside the CPU AdamW), so the
 plan's step is off by that much even where its schedule is right. :func:`fit_scale` finds the two factors (one
@@ -86,10 +86,11 @@ def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
     return ComputeScale(fx, bx, 1) if fx > 0 and bx > 0 else ComputeScale()
 
 
-def scale_key(profile_key: str, workers: int, threads: int) -> str:
-    """Where a run's factors are kept: per profile (its units, setting and device), number of workers and
-    CPU threads per worker (what the compute shares the machine with)."""
-    return hashlib.sha1(json.dumps([profile_key, workers, threads]).encode()).hexdigest()[:16]
+def scale_key(profile_key: str, workers: int, threads: int, mode: str) -> str:
+    """Where a run's factors are kept: per profile (its units, setting and device), number of workers, CPU
+    threads per worker (what the compute shares the machine with) and mode (pipeline or zero: how the units
+    run, one stage's micro-batches back to back or every unit's in turn between gathers)."""
+    return hashlib.sha1(json.dumps([profile_key, workers, threads, mode]).encode()).hexdigest()[:16]
 
 
 def scale_path(cache_dir: str | Path, key: str) -> Path:

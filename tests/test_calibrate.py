@@ -43,24 +43,47 @@ def test_the_fit_finds_the_factors_a_run_computed_at(schedule: str) -> None:
     assert fit_scale(prof, lambda p: plan.replay(p, hw), {"forward": 0.0, "backward": 1.0}) == ComputeScale()
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_zero_plan_replayed_gives_the_factors_its_run_computed_at_back(checkpointing: bool) -> None:
+    """The same for zero mode's plan: replayed with the profile it was made with it predicts what it did, and
+    the fit against the forward and backward phases of a run at 1.3x and 0.9x gives those factors back (with
+    activation checkpointing every backward recomputes its forward, without it none does)."""
+    from mobius.layout import ParamInfo
+    from partition.zero import ZeroHardware, replay
+    from partition.zero import plan as zero_plan
+
+    prof = toy_profile(blocks=6)
+    params = [ParamInfo((f"u{u}.w",), (4096,), (u,), decay=True) for u in range(prof.num_units)]
+    hw = ZeroHardware(2, 8 * GiB, 10e9, 10e9, 50e9, 1e12, 2e9, 30e9, name="test")
+    zp = zero_plan(params, prof.num_units, prof, hw, micro_batches=4, checkpointing=checkpointing, barrier=True)
+    again = lambda p: replay(zp, params, prof.num_units, p, hw)  # noqa: E731
+    assert again(prof).step_s == pytest.approx(zp.predicted_step_s)
+    ran = again(ComputeScale(1.3, 0.9).apply(prof)).time_split()
+    assert ran["forward"] > 0 and ran["backward"] > 0
+    fit = fit_scale(prof, again, ran)
+    assert (fit.forward, fit.backward, fit.runs) == (pytest.approx(1.3, rel=1e-3), pytest.approx(0.9, rel=1e-3), 1)
+
+
 def test_the_next_plan_uses_the_mean_of_the_last_runs_and_ignores_a_torn_file(tmp_path: Path) -> None:
-    key = scale_key("profile", 2, 1)
+    key = scale_key("profile", 2, 1, "pipeline")
     assert learnt_scale(tmp_path, key) == ComputeScale()  # nothing learnt: the profile as measured
     for k in range(KEPT_RUNS + 2):
         record_scale(tmp_path, key, ComputeScale(1.0 + k, 2.0), {"device": "cpu"})
     mean = 1.0 + sum(range(2, KEPT_RUNS + 2)) / KEPT_RUNS
     assert learnt_scale(tmp_path, key) == ComputeScale(pytest.approx(mean), pytest.approx(2.0), KEPT_RUNS)
-    assert learnt_scale(tmp_path, scale_key("profile", 4, 1)).runs == 0  # another worker count: its own
+    assert learnt_scale(tmp_path, scale_key("profile", 4, 1, "pipeline")).runs == 0  # another worker count: its own
+    assert learnt_scale(tmp_path, scale_key("profile", 2, 1, "zero")).runs == 0  # another mode: its own
     scale_path(tmp_path, key).write_text('{"runs": [{"forward": 1.2')
     assert learnt_scale(tmp_path, key) == ComputeScale()
 
 
-def test_a_pipeline_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Path,
-                                                                              demo_data_cache: Path) -> None:
-    """The demo on 2 CPU workers, 6 steps: the run keeps the factors its steady steps measured, and ``mobius
-    plan`` then plans with them and says so."""
+@pytest.mark.parametrize("mode", ["pipeline", "zero"])
+def test_a_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Path, demo_data_cache: Path,
+                                                                   mode: str) -> None:
+    """The demo on 2 CPU workers, 6 steps, as the pipeline and in zero mode: the run keeps the factors its steady
+    steps measured, and ``mobius plan`` of the mode then plans with them and says so."""
     cache = tmp_path / "cache"
-    common = [f"--data.cache_dir={demo_data_cache}", f"--partition.cache_dir={cache}", "--parallel.mode=pipeline",
+    common = [f"--data.cache_dir={demo_data_cache}", f"--partition.cache_dir={cache}", f"--parallel.mode={mode}",
               "--parallel.devices=2", "--train.eval_every=0"]
     demo = str(ROOT / "configs" / "demo.yaml")
 
@@ -69,7 +92,7 @@ def test_a_pipeline_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compute inside the steps: forward x" in r.stderr and "with that compute the plan's step is" in r.stderr
     kept = [json.loads(p.read_text()) for p in (cache / "partition" / "in_run").glob("*.json")]
-    assert len(kept) == 1 and len(kept[0]["runs"]) == 1 and kept[0]["workers"] == 2
+    assert len(kept) == 1 and len(kept[0]["runs"]) == 1 and (kept[0]["workers"], kept[0]["mode"]) == (2, mode)
     factors = kept[0]["runs"][0]
     assert 0.2 < factors["forward"] < 5 and 0.2 < factors["backward"] < 5
     shown = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, "--json", *common],

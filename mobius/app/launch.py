@@ -217,17 +217,17 @@ def zero_phases(plan: ZeroPlan, rows: list[dict], steady_from: int = STEADY_FROM
 
 @contextlib.contextmanager
 def keeping_compute(cfg: Config, planned: Planned | None) -> Iterator[None]:
-    """Around a pipeline run (``planned``: its plan; None or another mode: nothing): however the run ends
-    (a Ctrl-C or a failure after its steady steps included), fit the compute its steady steps measured
+    """Around a pipeline or zero run (``planned``: its plan; None or single mode: nothing): however the run
+    ends (a Ctrl-C or a failure after its steady steps included), fit the compute its steady steps measured
     (the lines of metrics.jsonl it wrote) to the profile its plan was made with, and keep it for the next
-    plan of the setting on this machine (nothing for a run too short to measure, or planned from a
+    plan of the mode and setting on this machine (nothing for a run too short to measure, or planned from a
     datasheet or a profile file). What goes wrong there is only logged."""
     metrics = Path(cfg.output.dir) / "metrics.jsonl"
     before = metrics_lines(metrics)
     try:
         yield
     finally:
-        if planned is not None and planned.settings.mode == "pipeline":
+        if planned is not None and planned.replay is not None:
             try:
                 _keep_compute_scale(cfg, planned, run_rows(metrics, before))
             except (OSError, ValueError, KeyError) as e:
@@ -235,20 +235,20 @@ def keeping_compute(cfg: Config, planned: Planned | None) -> Iterator[None]:
 
 
 def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None:
-    prof, plan = planned.profile, planned.plan
+    prof, replay = planned.profile, planned.replay
     info = prof.notes.get("in_run") if prof is not None else None
     steady = steady_rows(rows)
-    if info is None or not isinstance(plan, Plan) or len(steady) < MIN_STEADY_STEPS:
+    if info is None or replay is None or len(steady) < MIN_STEADY_STEPS:
         return
     measured = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
-    fitted = fit_scale(prof, lambda p: plan.replay(p, planned.hardware), measured)
+    fitted = fit_scale(prof, replay, measured)
     if not fitted.runs:
         return
     scale = fitted.times(ComputeScale(info["forward"], info["backward"]))  # relative to the profile as measured
     record_scale(os.path.join(cfg.partition.cache_dir, "partition"), info["key"], scale,
-                 {"device": prof.device_name, "workers": planned.settings.workers,
+                 {"device": prof.device_name, "mode": planned.settings.mode, "workers": planned.settings.workers,
                   "threads": planned.settings.cpu_threads})
-    given = plan.replay(fitted.apply(prof), planned.hardware).step_s  # the schedule's own error, apart from compute
+    given = replay(fitted.apply(prof)).step_s  # the schedule's own error, apart from compute
     log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's); with "
              "that compute the plan's step is %.3f s against %.3f s measured; kept for the next plan on this machine",
              fitted.forward, fitted.backward, scale.forward, scale.backward, given,

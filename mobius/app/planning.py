@@ -32,6 +32,7 @@ from partition.single import SinglePlan
 from partition.single import plan_single as single_plan
 from partition.zero import ZeroHardware, ZeroPlan
 from partition.zero import plan as zero_plan
+from partition.zero import replay as zero_replay
 from topology.host import HOST_USABLE_FRACTION, available_host_bytes
 from mobius.models.params import model_params
 
@@ -145,14 +146,14 @@ def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, mac
 
 def as_runs_compute(prof: ModelProfile, cfg: Config, model_cfg: ModelConfig,
                     settings: ParallelSettings) -> ModelProfile:
-    """A measured ``prof`` scaled to the compute the last pipeline runs of this setting measured inside
-    their steps on this machine (:mod:`partition.calibrate`; as measured when none has), with the key the
-    next run keeps its own factors under (``notes["in_run"]``). A datasheet's or a profile file's as given."""
+    """A measured ``prof`` scaled to the compute the last runs of this mode and setting measured inside their
+    steps on this machine (:mod:`partition.calibrate`; as measured when none has), with the key the next run
+    keeps its own factors under (``notes["in_run"]``). A datasheet's or a profile file's as given."""
     if prof.source != "measured" or cfg.partition.profile_file:
         return prof
     t = cfg.train
     key = scale_key(profile_key(unit_specs(model_cfg), t.micro_batch_size, cfg.data.seq_len, t.precision,
-                                prof.device_name), settings.workers, settings.cpu_threads)
+                                prof.device_name), settings.workers, settings.cpu_threads, settings.mode)
     learnt = learnt_scale(os.path.join(cfg.partition.cache_dir, "partition"), key)
     out = learnt.apply(prof)
     out.notes["in_run"] = {"key": key, **dataclasses.asdict(learnt)}
@@ -252,9 +253,10 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
 
 # ---------------------------------------------------------------------------------------------- zero mode
 GLOO_Bps = 0.45e9  # measured: zero's collectives between CPU worker processes, the bytes a rank receives per second
-GLOO_COLLECTIVE_S = 0.4e-3  # measured: the fixed cost of one (python bench/gloo_collectives.py, 2 workers on a 2-core
-# VM, 2026-11-27, two runs: reduce-scatters 0.32-0.47 GB/s, all-gathers 0.54-0.96 GB/s for shards of 1M-10M elements;
-# 0.24-0.5 ms for a shard of 1K elements, one call in two runs 2.3 ms)
+GLOO_COLLECTIVE_S = 1.0e-3  # measured: the fixed cost of one, fitted to the reduce-scatters (the dispatch thread waits
+# for them). python bench/gloo_collectives.py, 2 workers on a 2-core VM, 2026-11-27, three runs: reduce-scatters of
+# 100K, 1M and 10M-element shards 1.6-2.0, 8.5-11.7 and 92-124 ms (0.32-0.47 GB/s); all-gathers 0.7-1.2, 4.2-6.5 and
+# 73-78 ms; of a 1K-element shard 0.5-2.3 and 0.24-0.33 ms
 
 
 def zero_hardware(cfg: Config, settings: ParallelSettings, machine: Machine, hw: Hardware) -> ZeroHardware:
@@ -293,7 +295,7 @@ def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, m
     """The zero plan of a run: chunk size, rCache blocks and GPU chunks from the search, or ``zero.*``
     (the memory of train.update=delayed's compute copies counted)."""
     hw = hardware(cfg, settings, machine, bandwidth_file)
-    prof = profile(cfg, model_cfg, settings, machine, hw)
+    prof = as_runs_compute(profile(cfg, model_cfg, settings, machine, hw), cfg, model_cfg, settings)
     zhw = zero_hardware(cfg, settings, machine, hw)
     t, z = cfg.train, cfg.zero
     plan = zero_plan(model_params(model_cfg), prof.num_units, prof, zhw, micro_batches=t.micro_batches,
@@ -332,6 +334,8 @@ class Planned:
     profile: ModelProfile | None = None
     hardware: Any = None
     host: Hardware | None = None  # the machine with its host figures (zero's ``hardware`` is per-rank rates)
+    replay: Callable[[ModelProfile], Any] | None = None  # the plan's step simulated again with other unit times
+    # (its time_split() has the forward and backward phases a run's measured compute is fitted to)
 
     @property
     def mode(self) -> Mode:
@@ -457,7 +461,18 @@ def plan_mode(cfg: Config, model_cfg: ModelConfig, machine: Machine, mode: Mode,
     settings = resolve(cfg, machine, mode, reason)
     plan, prof, hw = PLANNERS[mode](cfg, model_cfg, settings, machine, bandwidth_file)
     host = hw if isinstance(hw, Hardware) else hardware(cfg, settings, machine, bandwidth_file)
-    return Planned(settings, plan, prof, hw, host)
+    return Planned(settings, plan, prof, hw, host, _replayer(plan, hw, model_cfg, prof))
+
+
+def _replayer(plan: AnyPlan, hw: Any, model_cfg: ModelConfig,
+              prof: ModelProfile) -> Callable[[ModelProfile], Any] | None:
+    """How ``plan``'s step is simulated again with other unit times (None: single mode's, not simulated)."""
+    if isinstance(plan, ZeroPlan):
+        params = model_params(model_cfg)
+        return lambda p: zero_replay(plan, params, prof.num_units, p, hw)
+    if isinstance(plan, Plan):
+        return lambda p: plan.replay(p, hw)
+    return None
 
 
 def plan_run(cfg: Config, model_cfg: ModelConfig, machine: Machine, bandwidth_file: str | None = None,

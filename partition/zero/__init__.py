@@ -17,8 +17,8 @@ schedule); here:
 from partition.zero.cache import CachePolicy, CacheRun, CacheTooSmall, simulate_cache
 from partition.zero.memory import Setting, Workload, ZeroHardware
 from partition.zero.plan import ZeroPlan
-from partition.zero.search import plan
+from partition.zero.search import plan, replay
 from partition.zero.simulate import Prediction, predict
 
 __all__ = ["CachePolicy", "CacheRun", "CacheTooSmall", "Prediction", "Setting", "Workload", "ZeroHardware", "ZeroPlan",
-           "plan", "predict", "simulate_cache"]
+           "plan", "predict", "replay", "simulate_cache"]

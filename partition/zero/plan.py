@@ -45,6 +45,8 @@ class ZeroPlan:
     hardware: str = ""
     profile_source: str = ""
     device_name: str = ""
+    compute_scale: dict = field(default_factory=dict)  # the factors the profile's times were scaled by to the
+    # compute earlier zero runs of the setting measured on this machine (partition.calibrate; empty: as profiled)
 
     @property
     def peak_bytes(self) -> int:

@@ -106,6 +106,16 @@ def search(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: Zero
     return best["layout"], best["setting"], best["eval"], _table(rows)
 
 
+def replay(zplan: ZeroPlan, params: list[ParamInfo], num_units: int, prof: ModelProfile,
+           hw: ZeroHardware) -> Prediction:
+    """``zplan``'s step simulated again with the unit times of ``prof`` (its chunk layout, rCache blocks and GPU
+    chunks as planned): what :mod:`partition.calibrate` fits a zero run's compute with."""
+    layout = build_layout(params, num_units, zplan.chunk_size, hw.ranks, zplan.align)
+    w = Workload(zplan.micro_batches // hw.ranks, zplan.precision, zplan.checkpointing, zplan.barrier, zplan.prefetch,
+                 zplan.delayed)
+    return predict(layout, prof, hw, Setting(zplan.cache_blocks, zplan.gpu_chunks), w)
+
+
 def check_chunk_size(chunk_size: int, params: list[ParamInfo], align: int = ALIGN) -> None:
     """A configured chunk size within what the search handles: at most the model's parameter count (one
     chunk holding them all), and no finer than :data:`MAX_CHUNKS` chunks."""
@@ -169,4 +179,5 @@ def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHa
                   "J_s_per_GiB": gpu_benefit(hw, w.elem, w.state_bytes) * GiB},
         alternatives=alternatives(layout, prof, hw, w, allowed, act), candidates=table, decided=decided,
         param_count=layout.param_numel, waste=layout.waste, hardware=hw.describe(), profile_source=prof.source,
-        device_name=prof.device_name)
+        device_name=prof.device_name,
+        compute_scale={k: v for k, v in prof.notes.get("in_run", {}).items() if k != "key"})

@@ -38,6 +38,12 @@ class Prediction:
     cpu_adam_s: float
     gathers: int
     traffic: dict[str, float]  # bytes per rank per step
+    forward_s: float = 0.0  # of compute_s: the forward operators'; the rest the loss's and the backward's (their
+    # recomputes and gradient sums included), as a zero run's metrics split them
+
+    def time_split(self) -> dict[str, float]:
+        """The compute's phases, as :func:`partition.calibrate.fit_scale` reads them."""
+        return {"forward": self.forward_s, "backward": self.compute_s - self.forward_s}
 
 
 @dataclass
@@ -72,7 +78,8 @@ def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Settin
     traffic = {"replaced_bytes": run.gathers * P * e, "allgather_bytes": run.gathers * (N - 1) * sh * e,
                "reduce_scatter_bytes": flush_count * (N - 1) * sh * GRAD_BYTES,
                "h2d_bytes": len(off) * sh * e, "d2h_bytes": sum(layout.trains(c) for c in range(s.gpu_chunks, layout.num_chunks)) * sh * GRAD_BYTES}
-    return Prediction(ends[-1] - ends[-2], stats["compute"], stats["stall"], stats["cpu"], run.gathers, traffic)
+    return Prediction(ends[-1] - ends[-2], stats["compute"], stats["stall"], stats["cpu"], run.gathers, traffic,
+                      stats["forward"])
 
 
 class _StepSim:
@@ -107,7 +114,7 @@ class _StepSim:
         start = self.lanes.compute
         self.block_free, self.ready, self.where = [start] * self.s.cache_blocks, {}, {}
         self.seen, self.barrier_jobs, self.flush_end = dict.fromkeys(self.runs, 0), [], start
-        self.stats = {"compute": 0.0, "stall": 0.0, "cpu": 0.0}
+        self.stats = {"compute": 0.0, "forward": 0.0, "stall": 0.0, "cpu": 0.0}
         for t, op in enumerate(self.program):
             self._operator(t, op)
         lanes = self.lanes
@@ -129,6 +136,8 @@ class _StepSim:
                                                   if op.makes_grads else 0.0)
         self.stats["stall"] += begin - lanes.compute
         self.stats["compute"] += dt
+        if op.kind in (OpKind.FORWARD, OpKind.EVAL):
+            self.stats["forward"] += dt
         lanes.compute = begin + dt
         for c in self.trace[t]:
             self.block_free[self.where[c]] = lanes.compute
