@@ -342,8 +342,9 @@ def test_traces_of_training_and_evaluation() -> None:
 
 
 def test_a_zero_run_logs_its_phases_beside_the_plans() -> None:
-    """What a zero run logs at its end (mobius.app.launch.zero_phases): the step, the compute (forwards and
-    backwards, from after their gathers) and the CPU AdamW, predicted beside the median of its steady steps."""
+    """What a zero run logs at its end (mobius.app.launch.zero_phases): the step, the compute of its forwards and
+    of its losses and backwards (from after their gathers) and the CPU AdamW, predicted beside the median of its
+    steady steps; the plan's two phases make up its compute."""
     from mobius.app.launch import zero_phases
 
     p = plan(_params([[4000, 96]] * 6), 6, _profile(6), _hw(2, memory=GiB // 4), micro_batches=4, checkpointing=False,
@@ -351,7 +352,8 @@ def test_a_zero_run_logs_its_phases_beside_the_plans() -> None:
     rows = [{"step": k, "step_s": 1.0 + k, "forward_s": 0.25, "backward_s": 0.5 + k, "cpu_adam_s": 0.125}
             for k in range(5)]
     table = zero_phases(p, rows)
-    assert table == {"step": (p.predicted_step_s, 4.0), "compute": (p.compute_s, 3.75),
-                     "cpu_adam": (p.cpu_adam_s, 0.125)}
+    assert table == {"step": (p.predicted_step_s, 4.0), "forward": (p.time_split["forward"], 0.25),
+                     "backward": (p.time_split["backward"], 3.5), "cpu_adam": (p.cpu_adam_s, 0.125)}
+    assert p.time_split["forward"] > 0 and sum(p.time_split.values()) == pytest.approx(p.compute_s)
     assert zero_phases(p, rows[:2]) is None  # no steady step yet
 

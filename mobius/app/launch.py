@@ -144,7 +144,7 @@ PHASES = {"forward": "forward_s", "backward": "backward_s", "upload_wait": "uplo
           # dispatch but compute, the tied ends' sum and the reduce)
           "tail": "reduce_s"}  # the step's end (predicted: after the last compute; measured: the dispatch thread's,
 # from the tied ends' sum; the swapped pipeline's runtime measures it)
-ZERO_PHASES = {"compute": ("forward_s", "backward_s"), "cpu_adam": ("cpu_adam_s",)}  # zero plan -> metrics (summed)
+ZERO_PHASES = {"forward": "forward_s", "backward": "backward_s", "cpu_adam": "cpu_adam_s"}  # zero plan -> metrics
 STEADY_FROM = 2  # steps before the measured medians (warm-up, the first uploads)
 MIN_STEADY_STEPS = 3  # steady steps a run needs before its compute is kept for the next plan
 
@@ -204,14 +204,15 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
 
 def zero_phases(plan: ZeroPlan, rows: list[dict], steady_from: int = STEADY_FROM) -> dict[str, tuple[float, float]] | None:
     """Predicted beside measured, per phase of a zero step (seconds per rank, rank 0's; the median of the
-    metrics lines after ``steady_from``): the whole step, the compute (forwards, losses and backwards, from
-    after their gathers), and the CPU AdamW. None without steady steps."""
+    metrics lines after ``steady_from``): the whole step, the compute of the forwards and of the losses and
+    backwards (from after their gathers), and the CPU AdamW. None without steady steps."""
     steady = steady_rows(rows, steady_from)
     if not steady:
         return None
+    predicted = {**plan.time_split, "cpu_adam": plan.cpu_adam_s}
     out = {"step": (plan.predicted_step_s, statistics.median(r["step_s"] for r in steady))}
-    for phase, keys in ZERO_PHASES.items():
-        out[phase] = (getattr(plan, f"{phase}_s"), statistics.median(sum(r[k] for k in keys) for r in steady))
+    for phase, key in ZERO_PHASES.items():
+        out[phase] = (predicted.get(phase, 0.0), statistics.median(r[key] for r in steady))
     return out
 
 

@@ -45,6 +45,8 @@ class ZeroPlan:
     hardware: str = ""
     profile_source: str = ""
     device_name: str = ""
+    time_split: dict[str, float] = field(default_factory=dict)  # the compute's forward and backward phases
+    # (Prediction.time_split), as a zero run's metrics measure them
     compute_scale: dict = field(default_factory=dict)  # the factors the profile's times were scaled by to the
     # compute earlier zero runs of the setting measured on this machine (partition.calibrate; empty: as profiled)
 

@@ -179,5 +179,5 @@ def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHa
                   "J_s_per_GiB": gpu_benefit(hw, w.elem, w.state_bytes) * GiB},
         alternatives=alternatives(layout, prof, hw, w, allowed, act), candidates=table, decided=decided,
         param_count=layout.param_numel, waste=layout.waste, hardware=hw.describe(), profile_source=prof.source,
-        device_name=prof.device_name,
+        device_name=prof.device_name, time_split=pred.time_split(),
         compute_scale={k: v for k, v in prof.notes.get("in_run", {}).items() if k != "key"})
