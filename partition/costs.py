@@ -27,8 +27,9 @@ ADAM_BYTES = 28  # memory traffic of one fused AdamW step per parameter: read fp
 UPDATE_BYTES = ADAM_BYTES + 2  # one update's traffic with the half copy it writes, on the CPU (the measure of the
 # CPU update rates, partition.hardware) or on a device (partition.hardware.DEVICE_ADAM_BYTES)
 HOST_SUM_BYTES = 12  # adding a later round's downloaded fp32 gradient sums into the host sum: read 4 + 4, write 4
-TIE_SUM_BYTES = 16  # a tied weight's two ends' gradients summed into both on the host: read 4 + 4, write 4 + 4 (its
-# norm reads the sum from cache: scheduler.stages.add_tied; measured at 1.8x the CPU AdamW's parameters per second)
+TIE_SUM_BYTES = 12  # a tied weight's two ends' gradients summed into the end that updates on the host: read 4 + 4,
+# write 4 (its norm reads the sum from cache: scheduler.stages.add_tied; into both ends, 16 bytes, measured at 1.8x the
+# CPU AdamW's parameters per second)
 
 
 def host_bytes_per_param(precision: str, half_grads: bool, delayed: bool = False) -> int:
@@ -43,6 +44,21 @@ def host_bytes_per_param(precision: str, half_grads: bool, delayed: bool = False
     if precision == "fp32":
         return 20 if delayed else 16
     return 14 if half_grads else 18
+
+
+def tied_end_held(profile: "ModelProfile", num_stages: int, num_workers: int) -> int:
+    """Parameters of a trained tied weight's head end that the embedding's store updates, when one worker
+    holds both ends' stages (stage j on worker j mod N; :class:`scheduler.store.TiedEnd`): the head
+    stage's CPU update and host stores leave them out. 0 otherwise (both ends update)."""
+    S, N = num_stages, num_workers
+    return profile.tied_params if S > 1 and (S - 1) % N == 0 else 0
+
+
+def tied_end_bytes_per_param(precision: str, half_grads: bool) -> int:
+    """Host bytes of a parameter of a tied head's end that the embedding's store updates (both ends'
+    stages on one worker, :class:`scheduler.store.TiedEnd`): its copy in the training dtype and the
+    pinned fp32 gradient (none with half downloads); no master or moments."""
+    return (4 if precision == "fp32" else 2) + (0 if half_grads else 4)
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ class ModelEvaluator:
         return self._rates[S]
 
     def shape(self, S: int, options: PipelineOptions | None = None) -> Shape:
-        return Shape(S, len(self.worker_gpus(S)), self.M, options or self.options, tied=self.profile.tied_params > 0)
+        return Shape(S, len(self.worker_gpus(S)), self.M, options or self.options, self.profile.tied_params / GB)
 
     def exprs(self, boundaries: list[int]) -> list[StageExprs]:
         return [self._exprs.get((a, b)) or self._exprs.setdefault((a, b), stage_exprs(self.stage(a, b), self.half))

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Collection, Sequence
 
 from partition.baselines import BASELINES
-from partition.costs import PRECISION_BYTES, ModelProfile, host_bytes_per_param, stage_costs
+from partition.costs import (PRECISION_BYTES, ModelProfile, host_bytes_per_param, stage_costs, tied_end_bytes_per_param,
+                             tied_end_held)
 from mobius.errors import ConfigError, MobiusError
 from partition import residency
 from partition.evaluate import ModelEvaluator, stage_exprs
@@ -347,7 +348,7 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     other = other_update_options(options)
     plan.other_update = {"update": "delayed" if other.delayed else "sync",
                          "step_s": ctx.simulate(bounds, other, record=False).step_s,
-                         "host_bytes": _host_bytes(profile, bounds, other)}
+                         "host_bytes": _host_bytes(ctx, bounds, other)}
     if request.schedule != "swapped":
         plan.round_robin = _round_robin(ctx, plan)
     if best.model_hw is not hardware:
@@ -576,7 +577,7 @@ def _grad_dtype(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
     if options.delayed:
         return options, sim, "train.update=delayed: the half copy holds the weights the next step computes with"
     half = dataclasses.replace(options, grad_dtype="half")
-    need = _host_bytes(prof, bounds, options)
+    need = _host_bytes(ctx, bounds, options)
     if host_memory is not None and need > host_memory:
         return half, ctx.simulate(bounds, half), (
             f"fp32 gradient buffers would need {need / GiB:.1f} GiB of host memory, {host_memory / GiB:.1f} "
@@ -588,7 +589,7 @@ def _grad_dtype(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
     if gain >= GRAD_HALF_GAIN:
         return half, fast, f"simulated {100 * gain:.1f}% faster than fp32"
     if host_memory is None and sim.step_s > fast.step_s * (1 - GRAD_HALF_GAIN):
-        extra = need - _host_bytes(prof, bounds, half)
+        extra = need - _host_bytes(ctx, bounds, half)
         return half, fast, (f"host memory not known: fp32 would take {extra / GiB:.1f} GiB more for "
                             f"{100 * max(0.0, 1 - sim.step_s / fast.step_s):.1f}% of the step (< "
                             f"{100 * GRAD_HALF_GAIN:.0f}%)")
@@ -600,7 +601,7 @@ def _grad_dtype(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
 def _check_host_memory(ctx: PlanContext, bounds: list[int], options: PipelineOptions) -> None:
     """Stop when the chosen plan's host stores exceed the host memory (when it is known)."""
     prof, host_memory = ctx.prof, ctx.hw.host_memory_bytes
-    need = _host_bytes(prof, bounds, options)
+    need = _host_bytes(ctx, bounds, options)
     if host_memory is not None and need > host_memory:
         per = host_bytes_per_param(prof.precision, options.grad_dtype == "half", options.delayed)
         frozen = (f" ({PRECISION_BYTES[prof.precision]} per frozen one)" if any(u.frozen_count for u in prof.units)
@@ -611,12 +612,16 @@ def _check_host_memory(ctx: PlanContext, bounds: list[int], options: PipelineOpt
                           f"free memory of this machine)")
 
 
-def _host_bytes(prof: ModelProfile, bounds: list[int], options: PipelineOptions) -> int:
-    """Host memory of the swapped stages' stores (:func:`partition.costs.host_bytes_per_param`)."""
-    per = host_bytes_per_param(prof.precision, options.grad_dtype == "half", options.delayed)
+def _host_bytes(ctx: PlanContext, bounds: list[int], options: PipelineOptions) -> int:
+    """Host memory of the swapped stages' stores (:func:`partition.costs.host_bytes_per_param`; a tied head's
+    end that the embedding's store updates at :func:`partition.costs.tied_end_bytes_per_param`)."""
+    prof, S = ctx.prof, len(bounds) - 1
+    half_grads = options.grad_dtype == "half"
+    per = host_bytes_per_param(prof.precision, half_grads, options.delayed)
     frozen = PRECISION_BYTES[prof.precision]  # LoRA's base weights: one copy in the training dtype
+    held = tied_end_held(prof, S, len(ctx.gpus_for(S))) * (per - tied_end_bytes_per_param(prof.precision, half_grads))
     return sum(sc.trainable_count * per + sc.frozen_count * frozen
-               for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident)
+               for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident) - held
 
 
 def _baselines(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
@@ -724,7 +729,7 @@ def _assemble(ctx: PlanContext, bounds: list[int], options: PipelineOptions, sim
                 unit_names=[u.name for u in prof.units], mapping_kind=mapping, hardware=hw.describe(),
                 gpu_memory_bytes=hw.gpu_memory_bytes, param_count=prof.param_count(),
                 cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half", len(worker_gpus)),
-                mip=mip_info, host_bytes=_host_bytes(prof, bounds, options), host_memory_bytes=hw.host_memory_bytes,
+                mip=mip_info, host_bytes=_host_bytes(ctx, bounds, options), host_memory_bytes=hw.host_memory_bytes,
                 time_split=sim.time_split())
 
 
@@ -733,7 +738,7 @@ def _stage_plans(ctx: PlanContext, bounds: list[int], options: PipelineOptions, 
     costs = stage_costs(ctx.prof, bounds)
     worker_gpus, half = ctx.gpus_for(len(bounds) - 1), ctx.prof.precision != "fp32"
     shape = Shape(len(costs), len(worker_gpus), ctx.req.micro_batches, options,
-                  ctx.prof.tied_params > 0 and len(costs) > 1)
+                  ctx.prof.tied_params / GB if len(costs) > 1 else 0.0)
     needs = {what: float(n) for per in worker_needs(Numbers(), [stage_exprs(c, half) for c in costs], shape).values()
              for what, n in per}
     names = [u.name for u in ctx.prof.units]

@@ -175,7 +175,7 @@ class _Rounds:
         self.evaluations += 1
         if variants == [Variant()] and memory is None:
             return [self.ev.evaluate(self.boundaries, self.options(base)).T]
-        shape = Shape(self.S, self.N, self.ev.M, self.options(base), self.ev.profile.tied_params > 0, tuple(variants))
+        shape = Shape(self.S, self.N, self.ev.M, self.options(base), self.ev.profile.tied_params / GB, tuple(variants))
         alg = Batch(len(variants))
         step = np.broadcast_to(step_model(alg, self.st, self.rates, shape, self.budget).step, alg.broken.shape)
         check = memory or [True] * len(variants)
@@ -187,7 +187,7 @@ class _Rounds:
         key = (w, move.resident & mine, move.kept & mine)
         if key not in self._fits:
             alg = Numbers()
-            shape = Shape(self.S, self.N, self.ev.M, self.options(move), self.ev.profile.tied_params > 0)
+            shape = Shape(self.S, self.N, self.ev.M, self.options(move), self.ev.profile.tied_params / GB)
             for what, need in worker_needs(alg, self.st, shape, [w])[w]:
                 alg.require(need, self.budget, what)
             self._fits[key] = not alg.violations

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from partition.costs import ModelProfile, StageCost, stage_costs
+from partition.costs import ModelProfile, StageCost, stage_costs, tied_end_held
 from partition.evaluate import GB, PipelineOptions, stage_exprs, tie_seconds
 from partition.hardware import Hardware
 from partition.schedule import COMPUTE, Kind, Schedule, build_schedule
@@ -300,6 +300,8 @@ class _Sim:
         self.reduced_steps: set[int] = set()  # a program's steps whose gradients are all down
         self.tie_at: dict[int, float] = {}  # step -> when its tied ends' gradients are summed
         self.tie_s = _tie_seconds(profile, hw, worker_gpus, self.S, self.program)
+        # the head's tied end updated by the embedding's store (one worker holds both; the round-robin updates both)
+        self.tied_held = 0 if self.program else tied_end_held(profile, self.S, self.N)
         for w in self.workers:
             w.posts = self._posts(w)
         self._new_step_state()
@@ -654,7 +656,7 @@ class _Sim:
                 continue
             self.opt_queue[w].pop(0)
             self.opt_running[w], self.opt_start[w] = (step, j), self.t
-            self.opt_left[w] = float(self.costs[j].trainable_count)
+            self.opt_left[w] = float(self.costs[j].trainable_count - (self.tied_held if j == self.S - 1 else 0))
             self.opt_busy[w] = self.t  # timed by _share_cpu
             started = True
         return started
@@ -901,7 +903,7 @@ class _Sim:
 
     def _peaks(self) -> list[int]:
         st: list[StageExprs] = [stage_exprs(c, self.half) for c in self.costs]
-        shape = Shape(self.S, self.N, self.M, self.sched.options, self.sched.tied)
+        shape = Shape(self.S, self.N, self.M, self.sched.options, self.profile.tied_params / GB * self.sched.tied)
         per_worker = memory_peaks(st, shape)
         out = [0] * self.hw.num_gpus
         for w in self.workers:

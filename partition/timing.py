@@ -90,9 +90,10 @@ class Shape:
     num_workers: int  # N: stage j runs on worker j mod N
     micro_batches: int
     options: PipelineOptions = PipelineOptions()
-    tied: bool = False  # stage 0 and the last stage hold the two ends of one weight
+    tied_gp: float = 0.0  # G parameters of a weight whose two ends stage 0 and the last stage hold (0: none)
     variants: tuple["Variant", ...] = ()  # a batch (:class:`Batch`): what each variant adds to ``options``
 
+    tied = property(lambda self: self.tied_gp > 0)
     num_slots = property(lambda self: self.options.num_slots)  # K
     prefetch_gb = property(lambda self: self.options.prefetch_bytes / 1e9)  # P: the prefetch buffer (one slot)
     barrier = property(lambda self: self.options.barrier)
@@ -369,9 +370,18 @@ def _update_offsets(st: list[StageExprs], r: Rates, shape: Shape) -> dict[int, E
     for w in range(shape.num_workers):
         total: Expr = 0.0
         for j in shape.swapped(w):
-            total = total + st[j].params * (1.0 / r.cpu)
+            total = total + cpu_params(st, shape, j) * (1.0 / r.cpu)
             out[j] = total
     return out
+
+
+def cpu_params(st: list[StageExprs], shape: Shape, j: int) -> Expr:
+    """G parameters stage j's CPU update covers: all that train, but a tied head's end when one worker holds
+    both ends (the embedding's store updates it: :func:`partition.costs.tied_end_held`)."""
+    S = shape.num_stages
+    if j == S - 1 and S > 1 and shape.tied and shape.worker(0) == shape.worker(S - 1):
+        return st[j].params - shape.tied_gp
+    return st[j].params
 
 
 def _device_updates(st: list[StageExprs], r: Rates, shape: Shape, w: int) -> Expr:
@@ -460,7 +470,7 @@ def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
         prev: Expr | None = None
         for j in queue:
             after = [tie if j in ends else t.download_done[j]] + ([prev] if prev is not None else [])
-            t.update_done[j] = alg.max(("o", j), after) + st[j].params * (1.0 / r.cpu)
+            t.update_done[j] = alg.max(("o", j), after) + cpu_params(st, shape, j) * (1.0 / r.cpu)
             prev = t.update_done[j]
         if prev is not None:
             done.append(either(shape.frees(w), lambda free: 0.0 if free else prev))

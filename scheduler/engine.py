@@ -36,7 +36,7 @@ from scheduler.counters import Counters
 from scheduler.links import link_to, mailboxes_for
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
 from scheduler.stages import stage_layouts
-from scheduler.store import StageStore, check_host_memory, host_bytes
+from scheduler.store import StageStore, TiedEnd, check_host_memory, host_bytes
 from scheduler.trace import StepTrace, write_step_trace
 from scheduler.updater import sum_over_ranks
 
@@ -71,11 +71,17 @@ class PipelineEngine:
             raise MobiusError(f"the plan was made for train.update={'delayed' if plan.options.delayed else 'sync'}, "
                               f"but the run has train.update={cfg.train.update}; plan again for this configuration")
         swapped = [j for j in mine if j not in plan.options.resident]
-        check_host_memory(host_bytes([self.layouts[j] for j in swapped], self.dtype, half_grads, self.delayed),
+        tied_end = self._tied_end(swapped)
+        held = self.layouts[-1].trainable_numel - tied_end[0] if tied_end else 0  # the end, padding included
+        check_host_memory(host_bytes([self.layouts[j] for j in swapped], self.dtype, half_grads, self.delayed, held),
                           f"worker {self.rank}'s swapped stages")
         pin = device.type == "cuda"
-        self.stores = {j: StageStore(self.layouts[j], self.dtype, cfg.train, pin, half_grads,
-                                     device if j in plan.options.resident else "cpu", self.delayed) for j in mine}
+        self.stores: dict[int, StageStore] = {}
+        for j in mine:  # ascending: the embedding's store before the head's, which may read it
+            head = tied_end is not None and j == mine[-1]
+            tied = TiedEnd(tied_end[0], tied_end[1], self.stores[0], tied_end[2]) if head else None
+            self.stores[j] = StageStore(self.layouts[j], self.dtype, cfg.train, pin, half_grads,
+                                        device if j in plan.options.resident else "cpu", self.delayed, tied)
         self._load_weights(weights_from)
         self.counters = Counters()
         self.arbiter = self._arbiter()
@@ -97,6 +103,15 @@ class PipelineEngine:
         self._update_rate = [0, 0.0, 0.0]  # steps seen, CPU AdamW seconds and parameters (see update_rate)
 
     # ---- set-up ---------------------------------------------------------------------------------
+    def _tied_end(self, swapped: list[int]) -> tuple[int, int, int] | None:
+        """(offset in the head's buffers, numel, offset in the embedding's) of a trained tied weight whose
+        two ends' stages are both swapped on this worker: the embedding's store updates it for both."""
+        ends = self._tied_ranges()
+        if not ends or not {j for j, _, _ in ends} <= set(swapped):
+            return None
+        (_, embed, n), (_, head, _) = ends
+        return head, n, embed
+
     def _load_weights(self, source: WeightSource | None) -> None:
         """Each worker reads only its stages (a checkpoint) or initialises only them (from scratch), one
         unit at a time, straight into the stores: at most one unit's tensors exist beside them, so that
@@ -105,7 +120,7 @@ class PipelineEngine:
         num_units = self.plan.boundaries[-1]
         for j, store in self.stores.items():
             lay = self.layouts[j]
-            missing = {n for p in lay.params for n in p.names}
+            missing = {n for p in lay.params for n in p.names} - store.tied_names  # the source's weights
             for k in range(lay.first_unit, lay.end_unit):
                 names = {n for n in missing if n.startswith(unit_prefix(k, num_units))}
                 if names:

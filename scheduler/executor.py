@@ -325,12 +325,12 @@ class Executor:
 
     def _copy(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int) -> None:
         host = self.hosts[j]
-        host.updated.wait()  # the CPU update of the previous step has written this stage's copy (delayed: the
+        host.wait_ready()  # the CPU update of the previous step has written this stage's copy (delayed: the
         # compute copy, taken when the gradients landed)
         if self.failure is not None:
             raise RuntimeError("not uploading after an earlier failure")
-        src, dst = host.half, slot.params if slot is not None else self.buffer
-        step = max(1, UPLOAD_CHUNK // src.element_size())
+        dst = slot.params if slot is not None else self.buffer
+        step = max(1, UPLOAD_CHUNK // dst.element_size())
         trace = st.trace
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
@@ -338,11 +338,12 @@ class Executor:
                     self.copy_stream.wait_event(slot.released)
                 start = trace.mark(self.copy_stream) if trace is not None else None
                 dst[:lo].copy_(self.buffer[:lo], non_blocking=True)  # the prefetched part, on the device
-                for a in range(lo, hi, step):
-                    self.arbiter.acquire(order)
-                    dst[a:min(a + step, hi)].copy_(src[a:min(a + step, hi)], non_blocking=True)
-                    if self.arbiter.peers:
-                        self.copy_stream.synchronize()  # the next chunk is arbitrated again
+                for a, b, src in host.upload_pieces(lo, hi):  # a tied end from the embedding's store
+                    for c in range(a, b, step):
+                        self.arbiter.acquire(order)
+                        dst[c:min(c + step, b)].copy_(src[c - a:min(c + step, b) - a], non_blocking=True)
+                        if self.arbiter.peers:
+                            self.copy_stream.synchronize()  # the next chunk is arbitrated again
                 if slot is not None:
                     slot.ready_event = torch.cuda.Event()
                     slot.ready_event.record(self.copy_stream)
@@ -350,9 +351,10 @@ class Executor:
             start = trace.mark() if trace is not None else None
             dst[:lo].copy_(self.buffer[:lo])
             self.arbiter.acquire(order)
-            dst[lo:hi].copy_(src[lo:hi])
+            for a, b, src in host.upload_pieces(lo, hi):
+                dst[a:b].copy_(src)
         self.arbiter.release()
-        self.counters.add(h2d=(hi - lo) * src.element_size())
+        self.counters.add(h2d=(hi - lo) * dst.element_size())
         if trace is not None:
             trace.add("h2d", f"{'U' if slot is not None else 'P'}{j}", start,
                       trace.mark(self.copy_stream if self.cuda else None))
@@ -655,7 +657,7 @@ class Executor:
 
         def update() -> int:
             host.update(lr, factor, skip=skip, copy=not host.delayed)
-            return 0 if skip else self.layouts[j].trainable_numel
+            return 0 if skip else host.own
 
         timed = (lambda t0, t1: trace.add("cpu", f"O{j}", t0, t1)) if trace is not None else None
         # its end (or failure) releases what waits on it
@@ -671,15 +673,17 @@ class Executor:
         slot.grads_live = False  # zeroed before the next backward
 
     def _tie(self, a: Action) -> None:
-        """Sum the two ends' gradients of the tied weight (both ends then take the same update);
-        its sum of squares is counted once, on the embedding's worker."""
+        """Sum the two ends' gradients of the tied weight: on one worker into the embedding's end, whose
+        store updates the weight for both (:class:`scheduler.store.TiedEnd`); on two workers into each
+        end, and both take the same update. Its sum of squares is counted once, on the embedding's
+        worker."""
         st = self.st
         for arrived in (st.arrived.get(j) for j in self.tied):
             if arrived is not None:
                 arrived.synchronize()
         ends = {j: self.hosts[j].grads_in[o:o + n] for j, (o, n) in self.tied.items()}
         if len(ends) == 2:
-            sumsq = add_tied(ends[0], ends[max(ends)], into=tuple(ends.values()))
+            sumsq = add_tied(ends[0], ends[max(ends)], into=(ends[0],))
         else:
             (j, mine), = ends.items()
             other_stage = st.sched.num_stages - 1 if j == 0 else 0

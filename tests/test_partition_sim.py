@@ -9,6 +9,7 @@ import pytest
 
 from fixtures.partition.profiles import hand_profile, toy_profile
 from partition import Hardware, ModelEvaluator, PipelineOptions, simulate
+from partition.evaluate import tie_seconds
 from partition.baselines import is_valid
 from partition.costs import TIE_SUM_BYTES, UPDATE_BYTES, stage_costs
 
@@ -185,20 +186,28 @@ def test_peer_to_peer_moves_activations_directly() -> None:
 
 def test_a_tied_weight_is_exchanged_across_workers_and_its_ends_update_last() -> None:
     """The two ends of a tied weight sum their gradients on the host (after an exchange through host memory
-    when they are on two workers) before either updates, so both update after the last backward; the model
-    agrees."""
+    when they are on two workers) before either updates, so both update after the last backward; on one
+    worker the embedding's store updates the weight for both, so the head stage's CPU update leaves it out.
+    The model agrees."""
     prof = toy_profile(blocks=6)
     hw = _separate(2, memory=8 * GiB)
     split, same = [0, 2, 4, 6, 8], [0, 2, 4, 8]  # stages 0 and 3 on two workers; stages 0 and 2 on one
-    untied, untied_same = (simulate(prof, b, hw, micro_batches=2).step_s for b in (split, same))
-    prof.tied_params = 500_000_000
+    untied = simulate(prof, split, hw, micro_batches=2).step_s
+    prof.tied_params = prof.units[-1].param_count  # the head's weight is the embedding's
     exchange = 4 * prof.tied_params / hw.host_copy_Bps
     assert simulate(prof, split, hw, micro_batches=2).step_s >= untied + exchange
-    summed = prof.tied_params * TIE_SUM_BYTES / UPDATE_BYTES / hw.cpu_update_rate()  # on one worker: the sum alone
-    assert simulate(prof, same, hw, micro_batches=2).step_s >= untied_same + summed - 1e-9
-    for bounds in (split, same):
+    rate = hw.cpu_update_rate()
+    for bounds, held in ((split, 0), (same, prof.tied_params)):
+        res = simulate(prof, bounds, hw, micro_batches=2)
+        adam = {e.name: e.end - e.start for e in res.events if e.track == "cpu"}
+        costs = stage_costs(prof, bounds)
+        S = len(costs)
+        assert adam[f"adam{S - 1}"] == pytest.approx((costs[-1].trainable_count - held) / rate)
+        assert adam["adam0"] == pytest.approx(costs[0].trainable_count / rate)
         model = ModelEvaluator(prof, hw, lambda S: [0, 1], 2).step_time(bounds)
-        assert simulate(prof, bounds, hw, micro_batches=2).step_s == pytest.approx(model, rel=1e-3)  # activations share links
+        assert res.step_s == pytest.approx(model, rel=1e-3)  # activations share links
+    summed = prof.tied_params * TIE_SUM_BYTES / UPDATE_BYTES / rate  # on one worker: the sum alone, no exchange
+    assert tie_seconds(prof, hw, split=False) == pytest.approx(summed)
 
 
 def test_peak_memory_is_the_memory_model_and_stays_within_the_budget() -> None:

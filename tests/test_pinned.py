@@ -119,6 +119,43 @@ def test_a_stage_store_locks_exactly_what_the_host_memory_check_counts(cudart: F
     assert cudart.registered == {}
 
 
+@pytest.mark.parametrize("dtype,half_grads,delayed", [(torch.bfloat16, False, False), (torch.bfloat16, True, False),
+                                                     (torch.float32, False, False), (torch.float32, False, True)])
+def test_a_tied_head_end_has_no_master_or_moments_and_uploads_the_embeddings_copy(
+        cudart: FakeCudart, dtype: torch.dtype, half_grads: bool, delayed: bool) -> None:
+    """Both ends of a tied weight on one worker: the head's store updates only what precedes its end (the
+    end is the last thing that trains there), so its master and moments stop there; its half copy and
+    gradient keep the end (the gradient comes down for the two ends' sum). The host memory check counts
+    exactly that, the upload reads the end from the embedding's copy, and the head's weights name it too."""
+    from scheduler.store import TiedEnd
+
+    cfg = GPT2Config(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    first, _, last = stage_layouts(cfg, [0, 1, 3, 4])
+    emb, head = first.place_of("embed.wte.weight"), last.place_of("head.lm_head.weight")
+    assert head.offset + head.numel == last.trainable_numel  # laid last
+    source = StageStore(first, dtype, TrainSection(), pin=True, half_grads=half_grads, delayed=delayed)
+    before = sum(cudart.registered.values())
+    store = StageStore(last, dtype, TrainSection(), pin=True, half_grads=half_grads, delayed=delayed,
+                       tied=TiedEnd(head.offset, head.numel, source, emb.offset))
+    own, t = store.own, last.trainable_numel
+    assert own == head.offset and store.master.numel() == own and store.optimizer.m.numel() == own
+    locked = sum(cudart.registered.values()) - before
+    shared = dtype == torch.float32 and not delayed
+    allocated = locked + own * (8 if shared else 12)  # AdamW's m and v (and a separate fp32 master)
+    assert host_bytes([last], dtype, half_grads, delayed, tied_numel=t - own) == allocated
+    source.master.uniform_()
+    source.half[:first.trainable_numel].copy_(source.master)
+    store.half.fill_(-1.0)
+    got = torch.cat([src for _, _, src in store.upload_pieces(0, last.numel)])
+    assert torch.equal(got[:own], store.half[:own])
+    assert torch.equal(got[own:own + head.numel], source.half[emb.offset:emb.offset + head.numel])
+    assert [(a, b) for a, b, _ in store.upload_pieces(3, own + 5)] == [(3, own), (own, own + 5)]
+    assert torch.equal(store.weights()["head.lm_head.weight"], source.weights()["embed.wte.weight"])
+    store.optimizer.set_steps(1)
+    assert store.tied_names == {"head.lm_head.weight"}
+    assert set(store.moments()) == {"head.ln_f.weight", "head.ln_f.bias"}
+
+
 @pytest.mark.parametrize("dtype,delayed,locked", [(torch.bfloat16, False, [2, 4]), (torch.float32, False, [4, 4]),
                                                   (torch.bfloat16, True, [2, 4]), (torch.float32, True, [4, 4])])
 def test_an_offloaded_zero_chunk_locks_its_gradient_shard_and_half_copy(cudart: FakeCudart, dtype: torch.dtype,

@@ -24,6 +24,8 @@ SWAPPED = {"resident_stages": [], "kept_stages": []}
 CASES = {
     # 6 stages on 2 workers (0, 2, 4 and 1, 3, 5), all swapped: the tied embedding and head on two workers
     "swapped-2x6-clipped": ("deep", {"stages": 6, **SWAPPED}, {}, "delayed", 1e-5),
+    # 5 stages (0, 2, 4 and 1, 3): both ends on worker 0, whose embedding store updates the tied weight for both
+    "tied-one-worker-clipped": ("deep", {"stages": 5, **SWAPPED}, {}, "delayed", 1e-5),
     # swapped kept stages, a resident one (device AdamW), clipping: every update after the global norm
     "kept-swapped-and-resident": ("deep", {"stages": 6, "resident_stages": [3], "kept_stages": [0, 2, 3]}, {},
                                   "delayed", 1e-5),
@@ -37,7 +39,7 @@ CASES = {
     "lora-resident-kept": ("llama", {"stages": 6, "resident_stages": [1, 5], "kept_stages": [0, 2, 3]},
                            {"lr": 1e-3}, "delayed", 1e-5),
     # bf16: half-precision compute copies and activations vs fp32 autocast (fp32 gradient downloads)
-    "bf16-resident": ("deep", {"stages": 4, "resident_stages": [1], "kept_stages": [], "grad_download": "fp32"},
+    "bf16-resident": ("deep", {"stages": 5, "resident_stages": [1], "kept_stages": [], "grad_download": "fp32"},
                       {"precision": "bf16"}, "delayed", 3e-2),
     "sync-swapped-2x6": ("deep", {"stages": 6, **SWAPPED}, {}, "sync", 1e-5),  # what delayed must differ from
 }
@@ -62,9 +64,9 @@ def _train(engine, cfg, overflow: bool = False) -> dict:
 
 
 def _store_state(engine) -> dict:
-    """Each store's master and the trainable part of its compute copy (pipeline engines only)."""
+    """Each store's master and the part of its compute copy that it updates (pipeline engines only)."""
     stores = getattr(engine, "stores", {})
-    return {j: (s.master.clone(), s.half[:s.layout.trainable_numel].clone()) for j, s in stores.items()}
+    return {j: (s.master.clone(), s.half[:s.own].clone()) for j, s in stores.items()}
 
 
 def _run_case(case: dict, world: int) -> dict:
@@ -130,18 +132,19 @@ def test_pipeline_delayed_equals_single_delayed(tmp_path: Path, deep_checkpoint:
 
 def test_pipeline_delayed_fp16_overflow_skips_the_update_and_still_hands_over(tmp_path: Path,
                                                                                deep_checkpoint: Path) -> None:
-    """fp16 with a swapped and a resident stage per worker: an overflowing step 2 makes no update (every
-    store's master unchanged: w_2 == w_1) yet the compute copies take the master (step 3 computes with
-    w_1), on both workers; the run goes on like single mode's (fp16 tolerance) with the same skips."""
+    """fp16 with swapped and resident stages on both workers (the tied ends on one): an overflowing step 2
+    makes no update (every store's master unchanged: w_2 == w_1) yet the compute copies take the master
+    (step 3 computes with w_1), on both workers; the run goes on like single mode's (fp16 tolerance) with
+    the same skips."""
     case = {"name": "fp16-overflow", "ck": deep_checkpoint, "update": "delayed", "lora": False, "overflow": True,
-            "parallel": {"stages": 4, "resident_stages": [1, 2], "kept_stages": [1]}, "train": {"precision": "fp16"}}
+            "parallel": {"stages": 5, "resident_stages": [1, 2], "kept_stages": [1]}, "train": {"precision": "fp16"}}
     case = _planned(case, 2, tmp_path)
     ranks = spawn_cases(_run_case, [case], 2)[0]
     ref = _reference(case, tmp_path)
     assert [r["skipped"] for r in ranks] == [ref["skipped"]] * 2 == [[s == OVERFLOW_STEP for s in range(STEPS)]] * 2
     assert all(r["optimizer_step"] == STEPS - 1 for r in ranks)
-    for rank in ranks:
-        assert len(rank["after"]) == 2
+    for rank, stages in zip(ranks, (3, 2)):  # 0, 2, 4 and 1, 3
+        assert len(rank["after"]) == stages
         for j, (master, compute) in rank["after"].items():
             before_master, before_compute = rank["before"][j]
             assert (master == before_master).all(), j  # no update
@@ -151,18 +154,22 @@ def test_pipeline_delayed_fp16_overflow_skips_the_update_and_still_hands_over(tm
 
 
 # ---- resuming with an update in flight, through `mobius train` -------------------------------------------
-def _run_cfg(tmp: Path, ck: Path, corpus: Path, out: str, **sections: dict):
-    return delayed_run_config(tmp, ck, corpus, out, 3, {"parallel": {"mode": "pipeline", "device": "cpu", "devices": 2, "stages": 4,
-                                                     "resident_stages": [1], "kept_stages": []}}, **sections)
+def _run_cfg(tmp: Path, ck: Path, corpus: Path, out: str, stages: int = 4, **sections: dict):
+    return delayed_run_config(tmp, ck, corpus, out, 3, {"parallel": {"mode": "pipeline", "device": "cpu", "devices": 2,
+                                                     "stages": stages, "resident_stages": [1], "kept_stages": []}},
+                              **sections)
 
 
-def test_pipeline_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
-    """4 delayed pipeline steps (4 stages on 2 workers, one resident, the tied head on the other worker,
-    evaluations after steps 2 and 4) == 2 steps, the step-2 checkpoint, --resume, 2 more: the same losses,
-    evaluations and weights. The checkpoint holds the compute weights (every trainable weight once, fp32,
-    one update behind its newest), written by both workers into one file; resumed in single mode it
-    continues as 4 delayed steps in single mode do."""
-    runs = lambda tmp, out, **sec: _run_cfg(tmp, deep_checkpoint, corpus, out, **sec)  # noqa: E731
+@pytest.mark.parametrize("stages", [4, 5])
+def test_pipeline_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoint: Path, corpus: Path,
+                                                  stages: int) -> None:
+    """4 delayed pipeline steps (2 workers, one resident stage; 4 stages: the tied head on the other worker
+    than the embedding, 5: on the same one, whose embedding store updates it for both; evaluations after
+    steps 2 and 4) == 2 steps, the step-2 checkpoint, --resume, 2 more: the same losses, evaluations and
+    weights. The checkpoint holds the compute weights (every trainable weight once, fp32, one update behind
+    its newest), written by both workers into one file; resumed in single mode it continues as 4 delayed
+    steps in single mode do."""
+    runs = lambda tmp, out, **sec: _run_cfg(tmp, deep_checkpoint, corpus, out, stages, **sec)  # noqa: E731
     first = resumed_equals_straight(tmp_path, runs)
     assert [r[2] is not None for r in metric_rows(tmp_path / "first")] == [False, True, False, True]
     # the same checkpoint in single mode continues as single mode's own delayed run

@@ -41,10 +41,13 @@ def model_params(cfg: ModelConfig) -> list[ParamInfo]:
 
 def stage_params(params: list[ParamInfo], first: int, end: int) -> list[ParamInfo]:
     """The parameters units ``[first, end)`` use, each under the names those units give it (a tied
-    weight whose two ends are both there keeps both names)."""
-    out = []
+    weight whose two ends are both there keeps both names), in forward-use order: a tied head's end
+    whose embedding is in an earlier stage comes last (after the head's norm), so that the range a
+    stage updates itself, when another stage updates the tied weight, is one prefix of its buffer."""
+    out, later = [], []
     for p in params:
         mine = [(n, u) for n, u in zip(p.names, p.units) if first <= u < end]
         if mine:
-            out.append(ParamInfo(tuple(n for n, _ in mine), p.shape, tuple(u for _, u in mine), p.decay, p.trains))
-    return out
+            info = ParamInfo(tuple(n for n, _ in mine), p.shape, tuple(u for _, u in mine), p.decay, p.trains)
+            (later if p.units[0] < first else out).append(info)
+    return out + later
