@@ -46,6 +46,13 @@ def host_bytes_per_param(precision: str, half_grads: bool, delayed: bool = False
     return 14 if half_grads else 18
 
 
+def compute_copy_work(precision: str) -> float:
+    """Under ``train.update: delayed`` with one compute copy, a stage's copy from its master (fp32 read, the
+    training dtype written) in CPU updates of its parameters (:data:`UPDATE_BYTES` each): what the runtime
+    reports for it beside its AdamW, and what the simulator queues ahead of the updates."""
+    return (4 + PRECISION_BYTES["fp32" if precision == "fp32" else "bf16"]) / UPDATE_BYTES
+
+
 def tied_end_held(profile: "ModelProfile", num_stages: int, num_workers: int) -> int:
     """Parameters of a trained tied weight's head end that the embedding's store updates, when one worker
     holds both ends' stages (stage j on worker j mod N; :class:`scheduler.store.TiedEnd`): the head

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from partition.costs import ModelProfile, StageCost, stage_costs, tied_end_held
+from partition.costs import ModelProfile, StageCost, compute_copy_work, stage_costs, tied_end_held
 from partition.evaluate import GB, PipelineOptions, stage_exprs, tie_seconds
 from partition.hardware import Hardware
 from partition.schedule import COMPUTE, Kind, Schedule, build_schedule
@@ -276,7 +276,12 @@ class _Sim:
         self.step_start = 0.0
         self.step_ends: list[float] = []
         self.version = [0] * self.S  # updates each stage has completed
-        self.copied = [0] * self.S  # delayed: compute copies taken (one per download, as it lands)
+        self.copied = [0] * self.S  # delayed: compute copies taken (one per download, after it lands)
+        # delayed, one compute copy per stage: each download queues the stage's copy from its master on its worker's
+        # CPU ahead of every update (in CPU updates of the stage's parameters); several copies: none
+        self.copy_work = compute_copy_work(profile.precision) if sched.options.delayed and sched.compute_copies == 1 \
+            else 0.0
+        self.copy_queue: list[list[tuple[int, int]]] = [[] for _ in range(self.N)]  # (step, stage) in order
         self.delay = int(sched.options.delayed)  # train.update: delayed (see :meth:`_weights_ready`)
         self.program = sched.steps > 1  # one list of several steps (round-robin): no per-step restart
         self.downloads_due = _downloads_per_step(sched)  # (step, stage) -> downloads before its update
@@ -286,7 +291,7 @@ class _Sim:
                           range(sched.steps)}  # a program's downloads outstanding per step (its barrier)
         self.opt_queue: list[list[tuple[int, int]]] = [[] for _ in range(self.N)]  # (step, stage) in order
         self.opt_busy: list[float | None] = [None] * self.N  # when the running update ends at its current rate
-        self.opt_running: list[tuple[int, int] | None] = [None] * self.N
+        self.opt_running: list[tuple[int, int, bool] | None] = [None] * self.N  # (step, stage, a compute copy)
         self.opt_left = [0.0] * self.N  # parameters the running update has left
         self.opt_rate = [0.0] * self.N  # its parameters per second: its share of the host (:meth:`_share_cpu`)
         self.opt_start = [0.0] * self.N
@@ -447,8 +452,8 @@ class _Sim:
     def _weights_ready(self, stage: int, step: int) -> bool:
         """Whether ``stage``'s weights for ``step`` are in its host copy. Sync: every earlier step's update has
         run. Delayed, with one compute copy per stage (the swapped pipeline): the previous step's gradients are
-        down (the runtime then copies the master, one update old, into the compute copy ahead of every update,
-        taken as instant here), and a download waits until the update has read the stage's one gradient buffer;
+        down and its compute copy taken (the runtime copies the master, one update old, into the compute copy on
+        the worker's CPU thread ahead of every update: ``copy_work``), and a download waits until the update has read the stage's one gradient buffer;
         with two copies of both that alternate by step (round-robin): the update before the previous one has
         run (it wrote its copy)."""
         if not self.delay:
@@ -597,7 +602,10 @@ class _Sim:
         if self.downloads_done[key] < self.downloads_due[(task.tstep, task.stage)]:
             return  # round-robin: earlier rounds' gradients are summed in host memory
         self.downloaded[key] = t
-        self.copied[task.stage] += 1
+        if self.copy_work:
+            self.copy_queue[w.w].append((step, task.stage))
+        else:
+            self.copied[task.stage] += 1
         if not self.sched.barrier and not self._tied_end(task.stage):
             self.opt_queue[w.w].append((step, task.stage))
 
@@ -648,18 +656,31 @@ class _Sim:
     def _start_updates(self) -> bool:
         started = False
         for w in range(self.N):
-            if self.opt_busy[w] is not None or not self.opt_queue[w]:
+            if self.opt_busy[w] is not None:
+                continue
+            if self.copy_queue[w]:  # a compute copy goes ahead of every update (the next step's upload waits for it)
+                step, j = self.copy_queue[w].pop(0)
+                self.opt_running[w], self.opt_start[w] = (step, j, True), self.t
+                self.opt_left[w] = self._cpu_params(j) * self.copy_work
+                self.opt_busy[w] = self.t
+                started = True
+                continue
+            if not self.opt_queue[w]:
                 continue
             step, j = self.opt_queue[w][0]
             tie = self.tie_at.get(step)
             if self._tied_end(j) and not self.sched.barrier and (tie is None or tie > self.t + _EPS_T):
                 continue
             self.opt_queue[w].pop(0)
-            self.opt_running[w], self.opt_start[w] = (step, j), self.t
-            self.opt_left[w] = float(self.costs[j].trainable_count - (self.tied_held if j == self.S - 1 else 0))
+            self.opt_running[w], self.opt_start[w] = (step, j, False), self.t
+            self.opt_left[w] = self._cpu_params(j)
             self.opt_busy[w] = self.t  # timed by _share_cpu
             started = True
         return started
+
+    def _cpu_params(self, j: int) -> float:
+        """The parameters stage j's CPU update covers: a tied head's end held by the embedding's store left out."""
+        return float(self.costs[j].trainable_count - (self.tied_held if j == self.S - 1 else 0))
 
     def _share_cpu(self) -> None:
         """The running CPU updates' and summing threads' rates: each one's share of the host while this many
@@ -744,9 +765,12 @@ class _Sim:
     def _complete_updates(self) -> None:
         for w in range(self.N):
             if self.opt_busy[w] is not None and self.opt_busy[w] <= self.t + _EPS_T:
-                _, j = self.opt_running[w]
-                self._event(-1, "cpu", f"adam{j}", self.opt_start[w], self.t, "adam")
-                self.version[j] += 1
+                _, j, copy = self.opt_running[w]
+                self._event(-1, "cpu", f"{'copy' if copy else 'adam'}{j}", self.opt_start[w], self.t, "adam")
+                if copy:
+                    self.copied[j] += 1
+                else:
+                    self.version[j] += 1
                 self.opt_busy[w], self.opt_running[w] = None, None
             if self.add_busy[w] is not None and self.add_busy[w] <= self.t + _EPS_T:
                 task, start = self.adding[w]

@@ -197,7 +197,8 @@ class PipelineEngine:
 
     def _count_update_rate(self, stats: dict[str, float]) -> None:
         """After ``IN_STEP_WARMUP`` steps, sum the CPU AdamW's seconds and parameters over the next
-        ``IN_STEP_STEPS`` (all workers; see :attr:`update_rate`)."""
+        ``IN_STEP_STEPS`` (all workers; see :attr:`update_rate`); a delayed update's compute copies count in
+        both, their parameters as :func:`partition.costs.compute_copy_work` weighs them."""
         seen = self._update_rate
         seen[0] += 1
         if IN_STEP_WARMUP < seen[0] <= IN_STEP_WARMUP + IN_STEP_STEPS:

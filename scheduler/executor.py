@@ -636,7 +636,7 @@ class Executor:
         st.arrived[j] = done
         if host.delayed:  # what the next step's uploads wait for, ahead of every AdamW (barrier or not)
             timed = (lambda t0, t1: st.trace.add("cpu", f"K{j}", t0, t1)) if st.trace is not None else None
-            self.updater.submit(lambda: host.to_compute() or 0, done, host.updated, timed, first=True)
+            self.updater.submit(host.to_compute, done, host.updated, timed, first=True)
 
     @staticmethod
     def _sumsq(g: torch.Tensor, skip: tuple[int, int] | None) -> torch.Tensor:

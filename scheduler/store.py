@@ -45,7 +45,7 @@ import torch
 from mobius.config import TrainSection
 from mobius.errors import MobiusError
 from mobius.optim import FlatAdamW
-from partition.costs import host_bytes_per_param, tied_end_bytes_per_param
+from partition.costs import compute_copy_work, host_bytes_per_param, tied_end_bytes_per_param
 from scheduler.pinned import host_zeros
 from scheduler.stages import Placement, StageLayout
 from topology.host import HOST_USABLE_FRACTION, available_host_bytes
@@ -206,9 +206,11 @@ class StageStore:
         elif not skip:
             self.optimizer.step(grads, lr, grad_factor)
 
-    def to_compute(self) -> None:
-        """``delayed``: the half copy takes the master (w_{t-1}, what the next step computes with)."""
+    def to_compute(self) -> int:
+        """``delayed``: the half copy takes the master (w_{t-1}, what the next step computes with); returns that
+        work in CPU updates of parameters (:func:`partition.costs.compute_copy_work`), as the planner counts it."""
         self.optimizer.to_compute()
+        return round(self.own * compute_copy_work("fp32" if self.dtype == torch.float32 else "bf16"))
 
     def newest(self) -> contextlib.AbstractContextManager:
         """While open, the copy the GPU computes with holds the newest weights (an evaluation; under delayed

@@ -52,20 +52,26 @@ def test_a_step_computed_by_hand() -> None:
 
 
 def test_a_delayed_update_after_the_norm_leaves_the_next_step_alone_by_hand() -> None:
-    """The hand step above with clipping and train.update=delayed. The compute copies are taken as the gradients
-    land (c at 10, b at 12, a at 15 s), so the next step's uploads wait for none of the updates; the updates after
-    the norm (15 s) go in the order of the downloads (worker 0: c 15-16, a 16-18; worker 1: b 15-16) and the next
-    step's downloads (c at 24, a at 28, b at 26 s) find them done: 15 s per step, not the sync step's 17. With a
-    CPU five times slower (c 15-20, a 20-30) the next download of a waits from 28 to 30 s: 17 s per step."""
+    """The hand step above with clipping and train.update=delayed. Each download queues the stage's compute copy
+    from its master on its worker's CPU, ahead of every update: 6 bytes a parameter (fp16) against the update's 30,
+    so 0.2 s for c and b and 0.4 s for a (c 10-10.2, b 12-12.2, a 15-15.4). The next step's uploads wait for those
+    copies, none for an update: a's upload waits for its copy, 0.4 s into the step, so every step after the first
+    takes 15.4 s, not the sync step's 17. The updates after the norm (15 s) go in the order of the downloads, behind
+    the copy (worker 0: c 15.4-16.4, a 16.4-18.4; worker 1: b 15-16), and the next step's downloads find them done.
+    With a CPU five times slower the copies take 1 and 2 s and the updates 5 and 10 s (worker 0: a's copy 0-2, c
+    2-7, a 7-17 into the next step): a's next download waits for its update, and a step takes 19 s."""
     prof = hand_profile()
     options = PipelineOptions(barrier=True, delayed=True)
     hidden = simulate(prof, [0, 1, 2, 3], Hardware.uniform(2, 64 * GiB, 1e9, cpu_adam_params_per_s=0.25e9), [0, 1],
                       2, options, steps=4)
-    assert hidden.step_ends == pytest.approx([15.0, 30.0, 45.0, 60.0])
-    assert [s.fwd_start for s in hidden.stages] == pytest.approx([1.0, 2.0, 3.0])  # no wait for an update
+    assert hidden.step_ends == pytest.approx([15.0, 30.4, 45.8, 61.2])
+    assert [s.fwd_start for s in hidden.stages] == pytest.approx([1.4, 2.4, 3.4])  # a waits for its copy alone
+    cpu = sorted((round(e.start, 6), round(e.end, 6), e.name) for e in hidden.events if e.track == "cpu")
+    assert cpu == [(0.0, 0.4, "copy0"), (0.0, 1.0, "adam1"), (0.4, 1.4, "adam2"), (1.4, 3.4, "adam0"),
+                   (10.4, 10.6, "copy2"), (12.4, 12.6, "copy1")]
     slow = simulate(prof, [0, 1, 2, 3], Hardware.uniform(2, 64 * GiB, 1e9, cpu_adam_params_per_s=0.05e9), [0, 1],
                     2, options, steps=4)
-    assert slow.step_ends == pytest.approx([15.0, 32.0, 49.0, 66.0])
+    assert slow.step_ends == pytest.approx([15.0, 34.0, 53.0, 72.0])
 
 
 def test_links_too_fast_to_move_the_clock_still_finish_their_flows() -> None:
