@@ -172,6 +172,8 @@ def test_pipeline_resume_with_an_update_in_flight(tmp_path: Path, deep_checkpoin
     runs = lambda tmp, out, **sec: _run_cfg(tmp, deep_checkpoint, corpus, out, stages, **sec)  # noqa: E731
     first = resumed_equals_straight(tmp_path, runs)
     assert [r[2] is not None for r in metric_rows(tmp_path / "first")] == [False, True, False, True]
+    if stages == 5:
+        return  # what follows reads the checkpoint alone, the same either way
     # the same checkpoint in single mode continues as single mode's own delayed run
     single = {"parallel": {"mode": "single", "devices": 1, "stages": 0, "resident_stages": None,
                            "kept_stages": None}}
