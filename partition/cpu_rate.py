@@ -109,7 +109,7 @@ def measure_host_memory(threads: int, numel: int = HOST_MEMORY_NUMEL, reps: int 
 
 def host_memory_rate(threads: int, cache_dir: str | Path | None = None) -> float:
     """:func:`measure_host_memory`, cached per CPU model and thread count."""
-    path = _update_cache(cache_dir, threads, "fp32", False, "memory-add")
+    path = _cache_path(cache_dir, threads, "memory-add")
     rate = _read_rate(path, "bytes_per_s")
     if rate is not None:
         return rate
@@ -123,12 +123,12 @@ def host_memory_rate(threads: int, cache_dir: str | Path | None = None) -> float
 IN_STEP = "in-step"
 
 
-def _update_cache(cache_dir: str | Path | None, threads: int, precision: str, half_grads: bool,
-                  kind: str) -> Path | None:
+def _cache_path(cache_dir: str | Path | None, *what: object) -> Path | None:
+    """The cache file of one measured rate on this CPU model: ``what`` names it (thread count first, then
+    what was measured: the CPU update's precision, gradient dtype and kind, or the memory add)."""
     import platform
 
-    key = hashlib.sha1(json.dumps([_cpu_name(), platform.machine(), threads, precision, half_grads,
-                                   kind]).encode()).hexdigest()[:16]
+    key = hashlib.sha1(json.dumps([_cpu_name(), platform.machine(), *what]).encode()).hexdigest()[:16]
     return Path(cache_dir) / "cpu_update" / f"{key}.json" if cache_dir is not None else None
 
 
@@ -148,7 +148,7 @@ def _write_rate(path: Path, rate: float, unit: str = "params_per_s", **about: An
 def cpu_update_rate(threads: int, precision: str, cache_dir: str | Path | None = None,
                     half_grads: bool = False) -> float:
     """:func:`measure_cpu_update`, cached per CPU model, thread count, precision and gradient dtype."""
-    path = _update_cache(cache_dir, threads, precision, half_grads, "flat-v2")
+    path = _cache_path(cache_dir, threads, precision, half_grads, "flat-v2")
     rate = _read_rate(path)
     if rate is not None:
         return rate
@@ -165,7 +165,7 @@ def host_update_rate(workers: int, threads: int, precision: str, cache_dir: str 
     """:func:`measure_host_update` (one worker: :func:`cpu_update_rate`), cached like it."""
     if workers <= 1:
         return cpu_update_rate(threads, precision, cache_dir, half_grads)
-    path = _update_cache(cache_dir, threads, precision, half_grads, f"host-{workers}")
+    path = _cache_path(cache_dir, threads, precision, half_grads, f"host-{workers}")
     rate = _read_rate(path)
     if rate is not None:
         return rate
@@ -183,7 +183,7 @@ def host_update_rates_in_step(workers: int, threads: int, precision: str, cache_
     inside a training step, and where they come from: what a run on this machine measured inside its
     steps (each worker's rate among the others, so the total is ``workers`` times it), or
     ``CPU_UPDATE_IN_STEP`` times the rates measured here alone and together."""
-    rate = _read_rate(_update_cache(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"))
+    rate = _read_rate(_cache_path(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"))
     if rate is not None:
         return rate, workers * rate, f"measured inside training steps on this machine, {threads} thread(s) per worker"
     alone = cpu_update_rate(threads, precision, cache_dir, half_grads)
@@ -197,7 +197,7 @@ def record_in_step_rate(threads: int, precision: str, cache_dir: str | Path, dev
                         rate: float) -> None:
     """Keep the CPU AdamW rate a run measured inside its training steps (``device``: its workers'
     device type), for the next plan on this machine."""
-    _write_rate(_update_cache(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"), rate,
+    _write_rate(_cache_path(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"), rate,
                 threads=threads, precision=precision, half_grads=half_grads, device=device)
 
 
@@ -205,7 +205,7 @@ def cpu_update_rate_in_step(threads: int, precision: str, cache_dir: str | Path 
                             half_grads: bool = False) -> tuple[float, str]:
     """The CPU AdamW rate to plan with, and where it comes from: what a run on this machine measured
     inside its steps, or ``CPU_UPDATE_IN_STEP`` times the rate measured alone."""
-    rate = _read_rate(_update_cache(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"))
+    rate = _read_rate(_cache_path(cache_dir, threads, precision, half_grads, f"{IN_STEP}-{device}"))
     if rate is not None:
         return rate, "measured inside training steps on this machine"
     alone = cpu_update_rate(threads, precision, cache_dir, half_grads)
