@@ -295,8 +295,9 @@ def end_when_orphaned(rank: int, named: int | None = None) -> None:
         else:
             while os.getppid() == parent:
                 time.sleep(ORPHAN_CHECK_S)
-        print(f"mobius: worker rank {rank} stopped: its parent process {named or parent} is gone", file=sys.stderr,
-              flush=True)
+        # one write of the whole line: the other workers report at the same moment, and print's separate write of
+        # the newline let their lines run together
+        os.write(2, f"mobius: worker rank {rank} stopped: its parent process {named or parent} is gone\n".encode())
         os._exit(1)
     threading.Thread(target=watch, name="mobius-parent-watch", daemon=True).start()
 
