@@ -4,9 +4,9 @@ so that the CPU updates that run into the next step are counted; and the bytes e
 
 An offloaded chunk's next gather uploads the half copy its CPU update rewrites: in sync once the update
 has run; under ``train.update: delayed`` once its gradient is down, since the runtime then copies the
-master (one update old) into that copy ahead of every AdamW (taken as instant, as in the pipeline's
-simulator), and the chunk's next gradient download waits for the AdamW to have read the gradient shard,
-holding up the dispatch.
+master (one update old) into that copy ahead of every AdamW (taken as instant here; the pipeline's
+simulator queues it on the CPU thread, ahead of the updates that wait), and the chunk's next gradient
+download waits for the AdamW to have read the gradient shard, holding up the dispatch.
 
 Each stream is a lane that runs its operations one after another in issue order. The rank's PCIe
 link is two more lanes, one per direction, that everything crossing it holds while it moves its
