@@ -279,16 +279,39 @@ def test_offloading_costs_time_when_transfers_and_cpu_updates_are_slow() -> None
 def test_a_delayed_update_overlaps_the_next_step_up_to_the_cpu_s_own_time(barrier: bool) -> None:
     """Offloaded chunks whose CPU AdamW takes about as long as the compute: in sync the next step's gathers wait
     for the updates (with clipping all of them start after the norm); delayed, they wait only for the compute
-    copies taken as the gradients land, so the step is about the longer of the two (the CPU's, here)."""
+    copies taken on the CPU thread as the gradients land (ahead of the AdamWs that have not begun: 6 bytes a
+    parameter in bf16 against the AdamW's 30), so the step is about the longer of the two: the CPU's, AdamWs and
+    copies, here."""
+    from partition.costs import compute_copy_work
+
     layout, w = _layout_and_work()
     prof, hw = _profile(layout.num_units, fwd_s=1e-3), _hw(cpu_adam_params_per_s=1e5)
     w = replace(w, barrier=barrier)
     sync = predict(layout, prof, hw, Setting(2, 0), w)
     delayed = predict(layout, prof, hw, Setting(2, 0), replace(w, delayed=True))
-    cpu = layout.num_chunks * layout.shard / 1e5
+    cpu = layout.num_chunks * layout.shard / 1e5 * (1 + compute_copy_work(w.precision))
+    assert compute_copy_work(w.precision) == pytest.approx(0.2)
     assert delayed.cpu_adam_s == pytest.approx(cpu) and delayed.compute_s < cpu
-    assert sync.step_s > 1.2 * delayed.step_s
+    assert sync.step_s > delayed.step_s  # by little without clipping: the copies cost the CPU what sync's wait did
     assert cpu <= delayed.step_s < 1.01 * cpu
+
+
+def test_a_compute_copy_goes_after_the_running_adamw_and_pushes_back_the_waiting_ones() -> None:
+    """Delayed: a chunk's compute copy starts when its gradient is down, or when the AdamW running then ends, and
+    every AdamW that had not begun starts that much later (the runtime queues the copy ahead of them)."""
+    from partition.zero.simulate import _StepSim
+
+    layout, w = _layout_and_work()
+    sim = _StepSim(layout, _profile(layout.num_units), _hw(), Setting(2, 0), replace(w, delayed=True))
+    dt = sim.cost["copy"]
+    sim.adams, sim.lanes.cpu, sim.stats = [[0.0, 1.0, 0], [1.0, 2.0, 1], [2.0, 3.0, 2]], 3.0, {"cpu": 0.0}
+    sim._copy(3, 0.5)
+    assert sim.cpu_ready[3] == pytest.approx(1.0 + dt)
+    assert sim.adams == [[0.0, 1.0, 0], [1.0 + dt, 2.0 + dt, 1], [2.0 + dt, 3.0 + dt, 2]]
+    assert sim.consumed[2] == pytest.approx(3.0 + dt) and sim.lanes.cpu == pytest.approx(3.0 + dt)
+    sim._copy(4, 10.0)  # the thread is idle by then
+    assert sim.cpu_ready[4] == pytest.approx(10.0 + dt) and sim.lanes.cpu == pytest.approx(10.0 + dt)
+    assert sim.stats["cpu"] == pytest.approx(2 * dt)
 
 
 def test_cpu_workers_wait_for_their_reduce_scatters_and_chunk_fills() -> None:

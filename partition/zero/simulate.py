@@ -4,9 +4,9 @@ so that the CPU updates that run into the next step are counted; and the bytes e
 
 An offloaded chunk's next gather uploads the half copy its CPU update rewrites: in sync once the update
 has run; under ``train.update: delayed`` once its gradient is down, since the runtime then copies the
-master (one update old) into that copy ahead of every AdamW (taken as instant here; the pipeline's
-simulator queues it on the CPU thread, ahead of the updates that wait), and the chunk's next gradient
-download waits for the AdamW to have read the gradient shard, holding up the dispatch.
+master (one update old) into that copy on the CPU thread, ahead of every AdamW that has not begun (it
+pushes those back), and the chunk's next gradient download waits for the AdamW to have read the gradient
+shard, holding up the dispatch.
 
 Each stream is a lane that runs its operations one after another in issue order. The rank's PCIe
 link is two more lanes, one per direction, that everything crossing it holds while it moves its
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mobius.layout import ChunkLayout
-from partition.costs import ModelProfile
+from partition.costs import ModelProfile, compute_copy_work
 from partition.schedule.zero import OpKind, chunk_trace, grad_flushes, train_program
 from partition.zero.cache import simulate_cache
 from partition.zero.memory import GRAD_BYTES, Setting, Workload, ZeroHardware
@@ -97,10 +97,12 @@ class _StepSim:
                      "allgather": lat + (N - 1) * sh * e / hw.g2g_Bps if N > 1 else 0.0,
                      "reduce": lat + ((N - 1) * sh * GRAD_BYTES / hw.g2g_Bps if N > 1
                                       else 2 * sh * GRAD_BYTES / hw.device_Bps),
-                     "download": lat + sh * GRAD_BYTES / hw.g2c_Bps, "cpu_adam": sh / hw.cpu_adam_params_per_s}
+                     "download": lat + sh * GRAD_BYTES / hw.g2c_Bps, "cpu_adam": sh / hw.cpu_adam_params_per_s,
+                     "copy": sh * compute_copy_work(w.precision) / hw.cpu_adam_params_per_s}
         self.fold_s = w.micro_batches * (e + 8) / hw.device_Bps  # per parameter: its gradient into the fp32 sums
         self.lanes, self.cpu_ready = _Lanes(), [0.0] * layout.num_chunks  # an offloaded chunk's half copy rewritten
         self.consumed = [0.0] * layout.num_chunks  # an offloaded chunk's last AdamW done with its gradient shard
+        self.adams: list[list] = []  # [start, end, chunk] of the CPU AdamWs scheduled (a copy pushes back later ones)
         self.stats: dict[str, float] = {}
         self.block_free: list[float] = []  # per step: when each block's last reader ends
         self.ready: dict[int, float] = {}  # per step: when each gathered chunk is complete
@@ -185,7 +187,7 @@ class _StepSim:
             lanes.d2h = max(lanes.d2h, done) + self.cost["download"]
             done = lanes.d2h
             if self.w.delayed:  # the compute copy takes the master as the gradient lands
-                self.cpu_ready[c] = done
+                self._copy(c, done)
             if self.w.barrier:
                 self.barrier_jobs.append((c, done))
             else:
@@ -195,9 +197,24 @@ class _StepSim:
     def _cpu_update(self, c: int, arrived: float) -> None:
         begin = max(self.lanes.cpu, arrived)
         self.lanes.cpu = self.consumed[c] = begin + self.cost["cpu_adam"]
+        self.adams.append([begin, self.lanes.cpu, c])
         if not self.w.delayed:
             self.cpu_ready[c] = self.lanes.cpu
         self.stats["cpu"] += self.cost["cpu_adam"]
+
+    def _copy(self, c: int, arrived: float) -> None:
+        """Delayed: chunk c's compute copy from its master on the CPU thread once its gradient is down, after the
+        AdamW running then and before every one that has not begun (each pushed back by the copy)."""
+        dt = self.cost["copy"]
+        begin = next((end for start, end, _ in self.adams if start <= arrived < end), arrived)
+        for job in self.adams:
+            if job[0] >= begin:
+                job[0] += dt
+                job[1] += dt
+                self.consumed[job[2]] = max(self.consumed[job[2]], job[1])
+        self.lanes.cpu = self.lanes.cpu + dt if self.lanes.cpu > begin else begin + dt
+        self.cpu_ready[c] = begin + dt
+        self.stats["cpu"] += dt
 
 
 def _unit_numel(layout: ChunkLayout, unit: int) -> int:

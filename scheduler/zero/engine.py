@@ -373,7 +373,7 @@ class ZeroEngine:
             self.counters.add(d2h=target.nbytes)
             st.arrived.append((chunk, done))
             if self.delayed:  # what the next step's gathers wait for, ahead of every AdamW (barrier or not)
-                self.updater.submit(lambda: host.to_compute() or 0, done, host.ready, first=True)
+                self.updater.submit(host.to_compute, done, host.ready, first=True)
             if not self.plan.barrier:  # the factor is 1: update as soon as the gradient is down
                 self._queue_update(chunk, done, st.lr, 1.0, False)
 

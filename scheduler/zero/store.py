@@ -31,6 +31,7 @@ import torch
 from mobius.config import TrainSection
 from mobius.optim import FlatAdamW
 from mobius.layout import ChunkLayout
+from partition.costs import compute_copy_work
 from scheduler.pinned import host_zeros
 
 
@@ -129,11 +130,14 @@ class HostChunk:
         if self.half is not self.shards.master:
             self.half.copy_(self.shards.master)
 
-    def to_compute(self) -> None:
+    def to_compute(self) -> int:
         """``delayed``: the half copy takes the master (w_{t-1}, what the next step's gathers upload; a skipped
         step too), as the chunk's gradient lands and ahead of every AdamW (the optimizer thread then sets
-        ``ready``)."""
+        ``ready``); returns that work in CPU updates of parameters (:func:`partition.costs.compute_copy_work`)."""
         self.shards.master_to_compute()
+        compute = self.shards.compute
+        precision = "fp32" if compute is not None and compute.dtype == torch.float32 else "bf16"
+        return round(self.shards.master.numel() * compute_copy_work(precision))
 
     def update(self, lr: float, factor: float, skip: bool = False) -> None:
         """CPU AdamW on the master shard, writing the half copy the next gather uploads in the same pass;
