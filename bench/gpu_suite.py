@@ -14,7 +14,8 @@ calls      what the host pays per CUDA call the pipeline's dispatch thread makes
 delayed    OPT-2.7B all-in-GPU, then its pipeline and zero mode at 24 GiB in sync and with ``train.update: delayed``,
            6 steps each (the pipeline's last traced, left out of the step): on 2026-11-27 the pipeline's one
            untraced step after the first measured 1.297 s delayed and 1.905 s sync against 0.977 s all-in-GPU (0.886 s
-           and 1.388 s planned); zero mode delayed, planned at 0.907 s, has not run on a GPU; ``reduce_s`` in each
+           and 1.388 s planned); zero mode delayed, planned at 1.035 s (0.907 s before its compute copies
+           were counted on the CPU thread), has not run on a GPU; ``reduce_s`` in each
            pipeline row says how much of the step its end takes (about 6 min)
 train      ``mobius train`` as a user runs it (bench/train_bench.py): OPT-2.7B and Llama-3.2-3B from checkpoints written
            on the machine, all-in-GPU (single, uncapped) against the pipeline and zero mode at 24 GiB; ready time and
