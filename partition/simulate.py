@@ -453,9 +453,9 @@ class _Sim:
         """Whether ``stage``'s weights for ``step`` are in its host copy. Sync: every earlier step's update has
         run. Delayed, with one compute copy per stage (the swapped pipeline): the previous step's gradients are
         down and its compute copy taken (the runtime copies the master, one update old, into the compute copy on
-        the worker's CPU thread ahead of every update: ``copy_work``), and a download waits until the update has read the stage's one gradient buffer;
-        with two copies of both that alternate by step (round-robin): the update before the previous one has
-        run (it wrote its copy)."""
+        the worker's CPU thread ahead of every update: ``copy_work``), and a download waits until the update has
+        read the stage's one gradient buffer; with two copies of both that alternate by step (round-robin): the
+        update before the previous one has run (it wrote its copy)."""
         if not self.delay:
             return self.version[stage] >= step
         if self.sched.compute_copies == 1:
