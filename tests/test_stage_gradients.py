@@ -71,7 +71,7 @@ def test_a_tied_weights_ends_sum_in_place_a_chunk_at_a_time(monkeypatch, dtype: 
     x, y = (torch.randn(45, generator=g).to(dtype) for _ in range(2))
     total = x.float() + y.float()
     mine, theirs = x.clone(), y.clone()
-    sumsq = stages.add_tied(mine, theirs, (mine, theirs)[:ends])
+    sumsq = stages.add_tied(mine, theirs, (mine, theirs)[:ends])  # into mine alone in fp32: added in place
     assert torch.equal(mine, total.to(dtype) if ends >= 1 else x)
     assert torch.equal(theirs, total.to(dtype) if ends == 2 else y)
     assert sumsq == pytest.approx(float(torch.dot(total, total)), rel=1e-6)
