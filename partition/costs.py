@@ -49,8 +49,9 @@ def host_bytes_per_param(precision: str, half_grads: bool, delayed: bool = False
 def compute_copy_work(precision: str) -> float:
     """Under ``train.update: delayed`` with one compute copy, a stage's copy from its master (fp32 read, the
     training dtype written) in CPU updates of its parameters (:data:`UPDATE_BYTES` each): what the runtime
-    reports for it beside its AdamW, and what the simulator queues ahead of the updates."""
-    return (4 + PRECISION_BYTES["fp32" if precision == "fp32" else "bf16"]) / UPDATE_BYTES
+    reports for it beside its AdamW, and what the simulator queues ahead of the updates (``precision``: "fp32",
+    or any half precision)."""
+    return (4 + (4 if precision == "fp32" else 2)) / UPDATE_BYTES
 
 
 def tied_end_held(profile: "ModelProfile", num_stages: int, num_workers: int) -> int:

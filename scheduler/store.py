@@ -210,7 +210,7 @@ class StageStore:
         """``delayed``: the half copy takes the master (w_{t-1}, what the next step computes with); returns that
         work in CPU updates of parameters (:func:`partition.costs.compute_copy_work`), as the planner counts it."""
         self.optimizer.to_compute()
-        return round(self.own * compute_copy_work("fp32" if self.dtype == torch.float32 else "bf16"))
+        return round(self.own * compute_copy_work("fp32" if self.dtype == torch.float32 else "half"))
 
     def newest(self) -> contextlib.AbstractContextManager:
         """While open, the copy the GPU computes with holds the newest weights (an evaluation; under delayed

@@ -135,8 +135,7 @@ class HostChunk:
         step too), as the chunk's gradient lands and ahead of every AdamW (the optimizer thread then sets
         ``ready``); returns that work in CPU updates of parameters (:func:`partition.costs.compute_copy_work`)."""
         self.shards.master_to_compute()
-        compute = self.shards.compute
-        precision = "fp32" if compute is not None and compute.dtype == torch.float32 else "bf16"
+        precision = "fp32" if self.half.dtype == torch.float32 else "half"  # the compute copy's
         return round(self.shards.master.numel() * compute_copy_work(precision))
 
     def update(self, lr: float, factor: float, skip: bool = False) -> None:
