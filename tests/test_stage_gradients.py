@@ -61,9 +61,9 @@ def test_each_micro_batchs_half_gradients_are_added_into_the_fp32_sums_once(tied
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ends", [2, 1, 0])
 def test_a_tied_weights_ends_sum_in_place_a_chunk_at_a_time(monkeypatch, dtype: torch.dtype, ends: int) -> None:
-    """TIE sums the two ends' gradients in fp32 into both ends (one worker holds both), one (its own) or
-    neither (the round-robin runtime's norm), without a temporary of the weight's size; the values are x + y
-    rounded once, as a whole-tensor sum gives them."""
+    """TIE sums the two ends' gradients in fp32 into both ends, one (what the pipeline does: the end that
+    updates, in place) or neither (the round-robin runtime's norm), without a temporary of the weight's size;
+    the values are x + y rounded once, as a whole-tensor sum gives them."""
     import scheduler.stages as stages
 
     monkeypatch.setattr(stages, "TIE_CHUNK", 7)  # several chunks and a short last one
