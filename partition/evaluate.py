@@ -61,12 +61,14 @@ def activation_seconds_per_byte(hw: Hardware, src: int, dst: int) -> float:
     return 1.0 / hw.uncontended_d2h(src) + 1.0 / hw.uncontended_h2d(dst)
 
 
-def tie_seconds(profile: ModelProfile, hw: Hardware, split: bool) -> float:
-    """A tied weight's two ends' gradients summed on the host (``TIE_SUM_BYTES`` a parameter at the CPU
-    update's byte rate), after their exchange through host memory when two workers hold them (``split``)."""
+def tie_seconds(profile: ModelProfile, hw: Hardware) -> float:
+    """A tied weight's two ends' gradients exchanged through host memory between the two workers that hold them,
+    then summed on the host (``TIE_SUM_BYTES`` a parameter at the CPU update's byte rate): the round-robin
+    schedule's, and the pipeline's with its ends on two workers (one worker holding both sums them on the
+    device: ``Schedule.tie_in``)."""
     if not profile.tied_params:
         return 0.0
-    exchange = 4 * profile.tied_params / hw.host_copy_Bps if split else 0.0
+    exchange = 4 * profile.tied_params / hw.host_copy_Bps
     return exchange + profile.tied_params * TIE_SUM_BYTES / UPDATE_BYTES / hw.cpu_update_rate()
 
 
@@ -81,7 +83,9 @@ def rates_for(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], num_s
     lat_in = [activation_seconds_per_byte(hw, gpu[j - 1], gpu[j]) * GB if j else 0.0 for j in range(num_stages)]
     lat_back = [activation_seconds_per_byte(hw, gpu[j + 1], gpu[j]) * GB if j < num_stages - 1 else 0.0
                 for j in range(num_stages)]
-    tie_s = tie_seconds(profile, hw, gpu[0] != gpu[-1]) if num_stages > 1 else 0.0
+    # one worker holding both tied ends sums them on the device (stage 0's backward upload brings the head's end's
+    # gradient: the timing model's bytes); two exchange them through host memory and sum them there
+    tie_s = tie_seconds(profile, hw) if num_stages > 1 and (num_stages - 1) % N else 0.0  # ends on two workers
     cpu = hw.cpu_update_rate(half_grads, updating=N)  # the host's share while every worker updates (with clipping
     # they all do, after the global norm; the simulator follows who actually updates when)
     return Rates([up(g) / GB for g in gpu], [down(g) / GB for g in gpu], lat_in, lat_back, cpu / GB, tie_s,

@@ -8,10 +8,11 @@ order) and an optimizer thread (CPU updates in order; the workers' threads share
 ``k`` update at once each runs at ``Hardware.cpu_update_rate(updating=k)``). Activations and their gradients travel as
 soon as they are produced: through host memory (two hops) unless the pair has peer access, or in
 place when both stages are on one worker. A tied weight's two ends exchange gradients once both
-are down (``TIE``); the step ends at ``REDUCE``, when every worker has finished its transfers (and,
-without a barrier, its updates); the next step starts then. With a barrier (clipping, fp16) the
-updates follow REDUCE in ascending stage order and overlap the next step, whose uploads wait for
-them. The reported step time is the steady-state period (the last of ``steps`` steps).
+are down (``TIE``), or, when one worker holds both, stage 0's backward upload brings the head's end's
+gradient up (``Schedule.tie_in``) and its download is the sum; the step ends at ``REDUCE``, when every
+worker has finished its transfers (and, without a barrier, its updates); the next step starts then.
+With a barrier (clipping, fp16) the updates follow REDUCE in ascending stage order and overlap the
+next step, whose uploads wait for them. The reported step time is the steady-state period (the last of ``steps`` steps).
 
 Transfers are fluid flows over per-GPU links (host->GPU, GPU->host, optionally both together) and
 per-root-complex capacities, which may depend on the number of concurrent streams (measured by
@@ -304,7 +305,10 @@ class _Sim:
         self.add_rate = [0.0] * self.N
         self.reduced_steps: set[int] = set()  # a program's steps whose gradients are all down
         self.tie_at: dict[int, float] = {}  # step -> when its tied ends' gradients are summed
-        self.tie_s = _tie_seconds(profile, hw, worker_gpus, self.S, self.program)
+        # the tied ends' sum on the host once both are down, unless one worker holds both (tie_in: on the device)
+        self.tie_s = 0.0 if sched.tie_in or self.S == 1 else tie_seconds(profile, hw)
+        self.tie_in: dict[int, tuple[int, int, int]] = {}  # worker -> (step, occupancy, order) of its stage 0's
+        # backward upload whose weights are up: the head's end of the tied gradient follows (_start_tie_in)
         # the head's tied end updated by the embedding's store (one worker holds both; the round-robin updates both)
         self.tied_held = 0 if self.program else tied_end_held(profile, self.S, self.N)
         for w in self.workers:
@@ -387,6 +391,8 @@ class _Sim:
         for w in self.workers:  # (an engine that is busy or has nothing left is skipped without a call)
             if not w.uploading and w.ui < len(w.uploads):
                 started |= self._start_upload(w)
+            if self.tie_in:
+                started |= self._start_tie_in(w)
             if w.busy_until is None and w.ci < len(w.compute) and w.woken:
                 started |= self._start_compute(w)
             if not w.downloading and w.di in w.d2h_ready:
@@ -425,9 +431,22 @@ class _Sim:
             if sums:
                 nbytes += 4.0 * self.costs[task.stage].trainable_count
             done = lambda t, w=w, occ=task.occ: self._upload_done(w, occ, t)
+            if self.sched.tie_in and task.stage == 0 and task.phase == "b":  # the copy thread then brings the
+                # head's end of the tied weight's gradient up, once it is down (_start_tie_in)
+                done = lambda t, w=w, key=(self.step + task.tstep, task.occ, order): self.tie_in.update({w.w: key})
         w.uploading = True
         w.ui += 1
         self._h2d_flow(w.gpu, f"{task.kind.value}{task.phase}{task.stage}", "upload", nbytes, (1, order), done)
+        return True
+
+    def _start_tie_in(self, w: _Worker) -> bool:
+        """Stage 0's weights are up: the head's end of the tied weight's gradient follows once it is down, and the
+        copy thread waits for it (one worker holds both ends: ``Schedule.tie_in``)."""
+        if w.w not in self.tie_in or (self.tie_in[w.w][0], self.S - 1) not in self.downloaded:
+            return False
+        _, occ, order = self.tie_in.pop(w.w)
+        self._h2d_flow(w.gpu, "T0", "upload", self.grad_bytes * self.profile.tied_params, (1, order),
+                       lambda t, w=w, occ=occ: self._upload_done(w, occ, t))
         return True
 
     def _start_reloads(self, w: _Worker) -> bool:
@@ -945,13 +964,6 @@ def _downloads_per_step(sched) -> dict[tuple[int, int], int]:
                 key = (max(a.round, 0) // rounds, a.stage)
                 out[key] = out.get(key, 0) + 1
     return out
-
-
-def _tie_seconds(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], S: int, anywhere: bool = False) -> float:
-    """The tied ends' sum (:func:`partition.evaluate.tie_seconds`): exchanged through host memory when two workers
-    hold them (``anywhere``: the ends run on changing workers, so always); none when one stage holds both."""
-    split = anywhere or worker_gpus[0] != worker_gpus[(S - 1) % len(worker_gpus)]
-    return tie_seconds(profile, hw, split) if S > 1 else 0.0
 
 
 def _priority(f: _Flow) -> tuple:

@@ -32,7 +32,8 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
 * **Gradients** (fp32 sums, 4 bytes per parameter) download after a stage's last backward, one at
   a time per worker; the worker's CPU AdamW then updates each stage (``A_j`` = its parameters over
   the CPU rate), in download order, as they arrive -- or, with a barrier, after the step's REDUCE.
-  A tied weight's two ends first exchange gradients (``TIE``) and update last.
+  A tied weight's two ends first exchange gradients (``TIE``) and update last; when one worker holds
+  both, stage 0's backward upload brings the head's end's gradient (its download is then the sum).
 * **The step** ends at REDUCE: every worker's downloads done and (without a barrier) its updates
   done. The next step starts there; the model's objective is that period.
 * **Resident stages** live on their GPU for good (half and fp32 weights, AdamW moments, gradients):
@@ -94,6 +95,10 @@ class Shape:
     variants: tuple["Variant", ...] = ()  # a batch (:class:`Batch`): what each variant adds to ``options``
 
     tied = property(lambda self: self.tied_gp > 0)
+    # one worker holds both ends: they are summed on the device, the head's end's gradient coming up with stage 0's
+    # backward upload (Schedule.tie_in)
+    tie_in = property(lambda self: self.tied and self.num_stages > 1
+                      and self.worker(0) == self.worker(self.num_stages - 1))
     num_slots = property(lambda self: self.options.num_slots)  # K
     prefetch_gb = property(lambda self: self.options.prefetch_bytes / 1e9)  # P: the prefetch buffer (one slot)
     barrier = property(lambda self: self.options.barrier)
@@ -342,6 +347,10 @@ class _Uploads:
             upload = self._partly_prefetched(key, j, terms, nbytes, occ[i - 1])
         else:
             upload = self.alg.max(("u" + key[0], j), terms) + nbytes * (1.0 / self.r.up[j])
+        if kind == "B" and j == 0 and self.shape.tie_in:  # then the head's end's gradient, once it is down
+            head = self.t.download_done[self.shape.num_stages - 1]
+            upload = (self.alg.max(("ut", j), [upload, head])
+                      + self.shape.tied_gp * self.shape.grad_bytes * (1.0 / self.r.up[j]))
         value = either(self.shape.frees(self.shape.worker(j)), lambda free: 0.0 if free else upload)
         self.t.upload_done[key] = value
         return value

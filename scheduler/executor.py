@@ -47,6 +47,7 @@ from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.arbiter import UploadArbiter
 from scheduler.counters import Counters
 from scheduler.links import post_early
+from scheduler.shared import WAIT_TIMEOUT_S
 from mobius.models.params import build_units
 from scheduler.stages import StageLayout, add_gradients, add_tied, bind
 from scheduler.store import StageStore
@@ -187,6 +188,8 @@ class StepState:
     stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     computed: ComputeSpans | None = None  # set by Executor.run for its device
     arrived: dict[int, torch.cuda.Event | None] = field(default_factory=dict)  # stage -> its gradients' download
+    head_down: threading.Event = field(default_factory=threading.Event)  # the last stage's DOWNLOAD issued (or the
+    # step abandoned): stage 0's backward upload may bring the head's tied gradient up (``Schedule.tie_in``)
     sumsq: list[torch.Tensor] = field(default_factory=list)  # per stage, on the device
     tied_sumsq: float = 0.0
     factor: float = 1.0  # gradient multiplier of this step's updates (clipping / loss scale)
@@ -251,24 +254,30 @@ class Executor:
         self.st = StepState(io, sched, self._stage_batches(sched, io), trace, self._runs * ORDER_STRIDE,
                             computed=ComputeSpans(self.device))
         post_early(sched.actions[self.rank], self.links, self._recv)
-        for action in sched.actions[self.rank]:
-            if action.kind in COMPUTE:
-                self.st.computed.last = None
-                self.handlers[action.kind](action)
-                if trace is not None and self.st.computed.last is not None:  # from after its waits for inputs
-                    trace.add("compute", str(action), *self.st.computed.last)
-            else:  # the dispatch thread's own time on everything else (messages, uploads issued, downloads); the
-                t0 = time.perf_counter()  # step's end apart (the tied ends' sum and the reduce: reduce_s)
-                self.handlers[action.kind](action)
-                t1 = time.perf_counter()
-                if action.kind == Kind.TIE:
-                    self.st.tie_s += t1 - t0
-                elif action.kind != Kind.REDUCE:
-                    self.st.dispatch_s += t1 - t0
-                if trace is not None:
-                    trace.add("dispatch", str(action), t0, t1)
+        try:
+            for action in sched.actions[self.rank]:
+                self._dispatch(action, trace)
+        finally:
+            self.st.head_down.set()  # an upload waiting for the head's download goes on (and fails, if it never came)
         assert self.st.outcome is not None
         return self.st.outcome
+
+    def _dispatch(self, action: Action, trace: StepTrace | None) -> None:
+        if action.kind in COMPUTE:
+            self.st.computed.last = None
+            self.handlers[action.kind](action)
+            if trace is not None and self.st.computed.last is not None:  # from after its waits for inputs
+                trace.add("compute", str(action), *self.st.computed.last)
+            return
+        t0 = time.perf_counter()  # the dispatch thread's own time on everything else (messages, uploads issued,
+        self.handlers[action.kind](action)  # downloads); the step's end apart (the tied ends' sum and the reduce:
+        t1 = time.perf_counter()  # reduce_s)
+        if action.kind == Kind.TIE:
+            self.st.tie_s += t1 - t0
+        elif action.kind != Kind.REDUCE:
+            self.st.dispatch_s += t1 - t0
+        if trace is not None:
+            trace.add("dispatch", str(action), t0, t1)
 
     def sync(self) -> None:
         """Wait for every queued CPU update, all of it (under delayed the AdamW after the copy too),
@@ -305,17 +314,21 @@ class Executor:
         slot.ready.clear()
         self.slot_of[a.stage] = slot
         order = self.st.order_base + self.st.sched.upload_order[(a.stage, a.phase)]
+        tie_in = self.st.sched.tie_in and a.stage == 0 and a.phase == "b"
         self.st.uploads.append(self.copier.submit(self._copy_job, self.st, a.stage, slot, order,
-                                                  self.st.prefetched.pop(a.stage, 0), self.layouts[a.stage].numel))
+                                                  self.st.prefetched.pop(a.stage, 0), self.layouts[a.stage].numel,
+                                                  tie_in))
 
-    def _copy_job(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int) -> None:
+    def _copy_job(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int,
+                  tie_in: bool = False) -> None:
         """(The upload thread) elements ``lo:hi`` of stage j's weights from its host copy: into ``slot``,
         whose first ``lo`` come from the prefetch buffer (a copy on the device); or, without a slot
-        (``PREFETCH``, ``lo`` 0), into the prefetch buffer."""
+        (``PREFETCH``, ``lo`` 0), into the prefetch buffer. ``tie_in``: then the head's end of the tied
+        weight's gradient into the slot's sums (:meth:`_tied_gradient_in`)."""
         if self.cuda:
             torch.cuda.set_device(self.device)  # this thread's current device
         try:
-            self._copy(st, j, slot, order, lo, hi)
+            self._copy(st, j, slot, order, lo, hi, tie_in)
         except BaseException as e:  # surfaced by check() on the dispatch thread
             self.failure = self.failure or e
             self.arbiter.release()
@@ -323,7 +336,8 @@ class Executor:
             if slot is not None:
                 slot.ready.set()
 
-    def _copy(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int) -> None:
+    def _copy(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int,
+              tie_in: bool = False) -> None:
         host = self.hosts[j]
         host.wait_ready()  # the CPU update of the previous step has written this stage's copy (delayed: the
         # compute copy, taken when the gradients landed)
@@ -344,6 +358,8 @@ class Executor:
                         dst[c:min(c + step, b)].copy_(src[c - a:min(c + step, b) - a], non_blocking=True)
                         if self.arbiter.peers:
                             self.copy_stream.synchronize()  # the next chunk is arbitrated again
+                self.arbiter.release()
+                moved = self._tied_gradient_in(st, slot, order) if tie_in else 0
                 if slot is not None:
                     slot.ready_event = torch.cuda.Event()
                     slot.ready_event.record(self.copy_stream)
@@ -353,11 +369,36 @@ class Executor:
             self.arbiter.acquire(order)
             for a, b, src in host.upload_pieces(lo, hi):
                 dst[a:b].copy_(src)
-        self.arbiter.release()
-        self.counters.add(h2d=(hi - lo) * dst.element_size())
+            self.arbiter.release()
+            moved = self._tied_gradient_in(st, slot, order) if tie_in else 0
+        self.counters.add(h2d=(hi - lo) * dst.element_size() + moved)
         if trace is not None:
             trace.add("h2d", f"{'U' if slot is not None else 'P'}{j}", start,
                       trace.mark(self.copy_stream if self.cuda else None))
+
+    def _tied_gradient_in(self, st: StepState, slot: DeviceSlot | None, order: int) -> int:
+        """(The upload thread, after stage 0's weights; on the copy stream) one worker holds both ends of the tied
+        weight: the slot's gradient sums zeroed and the head's end's gradient, down since the head's DOWNLOAD, put
+        in the tied range, so that stage 0's backward adds onto it and its download is the weight's whole
+        gradient (no sum on the host). Returns the bytes moved."""
+        assert slot is not None
+        last, n_sums = st.sched.num_stages - 1, self.layouts[0].trainable_numel
+        if not st.head_down.wait(WAIT_TIMEOUT_S) or last not in st.arrived:
+            raise RuntimeError("the head's gradients never came down: the step ended before their download")
+        (lo, n), (head_lo, _) = self.tied[0], self.tied[last]
+        src = self.hosts[last].grads_in[head_lo:head_lo + n]  # fp32, or the half dtype
+        sums = slot.sums[lo:lo + n]
+        if self.cuda and st.arrived[last] is not None:
+            self.copy_stream.wait_event(st.arrived[last])
+        slot.sums[:n_sums].zero_()
+        self.arbiter.acquire(order)
+        if src.dtype == sums.dtype:
+            sums.copy_(src, non_blocking=self.cuda)
+        else:  # through the slot's half gradients, free until the backward: no temporary of the weight's size
+            sums.copy_(slot.grads[lo:lo + n].copy_(src, non_blocking=self.cuda))
+        self.arbiter.release()
+        slot.grads_live = True  # set before the slot is ready: the backward does not zero the sums again
+        return n * src.element_size()
 
     def _offload(self, a: Action) -> None:
         """A forward's boundary input to pinned host memory until the stage's backward."""
@@ -610,7 +651,8 @@ class Executor:
         host.updated.clear()
         host.consumed.clear()
         src = slot.sums[:n]  # fp32 either way
-        st.sumsq.append(self._sumsq(src, self.tied.get(j)))  # the exact norm, before any rounding
+        summed = st.sched.tie_in and j == 0  # the tied weight's whole gradient: counted here, not at TIE
+        st.sumsq.append(self._sumsq(src, None if summed else self.tied.get(j)))  # the exact norm, before any rounding
         if self.opt.half_grads:
             src = slot.grads[:n].copy_(src)  # the slot's half gradients are free once summed
         dst = host.grads_in[:n]
@@ -634,6 +676,8 @@ class Executor:
                 st.trace.add("d2h", f"D{j}", start, time.perf_counter())
         self.counters.add(d2h=n * src.element_size())
         st.arrived[j] = done
+        if j == st.sched.num_stages - 1:
+            st.head_down.set()
         if host.delayed:  # what the next step's uploads wait for, ahead of every AdamW (barrier or not)
             timed = (lambda t0, t1: st.trace.add("cpu", f"K{j}", t0, t1)) if st.trace is not None else None
             self.updater.submit(host.to_compute, done, host.updated, timed, first=True)

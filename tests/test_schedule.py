@@ -36,6 +36,17 @@ def test_literal_timeline_with_a_barrier_a_tied_weight_and_one_slot() -> None:
     ]
 
 
+def test_literal_timeline_of_a_tied_weight_whose_ends_one_worker_holds() -> None:
+    """Both ends on worker 0 (5 stages on 2 workers): no TIE; stage 0's backward upload (``Ub0``) brings the head's
+    end's gradient up, so it comes after the head's download (D4) and the sum is D0's; the ends update last."""
+    s = build_schedule(5, 2, 2, options=PipelineOptions(), tied=True)
+    assert s.tie_in
+    assert _lists(s)[0] == ("Uf0 Uf2 F0,0 sa0,0 F0,1 sa0,1 Xf0 Uf4 ra2,0 F2,0 sa2,0 ra2,1 F2,1 sa2,1 Xf2 Ub2 "
+                            "ra4,0 FB4,0 sg4,0 ra4,1 FB4,1 D4 sg4,1 Xf4 Ub0 rg2,0 B2,0 sg2,0 rg2,1 B2,1 D2 O2 sg2,1 "
+                            "Xb2 rg0,0 B0,0 rg0,1 B0,1 D0 Xb0 O0 O4 R")
+    assert not build_schedule(4, 2, 2, tied=True).tie_in  # the ends on two workers: summed on the host (TIE)
+
+
 def test_literal_timeline_with_one_slot_and_a_prefetch_buffer() -> None:
     """Partial prefetch: with one slot, the next residency's first bytes go to the prefetch buffer (P)
     where two slots would issue its upload -- when the current residency starts computing -- and its

@@ -18,7 +18,7 @@ import pytest
 from conftest import make_hf_model
 from mobius.app.run import train
 from mobius.config import config_from_dict
-from mobius.models import unit_specs
+from mobius.models import tied_param_count, unit_specs
 from mobius.models.hf import read_config
 from partition.hardware import Hardware
 from partition.plan import Plan
@@ -32,6 +32,8 @@ PLANS = {  # name -> (workers, stages, parallel settings); 12 units: embed, 10 b
     "swapped": (2, 6, {"resident_stages": [], "kept_stages": []}),
     "offload-kept-resident": (2, 6, {"resident_stages": [3], "kept_stages": [1, 3], "offload_inputs": "on"}),
     "four-workers-offload": (4, 8, {"resident_stages": [], "kept_stages": [2], "offload_inputs": "on"}),
+    # worker 0 holds both ends of the tied embedding and head: stage 0's backward upload brings the head's gradient
+    "tied-ends-on-one-worker": (2, 5, {"resident_stages": [], "kept_stages": [0]}),
     "one-slot-prefetch-buffer": (2, 6, {"resident_stages": [], "kept_stages": [1], "prefetch": False,
                                         "offload_inputs": "on"}),
 }
@@ -68,6 +70,7 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
     assert (plan.options.prefetch_bytes > 0) == (name in BUFFERED)
     measured = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     prof = estimate_units(unit_specs(read_config(aligned_checkpoint)), 2, 16, "fp32", "h100")
+    prof.tied_params = tied_param_count(read_config(aligned_checkpoint))  # as the planner counts it
     hw = Hardware.uniform(workers, 2**34, 1e9)  # no peer access: activations take two host hops, as over gloo
     sim = simulate(prof, plan.boundaries, hw, plan.worker_gpus, 3, plan.options)
     assert measured["h2d_bytes"] == pytest.approx(sum(sim.h2d_bytes), rel=1e-9), sim.bytes_by_kind
@@ -76,6 +79,7 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
     assert measured["overflow_bytes"] == 0  # every message found a slot in its mailbox
     if plan.options.offload_inputs:
         assert sim.bytes_by_kind.get("ckpt", 0) > 0  # inputs did go to host memory
+    assert plan.worker_gpus[0] == plan.worker_gpus[(stages - 1) % workers] or name != "tied-ends-on-one-worker"
 
 
 def _with_buffer(monkeypatch: pytest.MonkeyPatch, share: float) -> None:

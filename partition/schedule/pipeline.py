@@ -153,6 +153,8 @@ class Schedule:
     options: PipelineOptions = field(default_factory=PipelineOptions)
     tied: bool = False  # stage 0 and the last stage hold the two ends of one tied weight
     offloaded: frozenset[int] = frozenset()  # stages with OFFLOAD / RELOAD actions (:func:`offloaded_stages`)
+    tie_in: bool = False  # one worker holds both ends: stage 0's backward upload brings the head's end's gradient
+    # into the slot's sums, its backward adds onto it, and its download is the sum (no TIE on the host)
 
     num_slots = property(lambda self: self.options.num_slots)
     barrier = property(lambda self: self.options.barrier and self.train)
@@ -314,11 +316,11 @@ def add_offloads(actions: list[Action], offloaded: frozenset[int]) -> list[Actio
 
 
 def add_updates(actions: list[Action], num_stages: int, barrier: bool, tied: bool,
-                resident: frozenset[int] = frozenset(), delayed: bool = False) -> list[Action]:
+                resident: frozenset[int] = frozenset(), delayed: bool = False, tie_in: bool = False) -> list[Action]:
     """Download a stage's gradients after its last backward; update it there (or after the step's
     REDUCE when ``barrier``: in ascending order, or ``delayed`` in the order of the downloads); tied ends
-    exchange their gradients (TIE) at the end. A resident stage downloads nothing and updates on its
-    device."""
+    exchange their gradients (TIE) at the end, unless they were summed on the device (``tie_in``), and
+    update last. A resident stage downloads nothing and updates on its device."""
     ends = {0, num_stages - 1} if tied and num_stages > 1 else set()
     if ends & resident:
         raise ScheduleError(f"stage(s) {sorted(ends & resident)} hold an end of the tied weight and cannot be "
@@ -341,7 +343,8 @@ def add_updates(actions: list[Action], num_stages: int, barrier: bool, tied: boo
             out.append(_update(device_after[i], resident))
     mine = sorted(last_compute)
     if ends & set(mine):
-        out.append(Action(Kind.TIE))
+        if not tie_in:
+            out.append(Action(Kind.TIE))
         if not barrier:
             out += [_update(j, resident) for j in mine if j in ends]
     out.append(Action(Kind.REDUCE))
@@ -361,13 +364,16 @@ def build_schedule(num_stages: int, num_workers: int, micro_batches: int, gpu_of
     """The per-worker action lists of one training step."""
     g = _gpu_of(num_stages, num_workers, gpu_of)
     offloaded = offloaded_stages(g, options)
+    tie_in = tied and num_stages > 1 and g[0] == g[-1]  # stage 0's backward always uploads: the head computes
+    # between its forward and its backward, and a tied end is never resident
     lists = []
     for w in range(num_workers):
         acts = compute_order(num_stages, g, micro_batches, w)
         acts = add_swaps(acts, options.num_slots, options.resident, options.prefetch_bytes > 0)
         acts = add_offloads(add_transfers(acts, num_stages, g), offloaded)
-        lists.append(tuple(add_updates(acts, num_stages, options.barrier, tied, options.resident, options.delayed)))
-    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), True, options, tied, offloaded)
+        lists.append(tuple(add_updates(acts, num_stages, options.barrier, tied, options.resident, options.delayed,
+                                       tie_in)))
+    sched = Schedule(num_stages, num_workers, micro_batches, g, tuple(lists), True, options, tied, offloaded, tie_in)
     check(sched)
     return sched
 
@@ -417,6 +423,20 @@ def check(s: Schedule) -> None:
                 if n != want[kinds]:
                     raise ScheduleError(f"worker {w}, stage {j}: {n} {'/'.join(k.name for k in kinds)} action(s), "
                                         f"expected {want[kinds]}")
+    if s.tie_in:
+        _check_tie_in(s)
+
+
+def _check_tie_in(s: Schedule) -> None:
+    """Summed on the device, the tied ends need stage 0's backward upload and the head's download before stage 0's
+    first backward (the upload waits for that download)."""
+    acts, last = s.actions[s.gpu_of[0]], s.num_stages - 1
+    at = {(a.kind, a.stage, a.phase): i for i, a in reversed(list(enumerate(acts)))}
+    up, down = at.get((Kind.UPLOAD, 0, "b")), at.get((Kind.DOWNLOAD, last, "f"))
+    first = next((i for i, a in enumerate(acts) if a.kind == Kind.BACKWARD and a.stage == 0), None)
+    if up is None or down is None or first is None or down > first or s.gpu_of[last] != s.gpu_of[0]:
+        raise ScheduleError(f"the tied ends cannot be summed on worker {s.gpu_of[0]}: stage 0's backward upload "
+                            f"{up}, the head's download {down}, stage 0's first backward {first}")
 
 
 _ONCE = ((Kind.DOWNLOAD,), (Kind.UPDATE, Kind.DEVICE_UPDATE), (Kind.RELOAD,), (Kind.OFFLOAD,))
@@ -455,7 +475,8 @@ def timeline(s: Schedule, width: int = 6) -> str:
     legend = ("U=upload P=prefetch (the first bytes of the next stage into the prefetch buffer) X=free F=forward "
               "FB=forward+loss+backward B=backward (recomputes the forward unless the "
               "stage is kept) ra/sa=recv/send activation rg/sg=recv/send gradient H=input to host memory L=inputs "
-              "back D=download grads O=CPU update Od=device update (resident stage) T=tied-weight exchange "
+              "back D=download grads O=CPU update Od=device update (resident stage) T=tied-weight exchange (none "
+              "where one worker holds both ends: stage 0's backward upload brings the head's end's gradient) "
               "R=step reduce; suffix f/b: pass, then stage[,micro-batch]")
     return "\n".join(rows + [legend])
 

@@ -101,6 +101,7 @@ class RoundRobinSchedule:
     resident = frozenset()
     kept = frozenset()
     offloaded = frozenset()
+    tie_in = False  # the tied ends' gradients are summed on the host (their ops run on changing workers)
 
     def download_work(self, round: int) -> float:
         """Host memory work of a gradient download of round ``round`` of its step once it is down, in updates of
