@@ -196,6 +196,7 @@ class _Worker:
         self.updates: dict[int, list[int]] = {}  # step -> stages with a CPU update after its REDUCE, in order
         self.reloads: list[int] = []  # compute tasks that first bring their input back from host memory
         self.posts: list[int] = []  # per compute task, the messages posted after it (set by the simulation)
+        self.refreshes: dict[int, int] = {}  # occupancy -> stage whose compute copy may follow it (delayed)
         self._split(sched.actions[w])
         self.reset()
 
@@ -313,6 +314,9 @@ class _Sim:
         self.tied_held = 0 if self.program else tied_end_held(profile, self.S, self.N)
         for w in self.workers:
             w.posts = self._posts(w)
+            # delayed (one compute copy): each stage's last upload of the step -> the stage, whose copy follows it
+            w.refreshes = {t.occ: t.stage for t in w.uploads if t.kind == Kind.UPLOAD and self.copy_work
+                           and sched.last_uploads[t.stage] == t.phase}
         self._new_step_state()
 
     def _posts(self, w: _Worker) -> list[int]:
@@ -470,10 +474,11 @@ class _Sim:
 
     def _weights_ready(self, stage: int, step: int) -> bool:
         """Whether ``stage``'s weights for ``step`` are in its host copy. Sync: every earlier step's update has
-        run. Delayed, with one compute copy per stage (the swapped pipeline): the previous step's gradients are
-        down and its compute copy taken (the runtime copies the master, one update old, into the compute copy on
-        the worker's CPU thread ahead of every update: ``copy_work``), and a download waits until the update has
-        read the stage's one gradient buffer; with two copies of both that alternate by step (round-robin): the
+        run. Delayed, with one compute copy per stage (the swapped pipeline): the previous step's compute copy
+        taken (the runtime copies the master, one update old, into the compute copy on the worker's CPU thread,
+        ahead of every update, once that step's last upload of the stage has read it and the stage's earlier
+        updates have run: ``copy_work``), and a download waits until the update has read the stage's one
+        gradient buffer; with two copies of both that alternate by step (round-robin): the
         update before the previous one has run (it wrote its copy)."""
         if not self.delay:
             return self.version[stage] >= step
@@ -484,6 +489,8 @@ class _Sim:
     def _upload_done(self, w: _Worker, occ: int, t: float) -> None:
         w.uploading, w.woken = False, True
         w.upload_done[occ] = t
+        if occ in w.refreshes:  # the step's last read of a delayed stage's host copy: its compute copy may follow
+            self.copy_queue[w.w].append((self.step, w.refreshes[occ]))
 
     def _start_compute(self, w: _Worker) -> bool:
         if w.busy_until is not None or w.ci >= len(w.compute):
@@ -621,9 +628,7 @@ class _Sim:
         if self.downloads_done[key] < self.downloads_due[(task.tstep, task.stage)]:
             return  # round-robin: earlier rounds' gradients are summed in host memory
         self.downloaded[key] = t
-        if self.copy_work:
-            self.copy_queue[w.w].append((step, task.stage))
-        else:
+        if not self.copy_work:  # (delayed: the compute copy is queued at the step's last upload, _upload_done)
             self.copied[task.stage] += 1
         if not self.sched.barrier and not self._tied_end(task.stage):
             self.opt_queue[w.w].append((step, task.stage))
@@ -677,8 +682,11 @@ class _Sim:
         for w in range(self.N):
             if self.opt_busy[w] is not None:
                 continue
-            if self.copy_queue[w]:  # a compute copy goes ahead of every update (the next step's upload waits for it)
-                step, j = self.copy_queue[w].pop(0)
+            copy = next((c for c in self.copy_queue[w] if self.version[c[1]] >= c[0]), None)
+            if copy is not None:  # a compute copy goes ahead of every update (the next step's upload waits for it),
+                # once the stage's earlier updates have run
+                self.copy_queue[w].remove(copy)
+                step, j = copy
                 self.opt_running[w], self.opt_start[w] = (step, j, True), self.t
                 self.opt_left[w] = self._cpu_params(j) * self.copy_work
                 self.opt_busy[w] = self.t

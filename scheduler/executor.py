@@ -12,8 +12,8 @@ Threads and streams (see scheduler/README.md for who owns which buffer and event
   to its pinned host buffer;
 * the **optimizer thread** runs each stage's CPU AdamW (``UPDATE``) once its gradients are down
   (``train.update: delayed``: the copy of the master into the upload copy, which is all the next
-  step's uploads wait for, is queued at the ``DOWNLOAD`` ahead of every AdamW;
-  :class:`~scheduler.store.StageStore`).
+  step's uploads wait for, is queued by the step's last upload of the stage, ahead of every AdamW
+  once the stage's earlier AdamWs have run; :class:`~scheduler.store.StageStore`).
 
 Device memory holds ``num_slots`` *slots* (the running stage and the prefetched one), each with
 the stage's half-precision parameters, their gradients and an fp32 gradient sum -- or, with one
@@ -197,6 +197,18 @@ class StepState:
     outcome: StepOutcome | None = None
 
 
+class _UpdateEnd:
+    """What a stage's CPU update sets when it ends or fails: ``consumed`` (the next download may come; in sync the
+    same event as ``updated``), after counting it run (a compute copy waiting for it may go)."""
+
+    def __init__(self, host: StageStore):
+        self.host = host
+
+    def set(self) -> None:
+        self.host.updates_run += 1
+        self.host.consumed.set()
+
+
 class Executor:
     """Runs schedules for one worker (``rank``) over its swapped stages' host stores (``hosts``) and
     its resident stages' device stores (``resident``)."""
@@ -315,20 +327,24 @@ class Executor:
         self.slot_of[a.stage] = slot
         order = self.st.order_base + self.st.sched.upload_order[(a.stage, a.phase)]
         tie_in = self.st.sched.tie_in and a.stage == 0 and a.phase == "b"
+        last = self.st.sched.train and self.hosts[a.stage].delayed and self.st.sched.last_uploads[a.stage] == a.phase
         self.st.uploads.append(self.copier.submit(self._copy_job, self.st, a.stage, slot, order,
                                                   self.st.prefetched.pop(a.stage, 0), self.layouts[a.stage].numel,
-                                                  tie_in))
+                                                  tie_in, last))
 
     def _copy_job(self, st: StepState, j: int, slot: DeviceSlot | None, order: int, lo: int, hi: int,
-                  tie_in: bool = False) -> None:
+                  tie_in: bool = False, refresh: bool = False) -> None:
         """(The upload thread) elements ``lo:hi`` of stage j's weights from its host copy: into ``slot``,
         whose first ``lo`` come from the prefetch buffer (a copy on the device); or, without a slot
         (``PREFETCH``, ``lo`` 0), into the prefetch buffer. ``tie_in``: then the head's end of the tied
-        weight's gradient into the slot's sums (:meth:`_tied_gradient_in`)."""
+        weight's gradient into the slot's sums (:meth:`_tied_gradient_in`); ``refresh``: the step's last read
+        of a delayed store's compute copy, which then takes the master (:meth:`_refresh_compute`)."""
         if self.cuda:
             torch.cuda.set_device(self.device)  # this thread's current device
         try:
             self._copy(st, j, slot, order, lo, hi, tie_in)
+            if refresh:
+                self._refresh_compute(st, j, slot)
         except BaseException as e:  # surfaced by check() on the dispatch thread
             self.failure = self.failure or e
             self.arbiter.release()
@@ -340,7 +356,7 @@ class Executor:
               tie_in: bool = False) -> None:
         host = self.hosts[j]
         host.wait_ready()  # the CPU update of the previous step has written this stage's copy (delayed: the
-        # compute copy, taken when the gradients landed)
+        # compute copy, taken after the previous step's last upload of the stage)
         if self.failure is not None:
             raise RuntimeError("not uploading after an earlier failure")
         dst = slot.params if slot is not None else self.buffer
@@ -375,6 +391,20 @@ class Executor:
         if trace is not None:
             trace.add("h2d", f"{'U' if slot is not None else 'P'}{j}", start,
                       trace.mark(self.copy_stream if self.cuda else None))
+
+    def _refresh_compute(self, st: StepState, j: int, slot: DeviceSlot | None) -> None:
+        """(The upload thread, delayed) the step's last upload of stage j is enqueued: its compute copy takes the
+        master (w_{t-1}, what the next step computes with) once that upload has read it and the stage's AdamWs
+        queued so far have run, ahead of every other waiting job; the next step's uploads wait for it
+        (``updated``). Queued here rather than when the gradients land, so the copy is off the path from the
+        step's last backward to the next step's first forward."""
+        host = self.hosts[j]
+        host.updated.clear()
+        queued = host.updates_queued  # this step's AdamW is queued after the backward that waits for this upload
+        read = slot.ready_event if self.cuda and slot is not None else None
+        timed = (lambda t0, t1: st.trace.add("cpu", f"K{j}", t0, t1)) if st.trace is not None else None
+        self.updater.submit(host.to_compute, read, host.updated, timed, first=True,
+                            after=lambda: host.updates_run >= queued)
 
     def _tied_gradient_in(self, st: StepState, slot: DeviceSlot | None, order: int) -> int:
         """(The upload thread, after stage 0's weights; on the copy stream) one worker holds both ends of the tied
@@ -648,8 +678,9 @@ class Executor:
             host.consumed.wait()
             st.wait_s += time.perf_counter() - t0
         self.check()
-        host.updated.clear()
-        host.consumed.clear()
+        host.consumed.clear()  # (delayed: `updated` is the compute copy's, cleared at the step's last upload)
+        if not host.delayed:
+            host.updated.clear()
         src = slot.sums[:n]  # fp32 either way
         summed = st.sched.tie_in and j == 0  # the tied weight's whole gradient: counted here, not at TIE
         st.sumsq.append(self._sumsq(src, None if summed else self.tied.get(j)))  # the exact norm, before any rounding
@@ -678,9 +709,6 @@ class Executor:
         st.arrived[j] = done
         if j == st.sched.num_stages - 1:
             st.head_down.set()
-        if host.delayed:  # what the next step's uploads wait for, ahead of every AdamW (barrier or not)
-            timed = (lambda t0, t1: st.trace.add("cpu", f"K{j}", t0, t1)) if st.trace is not None else None
-            self.updater.submit(host.to_compute, done, host.updated, timed, first=True)
 
     @staticmethod
     def _sumsq(g: torch.Tensor, skip: tuple[int, int] | None) -> torch.Tensor:
@@ -694,7 +722,8 @@ class Executor:
     def _update(self, a: Action) -> None:
         """Queue stage j's update on the optimizer thread (it waits for the gradients' download); its end
         sets ``updated`` (the next upload may read the copy) and ``consumed`` (the next download may come),
-        one event in sync; delayed: ``consumed`` alone, the copy having been taken at the download."""
+        one event in sync; delayed: ``consumed`` alone, the copy having been taken before
+        (:meth:`_refresh_compute`)."""
         j, st = a.stage, self.st
         host, skip = self.hosts[j], st.skipped or self.opt.skip_updates
         lr, factor, trace = st.io.lr, st.factor, st.trace
@@ -705,7 +734,8 @@ class Executor:
 
         timed = (lambda t0, t1: trace.add("cpu", f"O{j}", t0, t1)) if trace is not None else None
         # its end (or failure) releases what waits on it
-        self.updater.submit(update, st.arrived.get(j), host.consumed if host.delayed else host.updated, timed)
+        host.updates_queued += 1
+        self.updater.submit(update, st.arrived.get(j), _UpdateEnd(host), timed)
 
     def _device_update(self, a: Action) -> None:
         """A resident stage's update on the compute stream, from its fp32 gradient sums (delayed: its

@@ -20,11 +20,11 @@ per parameter). Every gradient of a step waits in host memory for the global nor
 :func:`check_host_memory` computes the need before anything is allocated.
 
 Under ``train.update: delayed`` the copy the GPU computes with (``half``; in fp32 a separate fp32
-copy) holds the *compute weights*, one update behind the master: a stage's update first copies the
-master (w_{t-1}) into it and lets the uploads go (``updated``), then runs AdamW on the master alone,
-beside the next step's compute; the next download of the stage's gradients waits for that AdamW
-(``consumed``). Gradients then come down in fp32 only (a half download would land on the compute
-weights).
+copy) holds the *compute weights*, one update behind the master: once a step's last upload of the stage
+has read it and the stage's earlier AdamWs have run, it takes the master (w_{t-1}) and lets the next
+step's uploads go (``updated``); the AdamW then runs on the master alone, beside the next step's compute,
+and the next download of the stage's gradients waits for it (``consumed``). Gradients then come down in
+fp32 only (a half download would land on the compute weights).
 
 A weight tied between the embedding and the head trains once when one worker holds both ends' stages
 (:class:`TiedEnd`): the embedding's store updates it, and the head's store holds no master or moments
@@ -139,6 +139,8 @@ class StageStore:
         # delayed when its AdamW ends, after `updated`; otherwise the same moment, the same event
         self.consumed = threading.Event() if delayed else self.updated
         self.consumed.set()
+        self.updates_queued = 0  # AdamW jobs queued on the optimizer thread (the dispatch thread counts them)
+        self.updates_run = 0  # of those, ended or failed (the optimizer thread): a compute copy waits for them
 
     @property
     def grads_in(self) -> torch.Tensor:
@@ -199,7 +201,7 @@ class StageStore:
         none. ``delayed``: first the half copy takes the master (w_{t-1}, what the next step computes
         with; a skipped step too) and ``updated`` is set, so that uploads wait for that copy only;
         then AdamW makes the newest weights in the master alone. ``copy`` False: the half copy took the
-        master before (:meth:`to_compute`, as the gradients landed), so AdamW alone."""
+        master before (:meth:`to_compute`, after the step's last upload of the stage), so AdamW alone."""
         grads = self.grads_in if grad is None else grad
         if copy:
             self.optimizer.update(grads, lr, grad_factor, skip, self.updated if self.delayed else None)

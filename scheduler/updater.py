@@ -3,7 +3,8 @@
 * :class:`CpuUpdater` -- one thread that runs host-side AdamW jobs (a pipeline stage's
   :class:`~mobius.optim.FlatAdamW`, an offloaded zero chunk's) in the order they are queued, each
   once its gradients are in host memory, but a job queued ``first`` (under ``train.update: delayed``
-  the compute copy that the next step's uploads wait for) ahead of every other waiting job; it times
+  the compute copy that the next step's uploads wait for) ahead of every other waiting job, as soon as
+  what it comes ``after`` holds (the pipeline's: its stage's earlier updates have run); it times
   them, keeps the first failure for the dispatch thread to raise, and marks each job's store ready
   when done (or failed).
 * :func:`sum_over_ranks` -- the step's named statistics summed over the ranks of a process group.
@@ -50,7 +51,8 @@ class CpuUpdater:
     ``first`` before the others that wait)."""
 
     def __init__(self) -> None:
-        self.queue: queue.PriorityQueue = queue.PriorityQueue()  # (0 first / 1 / 2 stop, order, future, job)
+        self.queue: queue.PriorityQueue = queue.PriorityQueue()  # (0 first / 1 / 2 stop, order, future, job,
+        # after: a first job's condition to run, or None)
         self.order = itertools.count()
         self.thread = threading.Thread(target=self._serve, name="cpu-adam", daemon=True)
         self.thread.start()
@@ -61,23 +63,34 @@ class CpuUpdater:
         self._params = 0  # parameters those updates covered
 
     def submit(self, update: Callable[[], int], arrived: Waitable | None, done: Settable,
-               on_timed: Callable[[float, float], None] | None = None, first: bool = False) -> None:
+               on_timed: Callable[[float, float], None] | None = None, first: bool = False,
+               after: Callable[[], bool] | None = None) -> None:
         """Queue ``update`` (it returns how many parameters it updated) to run once ``arrived`` has
         happened, after the jobs queued before it (``first``: before every job not queued ``first`` that has
-        not begun); ``done`` is set when it has finished or failed; ``on_timed(start, end)`` reports its span
-        (for a step trace)."""
+        not begun, from the moment ``after()`` holds, which only jobs of this thread may make true);
+        ``done`` is set when it has finished or failed; ``on_timed(start, end)`` reports its span (for a step
+        trace)."""
+        assert after is None or first, "only a job queued first waits for a condition"
         self.jobs = [j for j in self.jobs if not j.done()]
         job: Future = Future()
-        self.queue.put((0 if first else 1, next(self.order), job, (update, arrived, done, on_timed)))
+        self.queue.put((0 if first else 1, next(self.order), job, (update, arrived, done, on_timed), after))
         self.jobs.append(job)
 
     def _serve(self) -> None:
+        held: list[tuple] = []  # first jobs whose condition did not hold yet, in queue order
         while True:
-            _, _, job, work = self.queue.get()
-            if work is None:
-                return
-            self._run(*work)
-            job.set_result(None)
+            item = next((h for h in held if h[4]()), None)
+            if item is not None:
+                held.remove(item)
+            else:
+                item = self.queue.get()  # (a held job waits for a job of this thread: the queue holds one)
+                if item[3] is None:
+                    return
+                if item[4] is not None and not item[4]():
+                    held.append(item)
+                    continue
+            self._run(*item[3])
+            item[2].set_result(None)
 
     def _run(self, update: Callable[[], int], arrived: Waitable | None, done: Settable,
              on_timed: Callable[[float, float], None] | None) -> None:
@@ -118,7 +131,7 @@ class CpuUpdater:
 
     def close(self) -> None:
         """Run what is queued, then end the thread."""
-        self.queue.put((2, next(self.order), None, None))
+        self.queue.put((2, next(self.order), None, None, None))
         self.thread.join()
 
 

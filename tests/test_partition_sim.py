@@ -52,26 +52,28 @@ def test_a_step_computed_by_hand() -> None:
 
 
 def test_a_delayed_update_after_the_norm_leaves_the_next_step_alone_by_hand() -> None:
-    """The hand step above with clipping and train.update=delayed. Each download queues the stage's compute copy
-    from its master on its worker's CPU, ahead of every update: 6 bytes a parameter (fp16) against the update's 30,
-    so 0.2 s for c and b and 0.4 s for a (c 10-10.2, b 12-12.2, a 15-15.4). The next step's uploads wait for those
-    copies, none for an update: a's upload waits for its copy, 0.4 s into the step, so every step after the first
-    takes 15.4 s, not the sync step's 17. The updates after the norm (15 s) go in the order of the downloads, behind
-    the copy (worker 0: c 15.4-16.4, a 16.4-18.4; worker 1: b 15-16), and the next step's downloads find them done.
-    With a CPU five times slower the copies take 1 and 2 s and the updates 5 and 10 s (worker 0: a's copy 0-2, c
-    2-7, a 7-17 into the next step): a's next download waits for its update, and a step takes 19 s."""
+    """The hand step above with clipping and train.update=delayed. A stage's compute copy takes its master on its
+    worker's CPU once the step's last upload of the stage has read it and the stage's earlier updates have run, ahead
+    of every waiting update: 6 bytes a parameter (fp16) against the update's 30, so 0.2 s for c and b and 0.4 s for
+    a. The updates after the norm (each step's start) go in the order of the downloads (worker 0: c 0-1, a 1-3;
+    worker 1: b 0-1); the copies follow b's upload once b's update is done (1-1.2), c's upload (1.5; worker 0 is
+    busy with a's update until 3: 3-3.2) and a's backward upload (4-4.4). The next step's uploads wait for none of
+    them: every step takes 15 s, the sync step's 17 less the wait for its updates (when the copies were queued at the
+    downloads, a's next upload waited 0.4 s for its copy: 15.4 s). With a CPU five times slower the copies take 1 and
+    2 s and the updates 5 and 10 s (worker 0: c 0-5, its copy 5-6, a 6-16, a's copy 16-18): a's next download waits
+    for its update, and a step takes 18 s (19 with the copies at the downloads)."""
     prof = hand_profile()
     options = PipelineOptions(barrier=True, delayed=True)
     hidden = simulate(prof, [0, 1, 2, 3], Hardware.uniform(2, 64 * GiB, 1e9, cpu_adam_params_per_s=0.25e9), [0, 1],
                       2, options, steps=4)
-    assert hidden.step_ends == pytest.approx([15.0, 30.4, 45.8, 61.2])
-    assert [s.fwd_start for s in hidden.stages] == pytest.approx([1.4, 2.4, 3.4])  # a waits for its copy alone
+    assert hidden.step_ends == pytest.approx([15.0, 30.0, 45.0, 60.0])
+    assert [s.fwd_start for s in hidden.stages] == pytest.approx([1.0, 2.0, 3.0])  # no upload waits for a copy
     cpu = sorted((round(e.start, 6), round(e.end, 6), e.name) for e in hidden.events if e.track == "cpu")
-    assert cpu == [(0.0, 0.4, "copy0"), (0.0, 1.0, "adam1"), (0.4, 1.4, "adam2"), (1.4, 3.4, "adam0"),
-                   (10.4, 10.6, "copy2"), (12.4, 12.6, "copy1")]
+    assert cpu == [(0.0, 1.0, "adam1"), (0.0, 1.0, "adam2"), (1.0, 1.2, "copy1"), (1.0, 3.0, "adam0"),
+                   (3.0, 3.2, "copy2"), (4.0, 4.4, "copy0")]
     slow = simulate(prof, [0, 1, 2, 3], Hardware.uniform(2, 64 * GiB, 1e9, cpu_adam_params_per_s=0.05e9), [0, 1],
                     2, options, steps=4)
-    assert slow.step_ends == pytest.approx([15.0, 34.0, 53.0, 72.0])
+    assert slow.step_ends == pytest.approx([15.0, 33.0, 51.0, 69.0])
 
 
 def test_links_too_fast_to_move_the_clock_still_finish_their_flows() -> None:

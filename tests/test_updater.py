@@ -1,5 +1,6 @@
 """The optimizer thread (``scheduler.updater.CpuUpdater``): jobs in the order queued, a job queued ``first``
-(a delayed update's compute copy) ahead of the others that wait, failures kept for the dispatch thread."""
+(a delayed update's compute copy) ahead of the others that wait, once its condition holds; failures kept for the
+dispatch thread."""
 
 from __future__ import annotations
 
@@ -37,6 +38,33 @@ def test_a_job_queued_first_runs_before_the_jobs_waiting_and_the_rest_in_order()
     gate.open.set()
     updater.sync()
     assert ran == ["adam0", "copy2", "copy3", "adam1", "adam2"]
+    assert all(e.is_set() for e in done.values())
+    updater.close()
+
+
+def test_a_job_queued_first_after_a_condition_waits_for_the_jobs_that_make_it_true() -> None:
+    """A delayed compute copy queued while its stage's previous update still waits behind another: it runs right
+    after that update, ahead of the jobs queued after it, and never before it."""
+    updater, ran, gate = CpuUpdater(), [], _Gate()
+    done = {name: threading.Event() for name in ("adam0", "adam1", "adam2", "copy1", "copy0")}
+    runs = {"adam1": 0}
+
+    def job(name: str):
+        def run() -> int:
+            ran.append(name)
+            runs[name] = runs.get(name, 0) + 1
+            return 0
+        return run
+
+    updater.submit(job("adam0"), gate, done["adam0"])  # holds the thread
+    assert gate.waiting.wait(10)
+    updater.submit(job("adam1"), None, done["adam1"])
+    updater.submit(job("copy1"), None, done["copy1"], first=True, after=lambda: runs["adam1"] >= 1)
+    updater.submit(job("copy0"), None, done["copy0"], first=True)
+    updater.submit(job("adam2"), None, done["adam2"])
+    gate.open.set()
+    updater.sync()
+    assert ran == ["adam0", "copy0", "adam1", "copy1", "adam2"]
     assert all(e.is_set() for e in done.values())
     updater.close()
 

@@ -162,6 +162,11 @@ class Schedule:
     kept = property(lambda self: self.options.kept if self.train else frozenset())
 
     @cached_property
+    def last_uploads(self) -> dict[int, str]:
+        """Stage -> the pass of its last upload in the step: the step's last read of its host copy."""
+        return {a.stage: a.phase for acts in self.actions for a in acts if a.kind == Kind.UPLOAD}
+
+    @cached_property
     def upload_order(self) -> dict[tuple[int, str], int]:
         """(stage, pass) -> position in :func:`uploads_in_order` (the root-complex serving order)."""
         return {key: i for i, key in enumerate(uploads_in_order(self))}
