@@ -433,13 +433,15 @@ def check(s: Schedule) -> None:
 
 
 def _check_tie_in(s: Schedule) -> None:
-    """Summed on the device, the tied ends need stage 0's backward upload and the head's download before stage 0's
-    first backward (the upload waits for that download)."""
+    """Summed on the device, the tied ends need stage 0's backward upload, the worker's last (its upload thread
+    waits there for the head's download, so no upload may queue behind it), and the head's download before stage
+    0's first backward."""
     acts, last = s.actions[s.gpu_of[0]], s.num_stages - 1
     at = {(a.kind, a.stage, a.phase): i for i, a in reversed(list(enumerate(acts)))}
     up, down = at.get((Kind.UPLOAD, 0, "b")), at.get((Kind.DOWNLOAD, last, "f"))
     first = next((i for i, a in enumerate(acts) if a.kind == Kind.BACKWARD and a.stage == 0), None)
-    if up is None or down is None or first is None or down > first or s.gpu_of[last] != s.gpu_of[0]:
+    later = up is not None and any(a.kind in (Kind.UPLOAD, Kind.PREFETCH) for a in acts[up + 1:])
+    if up is None or down is None or first is None or down > first or later or s.gpu_of[last] != s.gpu_of[0]:
         raise ScheduleError(f"the tied ends cannot be summed on worker {s.gpu_of[0]}: stage 0's backward upload "
                             f"{up}, the head's download {down}, stage 0's first backward {first}")
 
