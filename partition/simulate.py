@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from partition.costs import ModelProfile, StageCost, compute_copy_work, stage_costs, tied_end_held
+from partition.costs import ModelProfile, StageCost, compute_copy_work, stage_costs
 from partition.evaluate import GB, PipelineOptions, stage_exprs, tie_seconds
 from partition.hardware import Hardware
 from partition.schedule import COMPUTE, Kind, Schedule, build_schedule
@@ -307,11 +307,11 @@ class _Sim:
         self.reduced_steps: set[int] = set()  # a program's steps whose gradients are all down
         self.tie_at: dict[int, float] = {}  # step -> when its tied ends' gradients are summed
         # the tied ends' sum on the host once both are down, unless one worker holds both (tie_in: on the device)
-        self.tie_s = 0.0 if sched.tie_in or self.S == 1 else tie_seconds(profile, hw)
-        self.tie_in: dict[int, tuple[int, int, int]] = {}  # worker -> (step, occupancy, order) of its stage 0's
+        self.tie_s = 0.0 if sched.tie_in else tie_seconds(profile, hw)
+        self.tie_pending: dict[int, tuple[int, int, int]] = {}  # worker -> (step, occupancy, order) of its stage 0's
         # backward upload whose weights are up: the head's end of the tied gradient follows (_start_tie_in)
         # the head's tied end updated by the embedding's store (one worker holds both; the round-robin updates both)
-        self.tied_held = 0 if self.program else tied_end_held(profile, self.S, self.N)
+        self.tied_held = profile.tied_params if sched.tie_in else 0
         for w in self.workers:
             w.posts = self._posts(w)
             # delayed (one compute copy): each stage's last upload of the step -> the stage, whose copy follows it
@@ -395,7 +395,7 @@ class _Sim:
         for w in self.workers:  # (an engine that is busy or has nothing left is skipped without a call)
             if not w.uploading and w.ui < len(w.uploads):
                 started |= self._start_upload(w)
-            if self.tie_in:
+            if self.tie_pending:
                 started |= self._start_tie_in(w)
             if w.busy_until is None and w.ci < len(w.compute) and w.woken:
                 started |= self._start_compute(w)
@@ -437,7 +437,7 @@ class _Sim:
             done = lambda t, w=w, occ=task.occ: self._upload_done(w, occ, t)
             if self.sched.tie_in and task.stage == 0 and task.phase == "b":  # the copy thread then brings the
                 # head's end of the tied weight's gradient up, once it is down (_start_tie_in)
-                done = lambda t, w=w, key=(self.step + task.tstep, task.occ, order): self.tie_in.update({w.w: key})
+                done = lambda t, w=w, key=(self.step + task.tstep, task.occ, order): self.tie_pending.update({w.w: key})
         w.uploading = True
         w.ui += 1
         self._h2d_flow(w.gpu, f"{task.kind.value}{task.phase}{task.stage}", "upload", nbytes, (1, order), done)
@@ -446,9 +446,9 @@ class _Sim:
     def _start_tie_in(self, w: _Worker) -> bool:
         """Stage 0's weights are up: the head's end of the tied weight's gradient follows once it is down, and the
         copy thread waits for it (one worker holds both ends: ``Schedule.tie_in``)."""
-        if w.w not in self.tie_in or (self.tie_in[w.w][0], self.S - 1) not in self.downloaded:
+        if w.w not in self.tie_pending or (self.tie_pending[w.w][0], self.S - 1) not in self.downloaded:
             return False
-        _, occ, order = self.tie_in.pop(w.w)
+        _, occ, order = self.tie_pending.pop(w.w)
         self._h2d_flow(w.gpu, "T0", "upload", self.grad_bytes * self.profile.tied_params, (1, order),
                        lambda t, w=w, occ=occ: self._upload_done(w, occ, t))
         return True

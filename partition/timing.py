@@ -387,8 +387,7 @@ def _update_offsets(st: list[StageExprs], r: Rates, shape: Shape) -> dict[int, E
 def cpu_params(st: list[StageExprs], shape: Shape, j: int) -> Expr:
     """G parameters stage j's CPU update covers: all that train, but a tied head's end when one worker holds
     both ends (the embedding's store updates it: :func:`partition.costs.tied_end_held`)."""
-    S = shape.num_stages
-    if j == S - 1 and S > 1 and shape.tied and shape.worker(0) == shape.worker(S - 1):
+    if j == shape.num_stages - 1 and shape.tie_in:
         return st[j].params - shape.tied_gp
     return st[j].params
 

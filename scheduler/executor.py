@@ -747,22 +747,18 @@ class Executor:
         slot.grads_live = False  # zeroed before the next backward
 
     def _tie(self, a: Action) -> None:
-        """Sum the two ends' gradients of the tied weight: on one worker into the embedding's end, whose
-        store updates the weight for both (:class:`scheduler.store.TiedEnd`); on two workers into each
-        end, and both take the same update. Its sum of squares is counted once, on the embedding's
-        worker."""
+        """Sum the two ends' gradients of the tied weight, held by two workers (one worker holding both sums
+        them on the device: ``Schedule.tie_in``): each end takes the sum and the same update. Its sum of squares
+        is counted once, on the embedding's worker."""
         st = self.st
-        for arrived in (st.arrived.get(j) for j in self.tied):
-            if arrived is not None:
-                arrived.synchronize()
-        ends = {j: self.hosts[j].grads_in[o:o + n] for j, (o, n) in self.tied.items()}
-        if len(ends) == 2:
-            sumsq = add_tied(ends[0], ends[max(ends)], into=(ends[0],))
-        else:
-            (j, mine), = ends.items()
-            other_stage = st.sched.num_stages - 1 if j == 0 else 0
-            sumsq = add_tied(mine, self.coll.exchange(mine, st.sched.gpu_of[other_stage]), into=(mine,))
-        st.tied_sumsq = sumsq if 0 in ends else 0.0
+        (j, (o, n)), = self.tied.items()
+        arrived = st.arrived.get(j)
+        if arrived is not None:
+            arrived.synchronize()
+        mine = self.hosts[j].grads_in[o:o + n]
+        other_stage = st.sched.num_stages - 1 if j == 0 else 0
+        sumsq = add_tied(mine, self.coll.exchange(mine, st.sched.gpu_of[other_stage]), into=(mine,))
+        st.tied_sumsq = sumsq if j == 0 else 0.0
 
     def _reduce(self, a: Action) -> None:
         """End of the dispatch: finish this worker's transfers, then sum the step's statistics over
