@@ -27,8 +27,8 @@ ADAM_BYTES = 28  # memory traffic of one fused AdamW step per parameter: read fp
 UPDATE_BYTES = ADAM_BYTES + 2  # one update's traffic with the half copy it writes, on the CPU (the measure of the
 # CPU update rates, partition.hardware) or on a device (partition.hardware.DEVICE_ADAM_BYTES)
 HOST_SUM_BYTES = 12  # adding a later round's downloaded fp32 gradient sums into the host sum: read 4 + 4, write 4
-TIE_SUM_BYTES = 12  # a tied weight's two ends' gradients summed into the end that updates on the host: read 4 + 4,
-# write 4 (its norm reads the sum from cache: scheduler.stages.add_tied; into both ends, 16 bytes, measured at 1.8x the
+TIE_SUM_BYTES = 12  # a tied weight's two ends' gradients summed on the host into a worker's own end (ends on two
+# workers; one worker holding both sums them on the device): read 4 + 4, write 4 (its norm reads the sum from cache: scheduler.stages.add_tied; into both ends, 16 bytes, measured at 1.8x the
 # CPU AdamW's parameters per second)
 
 
