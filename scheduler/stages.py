@@ -132,8 +132,9 @@ def add_tied(x: torch.Tensor, y: torch.Tensor, into: tuple[torch.Tensor, ...] = 
     """The sum of a tied weight's two ends' gradients, ``x + y`` in fp32, written into each of ``into`` (x, y
     or neither), ``TIE_CHUNK`` elements at a time; returns its sum of squares. No temporary of the weight's
     size: a fresh one of an embedding's size costs more than the sum itself, in page faults. Into an fp32
-    ``x`` alone (the pipeline's, whose ends are on two workers) the sum is added in place, faster than through a scratch chunk (on a
-    2-core VM 8.2 against 16.1 ms for 38.6M parameters, 39.9 against 52.5 ms for 128.7M)."""
+    ``x`` alone (the pipeline's, whose ends are on two workers) the sum is added in place, faster than
+    through a scratch chunk (on a 2-core VM 8.2 against 16.1 ms for 38.6M parameters, 39.9 against 52.5 ms
+    for 128.7M)."""
     in_place = len(into) == 1 and into[0] is x and x.dtype == torch.float32
     scratch = None if in_place else torch.empty(min(TIE_CHUNK, x.numel()), dtype=torch.float32, device=x.device)
     sumsq = 0.0
