@@ -365,15 +365,18 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
 
 
 NEAR_BEST = 0.05  # alternatives: partitions of other stage counts within this fraction of the best's model time
-ALTERNATIVES = 4  # at most this many partitions (the best included) go on to the residency pass
+ALTERNATIVES = 4  # at most this many partitions near the best (the best included) go on to the residency pass
+FINEST = 2  # and this many of the largest stage counts' partitions
 
 
 def near_best(best: StageCountResult | None, solved: list[StageCountResult], found: dict[int, list[int]],
               values: dict[int, float]) -> list[StageCountResult]:
-    """The best partition and, for the stage counts nearest it in the timing model (each count's best
-    from the MIP or the local search, within ``NEAR_BEST``), up to ``ALTERNATIVES`` in all, fastest
-    first. The model leaves out what the residency pass adds (resident stages, kept activations),
-    which can reorder partitions this close: the plan simulates each with its own choice."""
+    """The best partition, then the ``FINEST`` largest stage counts' (each count's best from the MIP or the local
+    search), then the stage counts nearest the best in the timing model (within ``NEAR_BEST``; with the best, up
+    to ``ALTERNATIVES``), fastest first. The model leaves out what the residency pass adds (resident stages, kept
+    activations), which can reorder partitions this close; the finest come first, as small stages let the
+    residency pass fill the memory that the swapped slots leave more closely. The plan simulates each with its
+    own choice (the residency passes that fit its time)."""
     if best is None or best.boundaries is None:
         return []
     per: dict[int, StageCountResult] = {
@@ -383,9 +386,10 @@ def near_best(best: StageCountResult | None, solved: list[StageCountResult], fou
         if r.boundaries is not None and r.predicted_s <= per.get(r.num_stages, r).predicted_s:
             per[r.num_stages] = r
     per[best.num_stages] = best
-    near = sorted((r for S, r in per.items() if S != best.num_stages
+    finest = [S for S in sorted(per, reverse=True) if S != best.num_stages][:FINEST]
+    near = sorted((r for S, r in per.items() if S != best.num_stages and S not in finest
                    and r.predicted_s <= best.predicted_s * (1 + NEAR_BEST)), key=lambda r: r.predicted_s)
-    return [best] + near[:ALTERNATIVES - 1]
+    return [best] + [per[S] for S in finest] + near[:ALTERNATIVES - 1]
 
 
 @dataclass

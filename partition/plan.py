@@ -252,8 +252,10 @@ def _summary_lines(p: Plan) -> list[str]:
     alts = p.mip.get("alternatives") or []
     if len(alts) > 1:
         each = ", ".join(f"{a['num_stages']} stages {a['simulated_step_s']:.3f} s" for a in alts)
+        ranked = (f"; ranked by the sync rule's timing model, whose plan simulated faster than the delayed rule's"
+                  if p.mip.get("ranked_by") == "sync" and p.options.delayed else "")
         lines.append(f"partition: the fastest simulated, each with its own resident/kept stages, of the search's "
-                     f"{len(alts)} near-best ({each})")
+                     f"{len(alts)} near-best and finest ({each}{ranked})")
     if p.time_split:
         lines.append(_time_split_line(p.time_split, p.predicted_step_s))
     mem = ", ".join(f"GPU{g} {b / GiB:.1f}" for g, b in enumerate(p.peak_bytes))
@@ -289,6 +291,8 @@ class PlanContext:
     hw: Hardware
     gpus_for: GpusFor
     started: float = field(default_factory=time.perf_counter)
+    ranks_as_sync: bool = False  # the timing model ranks partitions and residency as under train.update: sync (a
+    # delayed plan's second search, :func:`_plan_at`); the simulator always runs the request's rule
 
     @classmethod
     def of(cls, prof: ModelProfile, hw: Hardware, req: PlanRequest) -> PlanContext:
@@ -309,10 +313,14 @@ class PlanContext:
         """What the request's time limit leaves, at least ``MIN_SEARCH_S``."""
         return max(MIN_SEARCH_S, self.req.time_limit_s - (time.perf_counter() - self.started))
 
+    def model_options(self, options: PipelineOptions) -> PipelineOptions:
+        """``options`` as the timing model ranks with them (:attr:`ranks_as_sync`)."""
+        return dataclasses.replace(options, delayed=False) if self.ranks_as_sync else options
+
     def evaluator(self, model_hw: Hardware, options: PipelineOptions) -> ModelEvaluator:
         """The timing model of the request's step at ``model_hw``'s rates under ``options``."""
         return ModelEvaluator(self.prof, model_hw, self.gpus_for, self.req.micro_batches, self.req.bandwidth_view,
-                              options)
+                              self.model_options(options))
 
     def simulate(self, bounds: Sequence[int], options: PipelineOptions, record: bool = True) -> SimResult:
         """The partition ``bounds`` under ``options`` simulated on the machine."""
@@ -344,6 +352,7 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     plan.model_step_s = ctx.evaluator(best.model_hw, options).step_time(bounds)
     plan.mip["contention_plans"] = tried
     plan.mip["alternatives"] = best.alternatives
+    plan.mip["ranked_by"] = best.ranked_by
     plan.compute_scale = {k: v for k, v in profile.notes.get("in_run", {}).items() if k != "key"}
     other = other_update_options(options)
     plan.other_update = {"update": "delayed" if other.delayed else "sync",
@@ -384,16 +393,31 @@ class _Candidate:
     options: PipelineOptions
     sim: SimResult
     alternatives: list[dict]  # each partition the residency pass tried (:func:`_fastest_residency`)
+    ranked_by: str  # the update rule whose timing model ranked the partitions and residency (:func:`_plan_at`)
 
 
-def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float) -> _Candidate:
+def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float, rules: tuple[str, ...] = ()) -> _Candidate:
     """The MIP's partition (to ``rel_gap``) and the residency pass at ``model_hw``'s rates, simulated
-    on the machine (a re-plan gets what time is left, at least ``MIN_SEARCH_S``)."""
-    res, options = _search(ctx, model_hw, ctx.time_left(), rel_gap)
-    chosen, sim, tried = _fastest_residency(ctx, res, options, model_hw, ALTERNATIVES_SHARE * ctx.req.time_limit_s)
-    if options.num_slots == 1 and ctx.req.prefetch:  # two slots do not fit: prefetch what fits of the next stage
-        chosen, sim = _partial_prefetch(ctx, res.best.boundaries, options, model_hw, (chosen, sim))
-    return _Candidate(model_hw, res, chosen, sim, tried)
+    on the machine (a re-plan gets what time is left, at least ``MIN_SEARCH_S``).
+
+    Under ``train.update: delayed`` the search runs twice, sharing the time: ranked by the delayed rule's
+    timing model, and by the sync rule's; the faster simulated wins. Once the host's CPU work bounds a delayed
+    step, the delayed model finds most partitions alike (their CPU work is the model's), and the sync model,
+    whose CPU updates lie on the step's path, tells them apart; neither model holds the copies' waits that the
+    simulator finds where the two bounds meet, so either can rank the better plan first. ``rules`` names the
+    rankings to search with instead (a re-plan's: the one whose plan it re-plans)."""
+    rules = rules or (("sync", "delayed") if ctx.req.update == "delayed" else ("sync",))
+    searches = [dataclasses.replace(ctx, ranks_as_sync=rule == "sync") for rule in rules]
+    results = [_search(c, model_hw, ctx.time_left() / (len(searches) - i), rel_gap, MIN_SEARCH_S / len(searches))
+               for i, c in enumerate(searches)]
+    found: list[_Candidate] = []
+    for c, (res, options) in zip(searches, results):
+        budget = ALTERNATIVES_SHARE * ctx.req.time_limit_s / len(searches)
+        chosen, sim, tried = _fastest_residency(c, res, options, model_hw, budget)
+        if options.num_slots == 1 and ctx.req.prefetch:  # two slots do not fit: prefetch what fits of the next stage
+            chosen, sim = _partial_prefetch(c, res.best.boundaries, options, model_hw, (chosen, sim))
+        found.append(_Candidate(model_hw, res, chosen, sim, tried, "sync" if c.ranks_as_sync else "delayed"))
+    return min(found, key=lambda c: c.sim.step_s)
 
 
 def _replan_under_contention(ctx: PlanContext, best: _Candidate) -> tuple[_Candidate, list[dict]]:
@@ -416,7 +440,7 @@ def _replan_under_contention(ctx: PlanContext, best: _Candidate) -> tuple[_Candi
     for _ in range(ctx.req.contention_rounds):
         if best.sim.step_s <= tried[-1]["model_step_s"] * (1 + CONTENTION_GAP):
             break
-        again = _plan_at(ctx, simulated_rates(ctx.hw, best.sim), gap)
+        again = _plan_at(ctx, simulated_rates(ctx.hw, best.sim), gap, (best.ranked_by,))
         tried.append(row(again, model_of(again)))
         log.info("contention: the simulated step %.3f s exceeds the model's %.3f s; re-planned at the simulated rates: "
                  "%.3f s simulated (%d stages)", best.sim.step_s, tried[-2]["model_step_s"], again.sim.step_s,
@@ -664,11 +688,11 @@ def _option_sets(req: PlanRequest) -> list[list[PipelineOptions]]:
             for k in ((2, 1) if req.prefetch else (1,))]
 
 
-def _search(ctx: PlanContext, model_hw: Hardware, time_limit_s: float,
-            rel_gap: float) -> tuple[MipResult, PipelineOptions]:
-    """The best partition (the request's, or the MIP's to ``rel_gap`` within ``time_limit_s``) under
-    the best runtime settings at ``model_hw``'s rates (the MIP's model decides); the result's lower
-    bound is the lowest of its tier's settings (what no setting tried can beat) and its untried
+def _search(ctx: PlanContext, model_hw: Hardware, time_limit_s: float, rel_gap: float,
+            least_s: float = MIN_SEARCH_S) -> tuple[MipResult, PipelineOptions]:
+    """The best partition (the request's, or the MIP's to ``rel_gap`` within ``time_limit_s``, each setting at
+    least ``least_s``) under the best runtime settings at ``model_hw``'s rates (the MIP's model decides); the
+    result's lower bound is the lowest of its tier's settings (what no setting tried can beat) and its untried
     stage counts are theirs together."""
     req, t0 = ctx.req, time.perf_counter()
     counts = list(range(req.min_stages, ctx.prof.num_units + 1))
@@ -678,12 +702,12 @@ def _search(ctx: PlanContext, model_hw: Hardware, time_limit_s: float,
         for i, options in enumerate(tier):
             if req.boundaries is not None:
                 res = given_partition(ctx.prof, model_hw, ctx.gpus_for, req.micro_batches, list(req.boundaries),
-                                      req.bandwidth_view, options)
+                                      req.bandwidth_view, ctx.model_options(options))
             else:  # the tier's settings share the time left
-                left = max(MIN_SEARCH_S, (time_limit_s - (time.perf_counter() - t0)) / (len(tier) - i))
+                left = max(least_s, (time_limit_s - (time.perf_counter() - t0)) / (len(tier) - i))
                 res = solve_partition(ctx.prof, model_hw, ctx.gpus_for, req.micro_batches, req.solver, left,
                                       stage_counts=counts, bandwidth=req.bandwidth_view, rel_gap=rel_gap,
-                                      options=options)
+                                      options=ctx.model_options(options))
             bounds.append(res.lower_bound)
             skipped += res.stage_counts_skipped
             if res.best is not None and res.best.boundaries is not None and math.isfinite(res.best.predicted_s):

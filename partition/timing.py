@@ -36,6 +36,11 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
   both, stage 0's backward upload brings the head's end's gradient (its download is then the sum).
 * **The step** ends at REDUCE: every worker's downloads done and (without a barrier) its updates
   done. The next step starts there; the model's objective is that period.
+* **A delayed update** (``train.update: delayed``): the CPU updates run beside the next step, whose
+  uploads wait only for the compute copies (no update offsets); the step ends when the downloads are
+  done, and lasts at least each worker's CPU work, its updates and compute copies at its share of the
+  host. The copies' waits across steps (a copy follows the stage's update of the step before) are the
+  simulator's: where the two bounds meet they make its step longer than the model's.
 * **Resident stages** live on their GPU for good (half and fp32 weights, AdamW moments, gradients):
   no upload, no download, a device AdamW right after their backward (with a barrier: at the start of
   the next step, before the worker's first forward). They take no slot.
@@ -219,6 +224,8 @@ class Rates:
     tie_s: float = 0.0  # exchange of the tied gradients between two workers (0 on one worker)
     device: float = 1e12  # G parameters/s of the AdamW of a resident stage, on its device
     message_s: float = 0.0  # the dispatch thread per message posted to another worker (Hardware.message_s)
+    copy_work: float = 0.0  # train.update: delayed: a stage's compute copy, in CPU updates of its parameters
+    # (:func:`partition.costs.compute_copy_work`)
 
 
 Name = tuple[str, int]  # a variable's name in the MIP: (what, stage or worker)
@@ -323,7 +330,7 @@ class _Uploads:
         self.alg, self.st, self.r, self.shape, self.t = alg, st, r, shape, t
         self.order = {w: shape.occupancies(w) for w in range(shape.num_workers)}
         self.position = {occ: i for w in self.order for i, occ in enumerate(self.order[w])}
-        self.ready = _update_offsets(st, r, shape) if shape.barrier else {}
+        self.ready = _update_offsets(st, r, shape) if shape.barrier and not shape.options.delayed else {}
 
     def done(self, kind: str, j: int) -> Expr:
         """Upload completion of occupancy (kind, j), defining the worker's earlier ones first."""
@@ -469,7 +476,9 @@ def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
         tie = alg.max(("tie", 0), [t.download_done[0], t.download_done[S - 1]]) + r.tie_s
     done: list[Expr] = list(t.download_done.values()) + [t.bwd_end[j] for j in shape.resident]
     done += [tie] if tie is not None else []
-    if shape.barrier:
+    if shape.options.delayed:
+        done += _delayed_cpu_bounds(st, r, shape)
+    if shape.barrier or shape.options.delayed:
         t.step = alg.max(("T", 0), done)
         return
     for w in range(shape.num_workers):
@@ -483,6 +492,17 @@ def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
         if prev is not None:
             done.append(either(shape.frees(w), lambda free: 0.0 if free else prev))
     t.step = alg.max(("T", 0), done)
+
+
+def _delayed_cpu_bounds(st: list[StageExprs], r: Rates, shape: Shape) -> list[Expr]:
+    """Under a delayed update the CPU updates and compute copies run beside the next step, so a step lasts at
+    least each worker's CPU work (at its share of the host while all update, as the simulator runs them when
+    every worker is behind). (The uploads' wait for the copies, two steps back, is left out.)"""
+    out: list[Expr] = []
+    for w in range(shape.num_workers):
+        work = sum((cpu_params(st, shape, j) * ((1.0 + r.copy_work) / r.cpu) for j in shape.swapped(w)), 0.0)
+        out.append(either(shape.frees(w), lambda free: 0.0 if free else work))
+    return out
 
 
 def phase_needs(s: StageExprs, base: Expr, kept: Expr, M: int, keep_out: bool = False,

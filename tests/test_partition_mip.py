@@ -21,7 +21,8 @@ from partition.mip import StageCountResult
 
 GiB = 1 << 30
 OPTIONS = [PipelineOptions(), PipelineOptions(barrier=True), PipelineOptions(offload_inputs=True),
-           PipelineOptions(num_slots=1), PipelineOptions(num_slots=1, prefetch_bytes=1)]  # (sized per case)
+           PipelineOptions(num_slots=1), PipelineOptions(num_slots=1, prefetch_bytes=1),  # (sized per case)
+           PipelineOptions(delayed=True), PipelineOptions(barrier=True, delayed=True)]
 MACHINES = ["separate", "asymmetric", "shared"]
 
 
@@ -80,6 +81,26 @@ def test_the_simulator_runs_what_the_model_predicts(seed: int, machine: str) -> 
         if tried == 6:
             break
     assert tried >= 3
+
+
+def test_a_delayed_step_is_the_longer_of_its_gpu_work_and_each_workers_cpu_work() -> None:
+    """Under ``train.update: delayed`` the CPU updates leave the step's path: the model's step ends when the
+    gradients are down, unless a worker's CPU updates and compute copies take longer (at its share of the host);
+    the simulator agrees on both sides of that line. Worker 0 holds stages 0, 2 and 4: 0.5 G parameters."""
+    from partition.costs import compute_copy_work
+
+    prof, bounds = toy_profile(), [0, 2, 4, 6, 8, 10]
+    delayed = PipelineOptions(delayed=True)
+    for rate, cpu_bound in ((0.2e9, True), (1e9, False)):
+        hw = Hardware.uniform(2, 8 * GiB, 20e9, cpu_adam_params_per_s=rate)
+        model = ModelEvaluator(prof, hw, _sequential(2), 4, options=delayed).evaluate(bounds)
+        gpu = max(model.times.download_done.values())
+        work = 0.5e9 * (1 + compute_copy_work(prof.precision)) / rate
+        assert model.T == pytest.approx(max(gpu, work), rel=1e-9) and (work > gpu) == cpu_bound
+        sim = simulate(prof, bounds, hw, [0, 1], 4, delayed, record=False)
+        assert sim.step_s == pytest.approx(model.T, rel=0.01), (rate, sim.step_s, model.T)
+        if not cpu_bound:  # the sync step waits for the updates
+            assert model.T < 0.8 * ModelEvaluator(prof, hw, _sequential(2), 4).step_time(bounds)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -330,8 +351,9 @@ def test_the_residency_pass_keeps_the_activations_of_swapped_stages() -> None:
 
 
 def test_near_best_keeps_each_counts_fastest_partition_within_the_slack() -> None:
-    """The alternatives: the best first, then per stage count its fastest partition (the MIP's or the
-    local search's) within ``NEAR_BEST`` of the best, fastest first, at most ``ALTERNATIVES`` in all."""
+    """The alternatives: the best first, then the ``FINEST`` largest stage counts' partitions, then per stage
+    count its fastest partition (the MIP's or the local search's) within ``NEAR_BEST`` of the best, fastest
+    first, at most ``ALTERNATIVES`` with the best."""
     import partition.mip as mip
 
     def result(S: int, t: float, status: str = "optimal") -> StageCountResult:
@@ -343,9 +365,12 @@ def test_near_best_keeps_each_counts_fastest_partition_within_the_slack() -> Non
              9: list(range(9)) + [10]}
     values = {4: 1.03, 6: 1.04, 8: 1.01, 3: 1.2, 9: 1.049}
     alts = mip.near_best(best, solved, found, values)
-    assert [(r.num_stages, r.predicted_s) for r in alts] == [(5, 1.0), (8, 1.01), (4, 1.02), (6, 1.04)]
-    assert alts[0] is best and alts[2] is solved[1]  # the MIP's 4-stage partition beats the local search's
-    assert mip.ALTERNATIVES == 4 and mip.near_best(None, solved, found, values) == []
+    assert [(r.num_stages, r.predicted_s) for r in alts] == [(5, 1.0), (9, 1.049), (8, 1.01), (4, 1.02), (6, 1.04)]
+    assert alts[0] is best and alts[3] is solved[1]  # the MIP's 4-stage partition beats the local search's
+    assert (mip.ALTERNATIVES, mip.FINEST) == (4, 2) and mip.near_best(None, solved, found, values) == []
+    values[3] = 1.01  # a third within the slack: the best and three near it
+    assert [r.num_stages for r in mip.near_best(best, solved, found, values)] == [5, 9, 8, 3, 4, 6]
+    assert [r.num_stages for r in mip.near_best(result(9, 1.0), solved, found, values)] == [9, 8, 6, 5, 3, 4]
 
 
 def test_the_first_pass_tries_every_count_when_solves_overrun_their_limit(monkeypatch: pytest.MonkeyPatch) -> None:
