@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Collection, Sequence
 
 from partition.baselines import BASELINES
-from partition.costs import (PRECISION_BYTES, ModelProfile, host_bytes_per_param, stage_costs, tied_end_bytes_per_param,
-                             tied_end_held)
+from partition.costs import (PRECISION_BYTES, ModelProfile, compute_copy_work, host_bytes_per_param, stage_costs,
+                             tied_end_bytes_per_param, tied_end_held)
 from mobius.errors import ConfigError, MobiusError
 from partition import residency
 from partition.evaluate import ModelEvaluator, stage_exprs
@@ -404,9 +404,12 @@ def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float, rules: tuple[
     timing model, and by the sync rule's; the faster simulated wins. Once the host's CPU work bounds a delayed
     step, the delayed model finds most partitions alike (their CPU work is the model's), and the sync model,
     whose CPU updates lie on the step's path, tells them apart; neither model holds the copies' waits that the
-    simulator finds where the two bounds meet, so either can rank the better plan first. ``rules`` names the
-    rankings to search with instead (a re-plan's: the one whose plan it re-plans)."""
-    rules = rules or (("sync", "delayed") if ctx.req.update == "delayed" else ("sync",))
+    simulator finds where the two bounds meet, so either can rank the better plan first. Where the host's CPU
+    work is small next to the GPUs' compute (:func:`_cpu_weighs`: LoRA) the two models rank alike, and the delayed
+    one searches alone. ``rules`` names the rankings to search with instead (a re-plan's: the one whose plan it
+    re-plans)."""
+    if not rules:
+        rules = ("sync",) if ctx.req.update != "delayed" else ("sync", "delayed") if _cpu_weighs(ctx) else ("delayed",)
     searches = [dataclasses.replace(ctx, ranks_as_sync=rule == "sync") for rule in rules]
     results = [_search(c, model_hw, ctx.time_left() / (len(searches) - i), rel_gap, MIN_SEARCH_S / len(searches))
                for i, c in enumerate(searches)]
@@ -418,6 +421,22 @@ def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float, rules: tuple[
             chosen, sim = _partial_prefetch(c, res.best.boundaries, options, model_hw, (chosen, sim))
         found.append(_Candidate(model_hw, res, chosen, sim, tried, "sync" if c.ranks_as_sync else "delayed"))
     return min(found, key=lambda c: c.sim.step_s)
+
+
+RANK_TWICE_CPU_SHARE = 0.5  # a delayed plan searches under both rules' rankings where the host's CPU work per step
+# is at least this share of the GPUs' compute (_cpu_weighs)
+
+
+def _cpu_weighs(ctx: PlanContext) -> bool:
+    """Whether the host's CPU work of a step (every trainable parameter's update and compute copy, at the host's
+    rate with every worker updating) is at least ``RANK_TWICE_CPU_SHARE`` of the step's compute spread over the
+    GPUs: a bound on either side, computed from the profile before any partition."""
+    prof, M = ctx.prof, ctx.req.micro_batches
+    workers = max(1, min(ctx.hw.num_gpus, prof.num_units))
+    params = sum(u.trainable_count for u in prof.units)
+    cpu_s = params * (1 + compute_copy_work(prof.precision)) / ctx.hw.host_update_total(workers=workers)
+    compute_s = sum(u.fwd_s + u.bwd_s + u.acc_s for u in prof.units) * M / workers
+    return cpu_s >= RANK_TWICE_CPU_SHARE * compute_s
 
 
 def _replan_under_contention(ctx: PlanContext, best: _Candidate) -> tuple[_Candidate, list[dict]]:
