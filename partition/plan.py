@@ -430,7 +430,7 @@ RANK_TWICE_CPU_SHARE = 0.5  # a delayed plan searches under both rules' rankings
 def _cpu_weighs(ctx: PlanContext) -> bool:
     """Whether the host's CPU work of a step (every trainable parameter's update and compute copy, at the host's
     rate with every worker updating) is at least ``RANK_TWICE_CPU_SHARE`` of the step's compute spread over the
-    GPUs: a bound on either side, computed from the profile before any partition."""
+    GPUs, both from the profile alone (before any partition: the choice of searches comes first)."""
     prof, M = ctx.prof, ctx.req.micro_batches
     workers = max(1, min(ctx.hw.num_gpus, prof.num_units))
     params = sum(u.trainable_count for u in prof.units)
