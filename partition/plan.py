@@ -398,7 +398,7 @@ class _Candidate:
 
 def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float, rules: tuple[str, ...] = ()) -> _Candidate:
     """The MIP's partition (to ``rel_gap``) and the residency pass at ``model_hw``'s rates, simulated
-    on the machine (a re-plan gets what time is left, at least ``MIN_SEARCH_S``).
+    on the machine (a re-plan gets what time is left, at least ``MIN_SEARCH_S`` over its searches).
 
     Under ``train.update: delayed`` the search runs twice, sharing the time: ranked by the delayed rule's
     timing model, and by the sync rule's; the faster simulated wins. Once the host's CPU work bounds a delayed
@@ -414,12 +414,12 @@ def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float, rules: tuple[
     results = [_search(c, model_hw, ctx.time_left() / (len(searches) - i), rel_gap, MIN_SEARCH_S / len(searches))
                for i, c in enumerate(searches)]
     found: list[_Candidate] = []
-    for c, (res, options) in zip(searches, results):
-        budget = ALTERNATIVES_SHARE * ctx.req.time_limit_s / len(searches)
+    budget = ALTERNATIVES_SHARE * ctx.req.time_limit_s / len(searches)
+    for rule, c, (res, options) in zip(rules, searches, results):
         chosen, sim, tried = _fastest_residency(c, res, options, model_hw, budget)
         if options.num_slots == 1 and ctx.req.prefetch:  # two slots do not fit: prefetch what fits of the next stage
             chosen, sim = _partial_prefetch(c, res.best.boundaries, options, model_hw, (chosen, sim))
-        found.append(_Candidate(model_hw, res, chosen, sim, tried, "sync" if c.ranks_as_sync else "delayed"))
+        found.append(_Candidate(model_hw, res, chosen, sim, tried, rule))
     return min(found, key=lambda c: c.sim.step_s)
 
 
