@@ -187,8 +187,9 @@ class PartitionSection(_Section):
     solver: Literal["auto", "gurobi", "highs"] = _f("auto", "MIP solver: gurobi, highs, or auto (gurobi, then HiGHS "
                                                     "when the free licence cannot take the model).")
     time_limit_s: float = _f(3.0, "The partition search's time limit in seconds (the local search and every MIP; a "
-                             "re-plan under contention gets at least 1 s more; the residency pass on the near-best "
-                             "partitions and the baselines follow it). Longer may narrow the gap the plan states.",
+                             "re-plan under contention gets at least 1 s more; a delayed plan whose CPU work weighs shares it "
+                             "between two searches; the residency pass on the near-best and finest partitions and "
+                             "the baselines follow it). Longer may narrow the gap the plan states.",
                              gt=0)
     profile: Literal["auto", "measured", "estimated"] = _f("auto", "Unit costs measured on this machine (its GPU; "
                                                            "the CPU for CPU workers), estimated from the datasheet of "

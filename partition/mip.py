@@ -334,7 +334,7 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     settles most and bounds the rest; then the counts still open, the lowest bound first, sharing
     what time is left -- so one hard count cannot leave the others untried. Stage counts below
     :func:`fewest_stages` cannot fit and are not solved. The result's ``alternatives`` are the
-    near-best partitions of other stage counts (:func:`near_best`) for the residency pass.
+    near-best and finest partitions of other stage counts (:func:`near_best`) for the residency pass.
     """
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))

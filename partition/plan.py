@@ -541,7 +541,7 @@ def _unless_none_is_faster(ctx: PlanContext, bounds: list[int], options: Pipelin
 def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOptions, model_hw: Hardware,
                        budget_s: float) -> tuple[PipelineOptions, SimResult, list[dict]]:
     """The residency pass on the search's best partition and, when the pass chooses both lists, on its
-    near-best alternatives (:func:`partition.mip.near_best`) that fit in ``budget_s`` (their cost
+    near-best and finest alternatives (:func:`partition.mip.near_best`) that fit in ``budget_s`` (their cost
     estimated from the first pass's, as the cube of the stage count): the fastest simulated becomes
     ``res.best`` (resident stages and kept activations can reorder partitions the timing model puts
     within a few percent of each other). Also returns a row per partition tried."""
