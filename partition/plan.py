@@ -242,6 +242,10 @@ def _summary_lines(p: Plan) -> list[str]:
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
                  f"contention; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
+    reused = p.mip.get("reused")
+    if reused:
+        lines.append(f"plan reused: made on {reused['made']} for the same profile, machine, settings "
+                     f"and code (its search took {reused['search_s']:.1f} s); partition.reuse_plan=false searches again")
     other = p.other_update
     if other:
         room = ("" if p.host_memory_bytes is None or other["host_bytes"] <= p.host_memory_bytes else

@@ -373,15 +373,16 @@ def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path, demo_single
 
     common = [f"--data.cache_dir={demo_data_cache}", *DEMO_SHORT, f"--partition.cache_dir={tmp_path / 'cache'}"]
     pipe = ["--parallel.mode=pipeline", "--parallel.devices=2", "--parallel.trace_step=2"]
+    shown = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--json",
+                            *common, *pipe], capture_output=True, text=True, timeout=600)
+    assert shown.returncode == 0, shown.stderr[-3000:]
     r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", str(ROOT / "configs" / "demo.yaml"),
                         f"--output.dir={tmp_path / 'pipe'}", *common, *pipe], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "predicted step time" in r.stderr  # the plan summary is shown before training
+    assert "plan reused: made on " in r.stderr  # the plan shown, kept: not searched again
     _compare(demo_single, tmp_path / "pipe", atol=1e-5)
-    shown = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--json",
-                            *common, *pipe], capture_output=True, text=True, timeout=600)
-    assert shown.returncode == 0, shown.stderr[-3000:]
     plan, ran = Plan.from_json(json.loads(shown.stdout)), Plan.from_json(json.loads((tmp_path / "pipe" / "plan.json")
                                                                                      .read_text()))
     assert plan.runtime_settings() == ran.runtime_settings()  # the plan shown is the plan run

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from mobius.app.plan_cache import reuse_or_plan
 from mobius.app.settings import Machine, mode_options, resolve, static_mode
 from mobius.config import Config
 from mobius.errors import ConfigError, MobiusError
@@ -248,7 +249,9 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
                           boundaries=forced, offload_inputs=par.offload_inputs, barrier=t.barrier,
                           resident=par.resident_stages, kept=par.kept_stages, grad_download=par.grad_download,
                           update=t.update, schedule=par.schedule)
-    return plan_model(prof, hw, request), prof, hw
+    plan = reuse_or_plan(os.path.join(p.cache_dir, "partition"), prof, hw, request,
+                         lambda: plan_model(prof, hw, request), reuse=p.reuse_plan)
+    return plan, prof, hw
 
 
 # ---------------------------------------------------------------------------------------------- zero mode
