@@ -257,6 +257,7 @@ class _Worker:
         self.d2h_ready: dict[int, float] = {}  # d2h task -> time its data is produced
         self.pending_sends = 0
         self.woken = True  # something its next compute waits for may have happened since it last checked
+        self.upload_held: tuple[int, int] | None = None  # (ui, _Sim.unheld) when its next upload last had to wait
 
 
 class _Sim:
@@ -279,6 +280,7 @@ class _Sim:
         self.step_ends: list[float] = []
         self.version = [0] * self.S  # updates each stage has completed
         self.copied = [0] * self.S  # delayed: compute copies taken (one per download, after it lands)
+        self.unheld = 0  # counts what may let a waiting upload start (updates, copies, slots freed, sums, steps)
         # delayed, one compute copy per stage: each download queues the stage's copy from its master on its worker's
         # CPU ahead of every update (in CPU updates of the stage's parameters); several copies: none
         self.copy_work = compute_copy_work(profile.precision) if sched.options.delayed and sched.compute_copies == 1 \
@@ -367,6 +369,7 @@ class _Sim:
             self._check_reduced()
             self.step_ends.append(self.t)
             self.step += 1
+            self.unheld += 1
             if self.step < steps:
                 self.step_start = self.t
                 self._new_step_state()
@@ -411,12 +414,12 @@ class _Sim:
         return started
 
     def _start_upload(self, w: _Worker) -> bool:
-        if w.uploading or w.ui >= len(w.uploads):
-            return False
+        if w.uploading or w.ui >= len(w.uploads) or w.upload_held == (w.ui, self.unheld):
+            return False  # (nothing it waited for has changed since)
         task = w.uploads[w.ui]
         K = self.sched.num_slots
         if not all(self._weights_ready(d, self.step + task.tstep) for d in self.sched.update_deps(task.stage)):
-            return False  # a CPU update of its weights is pending
+            return self._held(w)  # a CPU update of its weights is pending
         order = self.step * 10**6 + self.sched.upload_rank(task.stage, task.phase, task.round)
         param_bytes = self.costs[task.stage].param_bytes
         if task.kind == Kind.PREFETCH:  # into the buffer: it waits for no slot
@@ -424,11 +427,11 @@ class _Sim:
             w.prefetched[task.occ] = nbytes
             done: Callable[[float], None] = lambda t, w=w: setattr(w, "uploading", False)
         elif task.occ >= K and task.occ - K not in w.released:
-            return False  # the slot it takes is still in use
+            return self._held(w)  # the slot it takes is still in use
         else:  # what the buffer does not hold (its part moves into the slot on the device: not a transfer)
             sums = self.sched.sums_up(task.stage, task.round)
             if sums and not self._rounds_before_summed(task):
-                return False  # it brings the step's earlier rounds of its gradient sums up: not all down yet
+                return self._held(w)  # it brings the step's earlier rounds of its gradient sums up: not all down yet
             nbytes = param_bytes - w.prefetched.pop(task.occ, 0.0)
             if task.reload:
                 nbytes += len(self.sched.reload_micros(task.stage, task.round)) * self.costs[task.stage].in_bytes
@@ -442,6 +445,11 @@ class _Sim:
         w.ui += 1
         self._h2d_flow(w.gpu, f"{task.kind.value}{task.phase}{task.stage}", "upload", nbytes, (1, order), done)
         return True
+
+    def _held(self, w: _Worker) -> bool:
+        """``w``'s next upload waits: it is not looked at again until something it may wait for changes."""
+        w.upload_held = (w.ui, self.unheld)
+        return False
 
     def _start_tie_in(self, w: _Worker) -> bool:
         """Stage 0's weights are up: the head's end of the tied weight's gradient follows once it is down, and the
@@ -593,6 +601,7 @@ class _Sim:
         on it follows, if any (:meth:`_downloaded` once it is done)."""
         w.downloading = False
         w.released[task.occ] = t  # the slot is reused only after the copy has read it
+        self.unheld += 1
         work = self.sched.download_work(task.round) * self.costs[task.stage].trainable_count
         if work <= 0:
             self._downloaded(w, task, t)
@@ -622,6 +631,7 @@ class _Sim:
         step = self.step + task.tstep
         key = (step, task.stage)
         self.downloads_done[key] = self.downloads_done.get(key, 0) + 1
+        self.unheld += 1
         self._ends(task.tstep, t)
         if self.program:
             self.step_left[task.tstep] -= 1
@@ -798,6 +808,7 @@ class _Sim:
                     self.copied[j] += 1
                 else:
                     self.version[j] += 1
+                self.unheld += 1
                 self.opt_busy[w], self.opt_running[w] = None, None
             if self.add_busy[w] is not None and self.add_busy[w] <= self.t + _EPS_T:
                 task, start = self.adding[w]
@@ -826,6 +837,7 @@ class _Sim:
             w.d2h_ready[k] = self.t
         if w.ci in w.release_at:
             w.released[w.release_at[w.ci]] = self.t  # a forward occupancy frees its slot when it ends
+            self.unheld += 1
         w.ci += 1
 
     # ---- transfers -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ step's ``REDUCE``). The lists hold ``steps`` consecutive steps (micro-batch ``s 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -287,11 +288,11 @@ def check_round_robin(s: RoundRobinSchedule) -> None:
     if set(seen) != want or any(n != 1 for n in seen.values()):
         raise ScheduleError("round-robin lists do not compute every (op, micro-batch) exactly once")
     every = [a for acts in s.actions for a in acts]
+    downloads = Counter(a.stage for a in every if a.kind == Kind.DOWNLOAD)
+    updates = Counter(a.stage for a in every if a.kind == Kind.UPDATE)
     for k in range(s.cuts.num_forward, s.num_stages):
-        downloads = sum(a.kind == Kind.DOWNLOAD and a.stage == k for a in every)
-        updates = sum(a.kind == Kind.UPDATE and a.stage == k for a in every)
-        if downloads != s.steps * s.rounds or updates != s.steps:
-            raise ScheduleError(f"op {k}: {downloads} downloads and {updates} updates over {s.steps} step(s)")
+        if downloads[k] != s.steps * s.rounds or updates[k] != s.steps:
+            raise ScheduleError(f"op {k}: {downloads[k]} downloads and {updates[k]} updates over {s.steps} step(s)")
 
 
 def round_robin_timeline(s: RoundRobinSchedule, width: int = 8) -> str:
