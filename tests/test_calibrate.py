@@ -77,6 +77,7 @@ def test_the_next_plan_uses_the_mean_of_the_last_runs_and_ignores_a_torn_file(tm
     assert learnt_scale(tmp_path, key) == ComputeScale()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pipeline", "zero"])
 def test_a_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Path, demo_data_cache: Path,
                                                                    mode: str) -> None:

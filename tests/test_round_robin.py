@@ -190,6 +190,7 @@ def test_the_search_ends_no_slower_than_every_candidate_and_every_neighbouring_s
         assert step(other) >= choice.result.step_s - 1e-9, other
 
 
+@pytest.mark.slow
 def test_mobius_plan_prints_the_round_robin_prediction_under_both_update_rules(tmp_path) -> None:
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"gpu": "rtx4090", "micro_batch_size": 1, "seq_len": 512, "precision": "bf16",

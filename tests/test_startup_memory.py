@@ -115,6 +115,7 @@ def _train(tmp_path: Path, corpus: Path, hook_text: str, train: dict, parallel: 
     return json.loads(rss.read_text())
 
 
+@pytest.mark.slow
 @needs_proc
 def test_a_checkpointed_lora_pipeline_starts_within_10_percent_of_its_plans_host_memory(tmp_path: Path,
                                                                                         corpus: Path) -> None:

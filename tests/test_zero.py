@@ -184,6 +184,7 @@ def _resume_from(tmp: Path, run: str, step: int, into: str) -> None:
     shutil.copytree(tmp / run / "checkpoints" / name, tmp / into / "checkpoints" / name)
 
 
+@pytest.mark.slow
 def test_a_run_resumes_across_modes_single_zero_pipeline_and_back(tmp_path: Path, deep_checkpoint: Path,
                                                                   corpus: Path) -> None:
     """Optimizer states are stored by parameter name: zero -> pipeline -> zero continues the same run."""
@@ -212,6 +213,7 @@ def test_a_run_resumes_across_modes_single_zero_pipeline_and_back(tmp_path: Path
     assert (plan["world"], plan["chunk_size"], plan["gpu_chunks"]) == (2, 3000, 20)
 
 
+@pytest.mark.slow
 def test_demo_in_zero_mode_on_two_workers_matches_single(tmp_path: Path, demo_single: Path,
                                                           demo_data_cache: Path) -> None:
     """The issue's check: `mobius train configs/demo.yaml --parallel.mode=zero --parallel.devices=2`."""

@@ -270,6 +270,7 @@ def _resume_case(case: dict, world: int) -> dict:
     return {"said": kept.messages, "newest": newest}
 
 
+@pytest.mark.slow
 def test_zero_resume_across_update_rules(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
     """A sync zero checkpoint resumed delayed computes its first step with the newest weights (as sync
     does); a delayed zero checkpoint resumed sync drops its compute weights (its step 3 computes with w_2,
