@@ -217,9 +217,9 @@ class PartitionSection(_Section):
                                        "the plan takes 0.68 of it inside a step and divides it among the workers "
                                        "updating at the same time. null: measured on this machine when planning "
                                        "on it; planning from a saved topology, 4.0 (a two-socket server's).", gt=0)
-    reuse_plan: bool = _f(True, "Run the pipeline plan made before on this machine for the same profile, machine, "
-                          "settings and mobius code (mobius plan, then mobius train: the plan shown; a resumed run), "
-                          "kept under partition.cache_dir; false: search again, and keep the new plan.")
+    reuse_plan: bool = _f(True, "Run the pipeline plan made before for the same profile, machine, settings and "
+                          "mobius code (mobius plan, then mobius train: the plan shown; a resumed run), kept under "
+                          "partition.cache_dir; false: search again, and keep the new plan.")
     cache_dir: str = _f(".mobius_cache", "Where measured profiles, the host's measured rates and the plans made "
                         "are kept.")
 
