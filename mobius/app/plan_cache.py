@@ -1,18 +1,17 @@
-"""Pipeline plans kept on this machine, so that a plan is searched once.
+"""Pipeline plans kept under ``partition.cache_dir``, so that a plan is searched once.
 
 A pipeline plan is a pure function of the unit profile, the machine as the planner sees it
 (:class:`~partition.Hardware`), the request and the planner's code (:func:`partition.plan_model`). Its
-search takes seconds to a minute (the configs' time limits; a 70B-class model's 30 s), and a search
-stopped by its limit may land elsewhere the next time. So ``mobius plan`` and ``mobius train`` keep each
-plan under ``partition.cache_dir``, named by a hash of those inputs (the code as the hash of mobius's
-own source files), and a later run with the same inputs runs the same plan at once: ``mobius plan``
-then ``mobius train``, a resumed run, a second run of a config. ``partition.reuse_plan: false``
-searches again (and keeps the new plan).
+search takes seconds to tens of seconds (the configs' time limits, what a solve overruns them by, the
+residency pass), and a search stopped by its limit may land elsewhere the next time. So ``mobius plan``
+and ``mobius train`` keep each plan under ``partition.cache_dir``, named by a hash of those inputs (the
+code as the hash of mobius's own source files), and a later run with the same inputs runs the same plan
+at once: ``mobius plan`` then ``mobius train``, a resumed run, a second run of a config.
+``partition.reuse_plan: false`` searches again (and keeps the new plan).
 
 The host's free memory is an input that moves from minute to minute: it is left out of the hash, and a
 kept plan is reused while the memory now is within ``MEMORY_DRIFT`` of what it was planned with and
-holds the plan's host stores.
-"""
+holds the plan's host stores."""
 
 from __future__ import annotations
 
