@@ -81,9 +81,13 @@ def reuse_or_plan(cache_dir: str | os.PathLike, profile: ModelProfile, hardware:
     kept = _read(path, hardware.host_memory_bytes) if reuse else None
     if kept is not None:
         return kept
+    log.info("searching the pipeline's plan: %d units on %d GPU(s), partition.time_limit_s=%g, then the resident "
+             "and kept stages ...", profile.num_units, hardware.num_gpus, request.time_limit_s)
     t0 = time.perf_counter()
     plan = make()
-    _write(path, plan, time.perf_counter() - t0)
+    took = time.perf_counter() - t0
+    log.info("planned in %.1f s; kept for the next run with the same inputs (%s)", took, path.parent)
+    _write(path, plan, took)
     return plan
 
 
