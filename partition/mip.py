@@ -106,6 +106,9 @@ class MipResult:
             return "given partition (not optimised)"
         if self.proven:
             return "optimal"
+        if self.stage_counts_skipped and self.lower_bound > 0:
+            return (f"within {100 * self.gap:.2f}% of optimal; {self.stage_counts_skipped} stage count(s) not tried "
+                    f"before the time limit, bounded by their compute alone")
         if self.stage_counts_skipped:
             return f"best found; {self.stage_counts_skipped} stage count(s) not tried before the time limit"
         if self.lower_bound <= 0:
@@ -341,7 +344,8 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     ev = ModelEvaluator(profile, hw, gpus_for, micro_batches, bandwidth, options)
     search = _CountSearch(lambda S, cap, cutoff: solve_stage_count(
         profile, hw, gpus_for(S), micro_batches, S, solver, cap, cutoff, encoding, bandwidth, rel_gap, options),
-        t0 + time_limit_s, rel_gap)
+        t0 + time_limit_s, rel_gap, lambda S: compute_bound(profile, S, len(gpus_for(S)), micro_batches, options,
+                                                            hw.gpu_memory_bytes))
     ranking: dict[int, float] = {}
     inc = None
     if seed:
@@ -360,7 +364,7 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     if best is not None and best.status == "local search":
         proven = all(r.status in ("cutoff", "infeasible") for r in done) and not skipped
         best.status = "optimal" if proven else best.status
-    return MipResult(best, done, time.perf_counter() - t0, _lower_bound(done, counts, best), skipped,
+    return MipResult(best, done, time.perf_counter() - t0, _lower_bound(done, counts, best, search.floor), skipped,
                      near_best(best, done, inc.partitions if inc else {}, inc.per_stage_count if inc else {}))
 
 
@@ -399,6 +403,7 @@ class _CountSearch:
     solve: Callable[[int, float, float | None], StageCountResult]  # (count, seconds, cutoff) -> its result
     deadline: float  # time.perf_counter() at which the search stops
     rel_gap: float
+    floor: Callable[[int], float] = lambda S: 0.0  # a bound on every partition of a count, known without solving
     best: StageCountResult | None = None
     results: dict[int, StageCountResult] = field(default_factory=dict)
     overheads: list[float] = field(default_factory=list)  # each solve's seconds beyond its solver's within its cap
@@ -412,6 +417,8 @@ class _CountSearch:
         start = time.perf_counter()
         r = self.solve(S, cap, cutoff)
         self.overheads.append(max(0.0, time.perf_counter() - start - min(cap, r.solve_s)))  # model build, overrun
+        if r.status not in ("cutoff", "infeasible") and math.isfinite(r.bound):
+            r.bound = max(r.bound, self.floor(S))  # (a quick root bound can be weaker)
         self.results[S] = r
         if r.boundaries is not None and (self.best is None or r.predicted_s < self.best.predicted_s):
             self.best = r
@@ -483,15 +490,42 @@ def _from_schedule(ev: ModelEvaluator, bounds: list[int], gpus_for: Callable[[in
                             "local search")
 
 
-def _lower_bound(results: list[StageCountResult], counts: list[int], best: StageCountResult | None) -> float:
+def _lower_bound(results: list[StageCountResult], counts: list[int], best: StageCountResult | None,
+                 floor: Callable[[int], float] = lambda S: 0.0) -> float:
     """The smallest step time that no stage count has been proven unable to beat: the lowest bound of
-    the counts solved (one proven unable to beat the best plan is bounded by it), 0 if any was not tried."""
-    if len(results) < len(counts):
-        return 0.0
+    the counts solved (one proven unable to beat the best plan is bounded by it) and of the counts not tried
+    (their ``floor``: :func:`compute_bound`, 0 where it says nothing)."""
+    tried = {r.num_stages for r in results}
     bounds = [r.bound if math.isfinite(r.bound) else 0.0 for r in results if r.status != "infeasible"]
+    bounds += [floor(S) for S in counts if S not in tried]
     if best is not None and math.isfinite(best.predicted_s):
         bounds = [min(b, best.predicted_s) for b in bounds]
     return min(bounds) if bounds else math.inf
+
+
+def compute_bound(profile: ModelProfile, num_stages: int, num_workers: int, micro_batches: int,
+                  options: PipelineOptions, budget_bytes: int) -> float:
+    """A lower bound on the timing model's step for every partition into ``num_stages`` stages, without solving.
+
+    Each worker's compute lies on one chain of the model (its stages' forwards in order, then their backwards:
+    :func:`partition.timing.step_model`), and the step ends after the last of it, so the step is at least the
+    compute of every worker together over ``num_workers``. Every stage but the last recomputes its forward in its
+    backward, so that compute is every unit's forward and backward (fp32 sums included) less the forward of the
+    units in the last stage: at most the longest suffix of units that fits one stage's ``num_slots`` slots and
+    working set (:func:`fewest_stages`' rule) and leaves a unit for each stage before it. 0 where the options fix
+    kept or resident stages (their compute or memory differs)."""
+    if options.kept or options.resident:
+        return 0.0
+    units, half = profile.units, profile.precision != "fp32"
+    budget, slot, work, first = budget_bytes / GB * (1 + 1e-9), 0.0, 0.0, len(units)
+    while first > num_stages - 1:
+        u = units[first - 1]
+        s, w = slot + slot_gb(u.param_bytes, u.grad_bytes, u.trainable_count, half), max(work, u.work_bytes / GB)
+        if first < len(units) and s * options.num_slots + w > budget:
+            break
+        first, slot, work = first - 1, s, w
+    compute = sum(u.fwd_s + u.bwd_s + u.acc_s for u in units) - sum(u.fwd_s for u in units[first:])
+    return micro_batches * compute / num_workers
 
 
 def explain_infeasible(profile: ModelProfile, hw: Hardware, micro_batches: int,
