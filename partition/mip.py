@@ -457,20 +457,29 @@ def _open(r: StageCountResult, best: StageCountResult | None, rel_gap: float) ->
 
 def fewest_stages(profile: ModelProfile, budget_bytes: int, options: PipelineOptions) -> int:
     """A stage count below which no partition fits: every stage's ``K`` slots and working set must
-    fit a GPU (its worker holds at least that), and contiguous stages under that cap need at least
-    the count the greedy packing finds. ``num_units + 1`` when a unit alone does not fit."""
-    half = profile.precision != "fp32"
-    budget = budget_bytes / GB * (1 + 1e-9)  # numbers summed in another order must not cut a count that fits
+    fit a GPU (its worker holds at least that: :func:`_fits`), and contiguous stages under that cap need at
+    least the count the greedy packing finds. ``num_units + 1`` when a unit alone does not fit."""
     parts, slot, work = 0, 0.0, 0.0
-    for u in profile.units:
-        s = slot_gb(u.param_bytes, u.grad_bytes, u.trainable_count, half)
-        if parts and (slot + s) * options.num_slots + max(work, u.work_bytes / GB) <= budget:
-            slot, work = slot + s, max(work, u.work_bytes / GB)
+    for s, w in _unit_needs(profile):
+        if parts and _fits(slot + s, max(work, w), budget_bytes, options):
+            slot, work = slot + s, max(work, w)
             continue
-        if s * options.num_slots + u.work_bytes / GB > budget:
+        if not _fits(s, w, budget_bytes, options):
             return profile.num_units + 1
-        parts, slot, work = parts + 1, s, u.work_bytes / GB
+        parts, slot, work = parts + 1, s, w
     return parts
+
+
+def _unit_needs(profile: ModelProfile) -> list[tuple[float, float]]:
+    """Each unit's device slot and working set, in GB."""
+    half = profile.precision != "fp32"
+    return [(slot_gb(u.param_bytes, u.grad_bytes, u.trainable_count, half), u.work_bytes / GB) for u in profile.units]
+
+
+def _fits(slot: float, work: float, budget_bytes: int, options: PipelineOptions) -> bool:
+    """Whether a stage of ``slot`` GB per slot and a ``work`` GB working set fits a GPU in its ``K`` slots (numbers
+    summed in another order must not cut a stage that fits)."""
+    return slot * options.num_slots + work <= budget_bytes / GB * (1 + 1e-9)
 
 
 def given_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int], list[int]], micro_batches: int,
@@ -516,12 +525,11 @@ def compute_bound(profile: ModelProfile, num_stages: int, num_workers: int, micr
     kept or resident stages (their compute or memory differs)."""
     if options.kept or options.resident:
         return 0.0
-    units, half = profile.units, profile.precision != "fp32"
-    budget, slot, work, first = budget_bytes / GB * (1 + 1e-9), 0.0, 0.0, len(units)
+    units, needs = profile.units, _unit_needs(profile)
+    slot, work, first = 0.0, 0.0, len(units)
     while first > num_stages - 1:
-        u = units[first - 1]
-        s, w = slot + slot_gb(u.param_bytes, u.grad_bytes, u.trainable_count, half), max(work, u.work_bytes / GB)
-        if first < len(units) and s * options.num_slots + w > budget:
+        s, w = slot + needs[first - 1][0], max(work, needs[first - 1][1])
+        if first < len(units) and not _fits(s, w, budget_bytes, options):
             break
         first, slot, work = first - 1, s, w
     compute = sum(u.fwd_s + u.bwd_s + u.acc_s for u in units) - sum(u.fwd_s for u in units[first:])
