@@ -54,6 +54,13 @@ def compute_copy_work(precision: str) -> float:
     return (4 + (4 if precision == "fp32" else 2)) / UPDATE_BYTES
 
 
+def tie_copy_work(precision: str) -> float:
+    """The round-robin's tied weight, in CPU updates of its parameters (:data:`UPDATE_BYTES` each): the
+    embedding's end runs its AdamW, then copies the result into the head's end: the fp32 master (read 4, write
+    4) and the compute copy (the training dtype, read and written)."""
+    return (8 + 2 * PRECISION_BYTES[precision]) / UPDATE_BYTES
+
+
 def tied_end_held(profile: "ModelProfile", num_stages: int, num_workers: int) -> int:
     """Parameters of a trained tied weight's head end that the embedding's store updates, when one worker
     holds both ends' stages (stage j on worker j mod N; :class:`scheduler.store.TiedEnd`): the head

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from partition.costs import ModelProfile, StageCost, compute_copy_work, stage_costs
+from partition.costs import ModelProfile, StageCost, compute_copy_work, stage_costs, tie_copy_work
 from partition.evaluate import GB, PipelineOptions, stage_exprs, tie_seconds
 from partition.hardware import Hardware
 from partition.schedule import COMPUTE, Kind, Schedule, build_schedule
@@ -312,8 +312,11 @@ class _Sim:
         self.tie_s = 0.0 if sched.tie_in else tie_seconds(profile, hw)
         self.tie_pending: dict[int, tuple[int, int, int]] = {}  # worker -> (step, occupancy, order) of its stage 0's
         # backward upload whose weights are up: the head's end of the tied gradient follows (_start_tie_in)
-        # the head's tied end updated by the embedding's store (one worker holds both; the round-robin updates both)
-        self.tied_held = profile.tied_params if sched.tie_in else 0
+        # a tied weight's end that the other end updates (one worker holds both: the embedding's store updates the
+        # head's end; the round-robin's embedding end copies its result into the head's: tie_copies)
+        self.tied_held = profile.tied_params if sched.tied and sched.tie_held is not None else 0
+        self.tie_copy = profile.tied_params * tie_copy_work(profile.precision) if sched.tied and sched.tie_copies \
+            else 0.0
         for w in self.workers:
             w.posts = self._posts(w)
             # delayed (one compute copy): each stage's last upload of the step -> the stage, whose copy follows it
@@ -647,7 +650,8 @@ class _Sim:
         self.step_end[tstep] = max(self.step_end.get(tstep, 0.0), t)
 
     def _tied_end(self, j: int) -> bool:
-        return self.sched.tied and j in self.sched.tie_ends
+        """Whether stage j's update reads both ends of the tied weight (and waits for their sum)."""
+        return self.sched.tied and j in self.sched.tie_readers
 
     def _updates_of(self, w: _Worker, step: int) -> list[int]:
         """The stages whose CPU updates of ``step`` worker ``w`` runs (a step's lists repeat unless they are
@@ -716,8 +720,10 @@ class _Sim:
         return started
 
     def _cpu_params(self, j: int) -> float:
-        """The parameters stage j's CPU update covers: a tied head's end held by the embedding's store left out."""
-        return float(self.costs[j].trainable_count - (self.tied_held if j == self.S - 1 else 0))
+        """The parameters stage j's CPU update covers: a tied weight's end that the other end updates left out, and
+        that end's copy into it counted (round-robin)."""
+        return float(self.costs[j].trainable_count - (self.tied_held if j == self.sched.tie_held else 0)
+                     + (self.tie_copy if j in self.sched.tie_readers else 0.0))
 
     def _share_cpu(self) -> None:
         """The running CPU updates' and summing threads' rates: each one's share of the host while this many

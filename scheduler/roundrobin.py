@@ -16,7 +16,9 @@ all workers map (:class:`~scheduler.shared.UnitStores`), and shared counters ord
   GPUs).
 
 A weight tied between the embedding and the head has an end in the fused op and one in the last backward op:
-each end's update waits for the other's gradients and takes their sum, and rank 0 counts its square once.
+the embedding's end's update waits for the head's gradients, runs the AdamW of their sum and copies the result
+into the head's end (whose update leaves the tied weight out, and whose uploads wait for that copy); rank 0
+counts the sum's square once.
 Each step's lists are the schedule the planner simulated (``steps=1``, the rotation carried from step to step);
 a step's ``REDUCE`` posts the sum of its statistics over the workers. Under ``train.update: delayed`` (without
 fp16) ``train_step`` runs the next step's list before it waits for that sum, when the trainer hands it the next
@@ -41,7 +43,7 @@ from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats, autocast
 from mobius.errors import CheckpointError, ConfigError, MobiusError
-from mobius.models import ModelConfig, dropout_active, hidden_size, tied_weights, unit_prefix
+from mobius.models import ModelConfig, dropout_active, hidden_size, unit_prefix
 from mobius.models.base import lm_loss, run_units
 from mobius.models.params import build_units
 from mobius.optim import UpdateRule
@@ -181,19 +183,16 @@ class RoundRobinEngine:
 
     def _tied(self) -> dict[int, tuple[int, slice, slice]]:
         """op -> (the other end's op, this end's slice and the other's in the fp32 buffers) for a tied weight
-        that trains; its two ends are in unit 0 (the last backward op) and the head (the fused op)."""
-        U, out = self.stores.num_units, {}
-        for embed, head in tied_weights(self.model_cfg):
-            first, last = self.stores.layouts[0], self.stores.layouts[U - 1]
-            if not first.trains(embed):
-                continue
-            a, b = first.place_of(embed), last.place_of(head)
-            sa, sb = self.stores.span(0, 1), self.stores.span(U - 1, U)
-            ea = slice(sa.glo + a.offset, sa.glo + a.offset + a.numel)
-            eb = slice(sb.glo + b.offset, sb.glo + b.offset + b.numel)
-            K, F = self.cuts.num_ops, self.cuts.num_forward
-            out = {K - 1: (F, ea, eb), F: (K - 1, eb, ea)}
-        return out
+        that trains; its two ends are in unit 0 (the last backward op, whose update runs the tied weight's AdamW:
+        :attr:`~partition.schedule.roundrobin.RoundRobinSchedule.tie_readers`) and the head (the fused op)."""
+        t, U = self.stores.tie, self.stores.num_units
+        if t is None:
+            return {}
+        sa, sb = self.stores.span(0, 1), self.stores.span(U - 1, U)
+        ea = slice(sa.glo + t.embed, sa.glo + t.embed + t.numel)
+        eb = slice(sb.glo + t.head, sb.glo + t.head + t.numel)
+        K, F = self.cuts.num_ops, self.cuts.num_forward
+        return {K - 1: (F, ea, eb), F: (K - 1, eb, ea)}
 
     def schedule(self, index: int) -> RoundRobinSchedule:
         """Step ``index``'s lists: the rotation goes on from the step before (its first op on the worker after
@@ -274,7 +273,7 @@ class RoundRobinEngine:
             weights.update(self.stores.weights(u))
             if with_moments and self.rule.optimizer_step > 0:
                 moments.update({name: (m[s].clone().view(shape), v[s].clone().view(shape))
-                                for name, s, shape in self.stores.trained(u)})
+                                for name, s, shape in self.stores.trained(u, own=True)})
             if compute is not None:
                 compute.update(self.stores.compute_weights(u, self.steps_run))
         return RankState(weights, moments, *self.rule.state(), compute=compute)
@@ -328,7 +327,7 @@ class _Dispatch:
         self.downloader = ThreadPoolExecutor(1, thread_name_prefix="download")
         self.summer = ThreadPoolExecutor(1, thread_name_prefix="sum")
         self.freed = threading.Condition()  # a slot's last reader (its gradients' download) has ended
-        self.tied_grad: torch.Tensor | None = None  # a tied end unit's gradient with the other end's added (the
+        self.tied_grad: torch.Tensor | None = None  # unit 0's gradient with the tied head's end's added (the
         # optimizer thread's: one update at a time; kept, as a fresh one of an embedding's size costs page faults)
         self.updater = CpuUpdater()
         if self.cuda:
@@ -689,7 +688,7 @@ class _Dispatch:
         into the host sum after the rounds before."""
         k, q, st = a.stage, a.round, self.st
         s, slot, R, index = self.spans[k], self.slot_of[(st.index, k, a.round)], st.sched.rounds, st.index
-        readers = (k, *(self.e.tied[k][:1] if k in self.e.tied else ())) if q == 0 else ()
+        readers = (k, *(o for o in st.sched.tie_readers if k in self.e.tied and o != k)) if q == 0 else ()
         src, ready = slot.sums[:s.trainable], self._compute_so_far()
         done = index * R + q  # rounds of op k summed before this one
         dst = self.stores.grad(index)[s.glo:s.ghi]
@@ -757,18 +756,20 @@ class _Dispatch:
 
     def _update(self, a: Action) -> None:
         """Queue the CPU AdamW of op k's units on the optimizer thread. After the step's REDUCE (a barrier) it
-        first takes the step's factor and overflow check from the statistics over the workers; a tied end waits
-        for the other end's gradients and takes their sum."""
+        first takes the step's factor and overflow check from the statistics over the workers; the embedding's
+        end of a tied weight waits for the head's gradients and takes their sum (the stores copy the result into
+        the head's end)."""
         k, st = a.stage, self.st
         lr, index, adam_step, R = st.lr, st.index, st.adam_step, st.sched.rounds
         reduced = st.reduce  # None before the REDUCE: no barrier, so no clipping and no fp16 (factor 1)
         s = self.spans[k]
+        reads_tie = k in self.e.tied and k in st.sched.tie_readers
 
         def inputs() -> None:  # what the update waits for, outside the time it counts as the CPU AdamW's
             st.downloaded[k].result()
             if reduced is not None:
                 reduced.result()
-            if k in self.e.tied:
+            if reads_tie:
                 other, _, _ = self.e.tied[k]
                 wait_for(lambda: int(self.stores.summed[other]) >= (index + 1) * R, f"op {other}'s gradients")
 
@@ -782,11 +783,12 @@ class _Dispatch:
             for u in range(s.first, s.end):
                 us = self.stores.span(u, u + 1)
                 g = grad[us.glo:us.ghi]
-                if k in self.e.tied and u in (0, self.stores.num_units - 1):
+                if reads_tie and u == 0:
                     _, mine, theirs = self.e.tied[k]
                     if self.tied_grad is None or self.tied_grad.numel() < g.numel():
                         self.tied_grad = torch.empty(g.numel(), dtype=g.dtype)
-                    g = self.tied_grad[:g.numel()].copy_(g)  # the shared sums stay as they are for the other end
+                    g = self.tied_grad[:g.numel()].copy_(g)  # the shared sums stay as they are (rank 0's norm
+                    # of the tied weight may still read them)
                     g[mine.start - us.glo:mine.stop - us.glo] += grad[theirs]
                 n += self.stores.update(u, g, lr, factor, adam_step, skip, index)
             self.stores.version[k] = index + 1

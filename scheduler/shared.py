@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from mobius.config import TrainSection
 from mobius.errors import MobiusError
-from mobius.models import ModelConfig, unit_specs
+from mobius.models import ModelConfig, tied_weights, unit_specs
 from mobius.optim import FlatAdamW
 from scheduler import pinned
 from scheduler.stages import StageLayout, stage_layouts
@@ -92,6 +92,15 @@ def wait_for(ready: Callable[[], bool], what: str, longest_pause: float = 1e-3) 
 
 
 @dataclass(frozen=True)
+class _Tie:
+    """A trained tied weight's place: its offset in unit 0's buffers and in the last unit's, and its size."""
+
+    embed: int
+    head: int
+    numel: int
+
+
+@dataclass(frozen=True)
 class Span:
     """Units ``[first, end)`` as slices of the shared buffers."""
 
@@ -139,13 +148,35 @@ class UnitStores:
         self.summed = counts[:num_ops]  # op -> rounds of its gradients summed in host memory (over the run)
         self.version = counts[num_ops:2 * num_ops]  # owner op -> updates that have run (over the run)
         self.stashed = self.host["stashed"]  # stash entry -> the steps whose input it has taken (over the run)
+        self.tie = self._tie(model_cfg)
         self.optimizers = [self._optimizer(u, cfg) for u in range(len(self.layouts))]
 
+    def _tie(self, model_cfg: ModelConfig) -> _Tie | None:
+        """A tied weight that trains: its embedding's end (unit 0) runs its AdamW and copies the result into the
+        head's end, the last thing that trains in the last unit (whose AdamW leaves it out)."""
+        U = len(self.layouts)
+        for embed, head in tied_weights(model_cfg):
+            first, last = self.layouts[0], self.layouts[U - 1]
+            if U < 2 or not first.trains(embed):
+                continue
+            a, b, s = first.place_of(embed), last.place_of(head), self.span(U - 1, U)
+            if any(b.offset < p.offset < s.trainable for p in last.params):
+                raise MobiusError(f"internal error: {head} is not the last trained parameter of its unit")
+            return _Tie(a.offset, b.offset, a.numel)
+        return None
+
+    def _own(self, u: int) -> int:
+        """The elements ``[0, n)`` of unit ``u``'s fp32 buffers that its AdamW updates (a tied head's end left
+        out: :meth:`_tie`)."""
+        return self.tie.head if self.tie is not None and u == len(self.layouts) - 1 else self.span(u, u + 1).trainable
+
     def _optimizer(self, u: int, cfg: TrainSection) -> FlatAdamW:
-        s, h = self.span(u, u + 1), self.host
-        master = h["master"][s.glo:s.ghi]
-        half = None if self.delayed else h["half0"][s.lo:s.lo + s.trainable]
-        return FlatAdamW(master, half, self.layouts[u].runs, cfg, moments=(h["m"][s.glo:s.ghi], h["v"][s.glo:s.ghi]))
+        """Unit ``u``'s AdamW over what it owns (:meth:`_own`)."""
+        s, h, n = self.span(u, u + 1), self.host, self._own(u)
+        half = None if self.delayed else h["half0"][s.lo:s.lo + n]
+        runs = [(lo, min(hi, n), d) for lo, hi, d in self.layouts[u].runs if lo < n]
+        return FlatAdamW(h["master"][s.glo:s.glo + n], half, runs, cfg,
+                         moments=(h["m"][s.glo:s.glo + n], h["v"][s.glo:s.glo + n]))
 
     @property
     def num_units(self) -> int:
@@ -193,11 +224,13 @@ class UnitStores:
             out.update({n: v for n in p.names})
         return out
 
-    def trained(self, u: int) -> list[tuple[str, slice, tuple[int, ...]]]:
-        """(first name, slice of the fp32 buffers, shape) of each parameter of unit ``u`` that trains."""
+    def trained(self, u: int, own: bool = False) -> list[tuple[str, slice, tuple[int, ...]]]:
+        """(first name, slice of the fp32 buffers, shape) of each parameter of unit ``u`` that trains (``own``:
+        that unit ``u``'s AdamW updates, a tied head's end left out)."""
         s = self.span(u, u + 1)
+        n = self._own(u) if own else s.trainable
         return [(p.names[0], slice(s.glo + p.offset, s.glo + p.offset + p.numel), p.shape)
-                for p in self.layouts[u].params if p.offset < s.trainable]
+                for p in self.layouts[u].params if p.offset < n]
 
     def compute_weights(self, u: int, copy: int) -> dict[str, torch.Tensor]:
         """What trains in unit ``u`` as compute copy ``copy`` holds it, fp32, by every name."""
@@ -219,14 +252,20 @@ class UnitStores:
     # ---- the update -----------------------------------------------------------------------------
     def update(self, u: int, grad: torch.Tensor, lr: float, factor: float, adam_step: int, skip: bool,
                refresh: int) -> int:
-        """Unit ``u``'s optimizer step, its ``adam_step``-th AdamW (``skip``: none, an fp16 overflow); under
-        delayed the new master then goes to compute copy ``refresh`` (the one the step after next computes
-        with; a skipped step too). Returns the parameters updated."""
-        opt = self.optimizers[u]
+        """Unit ``u``'s optimizer step, its ``adam_step``-th AdamW of ``grad`` (the unit's gradient; ``skip``: none,
+        an fp16 overflow); under delayed the new master then goes to compute copy ``refresh`` (the one the step
+        after next computes with; a skipped step too); unit 0's tied weight then goes to the head's end. Returns
+        the parameters updated."""
+        opt, n = self.optimizers[u], self._own(u)
         if not skip:
             opt.set_steps(adam_step - 1)
-            opt.step(grad, lr, factor)
+            opt.step(grad[:n], lr, factor)
+        s = self.span(u, u + 1)
         if self.delayed:
-            s = self.span(u, u + 1)
-            self.half(refresh)[s.lo:s.lo + s.trainable].copy_(opt.master)
-        return 0 if skip else opt.master.numel()
+            self.half(refresh)[s.lo:s.lo + n].copy_(opt.master)
+        if u == 0 and self.tie is not None:
+            t, h = self.tie, self.span(self.num_units - 1, self.num_units)
+            master, half = self.host["master"], self.half(refresh)
+            master[h.glo + t.head:h.glo + t.head + t.numel].copy_(master[s.glo + t.embed:s.glo + t.embed + t.numel])
+            half[h.lo + t.head:h.lo + t.head + t.numel].copy_(half[s.lo + t.embed:s.lo + t.embed + t.numel])
+        return 0 if skip else n

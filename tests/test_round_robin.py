@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from partition.costs import ModelProfile, UnitCost
+from partition.costs import ModelProfile, UnitCost, tie_copy_work
 from partition.hardware import Hardware
 from partition.roundrobin import (candidate_shapes, minimax_cuts, neighbours, parts_for, round_robin_peaks, search_cuts,
                                   shape_cuts, simulate_round_robin)
@@ -166,6 +166,32 @@ def test_the_summing_thread_pays_for_adding_the_middle_rounds_sums_when_they_lan
     assert any(e.cat == "sum" and e.end <= first_update for e in res.events)  # round 1's adds, before any update
     last_compute = max(e.end for e in res.events if e.track == "compute")
     assert any(e.cat == "sum" and e.end < last_compute for e in res.events)  # ... ran beside the compute
+
+
+def test_a_tied_weight_trains_once_at_the_embeddings_end_which_copies_it_into_the_heads() -> None:
+    """Unit 0's update runs the tied weight's AdamW on both ends' gradients, then copies the result (the fp32
+    master and the compute copy) into the head's end; the head's update leaves the tied weight out, so it need not
+    wait for the embedding's gradients, and the head's op's uploads wait for unit 0's update instead."""
+    prof = _profile(tied=True)
+    hw = dataclasses.replace(Hardware.paper_3090ti(), host_adam_params_per_s=None)
+    cuts = Cuts((0, 3, 6, 8), (0, 2, 4, 6, 7, 8), prof.num_units)  # the fused op: block 7 and the head
+    F, K = cuts.num_forward, cuts.num_ops
+    res = simulate_round_robin(prof, cuts, hw, [0], 1, PipelineOptions(), steps=1)
+    adam = {e.name: e for e in res.events if e.cat == "adam"}
+
+    def params(k: int) -> int:
+        a, b = cuts.units(k)
+        return sum(u.trainable_count for u in prof.units[a:b])
+
+    rate = hw.cpu_update_rate()
+    head, embed = adam[f"adam{F}"], adam[f"adam{K - 1}"]
+    assert head.end - head.start == pytest.approx((params(F) - prof.tied_params) / rate)
+    assert embed.end - embed.start == pytest.approx((params(K - 1) + prof.tied_params * tie_copy_work("bf16")) / rate)
+    assert tie_copy_work("bf16") == pytest.approx(12 / 30)  # master 4 + 4, bf16 copy 2 + 2, against AdamW's 30
+    assert head.start < max(e.end for e in res.events if e.track == "compute")  # before the embedding's backward
+    sched = build_round_robin(cuts, 4, 8, tied=True)
+    assert sched.update_deps(F) == (F, K - 1)  # its own update, and unit 0's
+    assert build_round_robin(cuts, 4, 8).update_deps(F) == (F,)
 
 
 def test_the_memory_model_counts_the_next_op_in_the_second_slot() -> None:

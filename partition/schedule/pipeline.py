@@ -190,6 +190,11 @@ class Schedule:
         return False
 
     tie_ends = property(lambda self: (0, self.num_stages - 1))  # the stages holding the two ends of a tied weight
+    tie_readers = tie_ends  # the ends whose updates read both ends' gradients (each updates its own; one worker
+    # holding both: the embedding's store updates the head's end, scheduler.store.TiedEnd)
+    tie_held = property(lambda self: self.num_stages - 1 if self.tie_in else None)  # the end that takes no AdamW
+    # of its own
+    tie_copies = False  # (nor a copy: the head's end reads the embedding's weights)
 
     def worker_for(self, stage: int, micro: int) -> int:
         """The worker that computes ``stage`` on micro-batch ``micro``."""

@@ -123,6 +123,11 @@ class RoundRobinSchedule:
     num_stages = property(lambda self: self.cuts.num_ops)
     rounds = property(lambda self: rounds_per_step(self.micro_batches, self.num_workers))
     tie_ends = property(lambda self: (self.cuts.num_ops - 1, self.cuts.num_forward))  # unit 0's backward, the head
+    # the op whose update reads both ends' gradients: unit 0's, which runs the tied weight's AdamW and copies the
+    # result into the head's end (master and compute copy); the head's update leaves the tied weight out
+    tie_readers = property(lambda self: self.tie_ends[:1])
+    tie_held = property(lambda self: self.tie_ends[1])  # the end that takes no AdamW of its own
+    tie_copies = True
 
     def round_of(self, micro: int) -> int:
         """The global round of micro-batch ``micro`` (counted over the steps)."""
@@ -148,10 +153,16 @@ class RoundRobinSchedule:
 
     @cached_property
     def _owners(self) -> dict[int, tuple[int, ...]]:
-        """op -> the ops that update its units (the fused op and the backward ops own the gradients)."""
+        """op -> the ops that update its units (the fused op and the backward ops own the gradients); the head's
+        tied end is written by unit 0's update (:attr:`tie_readers`), so the op holding the head waits for it too."""
         own = [k for k in range(self.cuts.num_forward, self.cuts.num_ops)]
         spans = {k: self.cuts.units(k) for k in range(self.cuts.num_ops)}
-        return {k: tuple(o for o in own if spans[o][0] < spans[k][1] and spans[k][0] < spans[o][1])
+
+        def owners(lo: int, hi: int) -> tuple[int, ...]:
+            return tuple(o for o in own if spans[o][0] < hi and lo < spans[o][1])
+
+        U = self.cuts.num_units
+        return {k: owners(*spans[k]) + (owners(0, 1) if self.tied and spans[k][1] == U else ())
                 for k in range(self.cuts.num_ops)}
 
     def update_deps(self, stage: int) -> tuple[int, ...]:
