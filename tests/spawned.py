@@ -107,8 +107,15 @@ def train_delayed_case(engine: Any, cfg: Any, steps: int, batches: Any, state_of
     """``steps`` training steps of ``engine`` (any mode's) with an evaluation after the second (the compute weights
     set aside and put back) and at the end; at ``overflow_step`` the loss scale overflows, and ``state_of(engine)``
     is kept before and after that step. ``batches(step)`` gives a step's micro-batches, ``batches(step, 2)`` two.
-    Returns the losses, skip flags, evaluations, the newest and compute weights and the optimizer step."""
+    Each step is handed the next (``upcoming``, as the trainer does: an engine that looks ahead may run it before it
+    returns) but before an evaluation, the overflow and the end. Returns the losses, skip flags, evaluations, the
+    newest and compute weights and the optimizer step."""
     from mobius.optim import lr_at
+
+    def upcoming(s: int) -> tuple | None:
+        if s + 1 >= steps or s == 1 or overflow_step in (s, s + 1):
+            return None
+        return batches(s + 1), lr_at(s + 1, cfg.train)
 
     out: dict = {"losses": [], "skipped": [], "evals": []}
     for s in range(steps):
@@ -116,7 +123,7 @@ def train_delayed_case(engine: Any, cfg: Any, steps: int, batches: Any, state_of
             engine.rule.scaler.scale = 2.0**127
             engine.sync()  # the updates of the step before are done
             out["before"] = state_of(engine)
-        stats = engine.train_step(s, batches(s), lr_at(s, cfg.train))
+        stats = engine.train_step(s, batches(s), lr_at(s, cfg.train), upcoming(s))
         if s == overflow_step:
             engine.sync()
             out["after"] = state_of(engine)
