@@ -20,8 +20,8 @@ the embedding's end's update waits for the head's gradients, runs the AdamW of t
 into the head's end (whose update leaves the tied weight out, and whose uploads wait for that copy); rank 0
 counts the sum's square once.
 Each step's lists are the schedule the planner simulated (``steps=1``, the rotation carried from step to step);
-a step's ``REDUCE`` posts the sum of its statistics over the workers. Under ``train.update: delayed`` (without
-fp16) ``train_step`` runs the next step's list before it waits for that sum, when the trainer hands it the next
+a step's ``REDUCE`` posts the sum of its statistics over the workers. Without fp16 (sync or delayed)
+``train_step`` runs the next step's list before it waits for that sum, when the trainer hands it the next
 step (``upcoming``: not before a checkpoint, an evaluation or the end), so a worker that has finished its part of a
 step goes on with the next while the others finish, as in the simulator's program of consecutive steps.
 """
@@ -158,9 +158,10 @@ class RoundRobinEngine:
         self.scheds: dict[int, RoundRobinSchedule] = {}
         self.ex = _Dispatch(self, device)
         self.steps_run = 0
-        # a delayed step needs none of the step before's results (no fp16 loss scale to learn): train_step may
-        # run the next step's list before it waits for this one's statistics
-        self.looks_ahead = self.delayed and cfg.train.precision != "fp16"
+        # without fp16 (no loss scale to learn) no step needs the step before's statistics: its uploads wait for
+        # the updates they read (the shared counters), so train_step may run the next step's list before it waits
+        # for this one's statistics, and its REDUCE need not wait for its updates
+        self.looks_ahead = cfg.train.precision != "fp16"
         self.ahead: _Step | None = None  # a step run ahead, whose statistics the next train_step returns
         self.last_reduce: _Reduce | None = None
         self.adam_base = 0  # optimizer steps before this engine's first (no fp16: no step is skipped)
@@ -807,8 +808,6 @@ class _Dispatch:
             f.result()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        if not st.sched.barrier and not self.e.delayed:
-            self.updater.sync()  # a sync step ends when its updates have (the next step's uploads wait anyway)
         self.check()
         if self.e.tied and self.e.is_main:
             st.sumsq += self._tied_sumsq()
