@@ -26,7 +26,7 @@ from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats
 from mobius.errors import CheckpointError, MobiusError
-from mobius.models import ModelConfig, dropout_active, hidden_size, tied_weights, unit_prefix
+from mobius.models import ModelConfig, dropout_active, hidden_size, unit_prefix
 from mobius.optim import UpdateRule
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
@@ -35,7 +35,7 @@ from scheduler.arbiter import UploadArbiter, arbiter_name, remove_stale
 from scheduler.counters import Counters
 from scheduler.links import link_to, mailboxes_for
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
-from scheduler.stages import stage_layouts
+from scheduler.stages import stage_layouts, tied_places
 from scheduler.store import StageStore, TiedEnd, check_host_memory, host_bytes
 from scheduler.trace import StepTrace, write_step_trace
 from scheduler.updater import sum_over_ranks
@@ -154,14 +154,12 @@ class PipelineEngine:
 
     def _tied_ranges(self) -> tuple[tuple[int, int, int], ...]:
         """(stage, offset, numel) of each end of the tied weight, when the ends are on two stages."""
-        out = []
-        for embed, head in tied_weights(self.model_cfg):
-            first, last = self.layouts[0], self.layouts[-1]
-            if first.index == last.index or not first.trains(embed):
-                continue  # one stage holds both ends (they share one buffer range), or the weight is frozen
-            a, b = first.place_of(embed), last.place_of(head)
-            out += [(first.index, a.offset, a.numel), (last.index, b.offset, b.numel)]
-        return tuple(out)
+        first, last = self.layouts[0], self.layouts[-1]
+        places = tied_places(self.model_cfg, first, last) if first.index != last.index else None
+        if places is None:  # one stage holds both ends (they share one buffer range), or the weight is frozen
+            return ()
+        a, b = places
+        return (first.index, a.offset, a.numel), (last.index, b.offset, b.numel)
 
     # ---- collectives (gloo, the default group) --------------------------------------------------
     def _exchange(self, mine: torch.Tensor, peer: int) -> torch.Tensor:

@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from mobius.config import TrainSection
 from mobius.errors import MobiusError
-from mobius.models import ModelConfig, tied_weights, unit_specs
+from mobius.models import ModelConfig, unit_specs
 from mobius.optim import FlatAdamW
 from scheduler import pinned
-from scheduler.stages import StageLayout, stage_layouts
+from scheduler.stages import StageLayout, stage_layouts, tied_places, trains_last
 from scheduler.store import check_host_memory
 
 log = logging.getLogger(__name__)
@@ -154,16 +154,12 @@ class UnitStores:
     def _tie(self, model_cfg: ModelConfig) -> _Tie | None:
         """A tied weight that trains: its embedding's end (unit 0) runs its AdamW and copies the result into the
         head's end, the last thing that trains in the last unit (whose AdamW leaves it out)."""
-        U = len(self.layouts)
-        for embed, head in tied_weights(model_cfg):
-            first, last = self.layouts[0], self.layouts[U - 1]
-            if U < 2 or not first.trains(embed):
-                continue
-            a, b, s = first.place_of(embed), last.place_of(head), self.span(U - 1, U)
-            if any(b.offset < p.offset < s.trainable for p in last.params):
-                raise MobiusError(f"internal error: {head} is not the last trained parameter of its unit")
-            return _Tie(a.offset, b.offset, a.numel)
-        return None
+        places = tied_places(model_cfg, self.layouts[0], self.layouts[-1]) if len(self.layouts) > 1 else None
+        if places is None:
+            return None
+        a, b = places
+        assert trains_last(self.layouts[-1], b.offset, b.numel), "a tied end must be the last that trains in its unit"
+        return _Tie(a.offset, b.offset, a.numel)
 
     def _own(self, u: int) -> int:
         """The elements ``[0, n)`` of unit ``u``'s fp32 buffers that its AdamW updates (a tied head's end left

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mobius.layout import ChunkLayout, ParamInfo, single_buffer
-from mobius.models import ModelConfig, unit_prefix
+from mobius.models import ModelConfig, tied_weights, unit_prefix
 from mobius.models.base import bind_parameters
 from mobius.models.params import model_params, stage_params
 
@@ -89,6 +89,23 @@ def stage_layouts(cfg: ModelConfig, boundaries: list[int]) -> list[StageLayout]:
     """Layouts of all stages; stage j covers units [boundaries[j], boundaries[j+1])."""
     params = model_params(cfg)
     return [stage_layout(params, j, boundaries[j], boundaries[j + 1]) for j in range(len(boundaries) - 1)]
+
+
+def tied_places(cfg: ModelConfig, first: StageLayout, last: StageLayout) -> tuple[Placement, Placement] | None:
+    """Where a tied weight that trains lies in the layout holding the embedding and in the one holding the head
+    (its two ends); None when no tied weight trains."""
+    for embed, head in tied_weights(cfg):
+        if first.trains(embed):
+            return first.place_of(embed), last.place_of(head)
+    return None
+
+
+def trains_last(layout: StageLayout, offset: int, numel: int) -> bool:
+    """Whether elements ``[offset, offset + numel)`` are the last parameter that trains in ``layout``'s buffer (a
+    tied head's end, which another store's AdamW updates: the layout's own covers ``[0, offset)``)."""
+    t = layout.trainable_numel
+    return offset + numel <= t and all(p.offset + p.numel <= offset for p in layout.params
+                                       if p.offset < t and p.offset != offset)
 
 
 def views(buf: torch.Tensor, layout: StageLayout, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -47,7 +47,7 @@ from mobius.errors import MobiusError
 from mobius.optim import FlatAdamW
 from partition.costs import compute_copy_work, host_bytes_per_param, tied_end_bytes_per_param
 from scheduler.pinned import host_zeros
-from scheduler.stages import Placement, StageLayout
+from scheduler.stages import Placement, StageLayout, trains_last
 from topology.host import HOST_USABLE_FRACTION, available_host_bytes
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,7 @@ class StageStore:
         self.layout, self.dtype, self.delayed, self.tied = layout, train_dtype, delayed, tied
         n, t, device = layout.numel, layout.trainable_numel, torch.device(device)
         self.own = t if tied is None else tied.offset  # what this store's AdamW updates: [0, own)
-        assert tied is None or (tied.offset + tied.numel <= t and all(
-            p.offset + p.numel <= tied.offset for p in layout.params if p.offset < t and p.offset != tied.offset)), \
+        assert tied is None or trains_last(layout, tied.offset, tied.numel), \
             "a tied end must be the last thing that trains in its stage"
         on_host = device.type == "cpu"
         fp32 = train_dtype == torch.float32
