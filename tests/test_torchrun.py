@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -37,14 +38,33 @@ def _raw(tmp: Path, ck: Path, corpus: Path, out: str, mode: str, **train_keys: o
 
 
 def _two_nodes(run_file: Path, nodes: int = 2) -> list[subprocess.Popen]:
-    """Every node's torchrun, each in its own session (so that every process it leaves can be found)."""
+    """Every node's torchrun, each in its own session (so that every process it leaves can be found). The
+    first hosts the rendezvous store, as the node named in ``--rdzv-endpoint`` does across machines: the
+    others start once it listens (on one machine the first agent to bind the port would host it)."""
     port, run_id = free_port(), f"test-{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
            "--max-restarts", "0", "-m", "mobius", "train", str(run_file)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                             env=env) for _ in range(nodes)]
+    started = []
+    for _ in range(nodes):
+        started.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True, env=env))
+        deadline = time.time() + 120
+        while not _listens(port) and started[0].poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+    return started
+
+
+def _listens(port: int) -> bool:
+    """Whether a TCP socket on this machine listens on ``port`` (IPv4 or IPv6)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
 
 
 def _losses(run_dir: Path) -> torch.Tensor:
