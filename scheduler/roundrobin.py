@@ -504,13 +504,17 @@ class _Dispatch:
         """Bind the op's units to the slot (half precision with gradients: each micro-batch's gradients go
         into the fp32 sums, ``slot.pairs``)."""
         U = self.stores.num_units
-        slot.pairs = []
-        for u in range(s.first, s.end):
-            us = self.stores.span(u, u + 1)
-            lo, glo = us.lo - s.lo, us.glo - s.glo
-            into, sums = slot.gradients_to(glo, glo + us.trainable) if grads else (None, None)
-            slot.pairs += bind(self.units[u:u + 1], self.stores.layouts[u], U, slot.params[lo:lo + us.numel], into,
-                               requires_grad=grads, sums=sums)
+
+        def make() -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+            pairs = []
+            for u in range(s.first, s.end):
+                us = self.stores.span(u, u + 1)
+                lo, glo = us.lo - s.lo, us.glo - s.glo
+                into, sums = slot.gradients_to(glo, glo + us.trainable) if grads else (None, None)
+                pairs += bind(self.units[u:u + 1], self.stores.layouts[u], U, slot.params[lo:lo + us.numel], into,
+                              requires_grad=grads, sums=sums)
+            return pairs
+        slot.point((s.first, s.end, grads), self.units[s.first:s.end], make)
 
     # ---- compute --------------------------------------------------------------------------------
     def _run(self, first: int, end: int, x: torch.Tensor, m: int) -> torch.Tensor:

@@ -75,3 +75,51 @@ def test_a_tied_weights_ends_sum_in_place_a_chunk_at_a_time(monkeypatch, dtype: 
     assert torch.equal(mine, total.to(dtype) if ends >= 1 else x)
     assert torch.equal(theirs, total.to(dtype) if ends == 2 else y)
     assert sumsq == pytest.approx(float(torch.dot(total, total)), rel=1e-6)
+
+
+def test_a_slot_puts_back_the_parameters_it_made_for_a_stage_and_they_sum_as_fresh_ones() -> None:
+    """DeviceSlot.point binds a stage's units the first time and afterwards puts back the parameters it made (a
+    dict store each, where making them costs about 40 us a parameter): after another stage and another mode used
+    the slot, they are the same objects again, views of the slot's buffers, with their mode's requires_grad, and
+    a micro-batch's gradients reach the fp32 sums as through a fresh binding."""
+    from scheduler.executor import DeviceSlot
+
+    cfg = GPT2Config(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    layouts = stage_layouts(cfg, [0, 2, 4])
+    units = [build_units(cfg, lay.first_unit, lay.end_unit) for lay in layouts]
+    slot = DeviceSlot(max(lay.numel for lay in layouts), max(lay.trainable_numel for lay in layouts),
+                      torch.bfloat16, torch.device("cpu"), accumulate_fp32=True)
+    made = []
+
+    def point(j: int, grads: bool) -> None:
+        def make():
+            made.append((j, grads))
+            return bind(units[j], layouts[j], 4, slot.params[:layouts[j].numel], None, grads,
+                        slot.acc[:layouts[j].trainable_numel] if grads else None)
+        slot.point((j, grads), units[j], make)
+
+    point(0, True)
+    first, pairs = dict(units[0].named_parameters()), slot.pairs
+    point(1, True)
+    point(0, False)
+    assert not any(p.requires_grad for p in units[0].parameters())
+    point(0, True)
+    assert made == [(0, True), (1, True), (0, False)]
+    again = dict(units[0].named_parameters())
+    assert all(again[n] is p for n, p in first.items()) and slot.pairs is pairs
+    base = slot.params.data_ptr()
+    views = [base + p.offset * 2 for p in layouts[0].params]  # bf16: 2 bytes an element
+    assert sorted({p.data_ptr() for p in again.values()}) == sorted(set(views))
+    assert all(p.requires_grad and p.grad is None for p in again.values())
+    torch.manual_seed(0)
+    slot.params.copy_(torch.randn(slot.params.numel()) * 0.05)
+    tokens = torch.randint(0, 320, (2, 16))
+    slot.acc.zero_()
+    run_units(list(units[0]), tokens).float().square().mean().backward()
+    add_gradients(slot.pairs)
+    fresh, sums = build_units(cfg, 0, 2), torch.zeros(layouts[0].trainable_numel)
+    fresh_pairs = bind(fresh, layouts[0], 4, slot.params[:layouts[0].numel], None, sums=sums)
+    run_units(list(fresh), tokens).float().square().mean().backward()
+    add_gradients(fresh_pairs)
+    assert sums.abs().sum() > 0 and torch.equal(slot.acc[:layouts[0].trainable_numel], sums)
