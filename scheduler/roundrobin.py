@@ -28,6 +28,7 @@ step goes on with the next while the others finish, as in the simulator's progra
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -321,6 +322,7 @@ class _Dispatch:
         numel, grad_numel = max(s.numel for s in self.spans), max(s.trainable for s in self.spans)
         acc = engine.dtype != torch.float32
         self.slots = [DeviceSlot(numel, grad_numel, engine.dtype, device, acc) for _ in range(2)]
+        self.slot_queue = collections.deque(self.slots)  # the next upload's slot first (see _upload)
         self.slot_of: dict[tuple[int, int], DeviceSlot] = {}
         self.bound: tuple[int, int, str] | None = None  # (slot id, op, mode) the unit modules point at
         self.links = self._links()
@@ -401,14 +403,12 @@ class _Dispatch:
         return (self.st.index if index is None else index) - (1 if self.e.delayed else 0)
 
     def _upload(self, a: Action) -> None:
-        with self.freed:
-            t0 = time.perf_counter()
-            self.freed.wait_for(lambda: any(s.stage is None for s in self.slots) or self.failure is not None)
-            self.st.wait_s += time.perf_counter() - t0
-            self.check()
-            slot = next(s for s in self.slots if s.stage is None)
-            slot.stage, slot.grads_live = (a.stage, a.round), False
-        slot.ready.clear()
+        """Op k's upload into the slot uploaded longest ago, which its op frees first (ops compute, free and
+        download in the order they were uploaded). The upload thread waits for it to be free: the dispatch thread
+        goes on to the next op's compute, in the other slot, while the op before's gradients come down."""
+        slot = self.slot_queue.popleft()
+        self.slot_queue.append(slot)
+        slot.ready.clear()  # its op has computed (its FREE or DOWNLOAD came before this upload)
         self.slot_of[(self.st.index, a.stage, a.round)] = slot
         self.st.uploads.append(self.copier.submit(self._copy_job, self.st, a.stage, a.round, slot))
 
@@ -419,6 +419,11 @@ class _Dispatch:
         if self.cuda:
             torch.cuda.set_device(self.device)
         try:
+            with self.freed:
+                self.freed.wait_for(lambda: slot.stage is None or self.failure is not None)
+                if self.failure is not None:
+                    return
+                slot.stage, slot.grads_live = (k, q), False
             version = self._ready_version(st.index)
             for o in st.sched.update_deps(k):
                 st.wait_s += wait_for(lambda o=o: int(self.stores.version[o]) >= version,

@@ -29,7 +29,10 @@ CASES = {
     "untied-delayed-clipped": ("untied", ((0, 1, 9), (0, 3, 7, 9)), {"update": "delayed"}),
     "lora-sync-no-clip": ("llama", ((0, 5, 10), (0, 4, 7, 10)), {"update": "sync", "grad_clip": 0.0, "lr": 1e-3}),
     "lora-delayed-clipped": ("llama", ((0, 6, 10), (0, 3, 10)), {"update": "delayed", "lr": 1e-3}),
+    # every gradient download held 50 ms, as a GPU's fp32 sums take to come down over PCIe (see _slow_downloads)
+    "tied-sync-slow-downloads": ("deep", ((0, 4, 8), (0, 2, 5, 8)), {"update": "sync"}),
 }
+SLOW_DOWNLOAD_S = 0.05
 
 
 def _cfg(case: dict, world: int, tmp: Path):
@@ -53,11 +56,37 @@ def _planned(case: dict, world: int, tmp: Path) -> dict:
     return {**case, "cfg": cfg, "settings": settings, "plan": plan, "model_cfg": mc}
 
 
+def _slow_downloads() -> list[bool]:
+    """(In a worker) hold every gradient download ``SLOW_DOWNLOAD_S`` longer, and note for each upload whether
+    the dispatch thread went on while the slot it gave the upload still held the op before (whose gradients
+    were still coming down)."""
+    import time
+
+    from scheduler.roundrobin import _Dispatch
+
+    to_host, upload, ahead = _Dispatch._to_host, _Dispatch._upload, []
+
+    def slow(self, dst, src, ready, trace=None, name=""):
+        if name.startswith("D"):
+            time.sleep(SLOW_DOWNLOAD_S)
+        to_host(self, dst, src, ready, trace, name)
+
+    def noted(self, a):
+        upload(self, a)
+        slot = self.slot_of[(self.st.index, a.stage, a.round)]
+        with self.freed:
+            ahead.append(slot.stage not in (None, (a.stage, a.round)))
+
+    _Dispatch._to_host, _Dispatch._upload = slow, noted
+    return ahead
+
+
 def _run_case(case: dict, world: int) -> dict:
     """(In a worker) the case's steps through the engine `mobius train` builds."""
     from mobius.app.launch import make_engine, open_device
     from mobius.assemble import WeightSource
 
+    ahead = _slow_downloads() if case["name"].endswith("slow-downloads") else []
     cfg = case["cfg"]
     engine = make_engine(cfg, case["model_cfg"], case["plan"], case["settings"],
                          open_device(case["settings"], int(os.environ["LOCAL_RANK"])),
@@ -67,7 +96,7 @@ def _run_case(case: dict, world: int) -> dict:
                                  lambda e: {}, case.get("overflow", -1))
     finally:
         engine.close()
-    return to_numpy(out)
+    return {**to_numpy(out), "uploads_ahead": sum(ahead)}
 
 
 def _reference(case: dict, tmp: Path) -> dict:
@@ -95,11 +124,15 @@ def _check(case: dict, ranks: list[dict], ref: dict) -> None:
 def test_round_robin_two_workers_equal_single_mode(tmp_path: Path, deep_checkpoint: Path, untied_checkpoint: Path,
                                                    llama_checkpoint: Path) -> None:
     """Every case on 2 workers: the losses of 4 steps, two evaluations, every weight and (delayed) the compute
-    weights a checkpoint keeps equal single mode's under the same update rule within 1e-5."""
+    weights a checkpoint keeps equal single mode's under the same update rule within 1e-5. With its gradient
+    downloads held 50 ms, a worker's dispatch thread goes on to the next op's compute while the slot it gave the
+    op after that still holds the op before's gradients (it used to wait for the slot to be free)."""
     cks = {"deep": deep_checkpoint, "untied": untied_checkpoint, "llama": llama_checkpoint}
     cases = [_planned(_case(name, cks), 2, tmp_path) for name in CASES]
     for case, ranks in zip(cases, spawn_cases(_run_case, cases, 2)):
         _check(case, ranks, _reference(case, tmp_path))
+        slow = case["name"].endswith("slow-downloads")
+        assert all((r["uploads_ahead"] > 0) == slow for r in ranks), (case["name"], [r["uploads_ahead"] for r in ranks])
 
 
 @pytest.mark.slow
