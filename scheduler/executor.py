@@ -178,6 +178,15 @@ class DeviceSlot:
         return (None, self.acc[lo:hi]) if self.acc is not None else (self.grads[lo:hi], None)
 
 
+def batches_on(device: torch.device, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A step's token ids (or targets) on ``device``, copied when the step begins: pinned and asynchronous on a
+    GPU, where a copy from pageable memory first waits for the stream's queued work, so that the host would stall
+    at every micro-batch; CPU workers use them as they are."""
+    if device.type != "cuda":
+        return ts
+    return [t.pin_memory().to(device, non_blocking=True) for t in ts]
+
+
 @dataclass
 class StepState:
     """Per-step state of the dispatch thread (a fresh one for every :meth:`Executor.run`)."""
@@ -655,15 +664,10 @@ class Executor:
         self.st.losses += 1
 
     def _stage_batches(self, sched: Schedule, io: StepIO) -> dict[str, list[torch.Tensor]]:
-        """Token ids for stage 0 and targets for the last stage, copied to the device up front
-        (pinned, asynchronous: a pageable copy would stall the host every micro-batch)."""
-        def put(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-            if not self.cuda:
-                return ts
-            return [t.pin_memory().to(self.device, non_blocking=True) for t in ts]
+        """Token ids for stage 0 and targets for the last stage, copied to the device up front."""
         mine = set(self.hosts) | set(self.resident)
-        return {"inputs": put(io.inputs) if 0 in mine else [],
-                "targets": put(io.targets) if sched.num_stages - 1 in mine else []}
+        return {"inputs": batches_on(self.device, io.inputs) if 0 in mine else [],
+                "targets": batches_on(self.device, io.targets) if sched.num_stages - 1 in mine else []}
 
     # ---- transfers ------------------------------------------------------------------------------
     def _tag(self, kind: str, sender_stage: int, m: int) -> int:

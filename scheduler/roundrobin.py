@@ -54,7 +54,7 @@ from partition.roundrobin import round_robin_options
 from partition.schedule import COMPUTE, Action, Kind
 from partition.schedule.roundrobin import RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
-from scheduler.executor import DeviceSlot
+from scheduler.executor import DeviceSlot, batches_on
 from scheduler.links import link_to, mailboxes_for, post_early
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, add_tied, bind
@@ -98,7 +98,7 @@ class _Step:
     sched: RoundRobinSchedule
     index: int  # steps this engine has run before this one
     step: int  # the run's step (dropout seeds)
-    inputs: list[torch.Tensor]
+    inputs: list[torch.Tensor]  # token ids and targets of each micro-batch, as the trainer gave them
     targets: list[torch.Tensor]
     loss_factor: float
     lr: float
@@ -117,6 +117,7 @@ class _Step:
     wait_s: float = 0.0
     dispatch_s: float = 0.0
     computed: ComputeSpans | None = None  # set by the dispatch for its device
+    batches: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (inputs, targets) on it (the dispatch's)
     reduce: _Reduce | None = None  # its statistics over the workers (posted at REDUCE)
     seconds: float = 0.0  # this worker's list, from its first action to its REDUCE
     trace: StepTrace | None = None  # parallel.trace_step's: its spans on the simulator's tracks
@@ -363,6 +364,7 @@ class _Dispatch:
         """This worker's actions of ``st`` (``before``: the previous step's statistics, ended before this one's)."""
         self.st, self.before = st, before
         st.computed = ComputeSpans(self.device)
+        st.batches = batches_on(self.device, st.inputs), batches_on(self.device, st.targets)
         for unit in self.units:
             unit.train(True)
         post_early(st.sched.actions[self.e.rank], self.links, self._recv)
@@ -532,7 +534,7 @@ class _Dispatch:
 
     def _input(self, k: int, m: int) -> torch.Tensor:
         if k == 0:
-            return self.st.inputs[m].to(self.device)
+            return self.st.batches[0][m]
         return self.st.waiting.pop(("a", k, m))()
 
     def _forward(self, a: Action) -> None:
@@ -635,7 +637,7 @@ class _Dispatch:
         k, m = a.stage, a.micro
         self._on_device(k, self._round(m), grads=True)
         first, end = self.cuts.units(k)
-        x = self.st.reloaded.pop((k, m)) if first > 0 else self.st.inputs[m].to(self.device)
+        x = self.st.reloaded.pop((k, m)) if first > 0 else self.st.batches[0][m]
         start = self.st.computed.mark()
         if x.is_floating_point():
             x = x.detach().requires_grad_()
@@ -664,7 +666,7 @@ class _Dispatch:
         x = self._input(k, m).detach().requires_grad_()
         start = self.st.computed.mark()
         with autocast(self.device, self.e.cfg.train.precision):
-            loss = lm_loss(self._run(first, end, x, m), st.targets[m].to(self.device))
+            loss = lm_loss(self._run(first, end, x, m), st.batches[1][m])
         (loss * st.loss_factor).backward()
         st.loss_sum = st.loss_sum + loss.detach().float()
         st.losses += 1
