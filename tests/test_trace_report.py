@@ -69,3 +69,28 @@ def test_a_trace_is_summed_by_track_and_set_beside_its_plan(tmp_path: Path) -> N
     assert rows[0]["upload_wait_s"] == pytest.approx([0.0, 0.010])  # its upload ended at 10 ms, the forward began then
     assert rows[2]["upload_wait_s"] == pytest.approx([0.002, 0.005])  # U2 ended 5 ms after F0,1
     assert rows[1]["upload_wait_s"] == pytest.approx([0.001, 0.003])  # the upload ran for 3 ms of the 12 before F1,0
+
+
+def _replay_module():
+    _module()  # bench/trace_replay.py imports trace_report as a sibling module
+    spec = importlib.util.spec_from_file_location("trace_replay", ROOT / "bench" / "trace_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_replay_counts_each_gap_between_computes_beyond_the_simulators() -> None:
+    """bench/trace_replay.py: a traced compute is matched to the simulated one of the same kind, op and micro-batch
+    of the step (the simulator numbers micro-batches across its steps); each gap between consecutive traced computes
+    less the simulated gap between the same two, by whether the next one is another op's (a switch) or not."""
+    tr = _replay_module()
+    report = _module()
+    assert tr.compute_key("B6,1", 4) == ("B", 6, 1) and tr.compute_key("B6.13", 4) == ("B", 6, 1)
+    assert tr.compute_key("FB4.2", 4) == ("FB", 4, 2) and tr.compute_key("sg4,0", 4) is None
+    traced = [report.Span(n, a / 1e3, b / 1e3) for n, a, b in
+              [("F0,0", 0, 10), ("F0,1", 11, 21), ("U2", 21, 22), ("F2,0", 25, 35), ("F2,1", 35.5, 45)]]
+    simulated = {("F", 0, 0): (0.0, 0.010), ("F", 0, 1): (0.0101, 0.0201), ("F", 2, 0): (0.0211, 0.0311),
+                 ("F", 2, 1): (0.0312, 0.0412)}
+    out = tr.gap_residuals(traced, simulated, 4)
+    assert [round(x * 1e3, 3) for x in out["same"]] == [0.9, 0.4]  # 1 - 0.1 and 0.5 - 0.1 ms
+    assert [round(x * 1e3, 3) for x in out["switch"]] == [3.0]  # 4 ms traced (the upload between) - 1 simulated
