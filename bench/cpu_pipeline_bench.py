@@ -83,17 +83,23 @@ def checkpoint(root: Path, width: int, blocks: int) -> Path:
     return d
 
 
-def run_variant(name: str, extra: dict, ck: Path, root: Path, repeat: int, args: argparse.Namespace) -> dict:
+def variant_raw(name: str, ck: Path, root: Path, repeat: int, steps: int, workers: int) -> dict:
+    """Variant ``name``'s run configuration (raw sections), its output in ``root``/<name>-<repeat>."""
     cache = str(root / f"cache-{repeat}")
     raw = {"model": {"checkpoint": str(ck)},
            "data": {"seq_len": 128, "cache_dir": cache},
-           "train": {"max_steps": args.steps, "micro_batch_size": 4, "micro_batches": 4, "lr": 1e-3,
+           "train": {"max_steps": steps, "micro_batch_size": 4, "micro_batches": 4, "lr": 1e-3,
                      "warmup_steps": 2, "grad_clip": 0.0, "eval_every": 0, "eval_batches": 1},
-           "parallel": {"mode": "pipeline", "devices": args.workers, "device": "cpu"},
+           "parallel": {"mode": "pipeline", "devices": workers, "device": "cpu"},
            "partition": {"cache_dir": cache},
            "output": {"dir": str(root / f"{name.replace(' ', '_')}-{repeat}"), "plot": False}}
-    for section, values in extra.items():
+    for section, values in VARIANTS[name].items():
         raw[section].update(values)
+    return raw
+
+
+def run_variant(name: str, ck: Path, root: Path, repeat: int, args: argparse.Namespace) -> dict:
+    raw = variant_raw(name, ck, root, repeat, args.steps, args.workers)
     if args.trace_step is not None:
         raw["parallel"]["trace_step"] = args.trace_step
     assert "," not in name, "variant names go in the comma list of --variants"
@@ -190,7 +196,7 @@ def main() -> None:
         ck = checkpoint(root, args.width, args.blocks)
         for repeat in range(args.repeats):
             for name in args.variants.split(","):
-                rows.append(run_variant(name, VARIANTS[name], ck, root, repeat, args))
+                rows.append(run_variant(name, ck, root, repeat, args))
                 print(json.dumps(rows[-1]), flush=True)
     summary = summarize(rows)
     print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s} {'calibrated':>10s} "

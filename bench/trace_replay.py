@@ -77,20 +77,12 @@ def traced_durations(durations: dict[tuple[str, int, int], float], micro_batches
 
 
 def _config(out: Path, variant: str):
-    """The bench run's configuration, as bench/cpu_pipeline_bench.py made it (one repeat, two workers)."""
+    """The bench run's configuration, as bench/cpu_pipeline_bench.py made it (its defaults: the first repeat)."""
     import cpu_pipeline_bench as bench
     from mobius.config import config_from_dict
 
     runs = out / "runs"
-    raw = {"model": {"checkpoint": str(next(runs.glob("gpt2-*")))},
-           "data": {"seq_len": 128, "cache_dir": str(runs / "cache-0")},
-           "train": {"max_steps": 14, "micro_batch_size": 4, "micro_batches": 4, "lr": 1e-3, "warmup_steps": 2,
-                     "grad_clip": 0.0, "eval_every": 0, "eval_batches": 1},
-           "parallel": {"mode": "pipeline", "devices": 2, "device": "cpu"},
-           "partition": {"cache_dir": str(runs / "cache-0")}, "output": {"dir": str(runs / "replay"), "plot": False}}
-    for section, values in bench.VARIANTS[variant].items():
-        raw[section].update(values)
-    return config_from_dict(raw, variant)
+    return config_from_dict(bench.variant_raw(variant, next(runs.glob("gpt2-*")), runs, 0, 14, 2), variant)
 
 
 def replay(out: Path, variant: str, step: int) -> dict:

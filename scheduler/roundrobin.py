@@ -98,7 +98,7 @@ class _Step:
     sched: RoundRobinSchedule
     index: int  # steps this engine has run before this one
     step: int  # the run's step (dropout seeds)
-    inputs: list[torch.Tensor]  # token ids and targets of each micro-batch, as the trainer gave them
+    inputs: list[torch.Tensor]  # each micro-batch's token ids (and below its targets), as the trainer gave them
     targets: list[torch.Tensor]
     loss_factor: float
     lr: float
