@@ -189,6 +189,9 @@ def main() -> None:
                    help="trace this step (1-based) of every run (parallel.trace_step; left out of the median: a traced "
                         "step waits for its CPU updates) and keep the runs' directories under <out>/runs")
     args = p.parse_args()
+    unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(map(repr, unknown))}; the variants: {', '.join(map(repr, VARIANTS))}")
     logging.basicConfig(level=logging.WARNING)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

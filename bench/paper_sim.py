@@ -92,7 +92,9 @@ def mip_vs_baselines(model: PaperModel, variant: str) -> dict:
     PLANS_2X2[(model.name, variant)] = (p, time.perf_counter() - t0)
     row = {"model": model.name, "mbs": model.mbs, "variant": variant, "mip_s": p.predicted_step_s,
            "mip_model_s": p.model_step_s, "mip_stages": p.num_stages, "status": p.status,
-           "plan_s": time.perf_counter() - t0, "resident": len(p.options.resident), "kept": len(p.options.kept), "traffic_x_fp32_params": p.traffic["x_fp32_param_bytes"]}
+           "plan_s": time.perf_counter() - t0, "resident": len(p.options.resident), "kept": len(p.options.kept),
+           "traffic_x_fp32_params": p.traffic["x_fp32_param_bytes"],
+           "baseline_adopted": (p.mip.get("baseline_adopted") or {}).get("name")}  # the search lost to a baseline
     for name, t in p.baselines.items():
         row[name] = t
         row[f"{name}_stages"] = len(p.baseline_boundaries[name]) - 1 if p.baseline_boundaries[name] else None
@@ -171,7 +173,9 @@ def print_baselines(rows: list[dict]) -> None:
                         for k in ("minimum-stage", "maximum-stage", "time-balanced"))
         red = " / ".join(_pct(r[f"{k}_reduction"]) for k in ("minimum-stage", "maximum-stage", "time-balanced"))
         print(f"{r['variant']:<13}{r['model']:>5}{r['mbs']:>4}{r['mip_s']:>8.3f}{r['mip_stages']:>4}{r['resident']:>4}"
-              f"{r['kept']:>5}{cells}   {red}  {r['plan_s']:5.1f}s  {r['status']}")
+              f"{r['kept']:>5}{cells}   {red}  {r['plan_s']:5.1f}s  {r['status']}"
+              + (f" (the search lost to the {r['baseline_adopted']} baseline: planned with it)"
+                 if r["baseline_adopted"] else ""))
 
 
 def print_topologies(rows: list[dict]) -> None:

@@ -260,6 +260,10 @@ def _summary_lines(p: Plan) -> list[str]:
                   if p.mip.get("ranked_by") == "sync" and p.options.delayed else "")
         lines.append(f"partition: the fastest simulated, each with its own resident/kept stages, of the search's "
                      f"{len(alts)} near-best and finest ({each}{ranked})")
+    adopted = p.mip.get("baseline_adopted")
+    if adopted:
+        lines.append(f"partition: the {adopted['name']} baseline's, which simulates faster than the search's "
+                     f"({adopted['search_step_s']:.3f} s; {p.status})")
     if p.time_split:
         lines.append(_time_split_line(p.time_split, p.predicted_step_s))
     mem = ", ".join(f"GPU{g} {b / GiB:.1f}" for g, b in enumerate(p.peak_bytes))
@@ -349,9 +353,16 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     res, bounds = best.res, best.res.best.boundaries
     options, sim, choice = _grad_dtype(ctx, bounds, best.options, best.sim)
     _check_host_memory(ctx, bounds, options)
-    base, base_bounds = _baselines(ctx, bounds, options, best.model_hw) if request.with_baselines else ({}, {})
+    base, base_bounds, runs = _baselines(ctx, bounds, options, best.model_hw) if request.with_baselines else ({}, {}, {})
+    adopted, faster = None, _faster_baseline(ctx, runs, base_bounds, sim)
+    if faster is not None:
+        name, bounds, options, base_sim = faster
+        log.warning("the %s baseline's partition simulates faster (%.3f s) than the search's (%.3f s, %s): "
+                    "planned with it", name, base_sim.step_s, sim.step_s, res.status_text())
+        adopted, sim = {"name": name, "search_step_s": sim.step_s}, base_sim
     res.solve_s = time.perf_counter() - ctx.started
     plan = _assemble(ctx, bounds, options, sim, res, base, base_bounds)
+    plan.mip["baseline_adopted"] = adopted
     plan.grad_choice = choice
     plan.model_step_s = ctx.evaluator(best.model_hw, options).step_time(bounds)
     plan.mip["contention_plans"] = tried
@@ -671,35 +682,58 @@ def _host_bytes(ctx: PlanContext, bounds: list[int], options: PipelineOptions) -
                for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident) - held
 
 
-def _baselines(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
-               model_hw: Hardware) -> tuple[dict[str, float | None], dict[str, list[int] | None]]:
+_BaselineRun = tuple[PipelineOptions, SimResult] | None  # a baseline's settings and simulated step (None: no fit)
+
+
+def _baselines(ctx: PlanContext, bounds: list[int], options: PipelineOptions, model_hw: Hardware
+               ) -> tuple[dict[str, float | None], dict[str, list[int] | None], dict[str, _BaselineRun]]:
     """Each baseline's partition on the GPUs of the plan's partition ``bounds`` and its step
-    simulated the same way (None: it does not fit)."""
+    simulated the same way (None: it does not fit; inf: its residency does not fit), and its run."""
     workers = len(ctx.gpus_for(len(bounds) - 1))
     swapped = dataclasses.replace(options, resident=frozenset(), kept=frozenset(), prefetch_bytes=0)
-    base, base_bounds = {}, {}
-    timed: dict[tuple[int, ...], float] = {}  # baselines that land on one partition (large models) share its time
+    base, base_bounds, runs = {}, {}, {}
+    done: dict[tuple[int, ...], _BaselineRun] = {}  # baselines that land on one partition (large models) share it
     for name, fn in BASELINES.items():
         b = fn(ctx.prof, ctx.hw, workers, ctx.req.micro_batches, swapped)
         base_bounds[name] = b
-        if b and tuple(b) not in timed:
-            timed[tuple(b)] = _baseline_time(ctx, b, swapped, model_hw)
-        base[name] = timed[tuple(b)] if b else None
-    return base, base_bounds
+        if b and tuple(b) not in done:
+            done[tuple(b)] = _baseline_run(ctx, b, swapped, model_hw)
+        runs[name] = done[tuple(b)] if b else None
+        base[name] = None if not b else math.inf if runs[name] is None else runs[name][1].step_s
+    return base, base_bounds, runs
 
 
-def _baseline_time(ctx: PlanContext, bounds: list[int], swapped: PipelineOptions, model_hw: Hardware) -> float:
+def _baseline_run(ctx: PlanContext, bounds: list[int], swapped: PipelineOptions, model_hw: Hardware) -> _BaselineRun:
     """A baseline partition simulated the same way: under ``swapped`` (the plan's settings, no stage
     resident or kept) with its own residency choice where the request's is automatic, none where the
-    request forces stages (at the rates the plan's was made at)."""
+    request forces stages (at the rates the plan's was made at); None where that does not fit."""
     req = ctx.req
     auto = dataclasses.replace(req, resident=None if req.resident is None else frozenset(),
                                kept=None if req.kept is None else frozenset())
     try:
-        _, sim = _residency(dataclasses.replace(ctx, req=auto), bounds, swapped, model_hw=model_hw)
+        return _residency(dataclasses.replace(ctx, req=auto), bounds, swapped, model_hw=model_hw)
     except MobiusError:
-        return math.inf
-    return sim.step_s
+        return None
+
+
+def _faster_baseline(ctx: PlanContext, runs: dict[str, _BaselineRun], base_bounds: dict[str, list[int] | None],
+                     sim: SimResult) -> tuple[str, list[int], PipelineOptions, SimResult] | None:
+    """The fastest baseline where it simulates faster than the search's plan (``sim``), its host stores fit and the
+    request leaves the partition and the resident and kept stages to the planner: a search cut short by its time
+    limit (a loaded machine) can end on a worse partition than a baseline's."""
+    req = ctx.req
+    if (req.boundaries, req.resident, req.kept) != (None, None, None):
+        return None
+    fits = {name: run for name, run in runs.items() if run is not None and run[1].step_s < sim.step_s
+            and len(base_bounds[name]) - 1 >= req.min_stages}
+    for name in sorted(fits, key=lambda n: fits[n][1].step_s):
+        options, faster = fits[name]
+        try:
+            _check_host_memory(ctx, base_bounds[name], options)
+        except MobiusError:
+            continue
+        return name, list(base_bounds[name]), options, faster
+    return None
 
 
 def _option_sets(req: PlanRequest) -> list[list[PipelineOptions]]:

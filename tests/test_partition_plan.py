@@ -75,6 +75,37 @@ def test_plan_json_round_trip() -> None:
     assert Plan.from_json(older).to_json() == data  # a plan.json that stored each stage's residency still reads
 
 
+def test_a_search_cut_short_on_a_worse_partition_than_a_baseline_plans_with_the_baseline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search that ends on a poor partition (as one cut short by its time limit on a loaded machine does: a
+    3090's 1-second search under five busy loops ended 8% slower than the minimum-stage baseline) yields to the
+    fastest baseline, with its own resident and kept stages, and the plan says so; a partition the user gives
+    (``parallel.stages``) stays."""
+    import partition.plan as plan_mod
+    from partition.baselines import maximum_stage
+    from partition.mip import given_partition
+
+    specs = unit_specs(get_preset("gpt2"))
+    hw = Hardware.paper_3090ti()
+    prof = estimate_units(specs, 2, 512, "fp16", "rtx3090ti")
+    poor = maximum_stage(prof, hw, 4, 4, plan_mod.PipelineOptions())  # every unit a stage of its own
+
+    def cut_short(profile, model_hw, gpus_for, micro_batches, *args, options, **kw):
+        return given_partition(profile, model_hw, gpus_for, micro_batches, poor, kw["bandwidth"], options)
+
+    monkeypatch.setattr(plan_mod, "solve_partition", cut_short)
+    plan = plan_model(prof, hw, PlanRequest(micro_batches=4, barrier=True))
+    fastest = min((v, k) for k, v in plan.baselines.items() if v)
+    adopted = plan.mip["baseline_adopted"]
+    assert adopted["name"] == fastest[1] and plan.boundaries == plan.baseline_boundaries[fastest[1]] != poor
+    assert plan.predicted_step_s == fastest[0] < adopted["search_step_s"]
+    assert plan.options.resident or plan.options.kept  # the baseline's own residency choice came with it
+    assert f"partition: the {fastest[1]} baseline's, which simulates faster than the search's" in plan.summary()
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).mip["baseline_adopted"] == adopted
+    given = plan_model(prof, hw, PlanRequest(micro_batches=4, barrier=True, boundaries=poor))
+    assert given.boundaries == poor and given.mip["baseline_adopted"] is None
+
+
 def test_pipeline_options_serialise_by_field_name() -> None:
     from partition import PipelineOptions
 
