@@ -159,14 +159,15 @@ class Plan:
         family's, when it was planned beside)."""
         tokens = self.micro_batches * self.micro_batch_size * self.seq_len
         rule = "delayed" if self.options.delayed else "sync"
-        swapped = (f"swapped pipeline ({self.num_stages} stages on {len(self.worker_gpus)} GPUs), update {rule}: "
+        gpus = f"{len(self.worker_gpus)} GPU{'s' if len(self.worker_gpus) > 1 else ''}"
+        swapped = (f"swapped pipeline ({self.num_stages} stages on {gpus}), update {rule}: "
                    f"{self.predicted_step_s:.3f} s per step predicted, {tokens / self.predicted_step_s:,.0f} tokens/s")
         rr = self.round_robin
         if not rr or "error" in rr:
             return f"schedule: {swapped}"
         other = "delayed" if rr["update"] == "sync" else "sync"
         robin = (f"round-robin ({len(rr['forward']) - 1} forward + 1 fused + {len(rr['backward']) - 1} backward ops "
-                 f"per round on {len(self.worker_gpus)} GPUs), update {rule}: {rr['step_s']:.3f} s per step "
+                 f"per round on {gpus}), update {rule}: {rr['step_s']:.3f} s per step "
                  f"predicted, {rr['tokens_per_s']:,.0f} tokens/s ({rr[f'{other}_tokens_per_s']:,.0f} {other})")
         if rr.get("runs"):
             return f"schedule: {robin}; not run: the {swapped}"
