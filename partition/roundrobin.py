@@ -83,7 +83,8 @@ def round_robin_host_bytes(profile: ModelProfile, cuts: Cuts, micro_batches: int
     """Host memory the round-robin runtime takes: in the shared stores, per trainable parameter the fp32 master
     and AdamW moments (12) and one fp32 gradient sum per compute copy (4 each); every parameter once per compute
     copy in the training dtype (delayed: two copies of both, alternating by step); and the stash of every
-    micro-batch's input of each unit where a backward op starts. With more than two rounds each of the
+    micro-batch's input of each unit where a backward op starts (delayed: one per step of two, alternating, as a
+    step's forwards may overtake the backwards of the step before). With more than two rounds each of the
     ``workers`` also has a staging buffer that a middle round's gradient sums of its largest op come down into
     (fp32)."""
     copies = 2 if delayed else 1
@@ -92,7 +93,7 @@ def round_robin_host_bytes(profile: ModelProfile, cuts: Cuts, micro_batches: int
     staging = 0
     if micro_batches > 2 * workers:  # more than two rounds
         staging = workers * 4 * max(stage_cost(profile, *cuts.units(k)).trainable_count for k in range(cuts.num_ops))
-    return trainable * (12 + 4 * copies) + profile.param_bytes() * copies + kept + staging
+    return trainable * (12 + 4 * copies) + profile.param_bytes() * copies + kept * copies + staging
 
 
 def minimax_cuts(times: list[float], parts: int) -> tuple[int, ...]:

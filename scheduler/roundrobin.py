@@ -147,8 +147,9 @@ class RoundRobinEngine:
         M, (B, T, H) = cfg.train.micro_batches, (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg))
         self.act_shape = (B, T, H)
         self.kept_cuts = list(self.cuts.backward[1:-1])  # units whose inputs wait in the stash
+        self.stash_entries = M * len(self.kept_cuts)  # a step's
         self.stores = UnitStores(model_cfg, self.dtype, cfg.train, self.delayed, self.cuts.num_ops,
-                                 (M * len(self.kept_cuts), B * T * H), device.type == "cuda")
+                                 (self.stash_entries, B * T * H), device.type == "cuda")
         if self.stores.num_units != self.cuts.num_units:
             raise MobiusError(f"the plan's round-robin cuts cover {self.cuts.num_units} units, the model has "
                               f"{self.stores.num_units}; plan again for this model")
@@ -557,8 +558,12 @@ class _Dispatch:
         self.st.computed.add("forward", start)
 
     def _entry(self, m: int, unit: int) -> int:
-        """Micro-batch ``m``'s input of ``unit``: its entry in the shared stash."""
-        return m * len(self.e.kept_cuts) + self.e.kept_cuts.index(unit)
+        """Micro-batch ``m``'s input of ``unit`` in this step: its entry in the shared stash. Under delayed two steps'
+        entries alternate, as the compute copies do: a step's forwards (run ahead on a worker done with the step
+        before) may reach an entry before the step before's backward (on another worker) has read it; sync steps
+        reach it only after (their uploads wait for the updates of the step before, which wait for its backwards)."""
+        per_step = self.e.stash_entries
+        return (self.st.index % self.stores.copies) * per_step + m * len(self.e.kept_cuts) + self.e.kept_cuts.index(unit)
 
     def _stash(self, i: int) -> torch.Tensor:
         n = self.e.act_shape[0] * self.e.act_shape[1] * self.e.act_shape[2]

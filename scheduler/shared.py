@@ -122,9 +122,9 @@ class Span:
 
 class UnitStores:
     """Every unit's weights (``copies`` compute copies: two alternate by step under ``train.update:
-    delayed``), fp32 master, AdamW moments and gradient sums (one per compute copy), in host memory all
-    workers share, with one :class:`FlatAdamW` per unit over its slices; ``stash``: (entries, elements per
-    entry) of the kept inputs."""
+    delayed``), fp32 master, AdamW moments, gradient sums and the stash of kept inputs (one of each per compute
+    copy), in host memory all workers share, with one :class:`FlatAdamW` per unit over its slices; ``stash``:
+    (entries, elements per entry) of a step's kept inputs."""
 
     def __init__(self, model_cfg: ModelConfig, train_dtype: torch.dtype, cfg: TrainSection, delayed: bool,
                  num_ops: int, stash: tuple[int, int], pin: bool):
@@ -136,7 +136,7 @@ class UnitStores:
             self.goff.append(self.goff[-1] + lay.trainable_numel)
         H, T = self.off[-1], self.goff[-1]
         spec = {"master": (T, torch.float32), "m": (T, torch.float32), "v": (T, torch.float32),
-                "stash": (stash[0] * stash[1], train_dtype), "stashed": (stash[0], torch.int64),
+                "stash": (self.copies * stash[0] * stash[1], train_dtype), "stashed": (self.copies * stash[0], torch.int64),
                 "counts": (2 * num_ops, torch.int64)}
         for c in range(self.copies):
             spec[f"half{c}"] = (H, train_dtype)

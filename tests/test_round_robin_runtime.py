@@ -33,6 +33,7 @@ CASES = {
     "tied-sync-slow-downloads": ("deep", ((0, 4, 8), (0, 2, 5, 8)), {"update": "sync"}),
 }
 SLOW_DOWNLOAD_S = 0.05
+SLOW_RELOAD_S = 0.04
 
 
 def _cfg(case: dict, world: int, tmp: Path):
@@ -81,12 +82,30 @@ def _slow_downloads() -> list[bool]:
     return ahead
 
 
+def _slow_reloads() -> None:
+    """(In a worker) hold every backward op's RELOAD ``SLOW_RELOAD_S`` before it waits for its stash entry and reads
+    it: a worker lagging behind the others, whose next step has begun."""
+    import time
+
+    from scheduler.roundrobin import _Dispatch
+
+    reload = _Dispatch._reload
+
+    def slow(self, a):
+        time.sleep(SLOW_RELOAD_S)
+        reload(self, a)
+
+    _Dispatch._reload = slow
+
+
 def _run_case(case: dict, world: int) -> dict:
     """(In a worker) the case's steps through the engine `mobius train` builds."""
     from mobius.app.launch import make_engine, open_device
     from mobius.assemble import WeightSource
 
     ahead = _slow_downloads() if case["name"].endswith("slow-downloads") else []
+    if case["name"].endswith("slow-reloads"):
+        _slow_reloads()
     cfg = case["cfg"]
     engine = make_engine(cfg, case["model_cfg"], case["plan"], case["settings"],
                          open_device(case["settings"], int(os.environ["LOCAL_RANK"])),
@@ -137,18 +156,22 @@ def test_round_robin_two_workers_equal_single_mode(tmp_path: Path, deep_checkpoi
 
 @pytest.mark.slow
 def test_round_robin_four_workers_equal_single_mode(tmp_path: Path, deep_checkpoint: Path) -> None:
-    """8 ops on 4 workers, 6 micro-batches in rounds of 4 and 2; a bf16 run (half activations and compute copies,
+    """8 ops on 4 workers, 6 micro-batches in rounds of 4 and 2; delayed in one round of 3 micro-batches, each
+    reload held 40 ms (a worker whose next step's forwards, run ahead, reach the stash entries that this step's
+    backwards have yet to read: each step's entries are its own); a bf16 run (half activations and compute copies,
     fp32 sums) against fp32 autocast within 3e-2; fp16 with step 2's loss scale overflowing (no update, the
     compute copies still take the master) against single mode's fp16, within 3e-2 and with the same skips."""
     cases = [{"name": "four-sync", "ck": deep_checkpoint, "cuts": ((0, 3, 6, 9), (0, 2, 5, 7, 9)),
               "train": {"update": "sync"}, "lora": False, "micro": 6},
+             {"name": "four-delayed-one-round-slow-reloads", "ck": deep_checkpoint, "cuts": ((0, 4, 8), (0, 2, 5, 8)),
+              "train": {"update": "delayed", "grad_clip": 0.0}, "lora": False, "micro": 3},
              {"name": "four-delayed-bf16", "ck": deep_checkpoint, "cuts": ((0, 5, 10), (0, 4, 7, 10)),
               "train": {"update": "delayed", "precision": "bf16"}, "lora": False, "micro": 6, "atol": 3e-2},
              {"name": "four-delayed-fp16-overflow", "ck": deep_checkpoint, "cuts": ((0, 5, 10), (0, 4, 7, 10)),
               "train": {"update": "delayed", "precision": "fp16"}, "lora": False, "micro": 4, "atol": 3e-2,
               "overflow": 1}]
     cases = [_planned(c, 4, tmp_path) for c in cases]
-    assert cases[2]["plan"].options.barrier  # fp16: every update waits for the overflow check
+    assert cases[3]["plan"].options.barrier  # fp16: every update waits for the overflow check
     for case, ranks in zip(cases, spawn_cases(_run_case, cases, 4)):
         ref = _reference(case, tmp_path)
         assert [r["skipped"] for r in ranks] == [ref["skipped"]] * 4
