@@ -156,7 +156,8 @@ def test_round_robin_two_workers_equal_single_mode(tmp_path: Path, deep_checkpoi
 
 @pytest.mark.slow
 def test_round_robin_four_workers_equal_single_mode(tmp_path: Path, deep_checkpoint: Path) -> None:
-    """8 ops on 4 workers, 6 micro-batches in rounds of 4 and 2; delayed in one round of 3 micro-batches, each
+    """8 ops on 4 workers, 6 micro-batches in rounds of 4 and 2, and 9 in three (delayed); delayed in one round of 3
+    micro-batches, each
     reload held 40 ms (a worker whose next step's forwards, run ahead, reach the stash entries that this step's
     backwards have yet to read: each step's entries are its own); a bf16 run (half activations and compute copies,
     fp32 sums) against fp32 autocast within 3e-2; fp16 with step 2's loss scale overflowing (no update, the
@@ -165,13 +166,18 @@ def test_round_robin_four_workers_equal_single_mode(tmp_path: Path, deep_checkpo
               "train": {"update": "sync"}, "lora": False, "micro": 6},
              {"name": "four-delayed-one-round-slow-reloads", "ck": deep_checkpoint, "cuts": ((0, 4, 8), (0, 2, 5, 8)),
               "train": {"update": "delayed", "grad_clip": 0.0}, "lora": False, "micro": 3},
+             # three rounds: the middle one's sums come down into the staging buffer and the summing thread adds
+             # them; lr 1e-3 as in the LoRA cases (at 1e-2 the rounds' summation order moves weights whose gradients
+             # are near AdamW's eps by up to 3e-5)
+             {"name": "four-delayed-three-rounds", "ck": deep_checkpoint, "cuts": ((0, 3, 6, 9), (0, 2, 5, 7, 9)),
+              "train": {"update": "delayed", "grad_clip": 0.0, "lr": 1e-3}, "lora": False, "micro": 9},
              {"name": "four-delayed-bf16", "ck": deep_checkpoint, "cuts": ((0, 5, 10), (0, 4, 7, 10)),
               "train": {"update": "delayed", "precision": "bf16"}, "lora": False, "micro": 6, "atol": 3e-2},
              {"name": "four-delayed-fp16-overflow", "ck": deep_checkpoint, "cuts": ((0, 5, 10), (0, 4, 7, 10)),
               "train": {"update": "delayed", "precision": "fp16"}, "lora": False, "micro": 4, "atol": 3e-2,
               "overflow": 1}]
     cases = [_planned(c, 4, tmp_path) for c in cases]
-    assert cases[3]["plan"].options.barrier  # fp16: every update waits for the overflow check
+    assert cases[-1]["plan"].options.barrier  # fp16: every update waits for the overflow check
     for case, ranks in zip(cases, spawn_cases(_run_case, cases, 4)):
         ref = _reference(case, tmp_path)
         assert [r["skipped"] for r in ranks] == [ref["skipped"]] * 4
