@@ -354,7 +354,8 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     res, bounds = best.res, best.res.best.boundaries
     options, sim, choice = _grad_dtype(ctx, bounds, best.options, best.sim)
     _check_host_memory(ctx, bounds, options)
-    base, base_bounds, runs = _baselines(ctx, bounds, options, best.model_hw) if request.with_baselines else ({}, {}, {})
+    base, base_bounds, runs = (_baselines(ctx, bounds, options, best.model_hw) if request.with_baselines
+                               else ({}, {}, {}))
     adopted, faster = None, _faster_baseline(ctx, runs, base_bounds, sim)
     if faster is not None:
         name, bounds, options, base_sim = faster

@@ -562,8 +562,8 @@ class _Dispatch:
         entries alternate, as the compute copies do: a step's forwards (run ahead on a worker done with the step
         before) may reach an entry before the step before's backward (on another worker) has read it; sync steps
         reach it only after (their uploads wait for the updates of the step before, which wait for its backwards)."""
-        per_step = self.e.stash_entries
-        return (self.st.index % self.stores.copies) * per_step + m * len(self.e.kept_cuts) + self.e.kept_cuts.index(unit)
+        step_first = (self.st.index % self.stores.copies) * self.e.stash_entries
+        return step_first + m * len(self.e.kept_cuts) + self.e.kept_cuts.index(unit)
 
     def _stash(self, i: int) -> torch.Tensor:
         n = self.e.act_shape[0] * self.e.act_shape[1] * self.e.act_shape[2]

@@ -136,7 +136,8 @@ class UnitStores:
             self.goff.append(self.goff[-1] + lay.trainable_numel)
         H, T = self.off[-1], self.goff[-1]
         spec = {"master": (T, torch.float32), "m": (T, torch.float32), "v": (T, torch.float32),
-                "stash": (self.copies * stash[0] * stash[1], train_dtype), "stashed": (self.copies * stash[0], torch.int64),
+                "stash": (self.copies * stash[0] * stash[1], train_dtype),
+                "stashed": (self.copies * stash[0], torch.int64),
                 "counts": (2 * num_ops, torch.int64)}
         for c in range(self.copies):
             spec[f"half{c}"] = (H, train_dtype)
