@@ -147,9 +147,8 @@ class RoundRobinEngine:
         M, (B, T, H) = cfg.train.micro_batches, (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg))
         self.act_shape = (B, T, H)
         self.kept_cuts = list(self.cuts.backward[1:-1])  # units whose inputs wait in the stash
-        self.stash_entries = M * len(self.kept_cuts)  # a step's
         self.stores = UnitStores(model_cfg, self.dtype, cfg.train, self.delayed, self.cuts.num_ops,
-                                 (self.stash_entries, B * T * H), device.type == "cuda")
+                                 (M * len(self.kept_cuts), B * T * H), device.type == "cuda")
         if self.stores.num_units != self.cuts.num_units:
             raise MobiusError(f"the plan's round-robin cuts cover {self.cuts.num_units} units, the model has "
                               f"{self.stores.num_units}; plan again for this model")
@@ -558,16 +557,12 @@ class _Dispatch:
         self.st.computed.add("forward", start)
 
     def _entry(self, m: int, unit: int) -> int:
-        """Micro-batch ``m``'s input of ``unit`` in this step: its entry in the shared stash. Under delayed two steps'
-        entries alternate, as the compute copies do: a step's forwards (run ahead on a worker done with the step
-        before) may reach an entry before the step before's backward (on another worker) has read it; sync steps
-        reach it only after (their uploads wait for the updates of the step before, which wait for its backwards)."""
-        step_first = (self.st.index % self.stores.copies) * self.e.stash_entries
-        return step_first + m * len(self.e.kept_cuts) + self.e.kept_cuts.index(unit)
+        """Micro-batch ``m``'s input of ``unit``: its entry in the step's stash (:meth:`UnitStores.stash`)."""
+        return m * len(self.e.kept_cuts) + self.e.kept_cuts.index(unit)
 
-    def _stash(self, i: int) -> torch.Tensor:
+    def _stash(self, index: int, i: int) -> torch.Tensor:
         n = self.e.act_shape[0] * self.e.act_shape[1] * self.e.act_shape[2]
-        return self.stores.stash[i * n:(i + 1) * n].view(self.e.act_shape)
+        return self.stores.stash(index)[i * n:(i + 1) * n].view(self.e.act_shape)
 
     def _offload(self, a: Action) -> None:
         """A micro-batch's input of a unit where a backward op starts to the shared stash (the download thread)."""
@@ -576,8 +571,8 @@ class _Dispatch:
         ready = self._compute_so_far()
 
         def job() -> None:
-            self._to_host(self._stash(i), x, ready, trace, f"H{a.unit}")
-            self.stores.stashed[i] = index + 1
+            self._to_host(self._stash(index, i), x, ready, trace, f"H{a.unit}")
+            self.stores.stashed(index)[i] = index + 1
 
         self.st.d2h.append(self._d2h_job(job))
         self.counters.add(d2h=x.nbytes)
@@ -625,13 +620,12 @@ class _Dispatch:
 
     def _reload(self, a: Action) -> None:
         """A backward op's input back from the stash, once the forward (on whichever worker) has put it there."""
-        i = self._entry(a.micro, a.unit)
-        index = self.st.index
-        self.st.wait_s += wait_for(lambda: int(self.stores.stashed[i]) > index,
-                                   f"micro-batch {a.micro}'s input of unit {a.unit}")
+        i, index = self._entry(a.micro, a.unit), self.st.index
+        stashed = self.stores.stashed(index)
+        self.st.wait_s += wait_for(lambda: int(stashed[i]) > index, f"micro-batch {a.micro}'s input of unit {a.unit}")
         trace, stream = self.st.trace, self._compute_stream()
         start = trace.mark(stream) if trace is not None else None
-        x = self._stash(i).to(self.device, copy=True)
+        x = self._stash(index, i).to(self.device, copy=True)
         if trace is not None:
             trace.add("h2d", f"L{a.unit}", start, trace.mark(stream))
         self.st.reloaded[(a.stage, a.micro)] = x

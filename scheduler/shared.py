@@ -136,19 +136,18 @@ class UnitStores:
             self.goff.append(self.goff[-1] + lay.trainable_numel)
         H, T = self.off[-1], self.goff[-1]
         spec = {"master": (T, torch.float32), "m": (T, torch.float32), "v": (T, torch.float32),
-                "stash": (self.copies * stash[0] * stash[1], train_dtype),
-                "stashed": (self.copies * stash[0], torch.int64),
                 "counts": (2 * num_ops, torch.int64)}
         for c in range(self.copies):
             spec[f"half{c}"] = (H, train_dtype)
             spec[f"grad{c}"] = (T, torch.float32)
+            spec[f"stash{c}"] = (stash[0] * stash[1], train_dtype)
+            spec[f"stashed{c}"] = (stash[0], torch.int64)
         check_host_memory(sum(n * dtype.itemsize for n, dtype in spec.values()), "the round-robin runtime's shared "
                           "stores (weights, AdamW states, gradient sums, kept inputs)")
         self.host = SharedHost(spec, pin)
         counts = self.host["counts"]
         self.summed = counts[:num_ops]  # op -> rounds of its gradients summed in host memory (over the run)
         self.version = counts[num_ops:2 * num_ops]  # owner op -> updates that have run (over the run)
-        self.stashed = self.host["stashed"]  # stash entry -> the steps whose input it has taken (over the run)
         self.tie = self._tie(model_cfg)
         self.optimizers = [self._optimizer(u, cfg) for u in range(len(self.layouts))]
 
@@ -188,9 +187,14 @@ class UnitStores:
     def grad(self, copy: int) -> torch.Tensor:
         return self.host[f"grad{copy % self.copies}"]
 
-    @property
-    def stash(self) -> torch.Tensor:
-        return self.host["stash"]
+    def stash(self, copy: int) -> torch.Tensor:
+        """The kept inputs of a step that computes with compute copy ``copy`` (under delayed a step's forwards,
+        run ahead, may reach an entry before the step before's backwards have read it: each has its own)."""
+        return self.host[f"stash{copy % self.copies}"]
+
+    def stashed(self, copy: int) -> torch.Tensor:
+        """Per entry of :meth:`stash`, the steps whose input it has taken (over the run)."""
+        return self.host[f"stashed{copy % self.copies}"]
 
     # ---- weights in and out ---------------------------------------------------------------------
     def load(self, u: int, weights: dict[str, torch.Tensor]) -> set[str]:
