@@ -4,6 +4,7 @@ processes (no GPU needed): the check of the simulator's fidelity on machines wit
     python bench/cpu_pipeline_bench.py --out bench_out               # ~2.5 minutes on 2 cores
     python bench/cpu_pipeline_bench.py --out bench_out --repeats 2   # ~5 minutes
     python bench/cpu_pipeline_bench.py --variants "as planned" --trace-step 10 --out bench_out  # a step's trace
+    python bench/cpu_pipeline_bench.py --replay --out bench_out   # those runs simulated again by the code as it is now
 
 A GPT-2 style model (hidden 256, 8 blocks, sequence 128, 4 micro-batches of 4) is trained from scratch on the
 standard library's docstrings with ``mobius train`` as a user runs it, on 2 CPU worker processes (mailboxes in
@@ -175,6 +176,39 @@ def summarize(rows: list[dict]) -> list[dict]:
             for name, rs in by.items()]
 
 
+def replay_kept(out: Path) -> list[dict]:
+    """The runs an earlier ``--trace-step`` bench kept in ``out``, simulated again as the code now simulates them:
+    per variant the medians over its repeats of the errors (predicted / measured - 1) then and now, as planned
+    (with the compute the earlier runs had taught), calibrated and from the profile alone."""
+    data = json.loads((out / "cpu_pipeline_bench.json").read_text())
+    runs, a = out / "runs", data["args"]
+    if not runs.is_dir():
+        raise SystemExit(f"{runs} does not exist: --replay reads the runs a --trace-step bench keeps")
+    ck, by = next(runs.glob("gpt2-*")), {}
+    for row in data["rows"]:
+        cfg = config_from_dict(variant_raw(row["variant"], ck, runs, row["repeat"], a["steps"], a["workers"]),
+                               row["variant"])
+        d = Path(cfg.output.dir)
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        now = replayed(cfg, json.loads((d / "plan.json").read_text()), rows, a["warmup"])
+        m = row["measured_s"]
+        by.setdefault(row["variant"], []).append([row["error"], now["as_planned_s"] / m - 1, row["calibrated_s"] / m - 1,
+                                                  now["calibrated_s"] / m - 1, row["profile_only_s"] / m - 1,
+                                                  now["profile_only_s"] / m - 1])
+    keys = ("planned_then", "planned_now", "calibrated_then", "calibrated_now", "profile_then", "profile_now")
+    return [{"variant": name, **{k: round(statistics.median(r[i] for r in rs), 4) for i, k in enumerate(keys)}}
+            for name, rs in by.items()]
+
+
+def print_replay(rows: list[dict]) -> None:
+    print(f"{'variant':32s} {'as planned: then':>16s} {'now':>7s} {'calibrated: then':>16s} {'now':>7s} "
+          f"{'profile alone: then':>19s} {'now':>7s}   (predicted / measured - 1, medians of the repeats)")
+    for r in rows:
+        print(f"{r['variant']:32s} {100 * r['planned_then']:+15.1f}% {100 * r['planned_now']:+6.1f}% "
+              f"{100 * r['calibrated_then']:+15.1f}% {100 * r['calibrated_now']:+6.1f}% "
+              f"{100 * r['profile_then']:+18.1f}% {100 * r['profile_now']:+6.1f}%")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=OUT)
@@ -188,7 +222,14 @@ def main() -> None:
     p.add_argument("--trace-step", type=int, default=None,
                    help="trace this step (1-based) of every run (parallel.trace_step; left out of the median: a traced "
                         "step waits for its CPU updates) and keep the runs' directories under <out>/runs")
+    p.add_argument("--replay", action="store_true", help="run nothing: simulate the runs a --trace-step bench kept in "
+                   "--out again with the simulator as it is now, beside the errors they were run with")
     args = p.parse_args()
+    if args.replay:
+        rows = replay_kept(Path(args.out))
+        print_replay(rows)
+        (Path(args.out) / "cpu_pipeline_bench_replay.json").write_text(json.dumps(rows, indent=2))
+        return
     unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(map(repr, unknown))}; the variants: {', '.join(map(repr, VARIANTS))}")

@@ -90,6 +90,9 @@ class Hardware:
     message_s: float = 0.0  # a worker's dispatch thread per message it posts to another worker (a send or a
     # receive), which holds up its next compute: CPU workers' (MAILBOX_MESSAGE_S, GLOO_MESSAGE_S); a GPU's runs ahead
     device_adam_params_per_s: float = DEVICE_ADAM_PARAMS_PER_S  # a resident stage's AdamW on its device
+    host_cores: int = 0  # CPU workers: the host's cores, which their compute shares with their copies, sums and CPU
+    # updates (each runs torch kernels on ``worker_threads`` threads); 0: the compute runs on devices of its own
+    worker_threads: int = 1
     host_memory_bytes: int | None = None  # host memory the stores may use (None: unknown, not checked)
     name: str = "custom"
     gpu_names: list[str] = field(default_factory=list)

@@ -5,7 +5,8 @@ Each worker has the engines the runtime has: a compute stream (compute actions i
 copy thread (uploads in order, each waiting for the slot it takes to be released and for the
 stage's previous update), a download stream (gradient downloads and offloaded boundary inputs in
 order) and an optimizer thread (CPU updates in order; the workers' threads share the host: while
-``k`` update at once each runs at ``Hardware.cpu_update_rate(updating=k)``). Activations and their gradients travel as
+``k`` update at once each runs at ``Hardware.cpu_update_rate(updating=k)``; CPU workers' compute shares the host's
+``Hardware.host_cores`` with their copies, updates and sums). Activations and their gradients travel as
 soon as they are produced: through host memory (two hops) unless the pair has peer access, or in
 place when both stages are on one worker. A tied weight's two ends exchange gradients once both
 are down (``TIE``), or, when one worker holds both, stage 0's backward upload brings the head's end's
@@ -248,7 +249,11 @@ class _Worker:
 
     def reset(self) -> None:
         self.ci = self.ui = self.di = self.ri = 0
-        self.busy_until: float | None = None
+        self.busy_until: float | None = None  # when the compute engine is free (its compute and posted messages)
+        self.running: tuple[_Task, float, float] | None = None  # the compute in it: (task, start, posted seconds)
+        self.comp_end = 0.0  # when that compute ends at its current rate
+        self.comp_left = 0.0  # its seconds left at full speed (CPU workers share the host's cores: _share_cpu)
+        self.comp_rate = 1.0
         self.last_end = 0.0
         self.uploading = self.downloading = False
         self.upload_done: dict[int, float] = {}
@@ -521,9 +526,8 @@ class _Sim:
         wait = max(0.0, uploaded - max(w.last_end, inputs))
         dur = self._duration(task)
         posted = self.hw.message_s * w.posts[w.ci]  # the dispatch thread's messages after it
+        w.running, w.comp_left, w.comp_end = (task, start, posted), dur, start + dur
         w.busy_until = start + dur + posted
-        if posted:
-            self._compute_event(w, task, f"m{task.stage}.{task.micro}", start + dur, start + dur + posted, "dispatch")
         tm = self.timing[task.stage]
         if self._opens(task):
             if task.kind in (Kind.BACKWARD, Kind.RECOMPUTE):
@@ -531,12 +535,20 @@ class _Sim:
             else:
                 tm.fwd_start = start - self.step_start
             tm.upload_wait_s += wait
-        if task.kind == Kind.DEVICE_UPDATE:
-            self._compute_event(w, task, f"Od{task.stage}", start, start + dur, "dadam")
-            return True
-        cat = "bwd" if task.kind != Kind.FORWARD else "fwd"
-        self._compute_event(w, task, f"{task.kind.value}{task.stage}.{task.micro}", start, start + dur, cat)
         return True
+
+    def _compute_ended(self, w: _Worker) -> None:
+        """The compute engine's events of the compute that has ended: the compute, then its posted messages."""
+        task, start, posted = w.running
+        end = w.comp_end
+        if posted:
+            self._compute_event(w, task, f"m{task.stage}.{task.micro}", end, end + posted, "dispatch")
+        if task.kind == Kind.DEVICE_UPDATE:
+            self._compute_event(w, task, f"Od{task.stage}", start, end, "dadam")
+        else:
+            cat = "bwd" if task.kind != Kind.FORWARD else "fwd"
+            self._compute_event(w, task, f"{task.kind.value}{task.stage}.{task.micro}", start, end, cat)
+        w.running = None
 
     def _compute_event(self, w: _Worker, task: _Task, name: str, start: float, end: float, cat: str) -> None:
         self._event(w.gpu, "compute", name, start, end, cat)
@@ -728,7 +740,8 @@ class _Sim:
     def _share_cpu(self) -> None:
         """The running CPU updates' and summing threads' rates: each one's share of the host while this many
         work on its memory; a worker's update pauses while its summing thread adds (the sums hold up downloads and
-        slots, the update only the next step)."""
+        slots, the update only the next step). CPU workers' compute shares the host's cores with them too
+        (:meth:`_share_cores`)."""
         adding = [w for w in range(self.N) if self.adding[w] is not None]
         running = [w for w in range(self.N) if self.opt_running[w] is not None]
         paused = [w for w in running if self.adding[w] is not None]  # a worker's update yields to its sums
@@ -740,6 +753,21 @@ class _Sim:
         for w in adding:
             self.add_rate[w] = rate
             self.add_busy[w] = self.t + self.add_left[w] / rate
+        if self.hw.host_cores:
+            self._share_cores(n)
+
+    def _share_cores(self, host_jobs: int) -> None:
+        """CPU workers: each computing worker's rate, its share of the host's cores while the other workers'
+        compute, its copies (every transfer is a memory copy on a worker's thread) and ``host_jobs`` CPU updates and
+        sums want them too, each on ``Hardware.worker_threads`` threads (the rates of the copies and updates stay
+        as measured inside steps)."""
+        computing = [w for w in self.workers if w.running is not None and w.comp_left > 0]
+        copies = sum(1 for f in self.flows if f.rate > 0)
+        demand = (len(computing) + copies + host_jobs) * self.hw.worker_threads
+        rate = min(1.0, self.hw.host_cores / demand) if demand else 1.0
+        for w in computing:
+            w.comp_rate, w.comp_end = rate, self.t + w.comp_left / rate
+            w.busy_until = w.comp_end + w.running[2]
 
     # ---- the end of a step ---------------------------------------------------------------------
     def _try_reduce(self) -> bool:
@@ -776,6 +804,8 @@ class _Sim:
     # ---- time ----------------------------------------------------------------------------------
     def _next_time(self) -> float:
         times = [w.busy_until for w in self.workers if w.busy_until is not None]
+        if self.hw.host_cores:  # a compute's end frees its cores (the messages it posts follow)
+            times += [w.comp_end for w in self.workers if w.running is not None and w.comp_left > 0]
         times += [b for b in self.opt_busy + self.add_busy if b is not None]
         times += [t for t in self.tie_at.values() if t > self.t + _EPS_T]
         times += [self.t + f.remaining() / f.rate for f in self.flows if f.rate > 0]
@@ -788,6 +818,9 @@ class _Sim:
                 self.opt_left[w] = max(0.0, self.opt_left[w] - self.opt_rate[w] * dt)
             if self.adding[w] is not None:
                 self.add_left[w] = max(0.0, self.add_left[w] - self.add_rate[w] * dt)
+        for w in self.workers if self.hw.host_cores else ():
+            if w.running is not None and w.comp_left > 0:
+                w.comp_left = 0.0 if w.comp_end <= t_next + _EPS_T else max(0.0, w.comp_left - w.comp_rate * dt)
         for f in self.flows:
             f.done = min(f.total, f.done + f.rate * dt)
             if f.due(t_next):
@@ -802,6 +835,7 @@ class _Sim:
         for w in self.workers:
             if w.busy_until is not None and w.busy_until <= self.t + _EPS_T:
                 w.busy_until, w.woken = None, True
+                self._compute_ended(w)
                 self._compute_done(w)
         self._complete_updates()
 

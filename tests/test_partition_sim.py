@@ -3,15 +3,19 @@ timing model, traffic accounting, contention, memory, traces."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 
 import pytest
 
-from fixtures.partition.profiles import hand_profile, toy_profile
+from fixtures.partition.profiles import hand_profile, random_profile, toy_profile
 from partition import Hardware, ModelEvaluator, PipelineOptions, simulate
 from partition.evaluate import tie_seconds
 from partition.baselines import is_valid
 from partition.costs import TIE_SUM_BYTES, UPDATE_BYTES, stage_costs
+from partition.roundrobin import simulate_round_robin
+from partition.schedule.roundrobin import Cuts
 
 GiB = 1 << 30
 
@@ -247,3 +251,40 @@ def test_chrome_trace_is_valid_json_and_ascii_grid_has_a_row_per_gpu(tmp_path) -
     assert "GPU0 compute" in grid and "GPU1 compute" in grid and "CPU adam" in grid
     rows = [line for line in grid.splitlines() if "|" in line]
     assert all(len(line.split("|")[1]) == 80 for line in rows)
+
+
+def test_cpu_workers_compute_shares_the_hosts_cores_with_copies_and_updates_by_hand() -> None:
+    """One CPU worker on one core, the hand profile in two stages (a | b c), one micro-batch, two slots, 1 GB/s
+    copies, AdamW at 0.25 G params/s. Each copy and CPU update is a thread of the worker that wants the core too:
+    while one runs beside a compute, the compute gets half the core; the copies and updates keep their rates
+    (they are measured inside steps). a's forward (1 s) runs beside b c's upload (1-2), so it ends at 2.5, not 2;
+    a's backward upload (2.5-3.5) halves the start of b c's forward and backward (5 s): 2.5-8; a's backward (2 s)
+    runs beside b c's gradient download (8-10) and update (10-12): 8-12; a's download and update then end the
+    step at 16 s instead of 13. With two cores nothing waits for a core: the step of a GPU (13 s)."""
+    prof = hand_profile()
+    gpu = Hardware.uniform(1, 64 * GiB, 1e9, cpu_adam_params_per_s=0.25e9)
+    spans = {}
+    for cores in (0, 1, 2):
+        res = simulate(prof, [0, 1, 3], dataclasses.replace(gpu, host_cores=cores), [0], 1)
+        spans[cores] = [(e.name, e.start, e.end) for e in res.events if e.track == "compute"]
+        assert res.step_s == pytest.approx(16.0 if cores == 1 else 13.0)
+    assert spans[0] == spans[2] == [("F0.0", 1.0, 2.0), ("FB1.0", 2.0, 7.0), ("B0.0", 7.0, 9.0)]
+    assert spans[1] == [("F0.0", 1.0, 2.5), ("FB1.0", 2.5, 8.0), ("B0.0", 8.0, 12.0)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cores_enough_for_every_thread_leave_the_simulation_as_a_gpus(seed: int) -> None:
+    """With a core for every thread that can run at once, CPU workers' steps are the GPU's to the last bit of
+    rounding, in the swapped pipeline and the round-robin, sync and delayed."""
+    rng = random.Random(seed)
+    prof = random_profile(rng, 8, identical=False)
+    gpu = _separate(2, memory=16 * GiB)
+    cpu = dataclasses.replace(gpu, host_cores=64, worker_threads=2)
+    for options in (PipelineOptions(), PipelineOptions(barrier=True, delayed=True)):
+        a = simulate(prof, [0, 2, 4, 6, 8], gpu, micro_batches=4, options=options)
+        b = simulate(prof, [0, 2, 4, 6, 8], cpu, micro_batches=4, options=options)
+        assert b.step_ends == pytest.approx(a.step_ends, rel=1e-12)
+        cuts = Cuts((0, 4, 7), (0, 3, 5, 7), prof.num_units)
+        a = simulate_round_robin(prof, cuts, gpu, [0, 1], 4, options)
+        b = simulate_round_robin(prof, cuts, cpu, [0, 1], 4, options)
+        assert b.step_ends == pytest.approx(a.step_ends, rel=1e-12)

@@ -50,6 +50,8 @@ def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidt
     if settings.device == "cpu":
         hw = Hardware.uniform(n, mem, HOST_COPY_Bps, groups=[[w] for w in range(n)], name="CPU workers")
         hw.message_s = MAILBOX_MESSAGE_S if mailboxes_work_here("cpu", settings.nodes) else GLOO_MESSAGE_S
+        # their compute shares the cores with their copies, sums and updates (several nodes' cores as one pool)
+        hw.host_cores, hw.worker_threads = machine.cpu_count * settings.nodes, settings.cpu_threads
     elif settings.shared_gpu:  # each worker alone gets its GPU's link; the workers of one GPU share it
         gpus = _gpus(cfg, settings, machine, bandwidth_file)
         link = min(min(gpus.h2d_Bps), min(gpus.d2h_Bps))
