@@ -199,8 +199,10 @@ class Hardware:
         p2p = (f"P2P on {pairs} of {self.num_gpus * (self.num_gpus - 1)} GPU pairs" if pairs
                else "no P2P (activations via host memory)")
         messages = f", {self.message_s * 1e3:.2f} ms per message posted" if self.message_s else ""
+        cores = (f", {self.host_cores} cores shared by the compute ({self.worker_threads} thread(s) a worker), "
+                 f"copies, sums and updates" if self.host_cores else "")
         return (f"{self.name}: {self.num_gpus} GPU(s), {self.gpu_memory_bytes / GiB:.1f} GiB usable each, "
-                f"link {link:.1f} GB/s, root complexes {rc} GB/s, {p2p}{messages}, "
+                f"link {link:.1f} GB/s, root complexes {rc} GB/s, {p2p}{messages}{cores}, "
                 f"CPU AdamW {self.host_update_total() / 1e9:.2f} G params/s in total")
 
     def to_json(self) -> dict:
