@@ -180,10 +180,12 @@ def replay_kept(out: Path) -> list[dict]:
     """The runs an earlier ``--trace-step`` bench kept in ``out``, simulated again as the code now simulates them:
     per variant the medians over its repeats of the errors (predicted / measured - 1) then and now, as planned
     (with the compute the earlier runs had taught), calibrated and from the profile alone."""
-    data = json.loads((out / "cpu_pipeline_bench.json").read_text())
-    runs, a = out / "runs", data["args"]
-    if not runs.is_dir():
-        raise SystemExit(f"{runs} does not exist: --replay reads the runs a --trace-step bench keeps")
+    runs, table = out / "runs", out / "cpu_pipeline_bench.json"
+    if not (table.is_file() and runs.is_dir()):
+        raise SystemExit(f"{runs if table.is_file() else table} does not exist: --replay reads what a --trace-step "
+                         f"bench wrote and kept in --out")
+    data = json.loads(table.read_text())
+    a = data["args"]
     ck, by = next(runs.glob("gpt2-*")), {}
     for row in data["rows"]:
         cfg = config_from_dict(variant_raw(row["variant"], ck, runs, row["repeat"], a["steps"], a["workers"]),
