@@ -4,7 +4,10 @@ device synchronize, a stream waiting on an event, and launching one small kernel
 go through a sandbox (gVisor's nvproxy) these can cost far more than on bare metal, and a pipeline step makes
 hundreds of them: the end of a step (its REDUCE) reads a timing per compute action and a norm per stage.
 Then one block's forward (``--preset``'s, 1 x ``--seq`` tokens): the host's time to issue it beside the
-device's time to run it, under the runtimes' bf16 autocast and without it.
+device's time to run it, under the runtimes' bf16 autocast and without it; and the same forward while a CPU
+AdamW runs beside it on the threads a pipeline worker gives its updates (``--adamw-threads``, by default what
+``mobius train`` gives one GPU worker: the cores less the dispatch threads), as the pipeline's CPU update runs
+beside the next forwards: whether those threads slow the thread that launches the kernels.
 
     python bench/cuda_calls.py --out runs/calls      # about 20 s on a GPU
     python bench/cuda_calls.py --smoke               # the same calls' host-side costs on the CPU (checks the script)
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 from common import OUT
+from mobius.app.settings import DISPATCH_THREADS
 
 
 def per_call_us(fn: Callable[[], object], reps: int, setup: Callable[[], None] | None = None) -> float:
@@ -100,6 +105,40 @@ def block_forward(preset: str, seq: int, reps: int, device: torch.device) -> dic
     return out
 
 
+def beside_adamw(preset: str, seq: int, reps: int, device: torch.device, threads: int) -> dict[str, float]:
+    """:func:`block_forward`'s first and third ways while a CPU AdamW (``mobius.optim.FlatAdamW`` over 64M
+    parameters, fp32 gradients) runs over and over on ``threads`` threads in another Python thread."""
+    import threading
+
+    from mobius.config import TrainSection
+    from mobius.optim import FlatAdamW
+
+    numel = 1 << 26
+    opt, grad = FlatAdamW(torch.zeros(numel), None, [(0, numel, True)], TrainSection()), torch.full((numel,), 1e-3)
+    stop, before = threading.Event(), torch.get_num_threads()
+
+    def update() -> None:
+        while not stop.is_set():
+            opt.step(grad, 1e-4)
+
+    torch.set_num_threads(threads)
+    helper = threading.Thread(target=update, daemon=True)
+    helper.start()
+    try:
+        time.sleep(0.5)
+        rows = block_forward(preset, seq, reps, device)
+    finally:
+        stop.set()
+        helper.join()
+        torch.set_num_threads(before)
+    out = {}
+    for name, us in rows.items():
+        what, way = name.split(", ", 1)  # ("block forward issued", "autocast"), ...
+        if way in ("autocast", "autocast, with grad (kept)"):
+            out[f"{what}, {way}, beside a CPU AdamW on {threads} threads"] = us
+    return out
+
+
 def cpu_calls(reps: int) -> dict[str, float]:
     """The host-side part of the same calls on the CPU (no events, no device): the script's check."""
     x, scalar = torch.zeros(1024), torch.ones(())
@@ -114,14 +153,18 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--out", default=str(Path(OUT) / "calls"))
     p.add_argument("--smoke", action="store_true", help="the host-side costs on the CPU (checks the script)")
+    p.add_argument("--adamw-threads", type=int, default=None, help="the CPU AdamW's threads beside the forward "
+                   "(default: the cores less the dispatch threads, as mobius train gives one GPU worker)")
     args = p.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("cuda_calls: no CUDA GPU here (--smoke runs the CPU check)")
     device = "cpu" if args.smoke else torch.cuda.get_device_name()
     rows = cpu_calls(args.reps) if args.smoke else gpu_calls(args.reps)
     dev = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
-    rows.update(block_forward("gpt2-tiny" if args.smoke else args.preset, 64 if args.smoke else args.seq,
-                              5 if args.smoke else 50, dev))
+    preset, seq, reps = ("gpt2-tiny", 64, 5) if args.smoke else (args.preset, args.seq, 50)
+    rows.update(block_forward(preset, seq, reps, dev))
+    threads = args.adamw_threads or max(1, (os.cpu_count() or 1) - (DISPATCH_THREADS if not args.smoke else 0))
+    rows.update(beside_adamw(preset, seq, reps, dev, threads))
     print(f"| call ({device}) | us (host, median; 'on the device': device, mean back to back) |\n|---|---|")
     for name, us in rows.items():
         print(f"| {name} | {us:.1f} |")
