@@ -194,9 +194,9 @@ def replay_kept(out: Path) -> list[dict]:
         rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
         now = replayed(cfg, json.loads((d / "plan.json").read_text()), rows, a["warmup"])
         m = row["measured_s"]
-        by.setdefault(row["variant"], []).append([row["error"], now["as_planned_s"] / m - 1, row["calibrated_s"] / m - 1,
-                                                  now["calibrated_s"] / m - 1, row["profile_only_s"] / m - 1,
-                                                  now["profile_only_s"] / m - 1])
+        by.setdefault(row["variant"], []).append(
+            [row["error"], now["as_planned_s"] / m - 1, row["calibrated_s"] / m - 1, now["calibrated_s"] / m - 1,
+             row["profile_only_s"] / m - 1, now["profile_only_s"] / m - 1])
     keys = ("planned_then", "planned_now", "calibrated_then", "calibrated_now", "profile_then", "profile_now")
     return [{"variant": name, **{k: round(statistics.median(r[i] for r in rs), 4) for i, k in enumerate(keys)}}
             for name, rs in by.items()]
