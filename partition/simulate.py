@@ -160,6 +160,7 @@ class _Flow:
     start: float
     done: float = 0.0
     rate: float = 0.0
+    base: float = 0.0  # its rate on its links (CPU workers: times the share of the cores it gets, _share_cores)
 
     def remaining(self) -> float:
         return self.total - self.done
@@ -757,17 +758,19 @@ class _Sim:
             self._share_cores(n)
 
     def _share_cores(self, host_jobs: int) -> None:
-        """CPU workers: each computing worker's rate, its share of the host's cores while the other workers'
-        compute, its copies (every transfer is a memory copy on a worker's thread) and ``host_jobs`` CPU updates and
-        sums want them too, each on ``Hardware.worker_threads`` threads (the rates of the copies and updates stay
-        as measured inside steps)."""
+        """CPU workers: every thread that wants the host's cores gets its share of them, cores / wanted: the
+        workers' computes and copies (every transfer is a memory copy on a worker's thread) run at that share of
+        their speed, beside ``host_jobs`` CPU updates and sums (whose rates are measured inside steps, so kept);
+        each of them runs on ``Hardware.worker_threads`` threads."""
         computing = [w for w in self.workers if w.running is not None and w.comp_left > 0]
-        copies = sum(1 for f in self.flows if f.rate > 0)
+        copies = sum(1 for f in self.flows if f.base > 0)  # (each flow's rate on its links alone: _allocate)
         demand = (len(computing) + copies + host_jobs) * self.hw.worker_threads
         rate = min(1.0, self.hw.host_cores / demand) if demand else 1.0
         for w in computing:
             w.comp_rate, w.comp_end = rate, self.t + w.comp_left / rate
             w.busy_until = w.comp_end + w.running[2]
+        for f in self.flows:
+            f.rate = f.base * rate
 
     # ---- the end of a step ---------------------------------------------------------------------
     def _try_reduce(self) -> bool:
@@ -971,6 +974,8 @@ class _Sim:
             f.rate = 0.0
         for _, same in itertools.groupby(sorted(self.flows, key=_priority), key=_priority):
             _fill(list(same), remaining, capacity)
+        for f in self.flows:
+            f.base = f.rate
 
     # ---- results -------------------------------------------------------------------------------
     def _event(self, gpu: int, track: str, name: str, start: float, end: float, cat: str, nbytes: float = 0.0) -> None:
