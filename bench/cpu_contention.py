@@ -33,19 +33,12 @@ def _helper(kind: str, stop: threading.Event) -> None:
     """Busy until ``stop``: the work of one of a worker's threads beside its compute."""
     import torch
 
-    a, b = torch.ones(HELPER_NUMEL), torch.empty(HELPER_NUMEL)
-    if kind == "adamw":
-        from mobius.config import TrainSection
-        from mobius.optim import FlatAdamW
+    from partition.cpu_rate import update_step
 
-        opt = FlatAdamW(torch.zeros(HELPER_NUMEL), None, [(0, HELPER_NUMEL, True)], TrainSection())
+    a, b = torch.ones(HELPER_NUMEL), torch.empty(HELPER_NUMEL)
+    work = {"copy": lambda: b.copy_(a), "add": lambda: b.add_(a)}.get(kind) or update_step(HELPER_NUMEL)
     while not stop.is_set():
-        if kind == "copy":
-            b.copy_(a)
-        elif kind == "add":
-            b.add_(a)
-        else:
-            opt.step(a, 1e-4)
+        work()
 
 
 def _worker(helper: str | None, seconds: float, start, out) -> None:

@@ -63,7 +63,8 @@ def gpu_calls(reps: int) -> dict[str, float]:
             "one small kernel launched": per_call_us(lambda: x.add_(1), reps, idle)}
 
 
-def block_forward(preset: str, seq: int, reps: int, device: torch.device) -> dict[str, float]:
+def block_forward(preset: str, seq: int, reps: int, device: torch.device,
+                  only: tuple[str, ...] | None = None) -> dict[str, float]:
     """One block of ``preset`` (bf16 weights, one micro-batch of 1 x ``seq``) run the ways the pipeline runs a
     forward: without grad under bf16 autocast (norms in fp32; a stage that recomputes), the same without
     autocast, and with autograd on (a kept stage's forward, whose graph stays for the backward; the profile
@@ -88,6 +89,9 @@ def block_forward(preset: str, seq: int, reps: int, device: torch.device) -> dic
             "autocast, with grad and saved-tensor hooks (swapped, kept)": (torch.enable_grad, cast, hooks)}
     out = {}
     for name, (grad, ctx, packing) in ways.items():
+        if only is not None and name not in only:
+            continue
+
         def forward(grad=grad, ctx=ctx, packing=packing) -> None:
             with grad(), ctx(), packing():
                 module(x.detach().requires_grad_(grad is torch.enable_grad))
@@ -110,33 +114,25 @@ def beside_adamw(preset: str, seq: int, reps: int, device: torch.device, threads
     parameters, fp32 gradients) runs over and over on ``threads`` threads in another Python thread."""
     import threading
 
-    from mobius.config import TrainSection
-    from mobius.optim import FlatAdamW
+    from partition.cpu_rate import update_step
 
-    numel = 1 << 26
-    opt, grad = FlatAdamW(torch.zeros(numel), None, [(0, numel, True)], TrainSection()), torch.full((numel,), 1e-3)
-    stop, before = threading.Event(), torch.get_num_threads()
+    step, stop, before = update_step(1 << 26), threading.Event(), torch.get_num_threads()
 
     def update() -> None:
         while not stop.is_set():
-            opt.step(grad, 1e-4)
+            step()
 
     torch.set_num_threads(threads)
     helper = threading.Thread(target=update, daemon=True)
     helper.start()
     try:
         time.sleep(0.5)
-        rows = block_forward(preset, seq, reps, device)
+        rows = block_forward(preset, seq, reps, device, only=("autocast", "autocast, with grad (kept)"))
     finally:
         stop.set()
         helper.join()
         torch.set_num_threads(before)
-    out = {}
-    for name, us in rows.items():
-        what, way = name.split(", ", 1)  # ("block forward issued", "autocast"), ...
-        if way in ("autocast", "autocast, with grad (kept)"):
-            out[f"{what}, {way}, beside a CPU AdamW on {threads} threads"] = us
-    return out
+    return {f"{name}, beside a CPU AdamW on {threads} threads": us for name, us in rows.items()}
 
 
 def cpu_calls(reps: int) -> dict[str, float]:

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 CPU_UPDATE_NUMEL = 1 << 24  # parameters in the timed AdamW step (large enough to leave the caches)
 
 
-def _updater(numel: int, precision: str, half_grads: bool) -> Any:
+def update_step(numel: int, precision: str = "fp32", half_grads: bool = False) -> Any:
     """A FlatAdamW step over ``numel`` parameters, as a pipeline worker's optimizer thread runs it."""
     import torch
 
@@ -50,7 +50,7 @@ def measure_cpu_update(threads: int, precision: str, numel: int = CPU_UPDATE_NUM
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        return numel / _time(_updater(numel, precision, half_grads), torch.device("cpu"), reps, 1)
+        return numel / _time(update_step(numel, precision, half_grads), torch.device("cpu"), reps, 1)
     finally:
         torch.set_num_threads(before)
 
@@ -67,7 +67,7 @@ def measure_host_update(workers: int, threads: int, precision: str, numel: int =
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        steps = [_updater(numel, precision, half_grads) for _ in range(workers)]
+        steps = [update_step(numel, precision, half_grads) for _ in range(workers)]
         for step in steps:
             step()  # warm-up: first-touch page faults
         start, seconds = threading.Barrier(workers), [0.0] * workers

@@ -253,7 +253,7 @@ class _Worker:
         self.busy_until: float | None = None  # when the compute engine is free (its compute and posted messages)
         self.running: tuple[_Task, float, float] | None = None  # the compute in it: (task, start, posted seconds)
         self.comp_end = 0.0  # when that compute ends at its current rate
-        self.comp_left = 0.0  # its seconds left at full speed (CPU workers share the host's cores: _share_cpu)
+        self.comp_left = 0.0  # its seconds left at full speed (CPU workers share the host's cores: _share_cores)
         self.comp_rate = 1.0
         self.last_end = 0.0
         self.uploading = self.downloading = False
