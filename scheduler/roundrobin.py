@@ -11,7 +11,9 @@ all workers map (:class:`~scheduler.shared.UnitStores`), and shared counters ord
   step writes it; the step before's update of those units, and of a tied weight's other end, must have read it);
 * an ``UPDATE`` runs the op's units' CPU AdamW on this worker's optimizer thread and counts the op's update;
 * a forward's ``OFFLOAD`` puts a micro-batch's input of a unit where a backward op starts into the shared
-  stash, and that backward op's ``RELOAD`` (on whichever worker it runs) takes it back; activations and their
+  stash, and that backward op's ``RELOAD`` (on whichever worker it runs) takes it back: the reload thread copies
+  it once the op's upload is done and the input is stashed (as the simulator starts it), and the ``RELOAD``
+  waits for that copy; activations and their
   gradients go to the next worker of the ring, through mailboxes in host memory both map (page-locked between
   GPUs).
 
@@ -104,6 +106,9 @@ class _Step:
     lr: float
     adam_step: int  # the AdamW step this step's update is (when not skipped)
     kept: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (micro, unit) -> input, until OFFLOAD
+    reloads: dict[tuple[int, int], list[Action]] = field(default_factory=dict)  # (op, round) -> its RELOADs,
+    # until its UPLOAD starts them
+    reloading: dict[tuple[int, int], Future] = field(default_factory=dict)  # (op, micro) -> the input's way back
     reloaded: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (op, micro) -> input
     graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # recomputed
     outputs: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
@@ -310,8 +315,9 @@ class RoundRobinEngine:
 
 class _Dispatch:
     """One worker's dispatch: runs its action lists over the shared stores, with an upload thread (the
-    copy stream on a GPU), a download thread (the d2h stream), a summing thread (middle rounds' gradients into
-    the host sums) and the CPU optimizer thread."""
+    copy stream on a GPU), a reload thread (kept inputs back from the stash, on its own stream), a download thread
+    (the d2h stream), a summing thread (middle rounds' gradients into the host sums) and the CPU optimizer
+    thread."""
 
     def __init__(self, engine: RoundRobinEngine, device: torch.device):
         self.e, self.device = engine, device
@@ -328,6 +334,7 @@ class _Dispatch:
         self.bound: tuple[int, int, str] | None = None  # (slot id, op, mode) the unit modules point at
         self.links = self._links()
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
+        self.reloader = ThreadPoolExecutor(1, thread_name_prefix="reload")
         self.downloader = ThreadPoolExecutor(1, thread_name_prefix="download")
         self.summer = ThreadPoolExecutor(1, thread_name_prefix="sum")
         self.freed = threading.Condition()  # a slot's last reader (its gradients' download) has ended
@@ -336,6 +343,7 @@ class _Dispatch:
         self.updater = CpuUpdater()
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
+            self.reload_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
         self.failure: BaseException | None = None
         self._staging: torch.Tensor | None = None  # (pinned) fp32: a middle round's gradients waiting to be summed
@@ -369,6 +377,9 @@ class _Dispatch:
             unit.train(True)
         post_early(st.sched.actions[self.e.rank], self.links, self._recv)
         for a in st.sched.actions[self.e.rank]:
+            if a.kind == Kind.RELOAD:
+                st.reloads.setdefault((a.stage, self._round(a.micro)), []).append(a)
+        for a in st.sched.actions[self.e.rank]:
             t0 = time.perf_counter()
             st.computed.last = None
             self.handlers[a.kind](a)
@@ -395,6 +406,7 @@ class _Dispatch:
 
     def close(self) -> None:
         self.copier.shutdown(wait=True)
+        self.reloader.shutdown(wait=True)
         self.downloader.shutdown(wait=True)
         self.summer.shutdown(wait=True)
         self.updater.close()
@@ -412,7 +424,10 @@ class _Dispatch:
         self.slot_queue.append(slot)
         slot.ready.clear()  # its op has computed (its FREE or DOWNLOAD came before this upload)
         self.slot_of[(self.st.index, a.stage, a.round)] = slot
-        self.st.uploads.append(self.copier.submit(self._copy_job, self.st, a.stage, a.round, slot))
+        upload = self.copier.submit(self._copy_job, self.st, a.stage, a.round, slot)
+        self.st.uploads.append(upload)
+        for r in self.st.reloads.pop((a.stage, a.round), []):  # in the order the op's backwards need them
+            self.st.reloading[(r.stage, r.micro)] = self.reloader.submit(self._reload_job, self.st, r, upload)
 
     def _copy_job(self, st: _Step, k: int, q: int, slot: DeviceSlot) -> None:
         """(The upload thread) op k's units from step ``st``'s compute copy into ``slot``, once the updates its
@@ -618,18 +633,48 @@ class _Dispatch:
                 trace.add("d2h", name, start, trace.mark(self.d2h_stream))
         self.d2h_stream.synchronize()
 
-    def _reload(self, a: Action) -> None:
-        """A backward op's input back from the stash, once the forward (on whichever worker) has put it there."""
-        i, index = self._entry(a.micro, a.unit), self.st.index
+    def _reload_job(self, st: _Step, a: Action, upload: Future) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
+        """(The reload thread) a backward op's input back from the stash, once the op's upload is done and the
+        forward (on whichever worker) has put the input there; None after another thread's failure."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        upload.result()
+        i, index = self._entry(a.micro, a.unit), st.index
         stashed = self.stores.stashed(index)
-        self.st.wait_s += wait_for(lambda: int(stashed[i]) > index, f"micro-batch {a.micro}'s input of unit {a.unit}")
-        trace, stream = self.st.trace, self._compute_stream()
-        start = trace.mark(stream) if trace is not None else None
-        x = self._stash(index, i).to(self.device, copy=True)
-        if trace is not None:
-            trace.add("h2d", f"L{a.unit}", start, trace.mark(stream))
-        self.st.reloaded[(a.stage, a.micro)] = x
+        wait_for(lambda: self.failure is not None or int(stashed[i]) > index,
+                 f"micro-batch {a.micro}'s input of unit {a.unit}")
+        if self.failure is not None:
+            return None
+        src, trace, back = self._stash(index, i), st.trace, None
+        if self.cuda:
+            with torch.cuda.stream(self.reload_stream):
+                start = trace.mark(self.reload_stream) if trace is not None else None
+                x = src.to(self.device, non_blocking=True)
+                back = torch.cuda.Event()
+                back.record(self.reload_stream)
+                if trace is not None:
+                    trace.add("h2d", f"L{a.unit}", start, trace.mark(self.reload_stream))
+            x.record_stream(torch.cuda.current_stream(self.device))  # read there by the recompute
+        else:
+            start = time.perf_counter()
+            x = src.clone()
+            if trace is not None:
+                trace.add("h2d", f"L{a.unit}", start, time.perf_counter())
         self.counters.add(h2d=x.nbytes)
+        return x, back
+
+    def _reload(self, a: Action) -> None:
+        """Wait (the dispatch thread, then the compute stream) for the reload thread's copy of a backward op's
+        input (:meth:`_reload_job`, started by the op's UPLOAD)."""
+        t0 = time.perf_counter()
+        got = self.st.reloading.pop((a.stage, a.micro)).result()
+        self.st.wait_s += time.perf_counter() - t0
+        self.check()
+        assert got is not None, "a reload ended without its input and without a failure"
+        x, back = got
+        if back is not None:
+            torch.cuda.current_stream(self.device).wait_event(back)
+        self.st.reloaded[(a.stage, a.micro)] = x
 
     def _recompute(self, a: Action) -> None:
         """A backward op's forward again, with autograd, from its kept input (the tokens for unit 0)."""
@@ -816,6 +861,7 @@ class _Dispatch:
             link.flush()
         for f in st.uploads + st.d2h:
             f.result()
+        assert not st.reloading and not st.reloads, "reloads the step's list started but did not wait for"
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.check()

@@ -22,12 +22,15 @@ def _small_gpt() -> list:
 
 
 def _fresh_shares() -> list[float]:
-    """:func:`_shares` of the small GPT profiled in a new Python process."""
+    """:func:`_shares` of the small GPT profiled in a new Python process on one thread. A block's many small
+    operators on two threads beside another busy process measured 4.5x their share (a thread waits for its
+    partner at every operator); one thread times the units alike whatever runs beside it."""
     import subprocess
     import sys
     from pathlib import Path
 
-    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_partition_profile import _small_gpt, _shares; "
+    code = ("import json, sys, torch; torch.set_num_threads(1); sys.path.insert(0, 'tests'); "
+            "from test_partition_profile import _small_gpt, _shares; "
             "from partition import profile_units; "
             "print(json.dumps(_shares(profile_units(_small_gpt(), 2, 128, 'fp32', 'cpu', reps=5, warmup=2))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -81,7 +84,8 @@ def test_estimate_matches_measured_proportions_between_units(measured: ModelProf
     est = _shares(estimated)
     ratios = []
     for attempt in range(3):  # timings on a shared machine: a burst of other work can skew one profile, and
-        # a process that ran other tests may time differently (its threads), so the retries measure in a fresh one
+        # a process that ran other tests may time differently (its threads), so the retries measure in a fresh one,
+        # on one thread (_fresh_shares)
         meas = _shares(measured) if attempt == 0 else _fresh_shares()
         ratios.append((est[-1] / est[1]) / (meas[-1] / meas[1]))  # the head's time against a block's
         if 0.5 < ratios[-1] < 2.0:

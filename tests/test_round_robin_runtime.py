@@ -83,19 +83,20 @@ def _slow_downloads() -> list[bool]:
 
 
 def _slow_reloads() -> None:
-    """(In a worker) hold every backward op's RELOAD ``SLOW_RELOAD_S`` before it waits for its stash entry and reads
-    it: a worker lagging behind the others, whose next step has begun."""
+    """(In a worker) hold every reload of a backward op's input ``SLOW_RELOAD_S`` before it waits for its stash
+    entry and reads it (the reload thread, whose copy the op's RELOAD waits for): a worker lagging behind the
+    others, whose next step has begun."""
     import time
 
     from scheduler.roundrobin import _Dispatch
 
-    reload = _Dispatch._reload
+    reload = _Dispatch._reload_job
 
-    def slow(self, a):
+    def slow(self, st, a, upload):
         time.sleep(SLOW_RELOAD_S)
-        reload(self, a)
+        return reload(self, st, a, upload)
 
-    _Dispatch._reload = slow
+    _Dispatch._reload_job = slow
 
 
 def _run_case(case: dict, world: int) -> dict:
