@@ -8,6 +8,8 @@ a lent GPU (about 10 minutes), and one report of all their rows.
 Parts, in the order a short GPU session should take them (``--parts all`` runs them in this order):
 
 =========  ==================================================================================================
+tests      the tests marked ``gpu`` (bench/gpu_tests.py: ``python -m pytest -m gpu``, its JUnit XML and counts); 26
+           tests, all passing on one H100 on 2026-11-27 in 144 s
 calls      what the host pays per CUDA call the pipeline's dispatch thread makes (bench/cuda_calls.py): timing
            events, reading them, reading a device scalar, a synchronize, a launch; on 2026-11-27 the end of an
            OPT-2.7B pipeline step took about 0.15 s after its last gradient was down (10 s)
@@ -78,13 +80,14 @@ def _zero(*extra: str) -> list[str]:
 
 # part -> [(benchmark name, script and arguments, time limit in seconds)]
 PARTS: dict[str, list[tuple[str, list[str], int]]] = {
-    "train": [("train-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b", "--modes",
-                                                "single,pipeline,zero"], 480)],
+    "tests": [("gpu-tests", ["bench/gpu_tests.py"], 300)],
     "calls": [("cuda-calls", ["bench/cuda_calls.py"], 60)],
     "delayed": [("opt-2.7b-sync", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "single,pipeline,zero"],
                  300),
                 ("opt-2.7b-delayed", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline,zero",
                                       "--set=--train.update=delayed"], 240)],
+    "train": [("train-opt-2.7b-llama-3.2-3b", ["bench/train_bench.py", "--presets", "opt-2.7b,llama-3.2-3b", "--modes",
+                                                "single,pipeline,zero"], 480)],
     "learnt": [("learnt-opt-2.7b", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline,pipeline",
                                     "--steps", "8"], 330)],
     "roundrobin": [(f"roundrobin-opt-2.7b-{name}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes",
