@@ -12,10 +12,9 @@ all workers map (:class:`~scheduler.shared.UnitStores`), and shared counters ord
 * an ``UPDATE`` runs the op's units' CPU AdamW on this worker's optimizer thread and counts the op's update;
 * a forward's ``OFFLOAD`` puts a micro-batch's input of a unit where a backward op starts into the shared
   stash, and that backward op's ``RELOAD`` (on whichever worker it runs) takes it back: the reload thread copies
-  it once the op's upload is done and the input is stashed (as the simulator starts it), and the ``RELOAD``
-  waits for that copy; activations and their
-  gradients go to the next worker of the ring, through mailboxes in host memory both map (page-locked between
-  GPUs).
+  it once the op's upload is done (on a GPU, after the upload's copy) and the input is stashed, as the simulator
+  starts it, and the ``RELOAD`` waits for that copy; activations and their gradients go to the next worker of the
+  ring, through mailboxes in host memory both map (page-locked between GPUs).
 
 A weight tied between the embedding and the head has an end in the fused op and one in the last backward op:
 the embedding's end's update waits for the head's gradients, runs the AdamW of their sum and copies the result
@@ -429,10 +428,11 @@ class _Dispatch:
         for r in self.st.reloads.pop((a.stage, a.round), []):  # in the order the op's backwards need them
             self.st.reloading[(r.stage, r.micro)] = self.reloader.submit(self._reload_job, self.st, r, upload)
 
-    def _copy_job(self, st: _Step, k: int, q: int, slot: DeviceSlot) -> None:
+    def _copy_job(self, st: _Step, k: int, q: int, slot: DeviceSlot) -> torch.cuda.Event | None:
         """(The upload thread) op k's units from step ``st``'s compute copy into ``slot``, once the updates its
         owners had to run have; in a step's last round after the first, a gradient op's host sum of the earlier
-        rounds too, once they are down, so that its backward adds onto them (:meth:`_download`)."""
+        rounds too, once they are down, so that its backward adds onto them (:meth:`_download`). Returns the
+        copy's end on a GPU (the op's reloads follow it)."""
         if self.cuda:
             torch.cuda.set_device(self.device)
         try:
@@ -452,6 +452,7 @@ class _Dispatch:
                 sums = self.stores.grad(st.index)[s.glo:s.ghi]
             self._to_slot(slot, self.stores.half(st.index)[s.lo:s.hi], st.trace, f"U{k}", sums)
             slot.grads_live = sums is not None  # the backward adds onto the sums it brought
+            return slot.ready_event  # read before `ready` is set: the dispatch thread takes it after
         except BaseException as e:  # raised by check() on the dispatch thread
             self.failure = self.failure or e
         finally:
@@ -638,7 +639,7 @@ class _Dispatch:
         forward (on whichever worker) has put the input there; None after another thread's failure."""
         if self.cuda:
             torch.cuda.set_device(self.device)
-        upload.result()
+        uploaded = upload.result()
         i, index = self._entry(a.micro, a.unit), st.index
         stashed = self.stores.stashed(index)
         wait_for(lambda: self.failure is not None or int(stashed[i]) > index,
@@ -648,13 +649,14 @@ class _Dispatch:
         src, trace, back = self._stash(index, i), st.trace, None
         if self.cuda:
             with torch.cuda.stream(self.reload_stream):
+                if uploaded is not None:
+                    self.reload_stream.wait_event(uploaded)
                 start = trace.mark(self.reload_stream) if trace is not None else None
                 x = src.to(self.device, non_blocking=True)
                 back = torch.cuda.Event()
                 back.record(self.reload_stream)
                 if trace is not None:
                     trace.add("h2d", f"L{a.unit}", start, trace.mark(self.reload_stream))
-            x.record_stream(torch.cuda.current_stream(self.device))  # read there by the recompute
         else:
             start = time.perf_counter()
             x = src.clone()
@@ -673,7 +675,9 @@ class _Dispatch:
         assert got is not None, "a reload ended without its input and without a failure"
         x, back = got
         if back is not None:
-            torch.cuda.current_stream(self.device).wait_event(back)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(back)
+            x.record_stream(compute)  # made on the reload stream, read by the recompute
         self.st.reloaded[(a.stage, a.micro)] = x
 
     def _recompute(self, a: Action) -> None:

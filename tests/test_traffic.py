@@ -104,12 +104,16 @@ def test_round_robin_moves_the_bytes_simulated(tmp_path: Path, aligned_checkpoin
     """The round-robin runtime with the cuts its plan chose: per-round uploads of every op, the inputs of the
     backward ops' first units to host memory and back, per-round gradient downloads, activations through host
     memory, as the simulator counts them for the same cuts. The plan chooses among cuts with at least two backward
-    ops (kept inputs to move): with one, which a loaded machine's profile can make the fastest, none move."""
+    ops (kept inputs to move) and more ops than workers (each worker runs several): a loaded machine's profile can
+    make others the fastest."""
     from partition import roundrobin
+
+    def wanted(shape: tuple[int, int, int]) -> bool:  # (the fused op's first unit, forward ops, backward ops)
+        return shape[2] >= 2 and shape[1] + 1 + shape[2] > workers
 
     for name in ("candidate_shapes", "neighbours"):
         found = getattr(roundrobin, name)
-        monkeypatch.setattr(roundrobin, name, lambda *a, found=found: [s for s in found(*a) if s[2] >= 2])
+        monkeypatch.setattr(roundrobin, name, lambda *a, found=found: [s for s in found(*a) if wanted(s)])
     raw = {"model": {"checkpoint": str(aligned_checkpoint)},
            "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
            "train": {"max_steps": 2, "micro_batch_size": 2, "micro_batches": 3, "eval_every": 0, "seed": 3,
