@@ -194,11 +194,27 @@ def stdlib_docstrings() -> Iterator[str]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        yield from docstrings_of(tree)
+
+
+_HAS_DOCSTRING = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_BODIES = frozenset({"body", "handlers", "orelse", "finalbody", "cases"})  # fields holding statements (and handlers)
+
+
+def docstrings_of(tree: ast.AST) -> Iterator[str]:
+    """The docstrings in ``tree`` in ``ast.walk``'s order (breadth first), visiting statements only: a
+    definition is never inside an expression, so the order is the same and the walk a third as long."""
+    todo = [tree]
+    while todo:
+        level, todo = todo, []
+        for node in level:
+            if isinstance(node, _HAS_DOCSTRING):
                 doc = ast.get_docstring(node)
                 if doc:
                     yield doc
+            for name in node._fields:
+                if name in _BODIES:
+                    todo.extend(getattr(node, name))
 
 
 def source_files(path: str) -> list[Path]:

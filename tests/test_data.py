@@ -101,3 +101,56 @@ def test_stdlib_docstrings_exist_everywhere() -> None:
     first = [d for _, d in zip(range(50), stdlib_docstrings())]
     assert len(first) == 50 and all(isinstance(d, str) and d for d in first)
     assert BUILTIN_STDLIB == "builtin:stdlib-docs"
+
+
+def test_docstrings_come_in_ast_walks_order() -> None:
+    """The statements-only walk finds what ``ast.walk`` finds, in its order (the demo's corpus stays as it was):
+    definitions nested in classes, functions, branches, loops, handlers, ``with`` and ``match`` blocks."""
+    import ast
+    import sysconfig
+
+    from mobius.data import docstrings_of
+
+    source = '''"""module"""
+class A:
+    """a"""
+    def f(self):
+        """f"""
+        def g():
+            """g"""
+        return lambda: None
+    async def h(self):
+        """h"""
+if x:
+    def i():
+        """i"""
+else:
+    class B:
+        """b"""
+try:
+    def j():
+        """j"""
+except E:
+    def k():
+        """k"""
+finally:
+    def l():
+        """l"""
+for _ in y:
+    with z:
+        def m():
+            """m"""
+match w:
+    case 1:
+        def n():
+            """n"""
+def o():
+    """o"""
+'''
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for tree in [ast.parse(source)] + [ast.parse((root / f).read_text(encoding="utf-8"))
+                                      for f in ("argparse.py", "dataclasses.py", "typing.py", "asyncio/tasks.py")]:
+        walked = [ast.get_docstring(n) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        assert list(docstrings_of(tree)) == [d for d in walked if d]
+    assert sorted(docstrings_of(ast.parse(source))) == sorted("module a b f g h i j k l m n o".split())
