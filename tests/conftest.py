@@ -135,6 +135,20 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return f
 
 
+def round_robin_cuts_with_kept_inputs(monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    """Plans of this test choose round-robin cuts among those with at least two backward ops (inputs kept in host
+    memory and reloaded) and more ops than ``workers`` (each worker runs several): a loaded machine's profile can
+    make others the fastest."""
+    from partition import roundrobin
+
+    def wanted(shape: tuple[int, int, int]) -> bool:  # (the fused op's first unit, forward ops, backward ops)
+        return shape[2] >= 2 and shape[1] + 1 + shape[2] > workers
+
+    for name in ("candidate_shapes", "neighbours"):
+        found = getattr(roundrobin, name)
+        monkeypatch.setattr(roundrobin, name, lambda *a, found=found: [s for s in found(*a) if wanted(s)])
+
+
 def tiny_llama_config(model_type: str = "llama", **kw):
     """A tiny transformers config of one of the Llama-architecture families (4 query heads, 2 KV heads)."""
     import transformers

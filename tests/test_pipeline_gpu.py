@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import round_robin_cuts_with_kept_inputs
 from test_pipeline import _cfg
 from mobius.app.run import train
 
@@ -75,17 +76,19 @@ def test_one_slot_with_a_prefetch_buffer_on_cuda_matches_reference(tmp_path: Pat
 @gpu
 @pytest.mark.parametrize("update", ["sync", "delayed"])
 def test_round_robin_on_cuda_matches_reference(tmp_path: Path, deep_checkpoint: Path, corpus: Path,
-                                               update: str) -> None:
+                                               update: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The round-robin runtime on two workers sharing the GPU (uploads on the copy stream from page-locked shared
-    memory, downloads on their own stream, activations through pinned host memory): fp32 losses within 1e-4 of
-    the reference under the same update rule."""
+    memory, kept inputs back on the reload stream, downloads on their own stream, activations through pinned host
+    memory): fp32 losses within 1e-4 of the reference under the same update rule."""
     torch.backends.cuda.matmul.allow_tf32 = False
+    round_robin_cuts_with_kept_inputs(monkeypatch, 2)
     dev = {"device": "cuda"}
     train(_cfg(tmp_path, deep_checkpoint, corpus, "ref", parallel=dev, train={"update": update}))
     train(_cfg(tmp_path, deep_checkpoint, corpus, "rr", partition={"gpu_memory_gib": 4.0}, train={"update": update},
                parallel={**dev, "mode": "pipeline", "devices": 2, "schedule": "round_robin"}))
     rows = [json.loads(x) for x in (tmp_path / "rr" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["schedule"] == "round_robin" for r in rows)
+    assert len(json.loads((tmp_path / "rr" / "plan.json").read_text())["round_robin"]["backward"]) > 2  # reloads
     torch.testing.assert_close(torch.tensor(_losses(tmp_path / "rr")), torch.tensor(_losses(tmp_path / "ref")),
                                rtol=0, atol=1e-4)
 

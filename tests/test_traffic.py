@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_hf_model
+from conftest import make_hf_model, round_robin_cuts_with_kept_inputs
 from mobius.app.run import train
 from mobius.config import config_from_dict
 from mobius.models import tied_param_count, unit_specs
@@ -103,17 +103,8 @@ def test_round_robin_moves_the_bytes_simulated(tmp_path: Path, aligned_checkpoin
                                                 update: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The round-robin runtime with the cuts its plan chose: per-round uploads of every op, the inputs of the
     backward ops' first units to host memory and back, per-round gradient downloads, activations through host
-    memory, as the simulator counts them for the same cuts. The plan chooses among cuts with at least two backward
-    ops (kept inputs to move) and more ops than workers (each worker runs several): a loaded machine's profile can
-    make others the fastest."""
-    from partition import roundrobin
-
-    def wanted(shape: tuple[int, int, int]) -> bool:  # (the fused op's first unit, forward ops, backward ops)
-        return shape[2] >= 2 and shape[1] + 1 + shape[2] > workers
-
-    for name in ("candidate_shapes", "neighbours"):
-        found = getattr(roundrobin, name)
-        monkeypatch.setattr(roundrobin, name, lambda *a, found=found: [s for s in found(*a) if wanted(s)])
+    memory, as the simulator counts them for the same cuts (cuts with kept inputs and more ops than workers)."""
+    round_robin_cuts_with_kept_inputs(monkeypatch, workers)
     raw = {"model": {"checkpoint": str(aligned_checkpoint)},
            "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
            "train": {"max_steps": 2, "micro_batch_size": 2, "micro_batches": 3, "eval_every": 0, "seed": 3,
