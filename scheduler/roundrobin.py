@@ -391,9 +391,6 @@ class _Dispatch:
                 if st.trace is not None:
                     st.trace.add("dispatch", str(a), t0, t1)
 
-    def _compute_stream(self) -> torch.cuda.Stream | None:
-        return torch.cuda.current_stream(self.device) if self.cuda else None
-
     def sync(self) -> None:
         self.updater.sync()
         self.check()
