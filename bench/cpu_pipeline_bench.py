@@ -30,6 +30,7 @@ alone`` gives the same plan's step from the profile as measured. Prints the tabl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -131,13 +132,14 @@ def replayed(cfg, plan: dict, rows: list[dict], warmup: int) -> dict:
     the plan's prediction) and with the profile as measured (``profile_only_s``: the prediction without what
     earlier runs on the machine taught the planner, ``learnt_runs`` of them, :mod:`partition.calibrate`), then
     with every unit's forward and backward scaled until the simulated forward and backward phases equal the
-    ones the run measured (``calibrated_s``): the simulator's schedule given the compute the run really took,
-    apart from the profile's error on this machine (``forward_x``, ``backward_x``: the scales against the
-    profile as measured)."""
+    ones the run measured, and the dispatch thread's own time per compute until the dispatch phase does
+    (``calibrated_s``): the simulator's schedule given the compute the run really took, apart from the profile's
+    error on this machine (``forward_x``, ``backward_x``: the scales against the profile as measured;
+    ``action_ms``: the dispatch per compute)."""
     from mobius.app.planning import hardware, profile
     from mobius.app.settings import Machine, resolve
     from mobius.assemble import planned_architecture
-    from partition.calibrate import ComputeScale, fit_scale
+    from partition.calibrate import ComputeScale, fit_action, fit_scale
     from partition.plan import Plan
 
     machine = Machine.detect(cfg)
@@ -149,10 +151,13 @@ def replayed(cfg, plan: dict, rows: list[dict], warmup: int) -> dict:
     steady = steady_rows(rows, warmup)
     want = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
     fit = fit_scale(measured, lambda p: planned.replay(p, hw), want)
+    dispatch = statistics.median(r["dispatch_s"] for r in steady)
+    fit = dataclasses.replace(fit, action_s=fit_action(fit.apply(measured), lambda p: planned.replay(p, hw), dispatch))
     return {"as_planned_s": round(planned.replay(learnt.apply(measured), hw).step_s, 4),
             "profile_only_s": round(planned.replay(measured, hw).step_s, 4),
             "calibrated_s": round(planned.replay(fit.apply(measured), hw).step_s, 4),
             "forward_x": round(fit.forward, 3), "backward_x": round(fit.backward, 3),
+            "action_ms": round(fit.action_s * 1e3, 3),
             "learnt_runs": learnt.runs, "learnt_x": [round(learnt.forward, 3), round(learnt.backward, 3)]}
 
 

@@ -6,7 +6,9 @@ same units compute at another speed (on 2 CPU workers of a 2-core VM forwards 0.
 112 runs, as the VM's speed drifted; on one H100 a block's forward 2.4-3.7x beside the CPU AdamW), so the
 plan's step is off by that much even where its schedule is right. :func:`fit_scale` finds the two factors (one
 for every forward, one for every backward apart from its recompute) that make the plan's simulated
-forward and backward phases equal the ones the run measured; the app keeps the last runs' factors per
+forward and backward phases equal the ones the run measured, and on CPU workers :func:`fit_action` the
+dispatch thread's own time per compute action (``ModelProfile.action_s``: what the runtime measured of it
+beyond the simulated messages, spread over the worker's computes); the app keeps the last runs' figures per
 profile and machine (:func:`record_scale`) and plans the next run with their mean
 (:func:`learnt_scale`, :meth:`ComputeScale.apply`). Pure functions over numbers, but the cache's files.
 """
@@ -39,28 +41,32 @@ class Split(Protocol):
 @dataclass(frozen=True)
 class ComputeScale:
     """Unit times as a run computes them, relative to the profile: every forward (and the forward a
-    backward recomputes) times ``forward``, the rest of every backward times ``backward``; ``runs``: how
-    many runs' factors were averaged (0: none, the profile as measured)."""
+    backward recomputes) times ``forward``, the rest of every backward times ``backward``; ``action_s``: the
+    dispatch thread's own time per compute action (CPU workers; ``ModelProfile.action_s``); ``runs``: how
+    many runs' figures were averaged (0: none, the profile as measured)."""
 
     forward: float = 1.0
     backward: float = 1.0
     runs: int = 0
+    action_s: float = 0.0
 
     def apply(self, profile: ModelProfile) -> ModelProfile:
-        """``profile`` with every unit's times scaled (the fp32 gradient sums, ``acc_s``, as profiled)."""
-        if self.forward == 1.0 and self.backward == 1.0:
+        """``profile`` with every unit's times scaled (the fp32 gradient sums, ``acc_s``, as profiled) and
+        ``action_s`` set."""
+        if self.forward == 1.0 and self.backward == 1.0 and self.action_s == profile.action_s:
             return profile
         units = [dataclasses.replace(u, fwd_s=u.fwd_s * self.forward,
                                      bwd_s=u.fwd_s * self.forward + (u.bwd_s - u.fwd_s) * self.backward)
                  for u in profile.units]
-        return dataclasses.replace(profile, units=units, notes=dict(profile.notes))
+        return dataclasses.replace(profile, units=units, notes=dict(profile.notes), action_s=self.action_s)
 
     def times(self, other: "ComputeScale") -> "ComputeScale":
-        """This scale applied after ``other`` (scales compose factor by factor)."""
-        return ComputeScale(self.forward * other.forward, self.backward * other.backward, self.runs)
+        """This scale applied after ``other`` (scales compose factor by factor; ``action_s`` is this one's)."""
+        return ComputeScale(self.forward * other.forward, self.backward * other.backward, self.runs, self.action_s)
 
     def line(self) -> str:
-        return (f"x{self.forward:.2f} forward, x{self.backward:.2f} backward as "
+        action = f", {self.action_s * 1e3:.2f} ms dispatch per compute" if self.action_s else ""
+        return (f"x{self.forward:.2f} forward, x{self.backward:.2f} backward{action} as "
                 f"{'the last run' if self.runs == 1 else f'the last {self.runs} runs'} on this machine computed")
 
 
@@ -76,20 +82,34 @@ def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
     if not (measured.get("forward", 0) > 0 and measured.get("backward", 0) > 0):
         return ComputeScale()
     keys = ("forward", "backward")
-    at = {xy: simulate(ComputeScale(*xy).apply(profile)).time_split() for xy in ((1.0, 1.0), (2.0, 1.0), (1.0, 2.0))}
+    at = {xy: simulate(ComputeScale(*xy, action_s=profile.action_s).apply(profile)).time_split()
+          for xy in ((1.0, 1.0), (2.0, 1.0), (1.0, 2.0))}
     (a, b), (c, d) = [[at[xy][k] - at[(1.0, 1.0)][k] for xy in ((2.0, 1.0), (1.0, 2.0))] for k in keys]
     e, f = (measured[k] - at[(1.0, 1.0)][k] for k in keys)
     det = a * d - b * c
     if abs(det) < 1e-12 * max(abs(a * d), abs(b * c), 1e-30):
         return ComputeScale()  # a phase the factors do not move (no forward in the step): nothing to fit
     fx, bx = 1.0 + (e * d - b * f) / det, 1.0 + (a * f - e * c) / det
-    return ComputeScale(fx, bx, 1) if fx > 0 and bx > 0 else ComputeScale()
+    return ComputeScale(fx, bx, 1, profile.action_s) if fx > 0 and bx > 0 else ComputeScale()
+
+
+def fit_action(profile: ModelProfile, simulate: Callable[[ModelProfile], Split], measured_s: float) -> float:
+    """The ``action_s`` that makes ``simulate``'s dispatch phase (its messages, plus ``action_s`` per compute
+    action) equal ``measured_s``, the dispatch thread's own time per worker and step as the run's metrics give
+    it (``dispatch_s``); 0 when the messages alone take that long. The phase is linear in ``action_s``: two
+    simulations give it."""
+    at = [simulate(dataclasses.replace(profile, action_s=a)).time_split()["dispatch"] for a in (0.0, 1e-3)]
+    per_ms = at[1] - at[0]  # seconds of dispatch per worker and step for each ms per compute action
+    if per_ms <= 0:
+        return 0.0
+    return max(0.0, (measured_s - at[0]) / per_ms * 1e-3)
 
 
 def scale_key(profile_key: str, workers: int, threads: int, mode: str) -> str:
     """Where a run's factors are kept: per profile (its units, setting and device), number of workers, CPU
-    threads per worker (what the compute shares the machine with) and mode (pipeline or zero: how the units
-    run, one stage's micro-batches back to back or every unit's in turn between gathers)."""
+    threads per worker (what the compute shares the machine with) and mode (zero, or the pipeline with its
+    schedule, ``pipeline/swapped``: how the units run, one stage's micro-batches back to back or every unit's in
+    turn between gathers, and what else the dispatch thread does)."""
     return hashlib.sha1(json.dumps([profile_key, workers, threads, mode]).encode()).hexdigest()[:16]
 
 
@@ -103,13 +123,14 @@ def learnt_scale(cache_dir: str | Path | None, key: str) -> ComputeScale:
     if not runs:
         return ComputeScale()
     return ComputeScale(statistics.fmean(r["forward"] for r in runs), statistics.fmean(r["backward"] for r in runs),
-                        len(runs))
+                        len(runs), statistics.fmean(r["action_s"] for r in runs))
 
 
 def record_scale(cache_dir: str | Path, key: str, scale: ComputeScale, about: dict) -> None:
     """Keep one run's factors (relative to the profile as measured) under ``key``, with the last runs'."""
     path = scale_path(cache_dir, key)
-    runs = (_read_runs(path) + [{"forward": scale.forward, "backward": scale.backward}])[-KEPT_RUNS:]
+    runs = (_read_runs(path) + [{"forward": scale.forward, "backward": scale.backward,
+                                 "action_s": scale.action_s}])[-KEPT_RUNS:]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps({"runs": runs, **about}, indent=1) + "\n")
 
@@ -118,7 +139,8 @@ def _read_runs(path: Path) -> list[dict[str, float]]:
     """The kept runs' factors; a missing or unreadable file (another version's, a torn write) holds none."""
     try:
         runs = json.loads(path.read_text())["runs"]
-        return [{"forward": float(r["forward"]), "backward": float(r["backward"])} for r in runs
+        return [{"forward": float(r["forward"]), "backward": float(r["backward"]),
+                 "action_s": max(0.0, float(r.get("action_s", 0.0)))} for r in runs
                 if float(r["forward"]) > 0 and float(r["backward"]) > 0]
     except (OSError, ValueError, KeyError, TypeError):
         return []

@@ -114,6 +114,9 @@ class ModelProfile:
     profile_s: float = 0.0  # wall time spent measuring (0 for estimates and cache hits)
     notes: dict = field(default_factory=dict)
     tied_params: int = 0  # parameters of a weight shared by the first and last unit (counted in both)
+    action_s: float = 0.0  # CPU workers: the dispatch thread's own time per compute action beyond its messages
+    # (binding the stage, the step's other actions spread over its computes), which holds up its next compute;
+    # learnt from the runs on the machine (:mod:`partition.calibrate`). 0: none, or a GPU's, which runs ahead
 
     @property
     def num_units(self) -> int:

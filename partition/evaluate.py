@@ -89,7 +89,7 @@ def rates_for(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], num_s
     cpu = hw.cpu_update_rate(half_grads, updating=N)  # the host's share while every worker updates (with clipping
     # they all do, after the global norm; the simulator follows who actually updates when)
     return Rates([up(g) / GB for g in gpu], [down(g) / GB for g in gpu], lat_in, lat_back, cpu / GB, tie_s,
-                 hw.device_adam_params_per_s / GB, hw.message_s, compute_copy_work(profile.precision))
+                 hw.device_adam_params_per_s / GB, hw.message_s, profile.action_s, compute_copy_work(profile.precision))
 
 
 class ModelEvaluator:

@@ -96,8 +96,8 @@ class SimResult:
 
     def time_split(self) -> dict[str, float]:
         """Where the reported step's time goes, in seconds per GPU averaged over the GPUs that compute:
-        forward, backward (recompute included), device AdamW, the dispatch thread's messages
-        (``Hardware.message_s``), waiting for uploads, and idle (pipeline
+        forward, backward (recompute included), device AdamW, the dispatch thread's messages and own time
+        (``Hardware.message_s``, ``ModelProfile.action_s``), waiting for uploads, and idle (pipeline
         fill and drain, waiting for activations); ``tail``: the step's end after the last compute
         (global norm, CPU AdamW, reduce). Needs the recorded events (``record=True``), but for a program's."""
         busy = self.busy_s
@@ -526,7 +526,9 @@ class _Sim:
         start = max(self.t, uploaded)
         wait = max(0.0, uploaded - max(w.last_end, inputs))
         dur = self._duration(task)
-        posted = self.hw.message_s * w.posts[w.ci]  # the dispatch thread's messages after it
+        posted = self.hw.message_s * w.posts[w.ci]  # the dispatch thread's messages after it, and its own time
+        if task.kind != Kind.DEVICE_UPDATE:  # on the action (CPU workers, learnt from their runs)
+            posted += self.profile.action_s
         w.running, w.comp_left, w.comp_end = (task, start, posted), dur, start + dur
         w.busy_until = start + dur + posted
         tm = self.timing[task.stage]

@@ -26,7 +26,8 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
 * **Compute** of a micro-batch starts when its input (activation, or gradient) has arrived, the
   occupancy is uploaded and the worker's previous phase has ended; per micro-batch a forward takes
   ``fwd``, a backward ``bwd`` (recompute, backward and the fp32 gradient accumulation), each plus
-  ``message_s`` per message its dispatch thread posts to another worker (:func:`_posts`). Only the
+  ``message_s`` per message its dispatch thread posts to another worker (:func:`_posts`) and
+  ``action_s`` (its own time per compute action on CPU workers, learnt from the runs). Only the
   first and the last micro-batch need a time: with identical micro-batches the last one's start is
   the longest path through the (stage, micro-batch) grid, which the two chains state exactly.
 * **Gradients** (fp32 sums, 4 bytes per parameter) download after a stage's last backward, one at
@@ -224,6 +225,7 @@ class Rates:
     tie_s: float = 0.0  # exchange of the tied gradients between two workers (0 on one worker)
     device: float = 1e12  # G parameters/s of the AdamW of a resident stage, on its device
     message_s: float = 0.0  # the dispatch thread per message posted to another worker (Hardware.message_s)
+    action_s: float = 0.0  # the dispatch thread per compute action beyond its messages (ModelProfile.action_s)
     copy_work: float = 0.0  # train.update: delayed: a stage's compute copy, in CPU updates of its parameters
     # (:func:`partition.costs.compute_copy_work`)
 
@@ -408,7 +410,7 @@ def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
              j: int) -> None:
     """First and last micro-batch of stage j's forward (FB for the last stage)."""
     S, N, M = shape.num_stages, shape.num_workers, shape.micro_batches
-    per = (st[j].bwd if j == S - 1 else st[j].fwd) + r.message_s * _posts(shape, j, False)
+    per = (st[j].bwd if j == S - 1 else st[j].fwd) + r.message_s * _posts(shape, j, False) + r.action_s
     first: list[Expr] = []
     if j not in shape.resident:
         first.append(up.done("FB" if j == S - 1 else "R" if shape.turns(j) else "F", j))
@@ -418,7 +420,7 @@ def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
     elif shape.barrier and shape.resident:
         first.append(either(shape.frees(j), lambda free: 0.0 if free else _device_updates(st, r, shape, j)))
     if j > 0:
-        hop = st[j - 1].fwd + r.message_s * _posts(shape, j - 1, False) + st[j - 1].out_b * r.lat_in[j]
+        hop = st[j - 1].fwd + r.message_s * _posts(shape, j - 1, False) + r.action_s + st[j - 1].out_b * r.lat_in[j]
         first.append(t.fwd_start[j - 1] + hop)
         last.append(t.fwd_last[j - 1] + hop)
     t.fwd_start[j] = alg.max(("sf0_", j), first)
@@ -437,8 +439,9 @@ def _backward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Ste
     first: list[Expr] = [t.fwd_end[j] if shape.last_forward(j) else t.bwd_end[j + N]]
     if not shape.turns(j):
         first.append(up.done("B", j))
-    per = shape.bwd_time(st[j], j) + r.message_s * _posts(shape, j, True)
-    hop = shape.bwd_time(st[j + 1], j + 1) + r.message_s * _posts(shape, j + 1, True) + st[j + 1].in_b * r.lat_back[j]
+    per = shape.bwd_time(st[j], j) + r.message_s * _posts(shape, j, True) + r.action_s
+    hop = (shape.bwd_time(st[j + 1], j + 1) + r.message_s * _posts(shape, j + 1, True) + r.action_s
+           + st[j + 1].in_b * r.lat_back[j])
     first.append(t.bwd_start[j + 1] + hop)
     t.bwd_start[j] = alg.max(("sb0_", j), first)
     t.bwd_last[j] = alg.max(("sbl_", j), [t.bwd_last[j + 1] + hop, t.bwd_start[j] + per * (M - 1)])

@@ -46,7 +46,7 @@ from mobius.optim import UpdateRule
 from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.arbiter import UploadArbiter
 from scheduler.counters import Counters
-from scheduler.links import post_early
+from scheduler.links import post_early, received
 from scheduler.shared import WAIT_TIMEOUT_S
 from mobius.models.params import build_units
 from scheduler.stages import StageLayout, add_gradients, add_tied, bind
@@ -203,7 +203,9 @@ class StepState:
     losses: int = 0
     stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
     wait_s: float = 0.0  # dispatch thread blocked on uploads (which wait for the stage's CPU update)
-    dispatch_s: float = 0.0  # dispatch thread in actions other than compute, the tied ends' sum and the reduce
+    held_s: float = 0.0  # dispatch thread blocked: on uploads and reloads (wait_s), and taking its inputs
+    dispatch_s: float = 0.0  # dispatch thread's own time: every action outside its compute and what held it, the
+    # tied ends' sum and the reduce apart
     tie_s: float = 0.0  # dispatch thread summing the tied ends' gradients (host time; counted in reduce_s)
     reduce_wait_s: float = 0.0  # the reduce waiting for this worker's transfers and device work to end
     uploads: list[Future] = field(default_factory=list)
@@ -299,21 +301,21 @@ class Executor:
         return self.st.outcome
 
     def _dispatch(self, action: Action, trace: StepTrace | None) -> None:
-        if action.kind in COMPUTE:
-            self.st.computed.last = None
-            self.handlers[action.kind](action)
-            if trace is not None and self.st.computed.last is not None:  # from after its waits for inputs
-                trace.add("compute", str(action), *self.st.computed.last)
+        st = self.st
+        st.computed.last = None
+        t0, held, inside = time.perf_counter(), st.held_s, st.computed.host_s
+        self.handlers[action.kind](action)
+        t1 = time.perf_counter()
+        if action.kind == Kind.TIE:  # the step's end apart (the tied ends' sum and the reduce: reduce_s)
+            st.tie_s += t1 - t0
+        elif action.kind != Kind.REDUCE:  # messages, uploads issued, downloads, binding a stage to its slot
+            st.dispatch_s += (t1 - t0) - (st.held_s - held) - (st.computed.host_s - inside)
+        if trace is None:
             return
-        t0 = time.perf_counter()  # the dispatch thread's own time on everything else (messages, uploads issued,
-        self.handlers[action.kind](action)  # downloads); the step's end apart (the tied ends' sum and the reduce:
-        t1 = time.perf_counter()  # reduce_s)
-        if action.kind == Kind.TIE:
-            self.st.tie_s += t1 - t0
-        elif action.kind != Kind.REDUCE:
-            self.st.dispatch_s += t1 - t0
-        if trace is not None:
+        if action.kind not in COMPUTE:
             trace.add("dispatch", str(action), t0, t1)
+        elif st.computed.last is not None:  # from after its waits for inputs
+            trace.add("compute", str(action), *st.computed.last)
 
     def sync(self) -> None:
         """Wait for every queued CPU update, all of it (under delayed the AdamW after the copy too),
@@ -505,7 +507,9 @@ class Executor:
             return
         t0 = time.perf_counter()
         back = job.result()
-        self.st.wait_s += time.perf_counter() - t0
+        held = time.perf_counter() - t0
+        self.st.wait_s += held
+        self.st.held_s += held
         if back is not None:
             torch.cuda.current_stream(self.device).wait_event(back)
 
@@ -523,7 +527,9 @@ class Executor:
         if not slot.ready.is_set():
             t0 = time.perf_counter()
             slot.ready.wait()
-            self.st.wait_s += time.perf_counter() - t0
+            held = time.perf_counter() - t0
+            self.st.wait_s += held
+            self.st.held_s += held
             if not self.cuda:
                 self.st.stall_s += time.perf_counter() - t0
         self.check()
@@ -557,7 +563,9 @@ class Executor:
     def _input(self, j: int, m: int) -> torch.Tensor:
         if j == 0:
             return self.st.batches["inputs"][m]
-        return self.st.waiting.pop(("a", j, m))()
+        x, held = received(self.st.waiting, ("a", j, m))
+        self.st.held_s += held
+        return x
 
     def _forward(self, a: Action) -> None:
         j, m, st = a.stage, a.micro, self.st
@@ -637,7 +645,8 @@ class Executor:
         slot = self._on_device(j, grads=True)
         self._inputs_back(j)
         saved = st.saved.pop((j, m))
-        g = st.waiting.pop(("g", j, m))()
+        g, held = received(st.waiting, ("g", j, m))
+        st.held_s += held
         start = self.st.computed.mark()
         pairs = slot.pairs
         if isinstance(saved, Graph):
@@ -695,7 +704,9 @@ class Executor:
         if not host.consumed.is_set():  # delayed: the previous step's AdamW still reads the gradient buffer
             t0 = time.perf_counter()
             host.consumed.wait()
-            st.wait_s += time.perf_counter() - t0
+            held = time.perf_counter() - t0
+            st.wait_s += held
+            st.held_s += held
         self.check()
         host.consumed.clear()  # (delayed: `updated` is the compute copy's, cleared at the step's last upload)
         if not host.delayed:

@@ -56,7 +56,7 @@ from partition.schedule import COMPUTE, Action, Kind
 from partition.schedule.roundrobin import RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot, batches_on
-from scheduler.links import link_to, mailboxes_for, post_early
+from scheduler.links import link_to, mailboxes_for, post_early, received
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, add_tied, bind
 from scheduler.trace import ComputeSpans, StepTrace, write_step_trace
@@ -118,8 +118,10 @@ class _Step:
     loss_sum: torch.Tensor | float = 0.0  # this worker's, on the device until REDUCE
     losses: int = 0
     sumsq: float = 0.0
-    wait_s: float = 0.0
-    dispatch_s: float = 0.0
+    wait_s: float = 0.0  # for uploads: the dispatch thread's waits, and the upload thread's for updates and sums
+    held_s: float = 0.0  # the dispatch thread blocked: on uploads and reloads, and taking its inputs
+    dispatch_s: float = 0.0  # the dispatch thread's own time: every action outside its compute and what held it,
+    # the reduce apart
     computed: ComputeSpans | None = None  # set by the dispatch for its device
     batches: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (inputs, targets) on it (the dispatch's)
     reduce: _Reduce | None = None  # its statistics over the workers (posted at REDUCE)
@@ -379,17 +381,18 @@ class _Dispatch:
             if a.kind == Kind.RELOAD:
                 st.reloads.setdefault((a.stage, self._round(a.micro)), []).append(a)
         for a in st.sched.actions[self.e.rank]:
-            t0 = time.perf_counter()
             st.computed.last = None
+            t0, held, inside = time.perf_counter(), st.held_s, st.computed.host_s
             self.handlers[a.kind](a)
-            if st.trace is not None and st.computed.last is not None:  # from after its waits for inputs
+            t1 = time.perf_counter()
+            if a.kind != Kind.REDUCE:  # messages, copies, binding an op to its slot
+                st.dispatch_s += (t1 - t0) - (st.held_s - held) - (st.computed.host_s - inside)
+            if st.trace is None:
+                continue
+            if a.kind not in COMPUTE:
+                st.trace.add("dispatch", str(a), t0, t1)
+            elif st.computed.last is not None:  # from after its waits for inputs
                 st.trace.add("compute", str(a), *st.computed.last)
-            if a.kind not in COMPUTE:  # the dispatch thread's own time (messages, copies), the reduce apart
-                t1 = time.perf_counter()
-                if a.kind != Kind.REDUCE:
-                    st.dispatch_s += t1 - t0
-                if st.trace is not None:
-                    st.trace.add("dispatch", str(a), t0, t1)
 
     def sync(self) -> None:
         self.updater.sync()
@@ -505,7 +508,9 @@ class _Dispatch:
         if not slot.ready.is_set():
             t0 = time.perf_counter()
             slot.ready.wait()
-            self.st.wait_s += time.perf_counter() - t0
+            held = time.perf_counter() - t0
+            self.st.wait_s += held
+            self.st.held_s += held
         self.check()
         if self.cuda and slot.ready_event is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
@@ -548,7 +553,9 @@ class _Dispatch:
     def _input(self, k: int, m: int) -> torch.Tensor:
         if k == 0:
             return self.st.batches[0][m]
-        return self.st.waiting.pop(("a", k, m))()
+        x, held = received(self.st.waiting, ("a", k, m))
+        self.st.held_s += held
+        return x
 
     def _forward(self, a: Action) -> None:
         """A forward op over one micro-batch (no autograd); the inputs of units where backward ops start are
@@ -667,7 +674,9 @@ class _Dispatch:
         input (:meth:`_reload_job`, started by the op's UPLOAD)."""
         t0 = time.perf_counter()
         got = self.st.reloading.pop((a.stage, a.micro)).result()
-        self.st.wait_s += time.perf_counter() - t0
+        held = time.perf_counter() - t0
+        self.st.wait_s += held
+        self.st.held_s += held
         self.check()
         assert got is not None, "a reload ended without its input and without a failure"
         x, back = got
@@ -694,7 +703,8 @@ class _Dispatch:
         k, m, st = a.stage, a.micro, self.st
         slot = self._on_device(k, self._round(m), grads=True)
         x, y = st.graphs.pop((k, m))
-        g = st.waiting.pop(("g", k, m))()
+        g, held = received(st.waiting, ("g", k, m))
+        st.held_s += held
         start = self.st.computed.mark()
         if y.requires_grad:  # frozen units over token ids (LoRA's embedding) have nothing to do
             torch.autograd.backward(y, g.to(y.dtype))

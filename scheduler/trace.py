@@ -73,9 +73,15 @@ class ComputeSpans:
         self.cuda, self.device = device.type == "cuda", device
         self.spans: dict[str, list[tuple[object, object]]] = {"forward": [], "backward": []}
         self.last: tuple[object, object] | None = None  # the span added last (a step trace's compute span)
+        self.host_s = 0.0  # the dispatch thread's time from each mark() to its add() (on a GPU: launching the work)
+        self._marked = 0.0
 
     def mark(self) -> object:
         """Now on the compute stream: where an action's own work starts."""
+        self._marked = time.perf_counter()
+        return self._now()
+
+    def _now(self) -> object:
         if not self.cuda:
             return time.perf_counter()
         e = torch.cuda.Event(enable_timing=True)
@@ -84,8 +90,9 @@ class ComputeSpans:
 
     def add(self, phase: str, start: object) -> None:
         """The action begun at ``start`` ends now (``phase``: forward; backward: FB, recompute, backward)."""
-        self.last = (start, self.mark())
+        self.last = (start, self._now())
         self.spans[phase].append(self.last)
+        self.host_s += time.perf_counter() - self._marked
 
     def seconds(self, phase: str) -> float:
         if self.cuda:

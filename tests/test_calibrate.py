@@ -11,8 +11,8 @@ import pytest
 
 from fixtures.partition.profiles import toy_profile
 from partition import Hardware, Plan, PlanRequest, plan_model
-from partition.calibrate import (KEPT_RUNS, ComputeScale, fit_scale, learnt_scale, record_scale, scale_key,
-                                 scale_path)
+from partition.calibrate import (KEPT_RUNS, ComputeScale, fit_action, fit_scale, learnt_scale, record_scale,
+                                 scale_key, scale_path)
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -43,6 +43,30 @@ def test_the_fit_finds_the_factors_a_run_computed_at(schedule: str) -> None:
     assert fit_scale(prof, lambda p: plan.replay(p, hw), {"forward": 0.0, "backward": 1.0}) == ComputeScale()
 
 
+@pytest.mark.parametrize("schedule", ["swapped", "round_robin"])
+def test_the_fit_finds_the_dispatch_time_per_compute_a_run_measured(schedule: str) -> None:
+    """A run whose dispatch thread spent 0.4 ms of its own on each compute action beyond its messages (CPU
+    workers: binding stages, issuing copies): its dispatch phase gives that time back, which the next plan's
+    profile carries (``ModelProfile.action_s``) and the simulated step pays on every compute."""
+    plan, hw = _plan(schedule)
+    hw.message_s = 0.1e-3
+    prof = toy_profile(blocks=6)
+    assert prof.action_s == 0.0
+    truth = ComputeScale(1.3, 0.9, action_s=0.4e-3)
+    ran = plan.replay(truth.apply(prof), hw)
+    fast = plan.replay(ComputeScale(1.3, 0.9).apply(prof), hw)
+    assert ran.time_split()["dispatch"] > fast.time_split()["dispatch"] > 0 and ran.step_s > fast.step_s
+    fit = fit_scale(prof, lambda p: plan.replay(p, hw), {k: ran.time_split()[k] for k in ("forward", "backward")})
+    assert fit.action_s == 0.0  # the profile's own (none)
+    action_s = fit_action(fit.apply(prof), lambda p: plan.replay(p, hw), ran.time_split()["dispatch"])
+    assert action_s == pytest.approx(0.4e-3, rel=1e-6)
+    assert fit_action(prof, lambda p: plan.replay(p, hw), 0.0) == 0.0  # the messages alone take longer
+    kept = ComputeScale(fit.forward, fit.backward, 1, action_s)
+    assert kept.apply(prof).action_s == action_s and kept.times(ComputeScale(2.0, 0.5)).action_s == action_s
+    assert plan.replay(kept.apply(prof), hw).step_s == pytest.approx(ran.step_s, rel=1e-3)
+    assert "0.40 ms dispatch per compute" in kept.line()
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_zero_plan_replayed_gives_the_factors_its_run_computed_at_back(checkpointing: bool) -> None:
     """The same for zero mode's plan: replayed with the profile it was made with it predicts what it did, and
@@ -68,9 +92,12 @@ def test_the_next_plan_uses_the_mean_of_the_last_runs_and_ignores_a_torn_file(tm
     key = scale_key("profile", 2, 1, "pipeline")
     assert learnt_scale(tmp_path, key) == ComputeScale()  # nothing learnt: the profile as measured
     for k in range(KEPT_RUNS + 2):
-        record_scale(tmp_path, key, ComputeScale(1.0 + k, 2.0), {"device": "cpu"})
+        record_scale(tmp_path, key, ComputeScale(1.0 + k, 2.0, action_s=k * 1e-4), {"device": "cpu"})
     mean = 1.0 + sum(range(2, KEPT_RUNS + 2)) / KEPT_RUNS
-    assert learnt_scale(tmp_path, key) == ComputeScale(pytest.approx(mean), pytest.approx(2.0), KEPT_RUNS)
+    assert learnt_scale(tmp_path, key) == ComputeScale(pytest.approx(mean), pytest.approx(2.0), KEPT_RUNS,
+                                                       pytest.approx((mean - 1.0) * 1e-4))
+    scale_path(tmp_path, key).write_text('{"runs": [{"forward": 1.5, "backward": 0.5}]}')  # kept before action_s
+    assert learnt_scale(tmp_path, key) == ComputeScale(1.5, 0.5, 1, 0.0)
     assert learnt_scale(tmp_path, scale_key("profile", 4, 1, "pipeline")).runs == 0  # another worker count: its own
     assert learnt_scale(tmp_path, scale_key("profile", 2, 1, "zero")).runs == 0  # another mode: its own
     scale_path(tmp_path, key).write_text('{"runs": [{"forward": 1.2')
@@ -96,6 +123,10 @@ def test_a_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Pat
     assert len(kept) == 1 and len(kept[0]["runs"]) == 1 and (kept[0]["workers"], kept[0]["mode"]) == (2, mode)
     factors = kept[0]["runs"][0]
     assert 0.2 < factors["forward"] < 5 and 0.2 < factors["backward"] < 5
+    if mode == "pipeline":  # CPU workers' dispatch thread per compute (binding stages, copies issued)
+        assert 0 < factors["action_s"] < 0.05
+    else:
+        assert factors["action_s"] == 0
     shown = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, "--json", *common],
                            capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0, shown.stderr[-3000:]
@@ -103,8 +134,8 @@ def test_a_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Pat
     assert plan["compute_scale"] == {**factors, "runs": 1}
     text = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, *common], capture_output=True,
                           text=True, timeout=600)
-    assert f"x{factors['forward']:.2f} forward, x{factors['backward']:.2f} backward as the last run on this " \
-           f"machine computed" in text.stdout + text.stderr
+    assert ComputeScale(**factors, runs=1).line() in text.stdout + text.stderr
+    assert ComputeScale(**factors, runs=1).line().endswith("as the last run on this machine computed")
 
 
 def test_the_rows_of_this_run_are_those_after_the_lines_before_it_and_a_torn_line_is_left_out(tmp_path: Path) -> None:

@@ -422,13 +422,16 @@ def test_the_first_pass_tries_every_count_when_solves_overrun_their_limit(monkey
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_the_model_and_the_simulator_charge_the_same_messages(seed: int) -> None:
-    """``Hardware.message_s`` (a CPU worker's dispatch thread per message it posts): the timing model, the MIP with
-    its cuts fixed and the simulator all pay it for each micro-batch's receive and send between workers, and agree
-    again; the simulated dispatch is the count of those messages."""
+@pytest.mark.parametrize("action", [0.0, 0.2])
+def test_the_model_and_the_simulator_charge_the_same_messages(seed: int, action: float) -> None:
+    """``Hardware.message_s`` (a CPU worker's dispatch thread per message it posts) and ``ModelProfile.action_s``
+    (its own time per compute action): the timing model, the MIP with its cuts fixed and the simulator all pay
+    the first for each micro-batch's receive and send between workers and the second for each compute, and agree
+    again; the simulated dispatch is the count of those messages and computes."""
     prof, hw, M, options = _case(seed, "separate")
     N = hw.num_gpus
-    hw = replace(hw, message_s=0.3 * sum(u.fwd_s for u in prof.units) / prof.num_units)
+    unit_s = sum(u.fwd_s for u in prof.units) / prof.num_units
+    hw, prof = replace(hw, message_s=0.3 * unit_s), replace(prof, action_s=action * unit_s)
     ev = ModelEvaluator(prof, hw, _sequential(N), M, options=options)
     free = ModelEvaluator(prof, replace(hw, message_s=0.0), _sequential(N), M, options=options)
     parts = [b for b in all_partitions(prof.num_units) if len(b) - 1 >= max(N, 2)]
@@ -442,7 +445,8 @@ def test_the_model_and_the_simulator_charge_the_same_messages(seed: int) -> None
         assert model.T > free.evaluate(bounds).T  # S - 1 boundaries between workers
         sim = simulate(prof, bounds, hw, list(range(N)), M, options)
         assert sim.step_s == pytest.approx(model.T, rel=0.03), bounds
-        assert sim.time_split()["dispatch"] * N == pytest.approx(hw.message_s * M * 4 * (S - 1))
+        computes = M * (2 * S - 1)  # a forward and a backward per stage and micro-batch, the last stage's fused
+        assert sim.time_split()["dispatch"] * N == pytest.approx(hw.message_s * M * 4 * (S - 1) + prof.action_s * computes)
         if tried == 0:
             built = build_model(prof, hw, list(range(N)), M, S, encoding="cut", options=options)
             for k, name in enumerate(built.lm.names):

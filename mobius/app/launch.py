@@ -10,6 +10,7 @@ rank and the cause.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from mobius.models import ModelConfig
 from mobius.parallel import ParallelSettings
 from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
 from mobius.app.planning import Planned
-from partition.calibrate import ComputeScale, fit_scale, record_scale
+from partition.calibrate import ComputeScale, fit_action, fit_scale, record_scale
 from partition.cpu_rate import record_in_step_rate
 from partition.plan import Plan
 from partition.zero import ZeroPlan
@@ -245,14 +246,18 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
     fitted = fit_scale(prof, replay, measured)
     if not fitted.runs:
         return
+    if planned.settings.device == "cpu" and planned.mode == "pipeline":  # the dispatch thread is the compute's
+        action_s = fit_action(fitted.apply(prof), replay, statistics.median(r["dispatch_s"] for r in steady))
+        fitted = dataclasses.replace(fitted, action_s=action_s)
     scale = fitted.times(ComputeScale(info["forward"], info["backward"]))  # relative to the profile as measured
     record_scale(os.path.join(cfg.partition.cache_dir, "partition"), info["key"], scale,
-                 {"device": prof.device_name, "mode": planned.settings.mode, "workers": planned.settings.workers,
-                  "threads": planned.settings.cpu_threads})
+                 {"device": prof.device_name, "mode": planned.settings.mode, "schedule": cfg.parallel.schedule,
+                  "workers": planned.settings.workers, "threads": planned.settings.cpu_threads})
     given = replay(fitted.apply(prof)).step_s  # the schedule's own error, apart from compute
-    log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's); with "
-             "that compute the plan's step is %.3f s against %.3f s measured; kept for the next plan on this machine",
-             fitted.forward, fitted.backward, scale.forward, scale.backward, given,
+    log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's), "
+             "%.2f ms dispatch per compute; with that compute the plan's step is %.3f s against %.3f s measured; kept "
+             "for the next plan on this machine", fitted.forward, fitted.backward, scale.forward, scale.backward,
+             scale.action_s * 1e3, given,
              statistics.median(r["step_s"] for r in steady))
 
 

@@ -151,12 +151,15 @@ def as_runs_compute(prof: ModelProfile, cfg: Config, model_cfg: ModelConfig,
                     settings: ParallelSettings) -> ModelProfile:
     """A measured ``prof`` scaled to the compute the last runs of this mode and setting measured inside their
     steps on this machine (:mod:`partition.calibrate`; as measured when none has), with the key the next run
-    keeps its own factors under (``notes["in_run"]``). A datasheet's or a profile file's as given."""
+    keeps its own factors under (``notes["in_run"]``). A datasheet's or a profile file's as given. The pipeline's
+    schedules (``parallel.schedule``) learn apart: their dispatch threads differ (on 2 CPU workers 0.5-1.0 ms per
+    compute action in the swapped pipeline, 0.4-0.7 ms in the round-robin)."""
     if prof.source != "measured" or cfg.partition.profile_file:
         return prof
     t = cfg.train
+    mode = f"pipeline/{cfg.parallel.schedule}" if settings.mode == "pipeline" else settings.mode
     key = scale_key(profile_key(unit_specs(model_cfg), t.micro_batch_size, cfg.data.seq_len, t.precision,
-                                prof.device_name), settings.workers, settings.cpu_threads, settings.mode)
+                                prof.device_name), settings.workers, settings.cpu_threads, mode)
     learnt = learnt_scale(os.path.join(cfg.partition.cache_dir, "partition"), key)
     out = learnt.apply(prof)
     out.notes["in_run"] = {"key": key, **dataclasses.asdict(learnt)}
@@ -224,7 +227,7 @@ def profile_line(prof: ModelProfile) -> str:
         return f"measured on {prof.device_name}, from {why}"
     took = f"in {prof.profile_s:.1f} s" if prof.profile_s else "(cached)"
     learnt = prof.notes.get("in_run", {})
-    runs = (f"; {ComputeScale(learnt['forward'], learnt['backward'], learnt['runs']).line()}"
+    runs = (f"; {ComputeScale(**{k: v for k, v in learnt.items() if k != 'key'}).line()}"
             if learnt.get("runs") else "")
     return f"measured on {prof.device_name} {took}" + (f" ({why})" if why else "") + runs
 
