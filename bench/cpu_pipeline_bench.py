@@ -15,13 +15,15 @@ off the step's critical path), and both again with 2 micro-batches, where the CP
 round-robin schedule (``parallel.schedule: round_robin``) in five of those settings.
 For each: the plan's predicted step time (``plan.json``, the simulator) and the measured median step time
 of the steady-state steps (``metrics.jsonl``); and the plan's step simulated again with every unit's forward and
-backward scaled to the compute phases the run measured (``calibrated``: the simulator's schedule given the
-compute the run really took, apart from the profile's error). ``--repeats R`` runs the whole set R times,
+backward scaled to the compute phases the run measured, and the dispatch thread's own time per compute fitted to
+the dispatch it measured (``calibrated``: the simulator's schedule given the compute the run really took, apart
+from the profile's error). ``--repeats R`` runs the whole set R times,
 interleaved, each time with a fresh cache (the units profiled, the CPU update rate and the compute inside the
 steps learnt anew, as on a new machine), so a slow spell of a shared machine does not fall on one variant; the
 table gives each variant's median error and its range. Within a repeat the variants run in order on one
-cache, as a user's runs on one machine: every plan after the first is made with the compute the earlier runs
-measured in their steps (``runs learnt``: how many, per repeat; :mod:`partition.calibrate`), and ``profile
+cache, as a user's runs on one machine: every plan after its schedule's first is made with what the earlier
+runs of the schedule measured in their steps (``runs learnt``: how many, per repeat; :mod:`partition.calibrate`),
+and ``profile
 alone`` gives the same plan's step from the profile as measured. Prints the table and writes
 ``<out>/cpu_pipeline_bench.json``; with ``--trace-step N`` every run also writes the Chrome trace of its step N
 (left out of its median) into its directory under ``<out>/runs``.

@@ -23,6 +23,7 @@ import yaml
 from mobius.errors import ConfigError
 
 PLACEHOLDER = "<FILL IN"
+Schedule = Literal["swapped", "round_robin", "auto"]  # parallel.schedule
 
 
 def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
@@ -158,7 +159,7 @@ class ParallelSection(_Section):
                          "same tracks as the simulator's trace from 'mobius plan --trace', and the dispatch thread's. "
                          "The traced step ends when its CPU updates have: its metrics line says traced, and it is "
                          "left out of the run's measured medians.", ge=0)
-    schedule: Literal["swapped", "round_robin", "auto"] = _f(
+    schedule: Schedule = _f(
         "swapped", "The pipeline's schedule: swapped (Mobius: stages bound to GPUs, swapped in and out), round_robin "
         "(RoundPipe's class: every op goes to the next GPU in rotation, separate forward and backward cuts, the "
         "workers share the weights in host memory; one machine, at least 2 workers), or auto (plans both and runs the "

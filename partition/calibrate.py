@@ -22,7 +22,7 @@ import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from mobius.files import write_text_atomic
 from partition.costs import ModelProfile
@@ -43,12 +43,14 @@ class ComputeScale:
     """Unit times as a run computes them, relative to the profile: every forward (and the forward a
     backward recomputes) times ``forward``, the rest of every backward times ``backward``; ``action_s``: the
     dispatch thread's own time per compute action (CPU workers; ``ModelProfile.action_s``); ``runs``: how
-    many runs' figures were averaged (0: none, the profile as measured)."""
+    many runs' figures were averaged (0: none, the profile as measured); ``origin``: whose runs they were when
+    not this setting's (:func:`learnt_scale`'s ``others``, e.g. ``with parallel.schedule=swapped``)."""
 
     forward: float = 1.0
     backward: float = 1.0
     runs: int = 0
     action_s: float = 0.0
+    origin: str = ""
 
     def apply(self, profile: ModelProfile) -> ModelProfile:
         """``profile`` with every unit's times scaled (the fp32 gradient sums, ``acc_s``, as profiled) and
@@ -66,8 +68,9 @@ class ComputeScale:
 
     def line(self) -> str:
         action = f", {self.action_s * 1e3:.2f} ms dispatch per compute" if self.action_s else ""
+        runs = 'the last run' if self.runs == 1 else f'the last {self.runs} runs'
         return (f"x{self.forward:.2f} forward, x{self.backward:.2f} backward{action} as "
-                f"{'the last run' if self.runs == 1 else f'the last {self.runs} runs'} on this machine computed")
+                f"{runs}{' ' + self.origin if self.origin else ''} on this machine computed")
 
 
 def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
@@ -117,13 +120,17 @@ def scale_path(cache_dir: str | Path, key: str) -> Path:
     return Path(cache_dir) / "in_run" / f"{key}.json"
 
 
-def learnt_scale(cache_dir: str | Path | None, key: str) -> ComputeScale:
-    """The mean of the factors the last :data:`KEPT_RUNS` runs kept under ``key`` (none: 1, 1)."""
-    runs = _read_runs(scale_path(cache_dir, key)) if cache_dir is not None else []
-    if not runs:
-        return ComputeScale()
-    return ComputeScale(statistics.fmean(r["forward"] for r in runs), statistics.fmean(r["backward"] for r in runs),
-                        len(runs), statistics.fmean(r["action_s"] for r in runs))
+def learnt_scale(cache_dir: str | Path | None, key: str, others: Sequence[tuple[str, str]] = ()) -> ComputeScale:
+    """The mean of the figures the last :data:`KEPT_RUNS` runs kept under ``key``; with none there, under the
+    first of ``others`` ((key, origin) pairs: settings whose runs compute the same units, the pipeline's other
+    schedules) that has some, saying whose they are; with none at all the identity (the profile as measured)."""
+    for k, origin in ((key, ""), *others):
+        runs = _read_runs(scale_path(cache_dir, k)) if cache_dir is not None else []
+        if runs:
+            return ComputeScale(statistics.fmean(r["forward"] for r in runs),
+                                statistics.fmean(r["backward"] for r in runs), len(runs),
+                                statistics.fmean(r["action_s"] for r in runs), origin)
+    return ComputeScale()
 
 
 def record_scale(cache_dir: str | Path, key: str, scale: ComputeScale, about: dict) -> None:

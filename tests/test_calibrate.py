@@ -98,6 +98,13 @@ def test_the_next_plan_uses_the_mean_of_the_last_runs_and_ignores_a_torn_file(tm
                                                        pytest.approx((mean - 1.0) * 1e-4))
     scale_path(tmp_path, key).write_text('{"runs": [{"forward": 1.5, "backward": 0.5}]}')  # kept before action_s
     assert learnt_scale(tmp_path, key) == ComputeScale(1.5, 0.5, 1, 0.0)
+    other = scale_key("profile", 2, 1, "pipeline/round_robin")  # a schedule with no runs yet takes another's
+    assert learnt_scale(tmp_path, other, [(key, "with parallel.schedule=swapped")]) == \
+        ComputeScale(1.5, 0.5, 1, 0.0, "with parallel.schedule=swapped")
+    assert ComputeScale(1.5, 0.5, 1, 0.0, "with parallel.schedule=swapped").line() == \
+        "x1.50 forward, x0.50 backward as the last run with parallel.schedule=swapped on this machine computed"
+    record_scale(tmp_path, other, ComputeScale(1.2, 0.8, action_s=2e-4), {"device": "cpu"})
+    assert learnt_scale(tmp_path, other, [(key, "with parallel.schedule=swapped")]) == ComputeScale(1.2, 0.8, 1, 2e-4)
     assert learnt_scale(tmp_path, scale_key("profile", 4, 1, "pipeline")).runs == 0  # another worker count: its own
     assert learnt_scale(tmp_path, scale_key("profile", 2, 1, "zero")).runs == 0  # another mode: its own
     scale_path(tmp_path, key).write_text('{"runs": [{"forward": 1.2')
@@ -131,11 +138,16 @@ def test_a_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Pat
                            capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0, shown.stderr[-3000:]
     plan = json.loads(shown.stdout)
-    assert plan["compute_scale"] == {**factors, "runs": 1}
+    assert plan["compute_scale"] == {**factors, "runs": 1, "origin": ""}
     text = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, *common], capture_output=True,
                           text=True, timeout=600)
     assert ComputeScale(**factors, runs=1).line() in text.stdout + text.stderr
     assert ComputeScale(**factors, runs=1).line().endswith("as the last run on this machine computed")
+    if mode == "pipeline":  # the round-robin schedule has no runs of its own yet: planned with the swapped one's
+        rr = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, "--parallel.schedule=round_robin",
+                             *common], capture_output=True, text=True, timeout=600)
+        assert rr.returncode == 0, rr.stderr[-3000:]
+        assert ComputeScale(**factors, runs=1, origin="with parallel.schedule=swapped").line() in rr.stdout + rr.stderr
 
 
 def test_the_rows_of_this_run_are_those_after_the_lines_before_it_and_a_torn_line_is_left_out(tmp_path: Path) -> None:

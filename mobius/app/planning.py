@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import typing
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from mobius.app.plan_cache import reuse_or_plan
 from mobius.app.settings import Machine, mode_options, resolve, static_mode
-from mobius.config import Config
+from mobius.config import Config, Schedule
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import ModelConfig, tied_param_count, tied_weights, unit_specs
 from mobius.models.lora import trains
@@ -152,17 +153,23 @@ def as_runs_compute(prof: ModelProfile, cfg: Config, model_cfg: ModelConfig,
     """A measured ``prof`` scaled to the compute the last runs of this mode and setting measured inside their
     steps on this machine (:mod:`partition.calibrate`; as measured when none has), with the key the next run
     keeps its own factors under (``notes["in_run"]``). A datasheet's or a profile file's as given. The pipeline's
-    schedules (``parallel.schedule``) learn apart: their dispatch threads differ (on 2 CPU workers 0.5-1.0 ms per
-    compute action in the swapped pipeline, 0.4-0.7 ms in the round-robin)."""
+    schedules (``parallel.schedule``) learn apart, their dispatch threads differ (on 2 CPU workers 0.4-0.8 ms per
+    compute action in the swapped pipeline, 0.5-0.7 ms in the round-robin), and a schedule with no runs of its
+    own yet is planned with another's (the same units computed)."""
     if prof.source != "measured" or cfg.partition.profile_file:
         return prof
     t = cfg.train
-    mode = f"pipeline/{cfg.parallel.schedule}" if settings.mode == "pipeline" else settings.mode
-    key = scale_key(profile_key(unit_specs(model_cfg), t.micro_batch_size, cfg.data.seq_len, t.precision,
-                                prof.device_name), settings.workers, settings.cpu_threads, mode)
-    learnt = learnt_scale(os.path.join(cfg.partition.cache_dir, "partition"), key)
+    units = profile_key(unit_specs(model_cfg), t.micro_batch_size, cfg.data.seq_len, t.precision, prof.device_name)
+
+    def key(mode: str) -> str:
+        return scale_key(units, settings.workers, settings.cpu_threads, mode)
+    schedule = cfg.parallel.schedule
+    own = key(f"pipeline/{schedule}" if settings.mode == "pipeline" else settings.mode)
+    others = [(key(f"pipeline/{s}"), f"with parallel.schedule={s}") for s in typing.get_args(Schedule)
+              if settings.mode == "pipeline" and s != schedule]
+    learnt = learnt_scale(os.path.join(cfg.partition.cache_dir, "partition"), own, others)
     out = learnt.apply(prof)
-    out.notes["in_run"] = {"key": key, **dataclasses.asdict(learnt)}
+    out.notes["in_run"] = {"key": own, **dataclasses.asdict(learnt)}
     return out
 
 
