@@ -21,9 +21,9 @@ from the profile's error). ``--repeats R`` runs the whole set R times,
 interleaved, each time with a fresh cache (the units profiled, the CPU update rate and the compute inside the
 steps learnt anew, as on a new machine), so a slow spell of a shared machine does not fall on one variant; the
 table gives each variant's median error and its range. Within a repeat the variants run in order on one
-cache, as a user's runs on one machine: every plan after its schedule's first is made with what the earlier
-runs of the schedule measured in their steps (``runs learnt``: how many, per repeat; :mod:`partition.calibrate`),
-and ``profile
+cache, as a user's runs on one machine: every plan after the first is made with what the earlier runs measured
+in their steps (the schedule's own runs, or the other schedule's until it has some; ``runs learnt``: how many,
+per repeat; :mod:`partition.calibrate`), and ``profile
 alone`` gives the same plan's step from the profile as measured. Prints the table and writes
 ``<out>/cpu_pipeline_bench.json``; with ``--trace-step N`` every run also writes the Chrome trace of its step N
 (left out of its median) into its directory under ``<out>/runs``.
