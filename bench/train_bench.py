@@ -98,7 +98,7 @@ def summarise(args: argparse.Namespace, preset: str, name: str, out: Path, wall:
            "peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in lines), "ready_s": lines[0]["ready_s"],
            "ready": lines[0]["ready"], "wall_s": round(wall, 1), "loss": lines[-1]["loss"]}
     for key in ("h2d_bytes", "d2h_bytes", "overflow_bytes", "upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
-                "dispatch_s", "reduce_s", "reduce_wait_s"):
+                "dispatch_s", "launch_s", "reduce_s", "reduce_wait_s"):
         if key in timed[-1]:
             row[key] = round(sum(r[key] for r in timed) / len(timed), 4)
     plan = out / "plan.json"

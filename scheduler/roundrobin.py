@@ -235,7 +235,7 @@ class RoundRobinEngine:
                  "p2p_bytes": int(total["p2p_bytes"]), "overflow_bytes": int(total["overflow_bytes"]),
                  "traffic_x_params": round(moved / self.param_bytes, 3),
                  **{k: round(total[k] / n, 4) for k in ("upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
-                                                        "dispatch_s")}}
+                                                        "dispatch_s", "launch_s")}}
         if st.trace is not None:
             extra["traced"] = True  # it waited for its updates: not a steady step
         return StepStats(total["loss_sum"] / max(total["losses"], 1), norm, skipped, self.rule.loss_scale, extra,
@@ -883,7 +883,8 @@ class _Dispatch:
         st.reduce = _Reduce({"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": st.sumsq,
                              "upload_wait_s": st.wait_s, "cpu_adam_s": adam_s, "cpu_adam_params": adam_params,
                              "forward_s": st.computed.seconds("forward"), "backward_s": st.computed.seconds("backward"),
-                             "dispatch_s": st.dispatch_s, **{f"{kind}_bytes": float(n) for kind, n in moved.items()}},
+                             "dispatch_s": st.dispatch_s, "launch_s": st.computed.host_s,
+                             **{f"{kind}_bytes": float(n) for kind, n in moved.items()}},
                             self.e.rule, self.before)
 
     # ---- evaluation -----------------------------------------------------------------------------

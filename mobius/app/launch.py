@@ -141,8 +141,9 @@ def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: Plan, rate: 
 
 
 PHASES = {"forward": "forward_s", "backward": "backward_s", "upload_wait": "upload_wait_s",  # plan -> metrics
-          "dispatch": "dispatch_s",  # (predicted: the messages posted to other workers; measured: every action's
-          # dispatch but compute, the tied ends' sum and the reduce)
+          "dispatch": "dispatch_s",  # (predicted: the messages posted to other workers and, on CPU workers, the time
+          # per compute action the earlier runs measured; measured: the dispatch thread's own time on every action
+          # outside its compute and what held it, the tied ends' sum and the reduce apart)
           "tail": "reduce_s"}  # the step's end (predicted: after the last compute; measured: the dispatch thread's,
 # from the tied ends' sum; the swapped pipeline's runtime measures it)
 ZERO_PHASES = {"forward": "forward_s", "backward": "backward_s", "cpu_adam": "cpu_adam_s"}  # zero plan -> metrics
