@@ -130,18 +130,19 @@ def model_flops(args: argparse.Namespace, preset: str) -> float:
 def table(rows: list[dict]) -> str:
     lines = ["| model | system | ready (s) | where the start went | step (s) | tokens/s | TFLOP/s | peak GiB | "
              "vs all-in-GPU | predicted (s) | measured / predicted | forward, backward, dispatch, step's end: "
-             "measured (predicted) s |", "|" + "---|" * 12]
+             "measured (predicted) s | launching the compute (s) |", "|" + "---|" * 13]
     base = {r["preset"]: r["step_s"] for r in rows if r["name"].startswith("all-in-GPU") and "step_s" in r}
     for r in rows:
         if "step_s" not in r:
-            lines.append(f"| {r['preset']} | {r['name']} | failed: {r['error']} |" + " |" * 9)
+            lines.append(f"| {r['preset']} | {r['name']} | failed: {r['error']} |" + " |" * 10)
             continue
         split = ", ".join(f"{k} {v:.1f}" for k, v in r["ready"].items())
         pred = r.get("predicted_step_s")
         vs = f"{base[r['preset']] / r['step_s']:.2f}" if r["preset"] in base else ""
         lines.append(f"| {r['preset']} | {r['name']} | {r['ready_s']:.1f} | {split} | {r['step_s']:.3f} | "
                      f"{r['tokens_per_s']:,} | {r['tflops']:.0f} | {r['peak_gib']:.1f} | {vs} | "
-                     + (f"{pred:.3f} | {r['step_s'] / pred:.2f} |" if pred else " | |") + f" {phases(r)} |")
+                     + (f"{pred:.3f} | {r['step_s'] / pred:.2f} |" if pred else " | |") + f" {phases(r)} | "
+                     + (f"{r['launch_s']:.3f} |" if "launch_s" in r else " |"))
     return "\n".join(lines)
 
 
