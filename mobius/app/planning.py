@@ -153,8 +153,8 @@ def as_runs_compute(prof: ModelProfile, cfg: Config, model_cfg: ModelConfig,
     """A measured ``prof`` scaled to the compute the last runs of this mode and setting measured inside their
     steps on this machine (:mod:`partition.calibrate`; as measured when none has), with the key the next run
     keeps its own factors under (``notes["in_run"]``). A datasheet's or a profile file's as given. The pipeline's
-    schedules (``parallel.schedule``) learn apart, their dispatch threads differ (on 2 CPU workers 0.4-0.8 ms per
-    compute action in the swapped pipeline, 0.5-0.7 ms in the round-robin), and a schedule with no runs of its
+    schedules (``parallel.schedule``) learn apart, their dispatch threads differ (on 2 CPU workers 0.4-1.0 ms per
+    compute action in the swapped pipeline, 0.4-0.8 ms in the round-robin), and a schedule with no runs of its
     own yet is planned with another's (the same units computed)."""
     if prof.source != "measured" or cfg.partition.profile_file:
         return prof
