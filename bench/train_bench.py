@@ -98,7 +98,7 @@ def summarise(args: argparse.Namespace, preset: str, name: str, out: Path, wall:
            "peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in lines), "ready_s": lines[0]["ready_s"],
            "ready": lines[0]["ready"], "wall_s": round(wall, 1), "loss": lines[-1]["loss"]}
     for key in ("h2d_bytes", "d2h_bytes", "overflow_bytes", "upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
-                "dispatch_s", "launch_s", "reduce_s", "reduce_wait_s"):
+                "dispatch_s", "launch_s", "compute_spread", "reduce_s", "reduce_wait_s"):
         if key in timed[-1]:
             row[key] = round(sum(r[key] for r in timed) / len(timed), 4)
     plan = out / "plan.json"
@@ -130,11 +130,11 @@ def model_flops(args: argparse.Namespace, preset: str) -> float:
 def table(rows: list[dict]) -> str:
     lines = ["| model | system | ready (s) | where the start went | step (s) | tokens/s | TFLOP/s | peak GiB | "
              "vs all-in-GPU | predicted (s) | measured / predicted | forward, backward, dispatch, step's end: "
-             "measured (predicted) s | launching the compute (s) |", "|" + "---|" * 13]
+             "measured (predicted) s | launching the compute (s) | compute spread |", "|" + "---|" * 14]
     base = {r["preset"]: r["step_s"] for r in rows if r["name"].startswith("all-in-GPU") and "step_s" in r}
     for r in rows:
         if "step_s" not in r:
-            lines.append(f"| {r['preset']} | {r['name']} | failed: {r['error']} |" + " |" * 10)
+            lines.append(f"| {r['preset']} | {r['name']} | failed: {r['error']} |" + " |" * 11)
             continue
         split = ", ".join(f"{k} {v:.1f}" for k, v in r["ready"].items())
         pred = r.get("predicted_step_s")
@@ -142,7 +142,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['preset']} | {r['name']} | {r['ready_s']:.1f} | {split} | {r['step_s']:.3f} | "
                      f"{r['tokens_per_s']:,} | {r['tflops']:.0f} | {r['peak_gib']:.1f} | {vs} | "
                      + (f"{pred:.3f} | {r['step_s'] / pred:.2f} |" if pred else " | |") + f" {phases(r)} | "
-                     + (f"{r['launch_s']:.3f} |" if "launch_s" in r else " |"))
+                     + (f"{r['launch_s']:.3f} | {r['compute_spread']:.1%} |" if "launch_s" in r else " | |"))
     return "\n".join(lines)
 
 

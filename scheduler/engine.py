@@ -188,6 +188,7 @@ class PipelineEngine:
                  "upload_wait_s": round(s["upload_wait_s"] / n, 4), "cpu_adam_s": round(s["cpu_adam_s"] / n, 4),
                  "forward_s": round(s["forward_s"] / n, 4), "backward_s": round(s["backward_s"] / n, 4),
                  "dispatch_s": round(s["dispatch_s"] / n, 4), "launch_s": round(s["launch_s"] / n, 4),
+                 "compute_spread": round(s["compute_spread"] / n, 4),
                  "reduce_s": round(s["reduce_s"] / n, 4),
                  "reduce_wait_s": round(s["reduce_wait_s"] / n, 4)}
         if trace is not None:

@@ -582,7 +582,7 @@ class Executor:
         if st.sched.train:
             st.saved[(j, m)] = x  # an OFFLOAD that follows moves it to host memory
         st.outputs[("a", j, m)] = y.to(self.opt.dtype)
-        self.st.computed.add("forward", start)
+        self.st.computed.add("forward", start, "F", j)
 
     def _forward_kept(self, j: int, m: int) -> None:
         """Forward with autograd on: the graph stays on the device for the backward (no recompute).
@@ -600,7 +600,7 @@ class Executor:
         params = tuple(self.units[j].parameters()) if swapped else ()
         self.st.saved[(j, m)] = Graph(x, y, params)
         self.st.outputs[("a", j, m)] = y.detach().to(self.opt.dtype)
-        self.st.computed.add("forward", start)
+        self.st.computed.add("forward", start, "F", j)
 
     def _weights_by_position(self, j: int) -> torch.autograd.graph.saved_tensors_hooks:
         """Saved-tensor hooks for stage j's kept forward: a saved view of its slot is kept as its
@@ -637,7 +637,7 @@ class Executor:
         add_gradients(slot.pairs)
         if j > 0:
             st.outputs[("g", j, m)] = x.grad
-        self.st.computed.add("backward", start)
+        self.st.computed.add("backward", start, "FB", j)
 
     def _backward(self, a: Action) -> None:
         """Recompute the stage's forward from its saved input (or take its kept graph), then backpropagate."""
@@ -666,7 +666,7 @@ class Executor:
         add_gradients(pairs)
         if j > 0:
             st.outputs[("g", j, m)] = x.grad
-        self.st.computed.add("backward", start)
+        self.st.computed.add("backward", start, "B", j)
 
     def _count_loss(self, loss: torch.Tensor) -> None:
         self.st.loss_sum = self.st.loss_sum + loss.detach().float()
@@ -827,5 +827,6 @@ class Executor:
         return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "stall_s": st.stall_s,
                 "upload_wait_s": st.wait_s, "cpu_adam_s": update_s, "cpu_adam_params": float(update_params),
                 "forward_s": st.computed.seconds("forward"), "backward_s": st.computed.seconds("backward"),
-                "dispatch_s": st.dispatch_s, "launch_s": st.computed.host_s, "reduce_wait_s": st.reduce_wait_s,
+                "dispatch_s": st.dispatch_s, "launch_s": st.computed.host_s, "compute_spread": st.computed.spread(),
+                "reduce_wait_s": st.reduce_wait_s,
                 **{f"{kind}_bytes": float(n) for kind, n in moved.items()}}

@@ -235,7 +235,7 @@ class RoundRobinEngine:
                  "p2p_bytes": int(total["p2p_bytes"]), "overflow_bytes": int(total["overflow_bytes"]),
                  "traffic_x_params": round(moved / self.param_bytes, 3),
                  **{k: round(total[k] / n, 4) for k in ("upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
-                                                        "dispatch_s", "launch_s")}}
+                                                        "dispatch_s", "launch_s", "compute_spread")}}
         if st.trace is not None:
             extra["traced"] = True  # it waited for its updates: not a steady step
         return StepStats(total["loss_sum"] / max(total["losses"], 1), norm, skipped, self.rule.loss_scale, extra,
@@ -574,7 +574,7 @@ class _Dispatch:
                 if u in keep:
                     st.kept[(m, u)] = x
         st.outputs[("a", k, m)] = x
-        self.st.computed.add("forward", start)
+        self.st.computed.add("forward", start, "F", k)
 
     def _entry(self, m: int, unit: int) -> int:
         """Micro-batch ``m``'s input of ``unit``: its entry in the step's stash (:meth:`UnitStores.stash`)."""
@@ -697,7 +697,7 @@ class _Dispatch:
             x = x.detach().requires_grad_()
         with autocast(self.device, self.e.cfg.train.precision):
             self.st.graphs[(k, m)] = (x, self._run(first, end, x, m))
-        self.st.computed.add("backward", start)
+        self.st.computed.add("backward", start, "C", k)
 
     def _backward(self, a: Action) -> None:
         k, m, st = a.stage, a.micro, self.st
@@ -711,7 +711,7 @@ class _Dispatch:
         add_gradients(slot.pairs)
         if self.cuts.units(k)[0] > 0:
             st.outputs[("g", k, m)] = x.grad
-        self.st.computed.add("backward", start)
+        self.st.computed.add("backward", start, "B", k)
 
     def _fb(self, a: Action) -> None:
         """The fused op: forward, loss and backward of one micro-batch (no recompute)."""
@@ -727,7 +727,7 @@ class _Dispatch:
         st.losses += 1
         add_gradients(slot.pairs)
         st.outputs[("g", k, m)] = x.grad
-        self.st.computed.add("backward", start)
+        self.st.computed.add("backward", start, "FB", k)
 
     # ---- activations ----------------------------------------------------------------------------
     def _tag(self, kind: str, sender: int, m: int) -> int:
@@ -884,6 +884,7 @@ class _Dispatch:
                              "upload_wait_s": st.wait_s, "cpu_adam_s": adam_s, "cpu_adam_params": adam_params,
                              "forward_s": st.computed.seconds("forward"), "backward_s": st.computed.seconds("backward"),
                              "dispatch_s": st.dispatch_s, "launch_s": st.computed.host_s,
+                             "compute_spread": st.computed.spread(),
                              **{f"{kind}_bytes": float(n) for kind, n in moved.items()}},
                             self.e.rule, self.before)
 

@@ -67,11 +67,13 @@ class StepTrace:
 
 class ComputeSpans:
     """A step's compute actions, each from after the waits for its inputs to its end on the compute stream
-    (CUDA events, read once the step's work has finished; host time on the CPU), by phase."""
+    (CUDA events, read once the step's work has finished; host time on the CPU), by phase and by what they
+    compute (an action's kind and stage: its micro-batches should take one time)."""
 
     def __init__(self, device: torch.device):
         self.cuda, self.device = device.type == "cuda", device
         self.spans: dict[str, list[tuple[object, object]]] = {"forward": [], "backward": []}
+        self.alike: dict[tuple[str, int], list[tuple[object, object]]] = {}  # (kind, stage) -> its spans
         self.last: tuple[object, object] | None = None  # the span added last (a step trace's compute span)
         self.host_s = 0.0  # the dispatch thread's time from each mark() to its add() (on a GPU: launching the work)
         self._marked = 0.0
@@ -88,18 +90,36 @@ class ComputeSpans:
         e.record(torch.cuda.current_stream(self.device))
         return e
 
-    def add(self, phase: str, start: object) -> None:
-        """The action begun at ``start`` ends now (``phase``: forward; backward: FB, recompute, backward)."""
+    def add(self, phase: str, start: object, kind: str, stage: int) -> None:
+        """The action (``kind`` of ``stage``, or op) begun at ``start`` ends now (``phase``: forward; backward: FB,
+        recompute, backward)."""
         self.last = (start, self._now())
         self.spans[phase].append(self.last)
+        self.alike.setdefault((kind, stage), []).append(self.last)
         self.host_s += time.perf_counter() - self._marked
 
     def seconds(self, phase: str) -> float:
-        if self.cuda:
-            if self.last is not None:
-                self.last[1].synchronize()  # the latest end on the compute stream: every span has ended
-            return sum(a.elapsed_time(b) for a, b in self.spans[phase]) / 1e3
-        return sum(b - a for a, b in self.spans[phase])
+        return sum(self._durations(self.spans[phase]))
+
+    def spread(self) -> float:
+        """How much one compute's time varies inside the step: the standard deviation over the mean of the
+        computes of one kind and stage, pooled over those with two or more (0 without any). The simulator draws
+        each at the mean; a plan without slack pays every slow one at the next hand-over."""
+        squares, free = 0.0, 0
+        for spans in self.alike.values():
+            times = self._durations(spans)
+            mean = sum(times) / len(times)
+            if len(times) > 1 and mean > 0:
+                squares += sum((t / mean - 1.0) ** 2 for t in times)
+                free += len(times) - 1
+        return (squares / free) ** 0.5 if free else 0.0
+
+    def _durations(self, spans: list[tuple[object, object]]) -> list[float]:
+        if not self.cuda:
+            return [b - a for a, b in spans]
+        if self.last is not None:
+            self.last[1].synchronize()  # the latest end on the compute stream: every span has ended
+        return [a.elapsed_time(b) / 1e3 for a, b in spans]
 
 
 def write_step_trace(trace: StepTrace, comm: Any, rank: int, device: torch.device, out_dir: str, step: int) -> None:

@@ -403,6 +403,7 @@ def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path, demo_single
                + r["reduce_s"] <= r["step_s"] for r in lines), lines
     # on CPU workers the dispatch thread's time inside its computes is the compute (a GPU's: launching it)
     assert all(r["launch_s"] == pytest.approx(r["forward_s"] + r["backward_s"], rel=0.05, abs=1e-3) for r in lines)
+    assert all(0 < r["compute_spread"] < 2 for r in lines)  # one stage's micro-batches vary some, on a busy VM
 
 
 def _received_after_sent(spans: list[dict]) -> int:
@@ -477,3 +478,16 @@ def test_receives_from_gloo_links_are_posted_when_the_step_begins() -> None:
     posted: list[Action] = []
     post_early(actions, {0: LocalLink(), 1: gloo}, posted.append)
     assert posted == [actions[0], actions[4]]
+
+
+def test_compute_spread_pools_the_variation_of_one_kind_and_stage() -> None:
+    """``ComputeSpans.spread``: the standard deviation over the mean of one stage's computes of one kind within a
+    step, pooled over the kinds and stages with two or more (here 0.8, 1.0 and 1.2 times their mean, and one
+    backward alone, which says nothing)."""
+    from scheduler.trace import ComputeSpans
+
+    spans = ComputeSpans(torch.device("cpu"))
+    assert spans.spread() == 0.0
+    spans.alike = {("F", 0): [(0.0, 0.8), (1.0, 2.0), (2.0, 3.2)], ("B", 0): [(0.0, 2.0)],
+                   ("F", 1): [(0.0, 0.5), (1.0, 1.5)]}
+    assert spans.spread() == pytest.approx((0.08 / 3) ** 0.5)
