@@ -228,7 +228,8 @@ class ZeroEngine:
             start = st.computed.mark()
             {OpKind.FORWARD: self._forward, OpKind.LOSS: self._loss, OpKind.EVAL: self._loss,
              OpKind.BACKWARD: self._backward}[op.kind](op.unit, st)
-            st.computed.add("forward" if op.kind in (OpKind.FORWARD, OpKind.EVAL) else "backward", start)
+            st.computed.add("forward" if op.kind in (OpKind.FORWARD, OpKind.EVAL) else "backward", start,
+                            op.kind.value, op.unit)
             self.cache.release(chunks)
             for c in self.flushes[t] if st.train else ():
                 self._flush(c, st)
