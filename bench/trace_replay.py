@@ -6,7 +6,8 @@ simulator does not draw), with the compute taken as it ran.
     python bench/trace_replay.py bench_out "round-robin" --step 10
 
 Prints the traced step (the run's metrics row) beside the simulated one given the run's mean compute (the bench's
-``calibrated_s``) and given each compute's traced duration, then per worker the gaps between consecutive computes
+``calibrated_s``; both with the step's dispatch time per compute fitted to its ``dispatch_s``) and given each
+compute's traced duration, then per worker the gaps between consecutive computes
 beyond the simulator's (traced gap less simulated gap): at a switch to another op or stage, and between the
 micro-batches of one. Works for the bench's runs (it rebuilds their configuration from the variant's name).
 """
@@ -14,6 +15,7 @@ micro-batches of one. Works for the bench's runs (it rebuilds their configuratio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import importlib
 import json
@@ -89,7 +91,7 @@ def replay(out: Path, variant: str, step: int) -> dict:
     from mobius.app.planning import hardware, profile
     from mobius.app.settings import Machine, resolve
     from mobius.assemble import planned_architecture
-    from partition.calibrate import fit_scale
+    from partition.calibrate import fit_action, fit_scale
     from partition.plan import Plan
 
     run = out / "runs" / f"{variant.replace(' ', '_')}-0"
@@ -102,7 +104,8 @@ def replay(out: Path, variant: str, step: int) -> dict:
     plan = Plan.from_json(json.loads((run / "plan.json").read_text()))
     row = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][step - 1]
     fit = fit_scale(measured, lambda p: plan.replay(p, hw), {k: row[f"{k}_s"] for k in ("forward", "backward")})
-    scaled = fit.apply(measured)
+    action_s = fit_action(fit.apply(measured), lambda p: plan.replay(p, hw), row["dispatch_s"])  # this step's
+    scaled = dataclasses.replace(fit, action_s=action_s).apply(measured)
     trace = load_trace(run / f"trace-step{step}.json")
     durations = {compute_key(s.name, M): s.seconds for w in trace.values() for s in w["compute"]}
     with traced_durations(durations, M):
