@@ -126,6 +126,7 @@ def run_variant(name: str, ck: Path, root: Path, repeat: int, args: argparse.Nam
             "resident": plan["resident"], "kept": plan["kept"], "predicted_s": round(predicted, 4),
             "measured_s": round(measured, 4), "error": round(predicted / measured - 1, 4),
             "model_s": round(plan["model_step_s"], 4), "cpu_adam_params_per_s": plan["cpu_adam_params_per_s"],
+            "compute_spread": round(statistics.median(r["compute_spread"] for r in steady_rows(rows, args.warmup)), 4),
             "wall_s": round(wall, 1), **replayed(cfg, plan, rows, args.warmup)}
 
 
@@ -179,7 +180,8 @@ def summarize(rows: list[dict]) -> list[dict]:
              "error_min": min(r["error"] for r in rs), "error_max": max(r["error"] for r in rs),
              "calibrated_error": round(statistics.median(r["calibrated_s"] / r["measured_s"] - 1 for r in rs), 4),
              "profile_only_error": round(statistics.median(r["profile_only_s"] / r["measured_s"] - 1 for r in rs), 4),
-             "learnt_runs": [r["learnt_runs"] for r in rs]}
+             "learnt_runs": [r["learnt_runs"] for r in rs],
+             "compute_spread": round(statistics.median(r["compute_spread"] for r in rs), 4)}
             for name, rs in by.items()]
 
 
@@ -253,12 +255,14 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
     summary = summarize(rows)
     print(f"\n{'variant':32s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s} {'range':>16s} {'calibrated':>10s} "
-          f"{'profile alone':>13s} {'runs learnt':>11s}   forward, backward, upload wait, dispatch: predicted / measured s")
+          f"{'profile alone':>13s} {'runs learnt':>11s} {'spread':>6s}   forward, backward, upload wait, dispatch: "
+          f"predicted / measured s")
     for r in summary:
         split = ", ".join(f"{r[k][0]:.3f} / {r[k][1]:.3f}" for k in PHASE_KEYS)
         print(f"{r['variant']:32s} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} {100 * r['error']:+6.1f}% "
               f"{100 * r['error_min']:+7.1f}..{100 * r['error_max']:+.1f}% {100 * r['calibrated_error']:+9.1f}% "
-              f"{100 * r['profile_only_error']:+12.1f}% {','.join(map(str, r['learnt_runs'])):>11s}   {split}")
+              f"{100 * r['profile_only_error']:+12.1f}% {','.join(map(str, r['learnt_runs'])):>11s} "
+              f"{100 * r['compute_spread']:5.1f}%   {split}")
     out = Path(args.out) / "cpu_pipeline_bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "rows": rows, "summary": summary},
