@@ -32,7 +32,6 @@ alone`` gives the same plan's step from the profile as measured. Prints the tabl
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -142,7 +141,7 @@ def replayed(cfg, plan: dict, rows: list[dict], warmup: int) -> dict:
     from mobius.app.planning import hardware, profile
     from mobius.app.settings import Machine, resolve
     from mobius.assemble import planned_architecture
-    from partition.calibrate import ComputeScale, fit_action, fit_scale
+    from partition.calibrate import ComputeScale, fit_scale
     from partition.plan import Plan
 
     machine = Machine.detect(cfg)
@@ -152,10 +151,8 @@ def replayed(cfg, plan: dict, rows: list[dict], warmup: int) -> dict:
     learnt = ComputeScale(**plan["compute_scale"])
     planned = Plan.from_json(plan)
     steady = steady_rows(rows, warmup)
-    want = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
+    want = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward", "dispatch")}
     fit = fit_scale(measured, lambda p: planned.replay(p, hw), want)
-    dispatch = statistics.median(r["dispatch_s"] for r in steady)
-    fit = dataclasses.replace(fit, action_s=fit_action(fit.apply(measured), lambda p: planned.replay(p, hw), dispatch))
     return {"as_planned_s": round(planned.replay(learnt.apply(measured), hw).step_s, 4),
             "profile_only_s": round(planned.replay(measured, hw).step_s, 4),
             "calibrated_s": round(planned.replay(fit.apply(measured), hw).step_s, 4),

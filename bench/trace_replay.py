@@ -15,7 +15,6 @@ micro-batches of one. Works for the bench's runs (it rebuilds their configuratio
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
 import importlib
 import json
@@ -91,7 +90,7 @@ def replay(out: Path, variant: str, step: int) -> dict:
     from mobius.app.planning import hardware, profile
     from mobius.app.settings import Machine, resolve
     from mobius.assemble import planned_architecture
-    from partition.calibrate import fit_action, fit_scale
+    from partition.calibrate import fit_scale
     from partition.plan import Plan
 
     run = out / "runs" / f"{variant.replace(' ', '_')}-0"
@@ -103,9 +102,9 @@ def replay(out: Path, variant: str, step: int) -> dict:
     measured = profile(cfg, planned_architecture(cfg), settings, machine, hw)
     plan = Plan.from_json(json.loads((run / "plan.json").read_text()))
     row = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][step - 1]
-    fit = fit_scale(measured, lambda p: plan.replay(p, hw), {k: row[f"{k}_s"] for k in ("forward", "backward")})
-    action_s = fit_action(fit.apply(measured), lambda p: plan.replay(p, hw), row["dispatch_s"])  # this step's
-    scaled = dataclasses.replace(fit, action_s=action_s).apply(measured)
+    phases = {k: row[f"{k}_s"] for k in ("forward", "backward", "dispatch")}
+    fit = fit_scale(measured, lambda p: plan.replay(p, hw), phases)
+    scaled = fit.apply(measured)  # with this step's dispatch time per compute
     trace = load_trace(run / f"trace-step{step}.json")
     durations = {compute_key(s.name, M): s.seconds for w in trace.values() for s in w["compute"]}
     with traced_durations(durations, M):

@@ -77,7 +77,9 @@ def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
               measured: dict[str, float]) -> ComputeScale:
     """The factors that make ``simulate(scaled profile)``'s forward and backward phases equal
     ``measured`` ({"forward": s, "backward": s}, seconds per worker and step as the run's metrics give
-    them), relative to ``profile``; the identity when nothing was measured.
+    them), relative to ``profile``; the identity when nothing was measured. With ``measured["dispatch"]`` (CPU
+    workers' pipeline: the dispatch thread's own time, ``dispatch_s``) also the ``action_s`` that makes the
+    dispatch phase equal it (:func:`fit_action`); without, the profile's.
 
     A phase is a sum of compute spans, each a sum of unit times, so it is linear in the two factors (plus
     what they do not scale, the fp32 gradient sums): three simulations give its coefficients, and the two
@@ -93,7 +95,12 @@ def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
     if abs(det) < 1e-12 * max(abs(a * d), abs(b * c), 1e-30):
         return ComputeScale()  # a phase the factors do not move (no forward in the step): nothing to fit
     fx, bx = 1.0 + (e * d - b * f) / det, 1.0 + (a * f - e * c) / det
-    return ComputeScale(fx, bx, 1, profile.action_s) if fx > 0 and bx > 0 else ComputeScale()
+    if not (fx > 0 and bx > 0):
+        return ComputeScale()
+    fit = ComputeScale(fx, bx, 1, profile.action_s)
+    if "dispatch" not in measured:
+        return fit
+    return dataclasses.replace(fit, action_s=fit_action(fit.apply(profile), simulate, measured["dispatch"]))
 
 
 def fit_action(profile: ModelProfile, simulate: Callable[[ModelProfile], Split], measured_s: float) -> float:

@@ -10,7 +10,6 @@ rank and the cause.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ from mobius.models import ModelConfig
 from mobius.parallel import ParallelSettings
 from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
 from mobius.app.planning import Planned
-from partition.calibrate import ComputeScale, fit_action, fit_scale, record_scale
+from partition.calibrate import ComputeScale, fit_scale, record_scale
 from partition.cpu_rate import record_in_step_rate
 from partition.plan import Plan
 from partition.zero import ZeroPlan
@@ -244,12 +243,11 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
     if info is None or replay is None or len(steady) < MIN_STEADY_STEPS:
         return
     measured = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
+    if planned.settings.device == "cpu" and planned.mode == "pipeline":  # the dispatch thread is the compute's
+        measured["dispatch"] = statistics.median(r["dispatch_s"] for r in steady)
     fitted = fit_scale(prof, replay, measured)
     if not fitted.runs:
         return
-    if planned.settings.device == "cpu" and planned.mode == "pipeline":  # the dispatch thread is the compute's
-        action_s = fit_action(fitted.apply(prof), replay, statistics.median(r["dispatch_s"] for r in steady))
-        fitted = dataclasses.replace(fitted, action_s=action_s)
     scale = fitted.times(ComputeScale(info["forward"], info["backward"]))  # relative to the profile as measured
     record_scale(os.path.join(cfg.partition.cache_dir, "partition"), info["key"], scale,
                  {"device": prof.device_name, "mode": planned.settings.mode, "schedule": cfg.parallel.schedule,
