@@ -46,12 +46,12 @@ from mobius.optim import UpdateRule
 from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.arbiter import UploadArbiter
 from scheduler.counters import Counters
-from scheduler.links import post_early, received
+from scheduler.links import post_early
 from scheduler.shared import WAIT_TIMEOUT_S
 from mobius.models.params import build_units
 from scheduler.stages import StageLayout, add_gradients, add_tied, bind
 from scheduler.store import StageStore
-from scheduler.trace import ComputeSpans, StepTrace
+from scheduler.trace import ComputeSpans, DispatchTime, StepTrace
 from scheduler.updater import CpuUpdater, Events
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,6 @@ class StepState:
     losses: int = 0
     stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
     wait_s: float = 0.0  # dispatch thread blocked on uploads (which wait for the stage's CPU update)
-    held_s: float = 0.0  # dispatch thread blocked: on uploads and reloads (wait_s), and taking its inputs
     dispatch_s: float = 0.0  # dispatch thread's own time: every action outside its compute and what held it, the
     # tied ends' sum and the reduce apart
     tie_s: float = 0.0  # dispatch thread summing the tied ends' gradients (host time; counted in reduce_s)
@@ -213,6 +212,7 @@ class StepState:
     reloads: dict[int, Future] = field(default_factory=dict)  # stage -> its offloaded inputs' way back
     stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     computed: ComputeSpans | None = None  # set by Executor.run for its device
+    clock: DispatchTime | None = None  # the dispatch thread's time apart from ``computed`` (set with it)
     arrived: dict[int, torch.cuda.Event | None] = field(default_factory=dict)  # stage -> its gradients' download
     head_down: threading.Event = field(default_factory=threading.Event)  # the last stage's DOWNLOAD issued (or the
     # step abandoned): stage 0's backward upload may bring the head's tied gradient up (``Schedule.tie_in``)
@@ -291,6 +291,7 @@ class Executor:
             units.train(io.training)
         self.st = StepState(io, sched, self._stage_batches(sched, io), trace, self._runs * ORDER_STRIDE,
                             computed=ComputeSpans(self.device))
+        self.st.clock = DispatchTime(self.st.computed)
         post_early(sched.actions[self.rank], self.links, self._recv)
         try:
             for action in sched.actions[self.rank]:
@@ -303,13 +304,11 @@ class Executor:
     def _dispatch(self, action: Action, trace: StepTrace | None) -> None:
         st = self.st
         st.computed.last = None
-        t0, held, inside = time.perf_counter(), st.held_s, st.computed.host_s
-        self.handlers[action.kind](action)
-        t1 = time.perf_counter()
+        t0, t1, own = st.clock.run(self.handlers[action.kind], action)
         if action.kind == Kind.TIE:  # the step's end apart (the tied ends' sum and the reduce: reduce_s)
             st.tie_s += t1 - t0
         elif action.kind != Kind.REDUCE:  # messages, uploads issued, downloads, binding a stage to its slot
-            st.dispatch_s += (t1 - t0) - (st.held_s - held) - (st.computed.host_s - inside)
+            st.dispatch_s += own
         if trace is None:
             return
         if action.kind not in COMPUTE:
@@ -507,9 +506,7 @@ class Executor:
             return
         t0 = time.perf_counter()
         back = job.result()
-        held = time.perf_counter() - t0
-        self.st.wait_s += held
-        self.st.held_s += held
+        self.st.wait_s += self.st.clock.held_since(t0)
         if back is not None:
             torch.cuda.current_stream(self.device).wait_event(back)
 
@@ -527,9 +524,7 @@ class Executor:
         if not slot.ready.is_set():
             t0 = time.perf_counter()
             slot.ready.wait()
-            held = time.perf_counter() - t0
-            self.st.wait_s += held
-            self.st.held_s += held
+            self.st.wait_s += self.st.clock.held_since(t0)
             if not self.cuda:
                 self.st.stall_s += time.perf_counter() - t0
         self.check()
@@ -563,9 +558,7 @@ class Executor:
     def _input(self, j: int, m: int) -> torch.Tensor:
         if j == 0:
             return self.st.batches["inputs"][m]
-        x, held = received(self.st.waiting, ("a", j, m))
-        self.st.held_s += held
-        return x
+        return self.st.clock.take(self.st.waiting, ("a", j, m))
 
     def _forward(self, a: Action) -> None:
         j, m, st = a.stage, a.micro, self.st
@@ -645,8 +638,7 @@ class Executor:
         slot = self._on_device(j, grads=True)
         self._inputs_back(j)
         saved = st.saved.pop((j, m))
-        g, held = received(st.waiting, ("g", j, m))
-        st.held_s += held
+        g = st.clock.take(st.waiting, ("g", j, m))
         start = self.st.computed.mark()
         pairs = slot.pairs
         if isinstance(saved, Graph):
@@ -704,9 +696,7 @@ class Executor:
         if not host.consumed.is_set():  # delayed: the previous step's AdamW still reads the gradient buffer
             t0 = time.perf_counter()
             host.consumed.wait()
-            held = time.perf_counter() - t0
-            st.wait_s += held
-            st.held_s += held
+            st.wait_s += st.clock.held_since(t0)
         self.check()
         host.consumed.clear()  # (delayed: `updated` is the compute copy's, cleared at the step's last upload)
         if not host.delayed:

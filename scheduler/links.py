@@ -356,14 +356,6 @@ class MailLink:
         self.pending.clear()
 
 
-def received(waiting: dict[tuple[str, int, int], Waiter], key: tuple[str, int, int]) -> tuple[torch.Tensor, float]:
-    """The message whose receive was posted under ``key`` (taken out of ``waiting``) and the seconds the
-    dispatch thread was held taking it (its wait for the sender, and a CPU worker's copy out of the mailbox)."""
-    t0 = time.perf_counter()
-    x = waiting.pop(key)()
-    return x, time.perf_counter() - t0
-
-
 def post_early(actions: list[Action], links: dict, recv: Callable[[Action], None]) -> None:
     """Post, in list order, the receives of a step's ``actions`` whose links take them when the step begins
     (``recv``: the runtime's handler of a receive, which then finds them posted)."""

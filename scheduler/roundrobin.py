@@ -56,10 +56,10 @@ from partition.schedule import COMPUTE, Action, Kind
 from partition.schedule.roundrobin import RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot, batches_on
-from scheduler.links import link_to, mailboxes_for, post_early, received
+from scheduler.links import link_to, mailboxes_for, post_early
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, add_tied, bind
-from scheduler.trace import ComputeSpans, StepTrace, write_step_trace
+from scheduler.trace import ComputeSpans, DispatchTime, StepTrace, write_step_trace
 from scheduler.updater import CpuUpdater, Events, sum_over_ranks
 
 log = logging.getLogger(__name__)
@@ -119,10 +119,10 @@ class _Step:
     losses: int = 0
     sumsq: float = 0.0
     wait_s: float = 0.0  # for uploads: the dispatch thread's waits, and the upload thread's for updates and sums
-    held_s: float = 0.0  # the dispatch thread blocked: on uploads and reloads, and taking its inputs
     dispatch_s: float = 0.0  # the dispatch thread's own time: every action outside its compute and what held it,
     # the reduce apart
     computed: ComputeSpans | None = None  # set by the dispatch for its device
+    clock: DispatchTime | None = None  # the dispatch thread's time apart from ``computed`` (set with it)
     batches: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (inputs, targets) on it (the dispatch's)
     reduce: _Reduce | None = None  # its statistics over the workers (posted at REDUCE)
     seconds: float = 0.0  # this worker's list, from its first action to its REDUCE
@@ -373,6 +373,7 @@ class _Dispatch:
         """This worker's actions of ``st`` (``before``: the previous step's statistics, ended before this one's)."""
         self.st, self.before = st, before
         st.computed = ComputeSpans(self.device)
+        st.clock = DispatchTime(st.computed)
         st.batches = batches_on(self.device, st.inputs), batches_on(self.device, st.targets)
         for unit in self.units:
             unit.train(True)
@@ -382,11 +383,9 @@ class _Dispatch:
                 st.reloads.setdefault((a.stage, self._round(a.micro)), []).append(a)
         for a in st.sched.actions[self.e.rank]:
             st.computed.last = None
-            t0, held, inside = time.perf_counter(), st.held_s, st.computed.host_s
-            self.handlers[a.kind](a)
-            t1 = time.perf_counter()
+            t0, t1, own = st.clock.run(self.handlers[a.kind], a)
             if a.kind != Kind.REDUCE:  # messages, copies, binding an op to its slot
-                st.dispatch_s += (t1 - t0) - (st.held_s - held) - (st.computed.host_s - inside)
+                st.dispatch_s += own
             if st.trace is None:
                 continue
             if a.kind not in COMPUTE:
@@ -508,9 +507,7 @@ class _Dispatch:
         if not slot.ready.is_set():
             t0 = time.perf_counter()
             slot.ready.wait()
-            held = time.perf_counter() - t0
-            self.st.wait_s += held
-            self.st.held_s += held
+            self.st.wait_s += self.st.clock.held_since(t0)
         self.check()
         if self.cuda and slot.ready_event is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
@@ -553,9 +550,7 @@ class _Dispatch:
     def _input(self, k: int, m: int) -> torch.Tensor:
         if k == 0:
             return self.st.batches[0][m]
-        x, held = received(self.st.waiting, ("a", k, m))
-        self.st.held_s += held
-        return x
+        return self.st.clock.take(self.st.waiting, ("a", k, m))
 
     def _forward(self, a: Action) -> None:
         """A forward op over one micro-batch (no autograd); the inputs of units where backward ops start are
@@ -674,9 +669,7 @@ class _Dispatch:
         input (:meth:`_reload_job`, started by the op's UPLOAD)."""
         t0 = time.perf_counter()
         got = self.st.reloading.pop((a.stage, a.micro)).result()
-        held = time.perf_counter() - t0
-        self.st.wait_s += held
-        self.st.held_s += held
+        self.st.wait_s += self.st.clock.held_since(t0)
         self.check()
         assert got is not None, "a reload ended without its input and without a failure"
         x, back = got
@@ -703,8 +696,7 @@ class _Dispatch:
         k, m, st = a.stage, a.micro, self.st
         slot = self._on_device(k, self._round(m), grads=True)
         x, y = st.graphs.pop((k, m))
-        g, held = received(st.waiting, ("g", k, m))
-        st.held_s += held
+        g = st.clock.take(st.waiting, ("g", k, m))
         start = self.st.computed.mark()
         if y.requires_grad:  # frozen units over token ids (LoRA's embedding) have nothing to do
             torch.autograd.backward(y, g.to(y.dtype))

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -120,6 +120,35 @@ class ComputeSpans:
         if self.last is not None:
             self.last[1].synchronize()  # the latest end on the compute stream: every span has ended
         return [a.elapsed_time(b) / 1e3 for a, b in spans]
+
+
+class DispatchTime:
+    """The dispatch thread's time in one step, apart from its computes (``computed``): what held it (waits for
+    uploads, reloads and its inputs, ``held_s``) and its own time on each action outside the two."""
+
+    def __init__(self, computed: ComputeSpans):
+        self.computed, self.held_s = computed, 0.0
+
+    def held_since(self, t0: float) -> float:
+        """The thread was held from ``t0`` until now: those seconds, counted."""
+        held = time.perf_counter() - t0
+        self.held_s += held
+        return held
+
+    def take(self, waiting: dict, key: tuple[str, int, int]) -> torch.Tensor:
+        """The message whose receive was posted under ``key`` (taken out of ``waiting``), its wait for the sender
+        and a CPU worker's copy out of the mailbox counted as held."""
+        t0 = time.perf_counter()
+        x = waiting.pop(key)()
+        self.held_since(t0)
+        return x
+
+    def run(self, handler: Callable[[Any], None], action: Any) -> tuple[float, float, float]:
+        """``handler(action)`` on the dispatch thread: its start, its end and the thread's own time in it."""
+        t0, held, inside = time.perf_counter(), self.held_s, self.computed.host_s
+        handler(action)
+        t1 = time.perf_counter()
+        return t0, t1, (t1 - t0) - (self.held_s - held) - (self.computed.host_s - inside)
 
 
 def write_step_trace(trace: StepTrace, comm: Any, rank: int, device: torch.device, out_dir: str, step: int) -> None:
