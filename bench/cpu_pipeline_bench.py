@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import OUT  # noqa: E402
-from mobius.app.launch import phases, steady_rows  # noqa: E402
+from mobius.app.launch import measured_compute, phases, steady_rows  # noqa: E402
 from mobius.app.run import train  # noqa: E402
 from mobius.checkpoint import save_model  # noqa: E402
 from mobius.config import config_from_dict  # noqa: E402
@@ -151,8 +151,7 @@ def replayed(cfg, plan: dict, rows: list[dict], warmup: int) -> dict:
     learnt = ComputeScale(**plan["compute_scale"])
     planned = Plan.from_json(plan)
     steady = steady_rows(rows, warmup)
-    want = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward", "dispatch")}
-    fit = fit_scale(measured, lambda p: planned.replay(p, hw), want)
+    fit = fit_scale(measured, lambda p: planned.replay(p, hw), measured_compute(steady, dispatch=True))
     return {"as_planned_s": round(planned.replay(learnt.apply(measured), hw).step_s, 4),
             "profile_only_s": round(planned.replay(measured, hw).step_s, 4),
             "calibrated_s": round(planned.replay(fit.apply(measured), hw).step_s, 4),

@@ -66,9 +66,9 @@ def traced_durations(durations: dict[tuple[str, int, int], float], micro_batches
     letter = {Kind.FORWARD: "F", Kind.RECOMPUTE: "C", Kind.BACKWARD: "B", Kind.FB: "FB"}
     modelled = sim._Sim._duration
 
-    def duration(self, task) -> float:
+    def duration(self, task, gpu: int) -> float:
         key = (letter.get(task.kind), task.stage, task.micro % micro_batches)
-        return durations.get(key, modelled(self, task)) if key[0] else modelled(self, task)
+        return durations.get(key, modelled(self, task, gpu)) if key[0] else modelled(self, task, gpu)
 
     sim._Sim._duration = duration
     try:
@@ -87,6 +87,7 @@ def _config(out: Path, variant: str):
 
 
 def replay(out: Path, variant: str, step: int) -> dict:
+    from mobius.app.launch import measured_compute
     from mobius.app.planning import hardware, profile
     from mobius.app.settings import Machine, resolve
     from mobius.assemble import planned_architecture
@@ -102,8 +103,7 @@ def replay(out: Path, variant: str, step: int) -> dict:
     measured = profile(cfg, planned_architecture(cfg), settings, machine, hw)
     plan = Plan.from_json(json.loads((run / "plan.json").read_text()))
     row = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][step - 1]
-    phases = {k: row[f"{k}_s"] for k in ("forward", "backward", "dispatch")}
-    fit = fit_scale(measured, lambda p: plan.replay(p, hw), phases)
+    fit = fit_scale(measured, lambda p: plan.replay(p, hw), measured_compute([row], dispatch=True))
     scaled = fit.apply(measured)  # with this step's dispatch time per compute
     trace = load_trace(run / f"trace-step{step}.json")
     durations = {compute_key(s.name, M): s.seconds for w in trace.values() for s in w["compute"]}

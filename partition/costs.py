@@ -117,6 +117,16 @@ class ModelProfile:
     action_s: float = 0.0  # CPU workers: the dispatch thread's own time per compute action beyond its messages
     # (binding the stage, the step's other actions spread over its computes), which holds up its next compute;
     # learnt from the runs on the machine (:mod:`partition.calibrate`). 0: none, or a GPU's, which runs ahead
+    worker_spread: float = 0.0  # how much a worker's compute in a step varies against the step's mean over the workers
+    # (standard deviation over mean): the slower worker of a step holds the others up. Learnt from the runs on the
+    # machine (:mod:`partition.calibrate`); the plan's step is the mean over draws of it
+    # (:func:`partition.simulate.with_spread`). 0: workers alike
+    device_x: tuple[float, ...] = ()  # per device (physical GPU, or CPU worker), its computes' time against the units'
+    # in one such draw. (): every device alike
+
+    def device_factor(self, gpu: int) -> float:
+        """Device ``gpu``'s factor: 1 unless ``device_x`` holds it."""
+        return self.device_x[gpu] if gpu < len(self.device_x) else 1.0
 
     @property
     def num_units(self) -> int:
@@ -144,6 +154,7 @@ class ModelProfile:
     def from_json(cls, data: dict) -> "ModelProfile":
         units = [UnitCost(**u) for u in data["units"]]
         rest = {k: v for k, v in data.items() if k != "units"}
+        rest["device_x"] = tuple(float(x) for x in rest.get("device_x", ()))
         return cls(units=units, **rest)
 
     def dumps(self) -> str:

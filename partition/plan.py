@@ -36,7 +36,7 @@ from partition.mapping import GpusFor, as_gpus_function
 from partition.mip import MipResult, StageCountResult, explain_infeasible, given_partition, solve_partition
 from partition.request import PlanRequest
 from partition.roundrobin import plan_round_robin, round_robin_options, simulate_round_robin
-from partition.simulate import SimResult, simulate
+from partition.simulate import SimResult, simulate, with_spread
 from partition.timing import Numbers, Shape, worker_needs
 
 log = logging.getLogger(__name__)
@@ -143,11 +143,15 @@ class Plan:
 
     def replay(self, profile: ModelProfile, hardware: Hardware) -> SimResult:
         """The step of the schedule this plan runs (the round-robin one when it runs) simulated again with
-        ``profile``'s unit times on ``hardware`` (the plan's own profile and machine: its prediction)."""
+        ``profile``'s unit times on ``hardware`` (the plan's own profile and machine: its prediction), its workers
+        ``profile.worker_spread`` apart (:func:`with_spread`)."""
         if self.round_robin.get("runs"):
-            return simulate_round_robin(profile, self.round_robin_cuts(), hardware, self.worker_gpus,
-                                        self.micro_batches, round_robin_options(self.options))
-        return simulate(profile, self.boundaries, hardware, self.worker_gpus, self.micro_batches, self.options)
+            cuts, options = self.round_robin_cuts(), round_robin_options(self.options)
+            return with_spread(lambda p, record: simulate_round_robin(p, cuts, hardware, self.worker_gpus,
+                                                                      self.micro_batches, options, record=record),
+                               profile, self.worker_gpus)
+        return with_spread(lambda p, record: simulate(p, self.boundaries, hardware, self.worker_gpus, self.micro_batches,
+                                                      self.options, record=record), profile, self.worker_gpus)
 
     def runtime_settings(self) -> dict:
         """What the runtime takes from the plan (the test that the plan shown is the plan run compares these)."""
@@ -332,9 +336,17 @@ class PlanContext:
                               self.model_options(options))
 
     def simulate(self, bounds: Sequence[int], options: PipelineOptions, record: bool = True) -> SimResult:
-        """The partition ``bounds`` under ``options`` simulated on the machine."""
+        """The partition ``bounds`` under ``options`` simulated on the machine (every worker at its profile's
+        speed: the searches compare partitions so)."""
         return simulate(self.prof, bounds, self.hw, self.gpus_for(len(bounds) - 1), self.req.micro_batches, options,
                         self.req.sharing, record=record)
+
+    def with_spread(self, bounds: Sequence[int], options: PipelineOptions, nominal: SimResult) -> SimResult:
+        """``nominal`` (:meth:`simulate`'s of ``bounds`` under ``options``) with the step the plan reports: its workers
+        ``ModelProfile.worker_spread`` apart (:func:`with_spread`)."""
+        gpus = self.gpus_for(len(bounds) - 1)
+        return with_spread(lambda p, record: simulate(p, bounds, self.hw, gpus, self.req.micro_batches, options,
+                                                      self.req.sharing, record=record), self.prof, gpus, nominal)
 
 
 # ---------------------------------------------------------------------------------- entry point
@@ -363,7 +375,7 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
                     "planned with it", name, base_sim.step_s, sim.step_s, res.status_text())
         adopted, sim = {"name": name, "search_step_s": sim.step_s}, base_sim
     res.solve_s = time.perf_counter() - ctx.started
-    plan = _assemble(ctx, bounds, options, sim, res, base, base_bounds)
+    plan = _assemble(ctx, bounds, options, ctx.with_spread(bounds, options, sim), res, base, base_bounds)
     plan.mip["baseline_adopted"] = adopted
     plan.grad_choice = choice
     plan.model_step_s = ctx.evaluator(best.model_hw, options).step_time(bounds)
@@ -373,7 +385,7 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     plan.compute_scale = {k: v for k, v in profile.notes.get("in_run", {}).items() if k != "key"}
     other = other_update_options(options)
     plan.other_update = {"update": "delayed" if other.delayed else "sync",
-                         "step_s": ctx.simulate(bounds, other, record=False).step_s,
+                         "step_s": ctx.with_spread(bounds, other, ctx.simulate(bounds, other, record=False)).step_s,
                          "host_bytes": _host_bytes(ctx, bounds, other)}
     if request.schedule != "swapped":
         plan.round_robin = _round_robin(ctx, plan)

@@ -30,8 +30,10 @@ import dataclasses
 import itertools
 import json
 import math
+import random
+import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 from partition.costs import ModelProfile, StageCost, compute_copy_work, stage_costs, tie_copy_work
 from partition.evaluate import GB, PipelineOptions, stage_exprs, tie_seconds
@@ -89,6 +91,8 @@ class SimResult:
     busy_s: dict[str, float] | None = None  # a program's compute and upload waits in its reported step per GPU, by
     # event category (its events are the step's period, which with a delayed update holds part of the step before's
     # compute instead of the next step's)
+    spread_s: float = 0.0  # of ``step_s``, what the workers' speeds varying from step to step add (:func:`with_spread`;
+    # the time split counts it as idle: the others wait for the slower)
 
     def total_bytes(self) -> float:
         """All bytes moved over host links (P2P counted once)."""
@@ -110,8 +114,8 @@ class SimResult:
                     busy[e.cat] += (e.end - e.start) / n
         split = {"forward": busy["fwd"], "backward": busy["bwd"], "device_adamw": busy["dadam"],
                  "dispatch": busy["dispatch"], "upload_wait": busy["upload_wait"]}
-        split["idle"] = max(0.0, self.compute_end_s - sum(split.values()))
-        split["tail"] = max(0.0, self.step_s - self.compute_end_s)
+        split["idle"] = max(0.0, self.compute_end_s + self.spread_s - sum(split.values()))
+        split["tail"] = max(0.0, self.step_s - self.spread_s - self.compute_end_s)
         return split
 
     def to_ascii(self, width: int = 100) -> str:
@@ -141,6 +145,42 @@ def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, w
     N, S = len(worker_gpus), len(costs)
     sched = build_schedule(S, N, micro_batches, [j % N for j in range(S)], options, profile.tied_params > 0 and S > 1)
     return _Sim(profile, costs, hardware, worker_gpus, sched, sharing, record).run(steps)
+
+
+SPREAD_DRAWS = 8  # simulations whose mean is the step of workers whose speeds vary (ModelProfile.worker_spread)
+
+
+def with_spread(run: Callable[[ModelProfile, bool], SimResult], profile: ModelProfile, gpus: Sequence[int],
+                nominal: SimResult | None = None) -> SimResult:
+    """``run(profile, record=True)`` (``nominal``: its result, at hand already) with the step it reports when each
+    worker's speed varies from step to step by ``profile.worker_spread``: the mean of :data:`SPREAD_DRAWS`
+    simulations (``run(drawn, record=False)``), each with the computes of the workers' devices (``gpus``) at factors
+    drawn around 1 (:func:`speed_draws`), the difference from the nominal step in ``spread_s``. The nominal result
+    without a spread or a second worker."""
+    res = nominal if nominal is not None else run(profile, True)
+    if profile.worker_spread <= 0 or len(gpus) < 2:
+        return res
+    steps = [run(dataclasses.replace(profile, device_x=x), False).step_s
+             for x in speed_draws(profile.worker_spread, gpus, SPREAD_DRAWS)]
+    extra = statistics.fmean(steps) - res.step_s
+    return dataclasses.replace(res, step_s=res.step_s + extra, spread_s=extra)
+
+
+def speed_draws(spread: float, gpus: Sequence[int], draws: int) -> list[tuple[float, ...]]:
+    """``draws`` seeded draws of the devices' factors (``ModelProfile.device_x``, indexed by device, 1 for a
+    device not in ``gpus``): per draw, each of the ``gpus`` at 1 + ``spread`` times a normal deviate less the
+    draw's mean over them (scaled so that each keeps standard deviation ``spread``), at least 0.1: a worker's
+    compute against the step's mean over the workers."""
+    rng, n = random.Random(0), len(gpus)
+    out = []
+    for _ in range(draws):
+        z = [rng.gauss(0.0, 1.0) for _ in gpus]
+        mean = sum(z) / n
+        x = [1.0] * (max(gpus) + 1)
+        for gpu, zi in zip(gpus, z):
+            x[gpu] = max(0.1, 1.0 + spread * (zi - mean) * math.sqrt(n / (n - 1)))
+        out.append(tuple(x))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,7 +565,7 @@ class _Sim:
         uploaded = w.upload_done[task.occ] if task.occ >= 0 else self.t
         start = max(self.t, uploaded)
         wait = max(0.0, uploaded - max(w.last_end, inputs))
-        dur = self._duration(task)
+        dur = self._duration(task, w.gpu)
         posted = self.hw.message_s * w.posts[w.ci]  # the dispatch thread's messages after it, and its own time
         if task.kind != Kind.DEVICE_UPDATE:  # on the action (CPU workers, learnt from their runs)
             posted += self.profile.action_s
@@ -574,7 +614,11 @@ class _Sim:
             return self.step_start
         return self.arrived.get(("a", task.stage, task.micro))
 
-    def _duration(self, task: _Task) -> float:
+    def _duration(self, task: _Task, gpu: int) -> float:
+        """Seconds of a compute task at full speed on device ``gpu`` (at its factor in ``ModelProfile.device_x``)."""
+        return self._work(task) * self.profile.device_factor(gpu)
+
+    def _work(self, task: _Task) -> float:
         sc = self.costs[task.stage]
         if task.kind in (Kind.FORWARD, Kind.RECOMPUTE):
             return sc.fwd_s

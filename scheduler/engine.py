@@ -37,7 +37,7 @@ from scheduler.links import link_to, mailboxes_for
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
 from scheduler.stages import stage_layouts, tied_places
 from scheduler.store import StageStore, TiedEnd, check_host_memory, host_bytes
-from scheduler.trace import StepTrace, write_step_trace
+from scheduler.trace import StepTrace, by_worker, write_step_trace
 from scheduler.updater import sum_over_ranks
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class PipelineEngine:
                  "dispatch_s": round(s["dispatch_s"] / n, 4), "launch_s": round(s["launch_s"] / n, 4),
                  "compute_spread": round(s["compute_spread"] / n, 4),
                  "reduce_s": round(s["reduce_s"] / n, 4),
-                 "reduce_wait_s": round(s["reduce_wait_s"] / n, 4)}
+                 "reduce_wait_s": round(s["reduce_wait_s"] / n, 4), **by_worker(s, n)}
         if trace is not None:
             extra["traced"] = True  # it waited for its CPU updates: not a steady step
         return StepStats(out.loss, out.grad_norm, out.skipped, self.rule.loss_scale, extra)

@@ -816,7 +816,6 @@ class Executor:
         sumsq = (float(torch.stack(st.sumsq).double().sum()) if st.sumsq else 0.0) + st.tied_sumsq  # one read
         return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "stall_s": st.stall_s,
                 "upload_wait_s": st.wait_s, "cpu_adam_s": update_s, "cpu_adam_params": float(update_params),
-                "forward_s": st.computed.seconds("forward"), "backward_s": st.computed.seconds("backward"),
-                "dispatch_s": st.dispatch_s, "launch_s": st.computed.host_s, "compute_spread": st.computed.spread(),
+                **st.computed.stats(self.rank, len(st.sched.actions)), "dispatch_s": st.dispatch_s,
                 "reduce_wait_s": st.reduce_wait_s,
                 **{f"{kind}_bytes": float(n) for kind, n in moved.items()}}

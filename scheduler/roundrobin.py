@@ -59,7 +59,7 @@ from scheduler.executor import DeviceSlot, batches_on
 from scheduler.links import link_to, mailboxes_for, post_early
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, add_tied, bind
-from scheduler.trace import ComputeSpans, DispatchTime, StepTrace, write_step_trace
+from scheduler.trace import ComputeSpans, DispatchTime, StepTrace, by_worker, write_step_trace
 from scheduler.updater import CpuUpdater, Events, sum_over_ranks
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,8 @@ class RoundRobinEngine:
                  "p2p_bytes": int(total["p2p_bytes"]), "overflow_bytes": int(total["overflow_bytes"]),
                  "traffic_x_params": round(moved / self.param_bytes, 3),
                  **{k: round(total[k] / n, 4) for k in ("upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
-                                                        "dispatch_s", "launch_s", "compute_spread")}}
+                                                        "dispatch_s", "launch_s", "compute_spread")},
+                 **by_worker(total, n)}
         if st.trace is not None:
             extra["traced"] = True  # it waited for its updates: not a steady step
         return StepStats(total["loss_sum"] / max(total["losses"], 1), norm, skipped, self.rule.loss_scale, extra,
@@ -874,9 +875,7 @@ class _Dispatch:
         moved = self.counters.take()
         st.reduce = _Reduce({"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": st.sumsq,
                              "upload_wait_s": st.wait_s, "cpu_adam_s": adam_s, "cpu_adam_params": adam_params,
-                             "forward_s": st.computed.seconds("forward"), "backward_s": st.computed.seconds("backward"),
-                             "dispatch_s": st.dispatch_s, "launch_s": st.computed.host_s,
-                             "compute_spread": st.computed.spread(),
+                             **st.computed.stats(self.e.rank, self.e.world), "dispatch_s": st.dispatch_s,
                              **{f"{kind}_bytes": float(n) for kind, n in moved.items()}},
                             self.e.rule, self.before)
 

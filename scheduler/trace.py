@@ -114,12 +114,29 @@ class ComputeSpans:
                 free += len(times) - 1
         return (squares / free) ** 0.5 if free else 0.0
 
+    def stats(self, rank: int, world: int) -> dict[str, float]:
+        """The step's compute for the sum over the workers: ``forward_s``, ``backward_s`` (their sums are the
+        workers' total), ``launch_s``, ``compute_spread``, and each phase once per worker under ``forward_s@r``
+        (``backward_s@r``): this worker's seconds under its rank, 0 under the others' (:func:`by_worker` reads
+        them back from the sum)."""
+        mine = {phase: self.seconds(phase) for phase in ("forward", "backward")}
+        out = {f"{phase}_s": s for phase, s in mine.items()}
+        out.update({f"{phase}_s@{r}": s if r == rank else 0.0 for phase, s in mine.items() for r in range(world)})
+        return {**out, "launch_s": self.host_s, "compute_spread": self.spread()}
+
     def _durations(self, spans: list[tuple[object, object]]) -> list[float]:
         if not self.cuda:
             return [b - a for a, b in spans]
         if self.last is not None:
             self.last[1].synchronize()  # the latest end on the compute stream: every span has ended
         return [a.elapsed_time(b) / 1e3 for a, b in spans]
+
+
+def by_worker(total: dict[str, float], world: int) -> dict[str, list[float]]:
+    """Each worker's forward and backward seconds in rank order (``forward_by_worker``, ``backward_by_worker``),
+    from the workers' summed :meth:`ComputeSpans.stats`."""
+    return {f"{phase}_by_worker": [round(total[f"{phase}_s@{r}"], 4) for r in range(world)]
+            for phase in ("forward", "backward")}
 
 
 class DispatchTime:

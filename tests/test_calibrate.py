@@ -11,6 +11,7 @@ import pytest
 
 from fixtures.partition.profiles import toy_profile
 from partition import Hardware, Plan, PlanRequest, plan_model
+from mobius.app.launch import measured_compute
 from partition.calibrate import (KEPT_RUNS, ComputeScale, fit_action, fit_scale, learnt_scale, record_scale,
                                  scale_key, scale_path)
 
@@ -67,6 +68,49 @@ def test_the_fit_finds_the_dispatch_time_per_compute_a_run_measured(schedule: st
     assert "0.40 ms dispatch per compute" in kept.line()
 
 
+def test_the_workers_spread_is_how_far_each_is_from_its_usual_compute_against_the_others() -> None:
+    """``worker_spread`` from each worker's own phases: a worker the plan gave twice the work is not apart from the
+    other; one whose compute in a step is 10% over its usual while the other's is 10% under is 10% apart there."""
+    even = [{"forward_s": 1.0, "backward_s": 2.0, "forward_by_worker": [2.0, 1.0], "backward_by_worker": [4.0, 2.0]}
+            for _ in range(4)]
+    assert measured_compute(even)["worker_spread"] == 0.0
+    apart = [{**r, "forward_by_worker": [2.0 * x, 1.0 * y], "backward_by_worker": [4.0 * x, 2.0 * y]}
+             for r, (x, y) in zip(even, [(1.1, 0.9), (0.9, 1.1), (1.0, 1.0), (1.0, 1.0)])]
+    assert measured_compute(apart)["worker_spread"] == pytest.approx((2 * 0.1 ** 2 / 4) ** 0.5)
+    assert "worker_spread" not in measured_compute([{"forward_s": 1.0, "backward_s": 2.0}])  # not measured
+    assert "worker_spread" not in measured_compute([{**r, "forward_by_worker": [1.0], "backward_by_worker": [2.0]}
+                                                    for r in even])  # one worker
+    assert measured_compute(even, dispatch=False).keys() == {"forward", "backward", "worker_spread"}
+
+
+@pytest.mark.parametrize("schedule", ["swapped", "round_robin"])
+def test_a_plan_whose_workers_speeds_vary_waits_for_the_slower_one(schedule: str) -> None:
+    """A profile whose workers' computes are 15% apart from step to step (``worker_spread``): the plan made with it
+    and the plan's replay report the mean step over drawn speeds, above the step of workers alike by ``spread_s``,
+    which the time split counts as idle (the others wait); the draws are seeded (the same step twice); the fit
+    passes the spread a run measured on, and the next plan learns it."""
+    prof, hw = toy_profile(blocks=6), Hardware.uniform(2, 8 * GiB, 10e9)
+    spread = ComputeScale(spread=0.15).apply(prof)
+    assert (spread.worker_spread, prof.worker_spread) == (0.15, 0.0)
+    req = PlanRequest(micro_batches=4, mapping=[0, 1], schedule=schedule)
+    alike, apart = plan_model(prof, hw, req), plan_model(spread, hw, req)
+    step = (lambda p: p.round_robin["step_s"]) if schedule == "round_robin" else (lambda p: p.predicted_step_s)
+    nominal = apart.replay(prof, hw)
+    drawn = apart.replay(spread, hw)
+    assert drawn.spread_s > 0.01 * nominal.step_s and drawn.step_s == pytest.approx(nominal.step_s + drawn.spread_s)
+    assert step(apart) == pytest.approx(drawn.step_s) and apart.replay(spread, hw).step_s == drawn.step_s
+    assert step(alike) == pytest.approx(alike.replay(prof, hw).step_s)
+    split, plain = drawn.time_split(), nominal.time_split()
+    assert split["idle"] == pytest.approx(plain["idle"] + drawn.spread_s) and split["tail"] == pytest.approx(plain["tail"])
+    run = {k: nominal.time_split()[k] for k in ("forward", "backward")}
+    fit = fit_scale(prof, lambda p: apart.replay(p, hw), {**run, "worker_spread": 0.15})
+    assert (fit.forward, fit.backward, fit.spread) == (pytest.approx(1.0), pytest.approx(1.0), 0.15)
+    assert "workers 15% apart" in fit.line()
+    one = Hardware.uniform(1, 8 * GiB, 10e9)  # one worker: nothing to wait for
+    single = plan_model(spread, one, PlanRequest(micro_batches=4, mapping=[0]))
+    assert single.replay(spread, one).spread_s == 0.0
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_zero_plan_replayed_gives_the_factors_its_run_computed_at_back(checkpointing: bool) -> None:
     """The same for zero mode's plan: replayed with the profile it was made with it predicts what it did, and
@@ -109,6 +153,9 @@ def test_the_next_plan_uses_the_mean_of_the_last_runs_and_ignores_a_torn_file(tm
     assert learnt_scale(tmp_path, scale_key("profile", 2, 1, "zero")).runs == 0  # another mode: its own
     scale_path(tmp_path, key).write_text('{"runs": [{"forward": 1.2')
     assert learnt_scale(tmp_path, key) == ComputeScale()
+    for spread in (0.1, 0.0, 0.05):  # a run that measured no spread (one worker, zero mode) counts at 0
+        record_scale(tmp_path, key, ComputeScale(1.0, 1.0, spread=spread), {"device": "cpu"})
+    assert learnt_scale(tmp_path, key).spread == pytest.approx(0.05)
 
 
 @pytest.mark.slow

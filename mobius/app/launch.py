@@ -242,9 +242,8 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
     steady = steady_rows(rows)
     if info is None or replay is None or len(steady) < MIN_STEADY_STEPS:
         return
-    measured = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
-    if planned.settings.device == "cpu" and planned.mode == "pipeline":  # the dispatch thread is the compute's
-        measured["dispatch"] = statistics.median(r["dispatch_s"] for r in steady)
+    measured = measured_compute(steady, dispatch=planned.settings.device == "cpu" and planned.mode == "pipeline")
+    # (on CPU workers the dispatch thread is the compute's)
     fitted = fit_scale(prof, replay, measured)
     if not fitted.runs:
         return
@@ -254,10 +253,32 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
                   "workers": planned.settings.workers, "threads": planned.settings.cpu_threads})
     given = replay(fitted.apply(prof)).step_s  # the schedule's own error, apart from compute
     log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's), "
-             "%.2f ms dispatch per compute; with that compute the plan's step is %.3f s against %.3f s measured; kept "
-             "for the next plan on this machine", fitted.forward, fitted.backward, scale.forward, scale.backward,
-             scale.action_s * 1e3, given,
+             "%.2f ms dispatch per compute, workers %.0f%% apart; with that compute the plan's step is %.3f s against "
+             "%.3f s measured; kept for the next plan on this machine", fitted.forward, fitted.backward, scale.forward,
+             scale.backward, scale.action_s * 1e3, 100 * scale.spread, given,
              statistics.median(r["step_s"] for r in steady))
+
+
+def measured_compute(steady: list[dict], dispatch: bool = False) -> dict:
+    """What a run's steady steps measured of its compute, as :func:`partition.calibrate.fit_scale` takes it: the
+    medians of the forward and backward seconds per worker; with ``dispatch`` the dispatch thread's own time
+    (``dispatch_s``); where the lines give each worker's own (``forward_by_worker``, ``backward_by_worker``; two
+    workers or more), ``worker_spread``: how far a worker's compute in a step is from its median over the steps,
+    against how far the others' are (each worker's over its median, over the step's mean of those, less 1: root
+    mean square over the steps and workers; what the plan gave each worker apart does not count)."""
+    out: dict = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
+    if dispatch:
+        out["dispatch"] = statistics.median(r["dispatch_s"] for r in steady)
+    each = [[f + b for f, b in zip(r.get("forward_by_worker", ()), r.get("backward_by_worker", ()))] for r in steady]
+    if each and len(each[0]) > 1 and all(len(c) == len(each[0]) for c in each):
+        usual = [statistics.median(c[w] for c in each) for w in range(len(each[0]))]
+        apart = []
+        for c in each:
+            ratios = [x / u if u > 0 else 1.0 for x, u in zip(c, usual)]
+            mean = statistics.fmean(ratios)
+            apart += [(x / mean - 1.0) ** 2 for x in ratios]
+        out["worker_spread"] = statistics.fmean(apart) ** 0.5
+    return out
 
 
 def log_phases(plan: Plan | ZeroPlan, metrics: Path) -> None:
