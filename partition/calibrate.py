@@ -10,8 +10,9 @@ forward and backward phases equal the ones the run measured, and on CPU workers 
 dispatch thread's own time per compute action (``ModelProfile.action_s``: what the runtime measured of it
 beyond the simulated messages, spread over the worker's computes); a pipeline's workers also compute at speeds
 that vary from step to step, apart (``ModelProfile.worker_spread``: on 2 CPU workers of this VM a worker's compute
-in a step 2-11% from the step's mean over the two), which the run measures and the fit passes on, and whose
-slower worker a plan's step waits for (:func:`partition.simulate.with_spread`); the app keeps the last runs' figures per
+in a step 3-9% from its usual against the other's), and each compute's time varies inside a step
+(``ModelProfile.compute_spread``, 6-21% there), which the run measures and the fit passes on, and which a plan's
+step pays in drawn simulations (:func:`partition.simulate.with_spread`); the app keeps the last runs' figures per
 profile and machine (:func:`record_scale`) and plans the next run with their mean
 (:func:`learnt_scale`, :meth:`ComputeScale.apply`). Pure functions over numbers, but the cache's files.
 """
@@ -32,6 +33,7 @@ from partition.costs import ModelProfile
 
 log = logging.getLogger(__name__)
 
+_KEPT = ("forward", "backward", "action_s", "worker_spread", "compute_spread")  # a kept run's figures
 KEPT_RUNS = 5  # the runs whose factors the next plan averages (a single run's moment drifts by 10-30% here)
 
 
@@ -45,8 +47,9 @@ class Split(Protocol):
 class ComputeScale:
     """Unit times as a run computes them, relative to the profile: every forward (and the forward a
     backward recomputes) times ``forward``, the rest of every backward times ``backward``; ``action_s``: the
-    dispatch thread's own time per compute action (CPU workers; ``ModelProfile.action_s``); ``spread``: how much
-    a worker's compute in a step varied against the step's mean over the workers (``ModelProfile.worker_spread``);
+    dispatch thread's own time per compute action (CPU workers; ``ModelProfile.action_s``); ``worker_spread``,
+    ``compute_spread``: how much a worker's compute varied from step to step against the others', and one
+    compute's time inside a step (``ModelProfile``'s, measured);
     ``runs``: how many runs' figures were averaged (0: none, the profile as measured); ``origin``: whose runs they
     were when not this setting's (:func:`learnt_scale`'s ``others``, e.g. ``with parallel.schedule=swapped``)."""
 
@@ -55,29 +58,31 @@ class ComputeScale:
     runs: int = 0
     action_s: float = 0.0
     origin: str = ""
-    spread: float = 0.0
+    worker_spread: float = 0.0
+    compute_spread: float = 0.0
 
     def apply(self, profile: ModelProfile) -> ModelProfile:
         """``profile`` with every unit's times scaled (the fp32 gradient sums, ``acc_s``, as profiled), and
-        ``action_s`` and the workers' spread set."""
+        ``action_s`` and the two spreads set."""
         if (self.forward == 1.0 and self.backward == 1.0 and self.action_s == profile.action_s
-                and self.spread == profile.worker_spread):
+                and self.worker_spread == profile.worker_spread and self.compute_spread == profile.compute_spread):
             return profile
         units = [dataclasses.replace(u, fwd_s=u.fwd_s * self.forward,
                                      bwd_s=u.fwd_s * self.forward + (u.bwd_s - u.fwd_s) * self.backward)
                  for u in profile.units]
         return dataclasses.replace(profile, units=units, notes=dict(profile.notes), action_s=self.action_s,
-                                   worker_spread=self.spread)
+                                   worker_spread=self.worker_spread, compute_spread=self.compute_spread)
 
     def times(self, other: "ComputeScale") -> "ComputeScale":
-        """This scale applied after ``other`` (scales compose factor by factor; ``action_s`` and ``spread`` are
+        """This scale applied after ``other`` (scales compose factor by factor; ``action_s`` and the spreads are
         this one's)."""
-        return ComputeScale(self.forward * other.forward, self.backward * other.backward, self.runs, self.action_s,
-                            spread=self.spread)
+        return dataclasses.replace(self, forward=self.forward * other.forward, backward=self.backward * other.backward,
+                                   origin="")
 
     def line(self) -> str:
         action = f", {self.action_s * 1e3:.2f} ms dispatch per compute" if self.action_s else ""
-        spread = f", workers {100 * self.spread:.0f}% apart" if self.spread else ""
+        spread = (f", workers {100 * self.worker_spread:.0f}% apart, computes {100 * self.compute_spread:.0f}%"
+                  if self.worker_spread or self.compute_spread else "")
         runs = 'the last run' if self.runs == 1 else f'the last {self.runs} runs'
         return (f"x{self.forward:.2f} forward, x{self.backward:.2f} backward{action}{spread} as "
                 f"{runs}{' ' + self.origin if self.origin else ''} on this machine computed")
@@ -89,8 +94,8 @@ def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
     ``measured`` ({"forward": s, "backward": s}, seconds per worker and step as the run's metrics give
     them), relative to ``profile``; the identity when nothing was measured. With ``measured["dispatch"]`` (CPU
     workers' pipeline: the dispatch thread's own time, ``dispatch_s``) also the ``action_s`` that makes the
-    dispatch phase equal it (:func:`fit_action`); without, the profile's. ``measured["worker_spread"]`` (a
-    pipeline's workers' compute apart, measured: :func:`mobius.app.launch.measured_compute`) is passed on as it is.
+    dispatch phase equal it (:func:`fit_action`); without, the profile's. ``measured["worker_spread"]`` and
+    ``["compute_spread"]`` (:func:`mobius.app.launch.measured_compute`) are passed on as they are.
 
     A phase is a sum of compute spans, each a sum of unit times, so it is linear in the two factors (plus
     what they do not scale, the fp32 gradient sums): three simulations give its coefficients, and the two
@@ -108,7 +113,8 @@ def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
     fx, bx = 1.0 + (e * d - b * f) / det, 1.0 + (a * f - e * c) / det
     if not (fx > 0 and bx > 0):
         return ComputeScale()
-    fit = ComputeScale(fx, bx, 1, profile.action_s, spread=measured.get("worker_spread", 0.0))
+    fit = ComputeScale(fx, bx, 1, profile.action_s, worker_spread=measured.get("worker_spread", 0.0),
+                       compute_spread=measured.get("compute_spread", 0.0))
     if "dispatch" not in measured:
         return fit
     return dataclasses.replace(fit, action_s=fit_action(fit.apply(profile), simulate, measured["dispatch"]))
@@ -145,16 +151,15 @@ def learnt_scale(cache_dir: str | Path | None, key: str, others: Sequence[tuple[
     for k, origin in ((key, ""), *others):
         runs = _read_runs(scale_path(cache_dir, k)) if cache_dir is not None else []
         if runs:
-            mean = {f: statistics.fmean(r[f] for r in runs) for f in ("forward", "backward", "action_s", "spread")}
-            return ComputeScale(mean["forward"], mean["backward"], len(runs), mean["action_s"], origin, mean["spread"])
+            mean = {f: statistics.fmean(r[f] for r in runs) for f in _KEPT}
+            return ComputeScale(runs=len(runs), origin=origin, **mean)
     return ComputeScale()
 
 
 def record_scale(cache_dir: str | Path, key: str, scale: ComputeScale, about: dict) -> None:
     """Keep one run's factors (relative to the profile as measured) under ``key``, with the last runs'."""
     path = scale_path(cache_dir, key)
-    runs = (_read_runs(path) + [{"forward": scale.forward, "backward": scale.backward,
-                                 "action_s": scale.action_s, "spread": scale.spread}])[-KEPT_RUNS:]
+    runs = (_read_runs(path) + [{f: getattr(scale, f) for f in _KEPT}])[-KEPT_RUNS:]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps({"runs": runs, **about}, indent=1) + "\n")
 
@@ -164,8 +169,7 @@ def _read_runs(path: Path) -> list[dict[str, float]]:
     try:
         runs = json.loads(path.read_text())["runs"]
         return [{"forward": float(r["forward"]), "backward": float(r["backward"]),
-                 "action_s": max(0.0, float(r.get("action_s", 0.0))),
-                 "spread": max(0.0, float(r.get("spread", 0.0)))} for r in runs
+                 **{f: max(0.0, float(r.get(f, 0.0))) for f in _KEPT[2:]}} for r in runs  # (kept before them: 0)
                 if float(r["forward"]) > 0 and float(r["backward"]) > 0]
     except (OSError, ValueError, KeyError, TypeError):
         return []

@@ -121,12 +121,10 @@ class ModelProfile:
     # (standard deviation over mean): the slower worker of a step holds the others up. Learnt from the runs on the
     # machine (:mod:`partition.calibrate`); the plan's step is the mean over draws of it
     # (:func:`partition.simulate.with_spread`). 0: workers alike
-    device_x: tuple[float, ...] = ()  # per device (physical GPU, or CPU worker), its computes' time against the units'
-    # in one such draw. (): every device alike
-
-    def device_factor(self, gpu: int) -> float:
-        """Device ``gpu``'s factor: 1 unless ``device_x`` holds it."""
-        return self.device_x[gpu] if gpu < len(self.device_x) else 1.0
+    compute_spread: float = 0.0  # how much one compute's time varies inside a step (standard deviation over mean of
+    # one stage's computes of one kind: the runtime's ``compute_spread``); learnt and drawn alike. 0: none
+    draw: int = -1  # the seed of the simulation's draws of the two spreads (:func:`partition.simulate.with_spread`);
+    # -1: none, every worker and compute at its mean
 
     @property
     def num_units(self) -> int:
@@ -154,7 +152,6 @@ class ModelProfile:
     def from_json(cls, data: dict) -> "ModelProfile":
         units = [UnitCost(**u) for u in data["units"]]
         rest = {k: v for k, v in data.items() if k != "units"}
-        rest["device_x"] = tuple(float(x) for x in rest.get("device_x", ()))
         return cls(units=units, **rest)
 
     def dumps(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -144,14 +145,14 @@ class Plan:
     def replay(self, profile: ModelProfile, hardware: Hardware) -> SimResult:
         """The step of the schedule this plan runs (the round-robin one when it runs) simulated again with
         ``profile``'s unit times on ``hardware`` (the plan's own profile and machine: its prediction), its workers
-        ``profile.worker_spread`` apart (:func:`with_spread`)."""
+        ``profile``'s spreads drawn (:func:`with_spread`)."""
+        common = {"hardware": hardware, "worker_gpus": self.worker_gpus, "micro_batches": self.micro_batches}
         if self.round_robin.get("runs"):
-            cuts, options = self.round_robin_cuts(), round_robin_options(self.options)
-            return with_spread(lambda p, record: simulate_round_robin(p, cuts, hardware, self.worker_gpus,
-                                                                      self.micro_batches, options, record=record),
-                               profile, self.worker_gpus)
-        return with_spread(lambda p, record: simulate(p, self.boundaries, hardware, self.worker_gpus, self.micro_batches,
-                                                      self.options, record=record), profile, self.worker_gpus)
+            sim = functools.partial(simulate_round_robin, cuts=self.round_robin_cuts(),
+                                    options=round_robin_options(self.options), **common)
+        else:
+            sim = functools.partial(simulate, boundaries=self.boundaries, options=self.options, **common)
+        return with_spread(sim(profile), profile, lambda p, steps: sim(p, record=False, steps=steps))
 
     def runtime_settings(self) -> dict:
         """What the runtime takes from the plan (the test that the plan shown is the plan run compares these)."""
@@ -345,8 +346,8 @@ class PlanContext:
         """``nominal`` (:meth:`simulate`'s of ``bounds`` under ``options``) with the step the plan reports: its workers
         ``ModelProfile.worker_spread`` apart (:func:`with_spread`)."""
         gpus = self.gpus_for(len(bounds) - 1)
-        return with_spread(lambda p, record: simulate(p, bounds, self.hw, gpus, self.req.micro_batches, options,
-                                                      self.req.sharing, record=record), self.prof, gpus, nominal)
+        return with_spread(nominal, self.prof, lambda p, steps: simulate(
+            p, bounds, self.hw, gpus, self.req.micro_batches, options, self.req.sharing, record=False, steps=steps))
 
 
 # ---------------------------------------------------------------------------------- entry point
@@ -375,7 +376,8 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
                     "planned with it", name, base_sim.step_s, sim.step_s, res.status_text())
         adopted, sim = {"name": name, "search_step_s": sim.step_s}, base_sim
     res.solve_s = time.perf_counter() - ctx.started
-    plan = _assemble(ctx, bounds, options, ctx.with_spread(bounds, options, sim), res, base, base_bounds)
+    sim = ctx.with_spread(bounds, options, sim)
+    plan = _assemble(ctx, bounds, options, sim, res, base, base_bounds)
     plan.mip["baseline_adopted"] = adopted
     plan.grad_choice = choice
     plan.model_step_s = ctx.evaluator(best.model_hw, options).step_time(bounds)
@@ -385,7 +387,8 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     plan.compute_scale = {k: v for k, v in profile.notes.get("in_run", {}).items() if k != "key"}
     other = other_update_options(options)
     plan.other_update = {"update": "delayed" if other.delayed else "sync",
-                         "step_s": ctx.with_spread(bounds, other, ctx.simulate(bounds, other, record=False)).step_s,
+                         "step_s": ctx.simulate(bounds, other, record=False).step_s + sim.spread_s,  # (the spreads
+                         # as they slow this plan's step)
                          "host_bytes": _host_bytes(ctx, bounds, other)}
     if request.schedule != "swapped":
         plan.round_robin = _round_robin(ctx, plan)

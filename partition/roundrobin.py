@@ -17,7 +17,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from partition.costs import ModelProfile, StageCost, stage_cost
 from partition.evaluate import GB, stage_exprs
@@ -281,13 +280,16 @@ def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: lis
         raise ValueError(f"its shared host stores need {host / 2**30:.1f} GiB of host memory, "
                          f"{hardware.host_memory_bytes / 2**30:.1f} GiB is available")
 
-    def run(opts: PipelineOptions) -> Callable[[ModelProfile, bool], SimResult]:
-        return lambda p, record: simulate_round_robin(p, choice.cuts, hardware, worker_gpus, micro_batches, opts,
-                                                      sharing, record)
-    recorded = with_spread(run(options), profile, worker_gpus)  # the workers ModelProfile.worker_spread apart
-    other = with_spread(run(dataclasses.replace(options, delayed=not options.delayed)), profile, worker_gpus)
+    recorded = with_spread(  # with the spreads the runs on the machine measured (ModelProfile.worker_spread)
+        simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, options, sharing), profile,
+        lambda p, steps: simulate_round_robin(p, choice.cuts, hardware, worker_gpus, micro_batches, options, sharing,
+                                              record=False, steps=steps))
+    flipped = dataclasses.replace(options, delayed=not options.delayed)
+    other = simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, flipped, sharing,
+                                 record=False)
     res = choice.result
-    return RoundRobinPlan(choice.cuts, "delayed" if options.delayed else "sync", recorded.step_s, other.step_s,
+    return RoundRobinPlan(choice.cuts, "delayed" if options.delayed else "sync", recorded.step_s,
+                          other.step_s + recorded.spread_s,
                           res.step_ends[0], micro_batches * profile.micro_batch_size * profile.seq_len,
                           max(res.peak_bytes), host, recorded.time_split(), res.total_bytes(), choice.tried + 1,
                           choice.search_s)

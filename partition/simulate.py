@@ -147,40 +147,22 @@ def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, w
     return _Sim(profile, costs, hardware, worker_gpus, sched, sharing, record).run(steps)
 
 
-SPREAD_DRAWS = 8  # simulations whose mean is the step of workers whose speeds vary (ModelProfile.worker_spread)
+_KIND_CODE = {k: i for i, k in enumerate(Kind)}  # ints hash alike in every process (strings do not)
+SPREAD_STEPS = 10  # steps a simulation with the spreads drawn runs: the step is the mean period of all but the first two
 
 
-def with_spread(run: Callable[[ModelProfile, bool], SimResult], profile: ModelProfile, gpus: Sequence[int],
-                nominal: SimResult | None = None) -> SimResult:
-    """``run(profile, record=True)`` (``nominal``: its result, at hand already) with the step it reports when each
-    worker's speed varies from step to step by ``profile.worker_spread``: the mean of :data:`SPREAD_DRAWS`
-    simulations (``run(drawn, record=False)``), each with the computes of the workers' devices (``gpus``) at factors
-    drawn around 1 (:func:`speed_draws`), the difference from the nominal step in ``spread_s``. The nominal result
-    without a spread or a second worker."""
-    res = nominal if nominal is not None else run(profile, True)
-    if profile.worker_spread <= 0 or len(gpus) < 2:
-        return res
-    steps = [run(dataclasses.replace(profile, device_x=x), False).step_s
-             for x in speed_draws(profile.worker_spread, gpus, SPREAD_DRAWS)]
-    extra = statistics.fmean(steps) - res.step_s
-    return dataclasses.replace(res, step_s=res.step_s + extra, spread_s=extra)
-
-
-def speed_draws(spread: float, gpus: Sequence[int], draws: int) -> list[tuple[float, ...]]:
-    """``draws`` seeded draws of the devices' factors (``ModelProfile.device_x``, indexed by device, 1 for a
-    device not in ``gpus``): per draw, each of the ``gpus`` at 1 + ``spread`` times a normal deviate less the
-    draw's mean over them (scaled so that each keeps standard deviation ``spread``), at least 0.1: a worker's
-    compute against the step's mean over the workers."""
-    rng, n = random.Random(0), len(gpus)
-    out = []
-    for _ in range(draws):
-        z = [rng.gauss(0.0, 1.0) for _ in gpus]
-        mean = sum(z) / n
-        x = [1.0] * (max(gpus) + 1)
-        for gpu, zi in zip(gpus, z):
-            x[gpu] = max(0.1, 1.0 + spread * (zi - mean) * math.sqrt(n / (n - 1)))
-        out.append(tuple(x))
-    return out
+def with_spread(nominal: SimResult, profile: ModelProfile, run: Callable[[ModelProfile, int], SimResult]) -> SimResult:
+    """``nominal`` (``profile``'s step simulated) with the step it reports when each worker's speed varies from step
+    to step by ``profile.worker_spread`` and each compute's inside a step by ``profile.compute_spread``: one seeded
+    simulation of :data:`SPREAD_STEPS` steps (``run(drawn profile, steps)``, unrecorded) in which every step draws
+    each worker's factor and each compute's (:meth:`_Sim._speeds`, :meth:`_Sim._drawn`), the mean period of its
+    steps after the first two; the difference from the nominal step in ``spread_s``. ``nominal`` itself without
+    either spread."""
+    if profile.worker_spread <= 0 and profile.compute_spread <= 0:
+        return nominal
+    ends = run(dataclasses.replace(profile, draw=0), SPREAD_STEPS).step_ends
+    extra = statistics.fmean(b - a for a, b in zip(ends[1:], ends[2:])) - nominal.step_s
+    return dataclasses.replace(nominal, step_s=nominal.step_s + extra, spread_s=extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,6 +299,7 @@ class _Sim:
         self.sharing, self.record = sharing, record
         self.S, self.M, self.N = sched.num_stages, sched.micro_batches, len(worker_gpus)
         self.workers = [_Worker(w, worker_gpus[w], sched) for w in range(self.N)]
+        self.speeds: dict[int, dict[int, float]] = {}  # a draw's: step -> each worker's device's factor (_speeds)
         self.half = profile.precision != "fp32"
         self.t = 0.0
         self.flows: list[_Flow] = []
@@ -615,8 +598,40 @@ class _Sim:
         return self.arrived.get(("a", task.stage, task.micro))
 
     def _duration(self, task: _Task, gpu: int) -> float:
-        """Seconds of a compute task at full speed on device ``gpu`` (at its factor in ``ModelProfile.device_x``)."""
-        return self._work(task) * self.profile.device_factor(gpu)
+        """Seconds of a compute task at full speed on device ``gpu``: its stage's unit times, in a draw
+        (``ModelProfile.draw``) at its step's factor of the device and its own (:meth:`_drawn`)."""
+        work = self._work(task)
+        if self.profile.draw < 0 or task.kind == Kind.DEVICE_UPDATE:
+            return work
+        step = task.tstep if self.program else self.step
+        return work * self._speeds(step).get(gpu, 1.0) * self._drawn(task, step)
+
+    def _speeds(self, step: int) -> dict[int, float]:
+        """Each worker's device's factor in ``step`` of a draw: 1 + ``ModelProfile.worker_spread`` times a normal
+        deviate less the step's mean over the workers (scaled so that each keeps that standard deviation), at
+        least 0.1: a worker's compute against the step's mean. Seeded by the draw and the step's pair; an odd step
+        takes the deviates of the even one before it negated (antithetic: their mean varies less)."""
+        if step not in self.speeds:
+            gpus, spread = [w.gpu for w in self.workers], self.profile.worker_spread
+            rng = random.Random(hash((self.profile.draw, step // 2)))
+            z = [rng.gauss(0.0, 1.0) * (-1.0 if step % 2 else 1.0) for _ in gpus]
+            mean, n = sum(z) / len(z), len(z)
+            scale = spread * math.sqrt(n / (n - 1)) if n > 1 else 0.0
+            self.speeds[step] = {g: max(0.1, 1.0 + scale * (zi - mean)) for g, zi in zip(gpus, z)}
+        return self.speeds[step]
+
+    def _drawn(self, task: _Task, step: int) -> float:
+        """The task's own factor in ``step`` of a draw: lognormal with mean 1 and ``ModelProfile.compute_spread``
+        its standard deviation over mean, seeded by the draw, the step's pair and the task (kind, stage,
+        micro-batch, unit), so that it draws the same whatever runs beside it (an odd step: the deviate of the even
+        one before it, negated)."""
+        cv = self.profile.compute_spread
+        if cv <= 0:
+            return 1.0
+        key = (self.profile.draw, step // 2, _KIND_CODE[task.kind], task.stage, task.micro, task.unit)
+        sigma = math.sqrt(math.log1p(cv * cv))
+        z = random.Random(hash(key)).gauss(0.0, sigma) * (-1.0 if step % 2 else 1.0)
+        return math.exp(z - sigma * sigma / 2)
 
     def _work(self, task: _Task) -> float:
         sc = self.costs[task.stage]

@@ -81,6 +81,8 @@ def test_the_workers_spread_is_how_far_each_is_from_its_usual_compute_against_th
     assert "worker_spread" not in measured_compute([{**r, "forward_by_worker": [1.0], "backward_by_worker": [2.0]}
                                                     for r in even])  # one worker
     assert measured_compute(even, dispatch=False).keys() == {"forward", "backward", "worker_spread"}
+    spreads = [{**r, "compute_spread": x} for r, x in zip(even, (0.1, 0.3, 0.2, 0.5))]
+    assert measured_compute(spreads)["compute_spread"] == pytest.approx(0.25)  # the median of the steps
 
 
 @pytest.mark.parametrize("schedule", ["swapped", "round_robin"])
@@ -90,7 +92,7 @@ def test_a_plan_whose_workers_speeds_vary_waits_for_the_slower_one(schedule: str
     which the time split counts as idle (the others wait); the draws are seeded (the same step twice); the fit
     passes the spread a run measured on, and the next plan learns it."""
     prof, hw = toy_profile(blocks=6), Hardware.uniform(2, 8 * GiB, 10e9)
-    spread = ComputeScale(spread=0.15).apply(prof)
+    spread = ComputeScale(worker_spread=0.15).apply(prof)
     assert (spread.worker_spread, prof.worker_spread) == (0.15, 0.0)
     req = PlanRequest(micro_batches=4, mapping=[0, 1], schedule=schedule)
     alike, apart = plan_model(prof, hw, req), plan_model(spread, hw, req)
@@ -103,12 +105,17 @@ def test_a_plan_whose_workers_speeds_vary_waits_for_the_slower_one(schedule: str
     split, plain = drawn.time_split(), nominal.time_split()
     assert split["idle"] == pytest.approx(plain["idle"] + drawn.spread_s) and split["tail"] == pytest.approx(plain["tail"])
     run = {k: nominal.time_split()[k] for k in ("forward", "backward")}
-    fit = fit_scale(prof, lambda p: apart.replay(p, hw), {**run, "worker_spread": 0.15})
-    assert (fit.forward, fit.backward, fit.spread) == (pytest.approx(1.0), pytest.approx(1.0), 0.15)
-    assert "workers 15% apart" in fit.line()
-    one = Hardware.uniform(1, 8 * GiB, 10e9)  # one worker: nothing to wait for
+    fit = fit_scale(prof, lambda p: apart.replay(p, hw), {**run, "worker_spread": 0.15, "compute_spread": 0.2})
+    assert (fit.forward, fit.backward, fit.worker_spread, fit.compute_spread) == \
+        (pytest.approx(1.0), pytest.approx(1.0), 0.15, 0.2)
+    assert "workers 15% apart, computes 20%" in fit.line()
+    both = apart.replay(fit.apply(prof), hw)  # each compute drawn too: a hand-over waits for the slow ones
+    assert both.spread_s > drawn.spread_s and both.step_s == apart.replay(fit.apply(prof), hw).step_s
+    one = Hardware.uniform(1, 8 * GiB, 10e9)  # one worker: nothing to wait for but its own computes
     single = plan_model(spread, one, PlanRequest(micro_batches=4, mapping=[0]))
-    assert single.replay(spread, one).spread_s == 0.0
+    assert single.replay(spread, one).spread_s == pytest.approx(0.0, abs=1e-12)
+    alone = ComputeScale(compute_spread=0.2).apply(prof)
+    assert single.replay(alone, one).spread_s != 0.0
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
@@ -154,8 +161,10 @@ def test_the_next_plan_uses_the_mean_of_the_last_runs_and_ignores_a_torn_file(tm
     scale_path(tmp_path, key).write_text('{"runs": [{"forward": 1.2')
     assert learnt_scale(tmp_path, key) == ComputeScale()
     for spread in (0.1, 0.0, 0.05):  # a run that measured no spread (one worker, zero mode) counts at 0
-        record_scale(tmp_path, key, ComputeScale(1.0, 1.0, spread=spread), {"device": "cpu"})
-    assert learnt_scale(tmp_path, key).spread == pytest.approx(0.05)
+        record_scale(tmp_path, key, ComputeScale(1.0, 1.0, worker_spread=spread, compute_spread=2 * spread),
+                     {"device": "cpu"})
+    learnt = learnt_scale(tmp_path, key)
+    assert (learnt.worker_spread, learnt.compute_spread) == (pytest.approx(0.05), pytest.approx(0.1))
 
 
 @pytest.mark.slow

@@ -253,9 +253,10 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
                   "workers": planned.settings.workers, "threads": planned.settings.cpu_threads})
     given = replay(fitted.apply(prof)).step_s  # the schedule's own error, apart from compute
     log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's), "
-             "%.2f ms dispatch per compute, workers %.0f%% apart; with that compute the plan's step is %.3f s against "
-             "%.3f s measured; kept for the next plan on this machine", fitted.forward, fitted.backward, scale.forward,
-             scale.backward, scale.action_s * 1e3, 100 * scale.spread, given,
+             "%.2f ms dispatch per compute, workers %.0f%% apart, computes %.0f%%; with that compute the plan's step is "
+             "%.3f s against %.3f s measured; kept for the next plan on this machine", fitted.forward, fitted.backward,
+             scale.forward, scale.backward, scale.action_s * 1e3, 100 * scale.worker_spread,
+             100 * scale.compute_spread, given,
              statistics.median(r["step_s"] for r in steady))
 
 
@@ -265,10 +266,13 @@ def measured_compute(steady: list[dict], dispatch: bool = False) -> dict:
     (``dispatch_s``); where the lines give each worker's own (``forward_by_worker``, ``backward_by_worker``; two
     workers or more), ``worker_spread``: how far a worker's compute in a step is from its median over the steps,
     against how far the others' are (each worker's over its median, over the step's mean of those, less 1: root
-    mean square over the steps and workers; what the plan gave each worker apart does not count)."""
+    mean square over the steps and workers; what the plan gave each worker apart does not count); where they give
+    it, ``compute_spread``: the median of the steps' spread of one compute's time (``compute_spread``)."""
     out: dict = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
     if dispatch:
         out["dispatch"] = statistics.median(r["dispatch_s"] for r in steady)
+    if all("compute_spread" in r for r in steady):
+        out["compute_spread"] = statistics.median(r["compute_spread"] for r in steady)
     each = [[f + b for f, b in zip(r.get("forward_by_worker", ()), r.get("backward_by_worker", ()))] for r in steady]
     if each and len(each[0]) > 1 and all(len(c) == len(each[0]) for c in each):
         usual = [statistics.median(c[w] for c in each) for w in range(len(each[0]))]
