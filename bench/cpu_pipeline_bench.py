@@ -227,8 +227,8 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--repeats", type=int, default=1, help="run every variant this many times, interleaved")
     p.add_argument("--trace-step", type=int, default=None,
-                   help="trace this step (1-based) of every run (parallel.trace_step; left out of the median: a traced "
-                        "step waits for its CPU updates) and keep the runs' directories under <out>/runs")
+                   help="trace this step (1-based) of every run (parallel.trace_step; the step after it waits to write "
+                        "the trace and is left out of the median) and keep the runs' directories under <out>/runs")
     p.add_argument("--replay", action="store_true", help="run nothing: simulate the runs a --trace-step bench kept in "
                    "--out again with the simulator as it is now, beside the errors they were run with")
     args = p.parse_args()

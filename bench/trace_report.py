@@ -10,7 +10,8 @@ cpu: AdamW ``O`` and the delayed update's compute copies ``K``; dispatch: the di
 action but compute, by its letter: ``T`` the tied ends' sum, ``R`` the reduce), and the compute stream's idle
 time, the longest gaps with the spans on either side. Per stage (the swapped pipeline): the measured forward and
 backward seconds beside the plan's, and the compute stream's wait for the stage's uploads beside the simulated
-one. A traced step waits for its CPU updates at its end, so its ``cpu`` track holds its own updates. Prints the
+one. A traced step runs as the others (the step after it waits to write the trace), and its ``cpu`` track holds
+its own updates, drawn where they ran (beside the next step's compute, which the trace leaves out). Prints the
 tables and writes ``trace_report.json`` into the run directory.
 """
 

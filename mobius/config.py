@@ -157,8 +157,9 @@ class ParallelSection(_Section):
                                                       "is short), on, off.")
     trace_step: int = _f(0, "Write a Chrome trace (Perfetto) of this training step to output.dir (0: none); "
                          "same tracks as the simulator's trace from 'mobius plan --trace', and the dispatch thread's. "
-                         "The traced step ends when its CPU updates have: its metrics line says traced, and it is "
-                         "left out of the run's measured medians.", ge=0)
+                         "The traced step runs as any other (its CPU updates beside the next step); the next step "
+                         "waits for them to write the trace: its metrics line says traced, and it is left out of the "
+                         "run's measured medians (the run's last step, traced, waits for its own).", ge=0)
     schedule: Schedule = _f(
         "swapped", "The pipeline's schedule: swapped (Mobius: stages bound to GPUs, swapped in and out), round_robin "
         "(RoundPipe's class: every op goes to the next GPU in rotation, separate forward and backward cuts, the "

@@ -37,7 +37,7 @@ from scheduler.links import link_to, mailboxes_for
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
 from scheduler.stages import stage_layouts, tied_places
 from scheduler.store import StageStore, TiedEnd, check_host_memory, host_bytes
-from scheduler.trace import StepTrace, by_worker, write_step_trace
+from scheduler.trace import HeldTrace, StepTrace, by_worker, write_step_trace
 from scheduler.updater import sum_over_ranks
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class PipelineEngine:
         hosts = {j: s for j, s in self.stores.items() if j not in plan.options.resident}
         resident = {j: s for j, s in self.stores.items() if j in plan.options.resident}
         links = self._links(options.activation_shape)
+        self.traced = HeldTrace(cfg.train.max_steps)  # parallel.trace_step's trace, until the next step has run
         self.ex = Executor(self.rank, device, model_cfg, self.layouts, hosts, links, self.arbiter,
                            self.counters, Collectives(sum_over_ranks, self._exchange), self.rule, options, resident)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
@@ -177,8 +178,7 @@ class PipelineEngine:
                     self.dropout_seed, lr)
         trace = StepTrace(self.device) if self.cfg.parallel.trace_step == step + 1 else None
         out = self.ex.run(self.train_sched, io, trace)
-        if trace is not None:
-            self._write_trace(trace, step + 1)
+        waited = self.traced.step_ran(trace, step, self._write_trace)
         s, n = out.stats, self.world
         self._count_update_rate(s)
         moved = s["h2d_bytes"] + s["d2h_bytes"] + s["p2p_bytes"]
@@ -191,8 +191,8 @@ class PipelineEngine:
                  "compute_spread": round(s["compute_spread"] / n, 4),
                  "reduce_s": round(s["reduce_s"] / n, 4),
                  "reduce_wait_s": round(s["reduce_wait_s"] / n, 4), **by_worker(s, n)}
-        if trace is not None:
-            extra["traced"] = True  # it waited for its CPU updates: not a steady step
+        if waited:
+            extra["traced"] = True  # it waited for its CPU updates (and the step before's trace): not a steady step
         return StepStats(out.loss, out.grad_norm, out.skipped, self.rule.loss_scale, extra)
 
     def _count_update_rate(self, stats: dict[str, float]) -> None:

@@ -59,7 +59,7 @@ from scheduler.executor import DeviceSlot, batches_on
 from scheduler.links import link_to, mailboxes_for, post_early
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, add_tied, bind
-from scheduler.trace import ComputeSpans, DispatchTime, StepTrace, by_worker, write_step_trace
+from scheduler.trace import ComputeSpans, DispatchTime, HeldTrace, StepTrace, by_worker, write_step_trace
 from scheduler.updater import CpuUpdater, Events, sum_over_ranks
 
 log = logging.getLogger(__name__)
@@ -171,6 +171,7 @@ class RoundRobinEngine:
         # for this one's statistics, and its REDUCE need not wait for its updates
         self.looks_ahead = cfg.train.precision != "fp16"
         self.ahead: _Step | None = None  # a step run ahead, whose statistics the next train_step returns
+        self.traced = HeldTrace(cfg.train.max_steps)  # parallel.trace_step's trace, until the next step has run
         self.last_reduce: _Reduce | None = None
         self.adam_base = 0  # optimizer steps before this engine's first (no fp16: no step is skipped)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
@@ -226,9 +227,7 @@ class RoundRobinEngine:
         if upcoming is not None and self.looks_ahead:
             self.ahead = self._run(step + 1, *upcoming)
         total, norm, skipped, _ = st.reduce.result()
-        if st.trace is not None:  # once its updates have run (and those of a step run ahead)
-            self.updates_done()
-            write_step_trace(st.trace, self.comm, self.rank, self.device, self.cfg.output.dir, step + 1)
+        waited = self.traced.step_ran(st.trace, step, self._write_trace)
         n = self.world
         moved = total["h2d_bytes"] + total["d2h_bytes"] + total["p2p_bytes"]
         extra = {"schedule": "round_robin", "h2d_bytes": int(total["h2d_bytes"]), "d2h_bytes": int(total["d2h_bytes"]),
@@ -237,8 +236,8 @@ class RoundRobinEngine:
                  **{k: round(total[k] / n, 4) for k in ("upload_wait_s", "cpu_adam_s", "forward_s", "backward_s",
                                                         "dispatch_s", "launch_s", "compute_spread")},
                  **by_worker(total, n)}
-        if st.trace is not None:
-            extra["traced"] = True  # it waited for its updates: not a steady step
+        if waited:
+            extra["traced"] = True  # it waited for the updates (and the step before's trace): not a steady step
         return StepStats(total["loss_sum"] / max(total["losses"], 1), norm, skipped, self.rule.loss_scale, extra,
                          seconds=st.seconds if self.looks_ahead else None)
 
@@ -263,6 +262,12 @@ class RoundRobinEngine:
         micro-batch through the forward ops and the fused op's forward."""
         self.updates_done()
         return self.ex.evaluate(batches)
+
+    def _write_trace(self, trace: StepTrace, step: int) -> None:
+        """Once every worker's updates of the steps run so far (and so the traced step's) have ended, one Chrome
+        trace for all workers."""
+        self.updates_done()
+        write_step_trace(trace, self.comm, self.rank, self.device, self.cfg.output.dir, step)
 
     def updates_done(self) -> None:
         """Wait until every worker's updates of the steps run so far have ended."""

@@ -132,6 +132,31 @@ class ComputeSpans:
         return [a.elapsed_time(b) / 1e3 for a, b in spans]
 
 
+class HeldTrace:
+    """A traced step's trace (``parallel.trace_step``), written when the step after it has run beside the traced
+    step's CPU updates, so that the traced step is a steady one; at once when the traced step is the run's last
+    (``last_step``, ``train.max_steps``). The step that writes it waits for the updates first (``write``: a collective,
+    every worker calls it in the same step), so it is no steady step: :meth:`step_ran` says so."""
+
+    def __init__(self, last_step: int):
+        self.last_step = last_step
+        self.held: tuple[StepTrace, int] | None = None  # the trace and its step (1-based)
+
+    def step_ran(self, trace: StepTrace | None, step: int, write: Callable[[StepTrace, int], None]) -> bool:
+        """Step ``step`` (0-based) has run, traced into ``trace`` or not: write the trace held from the step before,
+        and hold this one (write it now, at the run's last step). Whether this step waited to write one."""
+        waited = self.held is not None
+        if self.held is not None:
+            write(*self.held)
+            self.held = None
+        if trace is not None and step + 1 < self.last_step:
+            self.held = (trace, step + 1)
+        elif trace is not None:
+            write(trace, step + 1)
+            waited = True
+        return waited
+
+
 def by_worker(total: dict[str, float], world: int) -> dict[str, list[float]]:
     """Each worker's forward and backward seconds in rank order (``forward_by_worker``, ``backward_by_worker``),
     from the workers' summed :meth:`ComputeSpans.stats`."""

@@ -221,7 +221,7 @@ def test_the_rows_of_this_run_are_those_after_the_lines_before_it_and_a_torn_lin
 
 
 def test_a_traced_step_is_no_steady_step_and_the_log_sets_each_phase_beside_the_plan() -> None:
-    """A traced step (``parallel.trace_step``) waits for its CPU updates: the medians that a run logs, and that
+    """The step that writes a trace (``parallel.trace_step``'s) waits for the CPU updates: the medians that a run logs, and that
     the next plan learns its compute from, leave it out. The step's end (``reduce_s``) stands beside the plan's
     tail where the runtime measures it (the swapped pipeline's)."""
     from mobius.app.launch import phases, steady_rows

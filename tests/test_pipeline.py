@@ -396,7 +396,8 @@ def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path, demo_single
     dispatched = {e["name"] for e in spans if e["tid"] == TRACE_TRACKS.index("dispatch")}
     assert "R" in dispatched and any(n.startswith("U") for n in dispatched)  # the dispatch thread's own time
     lines = [json.loads(x) for x in (tmp_path / "pipe" / "metrics.jsonl").read_text().splitlines()]
-    assert [r.get("traced", False) for r in lines] == [r["step"] == 2 for r in lines]  # left out of the medians
+    # the traced step ran as any other; the next one waited to write its trace: left out of the medians
+    assert [r.get("traced", False) for r in lines] == [r["step"] == 3 for r in lines]
     assert all(0 <= r["reduce_wait_s"] <= r["reduce_s"] < r["step_s"] for r in lines)
     # the dispatch thread's own time, its compute, what held it and the step's end are apart: they fit in the step
     assert all(0 < r["dispatch_s"] and r["dispatch_s"] + r["forward_s"] + r["backward_s"] + r["upload_wait_s"]
@@ -491,3 +492,33 @@ def test_compute_spread_pools_the_variation_of_one_kind_and_stage() -> None:
     spans.alike = {("F", 0): [(0.0, 0.8), (1.0, 2.0), (2.0, 3.2)], ("B", 0): [(0.0, 2.0)],
                    ("F", 1): [(0.0, 0.5), (1.0, 1.5)]}
     assert spans.spread() == pytest.approx((0.08 / 3) ** 0.5)
+
+
+def test_compute_spans_report_each_workers_own_phases_through_the_sum_over_workers() -> None:
+    """``ComputeSpans.stats``: summed over the workers (the step's all-reduce), the phases are the workers' total
+    and ``by_worker`` gives each worker's own back, in rank order."""
+    from scheduler.trace import ComputeSpans, by_worker
+
+    stats = []
+    for rank, (f, b) in enumerate([(0.2, 0.5), (0.3, 0.4)]):
+        spans = ComputeSpans(torch.device("cpu"))
+        spans.spans = {"forward": [(0.0, f)], "backward": [(1.0, 1.0 + b)]}
+        stats.append(spans.stats(rank, 2))
+    total = {k: sum(s[k] for s in stats) for k in stats[0]}
+    assert (total["forward_s"], total["backward_s"]) == (pytest.approx(0.5), pytest.approx(0.9))
+    assert by_worker(total, 2) == {"forward_by_worker": [0.2, 0.3], "backward_by_worker": [0.5, 0.4]}
+
+
+def test_a_trace_is_written_by_the_step_after_the_traced_one_or_at_once_by_the_last() -> None:
+    """``HeldTrace``: the traced step runs as any other; the step after it writes the trace (and says it waited),
+    so the traced step is a steady one; a trace of the run's last step is written by that step."""
+    from scheduler.trace import HeldTrace
+
+    written: list[tuple[object, int]] = []
+    held = HeldTrace(last_step=5)
+    waited = [held.step_ran("trace" if s == 1 else None, s, lambda t, n: written.append((t, n))) for s in range(5)]
+    assert waited == [False, False, True, False, False] and written == [("trace", 2)]
+    written.clear()
+    last = HeldTrace(last_step=3)
+    waited = [last.step_ran("trace" if s == 2 else None, s, lambda t, n: written.append((t, n))) for s in range(3)]
+    assert waited == [False, False, True] and written == [("trace", 3)]

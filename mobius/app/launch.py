@@ -181,7 +181,8 @@ def run_rows(metrics: Path, skip: int | None = None) -> list[dict]:
 
 def steady_rows(rows: list[dict], steady_from: int = STEADY_FROM) -> list[dict]:
     """The step lines of a run's metrics with its compute phases, after the first ``steady_from``, but for a
-    traced step (``parallel.trace_step``: it ends when its CPU updates have, and its trace costs time)."""
+    step that wrote a trace (``parallel.trace_step``'s: it waited for the CPU updates first, and the writing costs
+    time; its line says ``traced``)."""
     steps = [r for r in rows if "step_s" in r and "forward_s" in r and "backward_s" in r]
     return [r for r in steps[steady_from:] if not r.get("traced")]
 
