@@ -10,8 +10,8 @@ forward and backward phases equal the ones the run measured, and on CPU workers 
 dispatch thread's own time per compute action (``ModelProfile.action_s``: what the runtime measured of it
 beyond the simulated messages, spread over the worker's computes); a pipeline's workers also compute at speeds
 that vary from step to step, apart (``ModelProfile.worker_spread``: on 2 CPU workers of this VM a worker's compute
-in a step 3-9% from its usual against the other's), and each compute's time varies inside a step
-(``ModelProfile.compute_spread``, 6-21% there), which the run measures and the fit passes on, and which a plan's
+in a step 2-13% from its usual against the other's), and each compute's time varies inside a step
+(``ModelProfile.compute_spread``, 7-19% there), which the run measures and the fit passes on, and which a plan's
 step pays in drawn simulations (:func:`partition.simulate.with_spread`); the app keeps the last runs' figures per
 profile and machine (:func:`record_scale`) and plans the next run with their mean
 (:func:`learnt_scale`, :meth:`ComputeScale.apply`). Pure functions over numbers, but the cache's files.
@@ -81,8 +81,8 @@ class ComputeScale:
 
     def line(self) -> str:
         action = f", {self.action_s * 1e3:.2f} ms dispatch per compute" if self.action_s else ""
-        spread = (f", workers {100 * self.worker_spread:.0f}% apart, computes {100 * self.compute_spread:.0f}%"
-                  if self.worker_spread or self.compute_spread else "")
+        spread = (f", workers ±{100 * self.worker_spread:.0f}% and computes ±{100 * self.compute_spread:.0f}% around "
+                  f"their means" if self.worker_spread or self.compute_spread else "")
         runs = 'the last run' if self.runs == 1 else f'the last {self.runs} runs'
         return (f"x{self.forward:.2f} forward, x{self.backward:.2f} backward{action}{spread} as "
                 f"{runs}{' ' + self.origin if self.origin else ''} on this machine computed")

@@ -108,7 +108,7 @@ def test_a_plan_whose_workers_speeds_vary_waits_for_the_slower_one(schedule: str
     fit = fit_scale(prof, lambda p: apart.replay(p, hw), {**run, "worker_spread": 0.15, "compute_spread": 0.2})
     assert (fit.forward, fit.backward, fit.worker_spread, fit.compute_spread) == \
         (pytest.approx(1.0), pytest.approx(1.0), 0.15, 0.2)
-    assert "workers 15% apart, computes 20%" in fit.line()
+    assert "workers ±15% and computes ±20% around their means" in fit.line()
     both = apart.replay(fit.apply(prof), hw)  # each compute drawn too: a hand-over waits for the slow ones
     assert both.spread_s > drawn.spread_s and both.step_s == apart.replay(fit.apply(prof), hw).step_s
     one = Hardware.uniform(1, 8 * GiB, 10e9)  # one worker: nothing to wait for but its own computes
