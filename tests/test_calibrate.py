@@ -71,12 +71,15 @@ def test_the_fit_finds_the_dispatch_time_per_compute_a_run_measured(schedule: st
 def test_the_workers_spread_is_how_far_each_is_from_its_usual_compute_against_the_others() -> None:
     """``worker_spread`` from each worker's own phases: a worker the plan gave twice the work is not apart from the
     other; one whose compute in a step is 10% over its usual while the other's is 10% under is 10% apart there."""
-    even = [{"forward_s": 1.0, "backward_s": 2.0, "forward_by_worker": [2.0, 1.0], "backward_by_worker": [4.0, 2.0]}
-            for _ in range(4)]
+    even = [{"step": k, "forward_s": 1.0, "backward_s": 2.0, "forward_by_worker": [2.0, 1.0],
+             "backward_by_worker": [4.0, 2.0]} for k in range(4)]
     assert measured_compute(even)["worker_spread"] == 0.0
     apart = [{**r, "forward_by_worker": [2.0 * x, 1.0 * y], "backward_by_worker": [4.0 * x, 2.0 * y]}
              for r, (x, y) in zip(even, [(1.1, 0.9), (0.9, 1.1), (1.0, 1.0), (1.0, 1.0)])]
     assert measured_compute(apart)["worker_spread"] == pytest.approx((2 * 0.1 ** 2 / 4) ** 0.5)
+    rotating = [{**r, "step": k, "schedule": "round_robin", "forward_by_worker": [2.0, 1.0][::1 - 2 * (k % 2)],
+                 "backward_by_worker": [4.0, 2.0][::1 - 2 * (k % 2)]} for k, r in enumerate(even)]
+    assert measured_compute(rotating)["worker_spread"] == 0.0  # the round-robin's work moving on from step to step
     assert "worker_spread" not in measured_compute([{"forward_s": 1.0, "backward_s": 2.0}])  # not measured
     assert "worker_spread" not in measured_compute([{**r, "forward_by_worker": [1.0], "backward_by_worker": [2.0]}
                                                     for r in even])  # one worker

@@ -265,21 +265,27 @@ def measured_compute(steady: list[dict], dispatch: bool = False) -> dict:
     """What a run's steady steps measured of its compute, as :func:`partition.calibrate.fit_scale` takes it: the
     medians of the forward and backward seconds per worker; with ``dispatch`` the dispatch thread's own time
     (``dispatch_s``); where the lines give each worker's own (``forward_by_worker``, ``backward_by_worker``; two
-    workers or more), ``worker_spread``: how far a worker's compute in a step is from its median over the steps,
-    against how far the others' are (each worker's over its median, over the step's mean of those, less 1: root
-    mean square over the steps and workers; what the plan gave each worker apart does not count); where they give
-    it, ``compute_spread``: the median of the steps' spread of one compute's time (``compute_spread``)."""
+    workers or more), ``worker_spread``: how far a worker's compute in a step is from its usual one, against how
+    far the others' are (each worker's over its median, over the step's mean of those, less 1: root mean square
+    over the steps and workers). Usual: over the steps that give the worker the same work (every step in the
+    swapped pipeline; in the round-robin, whose rotation moves on from step to step, the steps a number of
+    workers apart), so what the plan gives each worker does not count. Where they give it, ``compute_spread``:
+    the median of the steps' spread of one compute's time."""
     out: dict = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
     if dispatch:
         out["dispatch"] = statistics.median(r["dispatch_s"] for r in steady)
     if all("compute_spread" in r for r in steady):
         out["compute_spread"] = statistics.median(r["compute_spread"] for r in steady)
     each = [[f + b for f, b in zip(r.get("forward_by_worker", ()), r.get("backward_by_worker", ()))] for r in steady]
-    if each and len(each[0]) > 1 and all(len(c) == len(each[0]) for c in each):
-        usual = [statistics.median(c[w] for c in each) for w in range(len(each[0]))]
+    n = len(each[0]) if each else 0
+    if n > 1 and all(len(c) == n for c in each):
+        period = n if steady[0].get("schedule") == "round_robin" else 1
+        group = [r["step"] % period for r in steady]
+        usual = {(g, w): statistics.median(c[w] for c, h in zip(each, group) if h == g)
+                 for g in set(group) for w in range(n)}
         apart = []
-        for c in each:
-            ratios = [x / u if u > 0 else 1.0 for x, u in zip(c, usual)]
+        for c, g in zip(each, group):
+            ratios = [x / usual[g, w] if usual[g, w] > 0 else 1.0 for w, x in enumerate(c)]
             mean = statistics.fmean(ratios)
             apart += [(x / mean - 1.0) ** 2 for x in ratios]
         out["worker_spread"] = statistics.fmean(apart) ** 0.5
