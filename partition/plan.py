@@ -206,7 +206,8 @@ def _time_split_line(split: dict[str, float], step_s: float) -> str:
     """"where the time goes": the simulated step's seconds per GPU by what fills them."""
     names = {"forward": "forward", "backward": "backward (recompute and the last stage's forward included)",
              "device_adamw": "device AdamW", "dispatch": "messages posted to other workers",
-             "upload_wait": "waiting for uploads", "idle": "idle (pipeline fill and drain, activations)"}
+             "upload_wait": "waiting for uploads",
+             "idle": "idle (pipeline fill and drain, activations, the slower worker or compute)"}
     parts = [f"{label} {split[k]:.3f} s ({100 * split[k] / step_s:.0f}%)" for k, label in names.items()
              if split.get(k, 0.0) > 0.0005 * step_s or k in ("forward", "backward", "upload_wait")]
     return (f"where the time goes (per GPU, mean): {', '.join(parts)}; after the last backward "
@@ -245,8 +246,11 @@ def _summary_lines(p: Plan) -> list[str]:
     rates = p.mip.get("simulated_rates_GBps")
     seen = (f"at the upload rates the simulated step reached ({', '.join(f'{r:.1f}' for r in rates['h2d'])} GB/s "
             f"per GPU; re-planned under contention)" if rates else "contention-free")
+    cs = p.compute_scale
+    w, c = 100 * cs.get("worker_spread", 0.0), 100 * cs.get("compute_spread", 0.0)
+    drawn = f", the workers ±{w:.0f}% and computes ±{c:.0f}% the runs measured drawn" if w or c else ""
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
-                 f"contention; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
+                 f"contention{drawn}; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
     reused = p.mip.get("reused")
     if reused:

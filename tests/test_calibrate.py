@@ -202,6 +202,8 @@ def test_a_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Pat
                           text=True, timeout=600)
     assert ComputeScale(**factors, runs=1).line() in text.stdout + text.stderr
     assert ComputeScale(**factors, runs=1).line().endswith("as the last run on this machine computed")
+    if mode == "pipeline":  # the spreads its steps measured, drawn in the predicted step
+        assert factors["compute_spread"] > 0 and "the runs measured drawn;" in text.stdout + text.stderr
     if mode == "pipeline":  # the round-robin schedule has no runs of its own yet: planned with the swapped one's
         rr = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, "--parallel.schedule=round_robin",
                              *common], capture_output=True, text=True, timeout=600)
