@@ -22,6 +22,9 @@ host-staged activations all draw on them. Rates are set by priority classes, hig
 what is left max-min fairly: ``sharing="priority"`` (the runtime's per-root-complex upload
 arbiter): activations first, then uploads in the order the stages start, then gradient downloads,
 then input offloads; ``sharing="fair"``: everything shares equally.
+
+Every compute takes its mean time, but in the step a plan reports (:func:`with_spread`): there each step draws each
+worker's speed and each compute's around their means, with the spreads the runs on the machine measured.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal
 
 from partition.costs import ModelProfile, StageCost, compute_copy_work, stage_costs, tie_copy_work
 from partition.evaluate import GB, PipelineOptions, stage_exprs, tie_seconds
@@ -91,8 +94,8 @@ class SimResult:
     busy_s: dict[str, float] | None = None  # a program's compute and upload waits in its reported step per GPU, by
     # event category (its events are the step's period, which with a delayed update holds part of the step before's
     # compute instead of the next step's)
-    spread_s: float = 0.0  # of ``step_s``, what the workers' speeds varying from step to step add (:func:`with_spread`;
-    # the time split counts it as idle: the others wait for the slower)
+    spread_s: float = 0.0  # of ``step_s``, what the workers' and the computes' speeds varying add (:func:`with_spread`;
+    # the time split counts it as idle: a hand-over waits for the slower side)
 
     def total_bytes(self) -> float:
         """All bytes moved over host links (P2P counted once)."""
