@@ -12,7 +12,7 @@ beyond the simulated messages, spread over the worker's computes); a pipeline's 
 that vary from step to step, apart (``ModelProfile.worker_spread``: on 2 CPU workers of this VM a worker's compute
 in a step 2-13% from its usual against the other's), and each compute's time varies inside a step
 (``ModelProfile.compute_spread``, 7-19% there), which the run measures and the fit passes on, and which a plan's
-step pays in drawn simulations (:func:`partition.simulate.with_spread`); the app keeps the last runs' figures per
+step pays in a simulation that draws them (:func:`partition.simulate.with_spread`); the app keeps the last runs' figures per
 profile and machine (:func:`record_scale`) and plans the next run with their mean
 (:func:`learnt_scale`, :meth:`ComputeScale.apply`). Pure functions over numbers, but the cache's files.
 """

@@ -119,12 +119,10 @@ class ModelProfile:
     # learnt from the runs on the machine (:mod:`partition.calibrate`). 0: none, or a GPU's, which runs ahead
     worker_spread: float = 0.0  # how much a worker's compute in a step varies against the step's mean over the workers
     # (standard deviation over mean): the slower worker of a step holds the others up. Learnt from the runs on the
-    # machine (:mod:`partition.calibrate`); the plan's step is the mean over draws of it
-    # (:func:`partition.simulate.with_spread`). 0: workers alike
+    # machine (:mod:`partition.calibrate`); the plan's step is the mean period of a simulation that draws it at every
+    # step (:func:`partition.simulate.with_spread`). 0: workers alike
     compute_spread: float = 0.0  # how much one compute's time varies inside a step (standard deviation over mean of
     # one stage's computes of one kind: the runtime's ``compute_spread``); learnt and drawn alike. 0: none
-    draw: int = -1  # the seed of the simulation's draws of the two spreads (:func:`partition.simulate.with_spread`);
-    # -1: none, every worker and compute at its mean
 
     @property
     def num_units(self) -> int:

@@ -144,7 +144,7 @@ class Plan:
 
     def replay(self, profile: ModelProfile, hardware: Hardware) -> SimResult:
         """The step of the schedule this plan runs (the round-robin one when it runs) simulated again with
-        ``profile``'s unit times on ``hardware`` (the plan's own profile and machine: its prediction), its workers
+        ``profile``'s unit times on ``hardware`` (the plan's own profile and machine: its prediction), with
         ``profile``'s spreads drawn (:func:`with_spread`)."""
         common = {"hardware": hardware, "worker_gpus": self.worker_gpus, "micro_batches": self.micro_batches}
         if self.round_robin.get("runs"):
@@ -152,7 +152,8 @@ class Plan:
                                     options=round_robin_options(self.options), **common)
         else:
             sim = functools.partial(simulate, boundaries=self.boundaries, options=self.options, **common)
-        return with_spread(sim(profile), profile, lambda p, steps: sim(p, record=False, steps=steps))
+        return with_spread(sim(profile), profile,
+                           lambda steps, draw: sim(profile, record=False, steps=steps, draw=draw))
 
     def runtime_settings(self) -> dict:
         """What the runtime takes from the plan (the test that the plan shown is the plan run compares these)."""
@@ -347,11 +348,12 @@ class PlanContext:
                         self.req.sharing, record=record)
 
     def with_spread(self, bounds: Sequence[int], options: PipelineOptions, nominal: SimResult) -> SimResult:
-        """``nominal`` (:meth:`simulate`'s of ``bounds`` under ``options``) with the step the plan reports: its workers
-        ``ModelProfile.worker_spread`` apart (:func:`with_spread`)."""
+        """``nominal`` (:meth:`simulate`'s of ``bounds`` under ``options``) with the step the plan reports: the
+        profile's spreads drawn (:func:`with_spread`)."""
         gpus = self.gpus_for(len(bounds) - 1)
-        return with_spread(nominal, self.prof, lambda p, steps: simulate(
-            p, bounds, self.hw, gpus, self.req.micro_batches, options, self.req.sharing, record=False, steps=steps))
+        return with_spread(nominal, self.prof, lambda steps, draw: simulate(
+            self.prof, bounds, self.hw, gpus, self.req.micro_batches, options, self.req.sharing, record=False,
+            steps=steps, draw=draw))
 
 
 # ---------------------------------------------------------------------------------- entry point

@@ -66,13 +66,14 @@ def round_robin_peaks(profile: ModelProfile, cuts: Cuts, workers: int, num_slots
 
 def simulate_round_robin(profile: ModelProfile, cuts: Cuts, hardware: Hardware, worker_gpus: list[int] | None = None,
                          micro_batches: int = 4, options: PipelineOptions = PipelineOptions(),
-                         sharing: Sharing = "priority", record: bool = True, steps: int = STEPS) -> SimResult:
+                         sharing: Sharing = "priority", record: bool = True, steps: int = STEPS,
+                         draw: int = -1) -> SimResult:
     """Simulate ``steps`` consecutive round-robin steps (one program: with a delayed update they overlap);
     report the last one's period, its bytes (every step moves the same) and every GPU's memory peak."""
     worker_gpus = list(range(hardware.num_gpus)) if worker_gpus is None else list(worker_gpus)
     tied = profile.tied_params > 0
     sched = build_round_robin(cuts, len(worker_gpus), micro_batches, steps, options, tied)
-    res = _Sim(profile, op_costs(profile, cuts), hardware, worker_gpus, sched, sharing, record).run(steps)
+    res = _Sim(profile, op_costs(profile, cuts), hardware, worker_gpus, sched, sharing, record, draw).run(steps)
     peak = int(round_robin_peaks(profile, cuts, len(worker_gpus), options.num_slots) * GB)
     res.peak_bytes = [peak if g in worker_gpus else 0 for g in range(hardware.num_gpus)]
     return res
@@ -280,10 +281,10 @@ def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: lis
         raise ValueError(f"its shared host stores need {host / 2**30:.1f} GiB of host memory, "
                          f"{hardware.host_memory_bytes / 2**30:.1f} GiB is available")
 
-    recorded = with_spread(  # with the spreads the runs on the machine measured (ModelProfile.worker_spread)
+    recorded = with_spread(  # with the spreads the runs on the machine measured (ModelProfile.worker_spread, ...)
         simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, options, sharing), profile,
-        lambda p, steps: simulate_round_robin(p, choice.cuts, hardware, worker_gpus, micro_batches, options, sharing,
-                                              record=False, steps=steps))
+        lambda steps, draw: simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, options,
+                                                 sharing, record=False, steps=steps, draw=draw))
     flipped = dataclasses.replace(options, delayed=not options.delayed)
     other = simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, flipped, sharing,
                                  record=False)

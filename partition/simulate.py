@@ -136,8 +136,9 @@ class SimResult:
 
 def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, worker_gpus: list[int] | None = None,
              micro_batches: int = 4, options: PipelineOptions = PipelineOptions(), sharing: Sharing = "priority",
-             record: bool = True, steps: int = 3) -> SimResult:
-    """Simulate ``steps`` training steps of the partition ``boundaries``; report the last one.
+             record: bool = True, steps: int = 3, draw: int = -1) -> SimResult:
+    """Simulate ``steps`` training steps of the partition ``boundaries``; report the last one. ``draw`` (>= 0): the
+    seed of the workers' and computes' speeds drawn at every step (:func:`with_spread`); -1: all at their means.
 
     ``worker_gpus[s]`` is the physical GPU of worker ``s``; stage ``j`` runs on worker ``j % len(worker_gpus)``
     (default: GPUs 0..N-1 in order).
@@ -147,23 +148,23 @@ def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, w
     worker_gpus = worker_gpus[:len(costs)]  # fewer stages than GPUs leave the last ones idle
     N, S = len(worker_gpus), len(costs)
     sched = build_schedule(S, N, micro_batches, [j % N for j in range(S)], options, profile.tied_params > 0 and S > 1)
-    return _Sim(profile, costs, hardware, worker_gpus, sched, sharing, record).run(steps)
+    return _Sim(profile, costs, hardware, worker_gpus, sched, sharing, record, draw).run(steps)
 
 
 _KIND_CODE = {k: i for i, k in enumerate(Kind)}  # ints hash alike in every process (strings do not)
 SPREAD_STEPS = 10  # steps a simulation with the spreads drawn runs: the step is the mean period of all but the first two
 
 
-def with_spread(nominal: SimResult, profile: ModelProfile, run: Callable[[ModelProfile, int], SimResult]) -> SimResult:
+def with_spread(nominal: SimResult, profile: ModelProfile, run: Callable[[int, int], SimResult]) -> SimResult:
     """``nominal`` (``profile``'s step simulated) with the step it reports when each worker's speed varies from step
     to step by ``profile.worker_spread`` and each compute's inside a step by ``profile.compute_spread``: one seeded
-    simulation of :data:`SPREAD_STEPS` steps (``run(drawn profile, steps)``, unrecorded) in which every step draws
-    each worker's factor and each compute's (:meth:`_Sim._speeds`, :meth:`_Sim._drawn`), the mean period of its
+    simulation of :data:`SPREAD_STEPS` steps (``run(steps, draw)``: ``profile``'s, unrecorded) in which every step
+    draws each worker's factor and each compute's (:meth:`_Sim._speeds`, :meth:`_Sim._drawn`), the mean period of its
     steps after the first two; the difference from the nominal step in ``spread_s``. ``nominal`` itself without
     either spread."""
     if profile.worker_spread <= 0 and profile.compute_spread <= 0:
         return nominal
-    ends = run(dataclasses.replace(profile, draw=0), SPREAD_STEPS).step_ends
+    ends = run(SPREAD_STEPS, 0).step_ends
     extra = statistics.fmean(b - a for a, b in zip(ends[1:], ends[2:])) - nominal.step_s
     return dataclasses.replace(nominal, step_s=nominal.step_s + extra, spread_s=extra)
 
@@ -295,13 +296,14 @@ class _Sim:
     """The event loop: start what is ready, share bandwidth, jump to the next completion."""
 
     def __init__(self, profile: ModelProfile, costs: list[StageCost], hw: Hardware, worker_gpus: list[int],
-                 sched: Schedule, sharing: Sharing, record: bool):
+                 sched: Schedule, sharing: Sharing, record: bool, draw: int = -1):
         self.profile, self.costs, self.hw, self.sched = profile, costs, hw, sched
         self.grad_bytes = sched.options.grad_bytes
         self.half_grads = sched.options.grad_dtype == "half"
         self.sharing, self.record = sharing, record
         self.S, self.M, self.N = sched.num_stages, sched.micro_batches, len(worker_gpus)
         self.workers = [_Worker(w, worker_gpus[w], sched) for w in range(self.N)]
+        self.draw = draw  # the seed of the speeds drawn at every step (with_spread); -1: none
         self.speeds: dict[int, dict[int, float]] = {}  # a draw's: step -> each worker's device's factor (_speeds)
         self.half = profile.precision != "fp32"
         self.t = 0.0
@@ -602,9 +604,9 @@ class _Sim:
 
     def _duration(self, task: _Task, gpu: int) -> float:
         """Seconds of a compute task at full speed on device ``gpu``: its stage's unit times, in a draw
-        (``ModelProfile.draw``) at its step's factor of the device and its own (:meth:`_drawn`)."""
+        (``draw`` >= 0) at its step's factor of the device and its own (:meth:`_drawn`)."""
         work = self._work(task)
-        if self.profile.draw < 0 or task.kind == Kind.DEVICE_UPDATE:
+        if self.draw < 0 or task.kind == Kind.DEVICE_UPDATE:
             return work
         step = task.tstep if self.program else self.step
         return work * self._speeds(step).get(gpu, 1.0) * self._drawn(task, step)
@@ -616,7 +618,7 @@ class _Sim:
         takes the deviates of the even one before it negated (antithetic: their mean varies less)."""
         if step not in self.speeds:
             gpus, spread = [w.gpu for w in self.workers], self.profile.worker_spread
-            rng = random.Random(hash((self.profile.draw, step // 2)))
+            rng = random.Random(hash((self.draw, step // 2)))
             z = [rng.gauss(0.0, 1.0) * (-1.0 if step % 2 else 1.0) for _ in gpus]
             mean, n = sum(z) / len(z), len(z)
             scale = spread * math.sqrt(n / (n - 1)) if n > 1 else 0.0
@@ -631,7 +633,7 @@ class _Sim:
         cv = self.profile.compute_spread
         if cv <= 0:
             return 1.0
-        key = (self.profile.draw, step // 2, _KIND_CODE[task.kind], task.stage, task.micro, task.unit)
+        key = (self.draw, step // 2, _KIND_CODE[task.kind], task.stage, task.micro, task.unit)
         sigma = math.sqrt(math.log1p(cv * cv))
         z = random.Random(hash(key)).gauss(0.0, sigma) * (-1.0 if step % 2 else 1.0)
         return math.exp(z - sigma * sigma / 2)
