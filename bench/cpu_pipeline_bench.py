@@ -86,18 +86,20 @@ def checkpoint(root: Path, width: int, blocks: int) -> Path:
     return d
 
 
-def variant_raw(name: str, ck: Path, root: Path, repeat: int, steps: int, workers: int) -> dict:
-    """Variant ``name``'s run configuration (raw sections), its output in ``root``/<name>-<repeat>."""
+def variant_raw(name: str, ck: Path, root: Path, repeat: int, steps: int, workers: int, overrides: dict | None = None,
+                mode: str = "pipeline") -> dict:
+    """Variant ``name``'s run configuration (raw sections; ``overrides``: its sections' values, by default this
+    matrix's), its output in ``root``/<name>-<repeat>."""
     cache = str(root / f"cache-{repeat}")
     raw = {"model": {"checkpoint": str(ck)},
            "data": {"seq_len": 128, "cache_dir": cache},
            "train": {"max_steps": steps, "micro_batch_size": 4, "micro_batches": 4, "lr": 1e-3,
                      "warmup_steps": 2, "grad_clip": 0.0, "eval_every": 0, "eval_batches": 1},
-           "parallel": {"mode": "pipeline", "devices": workers, "device": "cpu"},
+           "parallel": {"mode": mode, "devices": workers, "device": "cpu"},
            "partition": {"cache_dir": cache},
            "output": {"dir": str(root / f"{name.replace(' ', '_')}-{repeat}"), "plot": False}}
-    for section, values in VARIANTS[name].items():
-        raw[section].update(values)
+    for section, values in (VARIANTS[name] if overrides is None else overrides).items():
+        raw.setdefault(section, {}).update(values)
     return raw
 
 
@@ -216,16 +218,28 @@ def print_replay(rows: list[dict]) -> None:
               f"{100 * r['profile_then']:+18.1f}% {100 * r['profile_now']:+6.1f}%")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def matrix_arguments(doc: str, variants: dict) -> argparse.ArgumentParser:
+    """The arguments a CPU bench matrix takes (this one's and ``cpu_zero_bench.py``'s)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=OUT)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the measured median")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(variants))
     p.add_argument("--repeats", type=int, default=1, help="run every variant this many times, interleaved")
+    return p
+
+
+def check_variants(p: argparse.ArgumentParser, names: str, variants: dict) -> None:
+    unknown = [name for name in names.split(",") if name not in variants]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(map(repr, unknown))}; the variants: {', '.join(map(repr, variants))}")
+
+
+def main() -> None:
+    p = matrix_arguments(__doc__, VARIANTS)
     p.add_argument("--trace-step", type=int, default=None,
                    help="trace this step (1-based) of every run (parallel.trace_step; the step after it waits to write "
                         "the trace and is left out of the median) and keep the runs' directories under <out>/runs")
@@ -237,9 +251,7 @@ def main() -> None:
         print_replay(rows)
         (Path(args.out) / "cpu_pipeline_bench_replay.json").write_text(json.dumps(rows, indent=2))
         return
-    unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
-    if unknown:
-        p.error(f"unknown variant(s) {', '.join(map(repr, unknown))}; the variants: {', '.join(map(repr, VARIANTS))}")
+    check_variants(p, args.variants, VARIANTS)
     logging.basicConfig(level=logging.WARNING)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,9 @@ beyond the simulated messages, spread over the worker's computes); a pipeline's 
 that vary from step to step, apart (``ModelProfile.worker_spread``: on 2 CPU workers of this VM a worker's compute
 in a step 2-13% from its usual against the other's), and each compute's time varies inside a step
 (``ModelProfile.compute_spread``, 7-19% there), which the run measures and the fit passes on, and which a plan's
-step pays in a simulation that draws them (:func:`partition.simulate.with_spread`); the app keeps the last runs' figures per
+step pays in a simulation that draws them (:func:`partition.simulate.with_spread`); zero mode's reduce-scatters between
+CPU workers take longer inside the steps than the hardware model says (:func:`fit_reduce_scatter`,
+``ModelProfile.reduce_scatter_x``); the app keeps the last runs' figures per
 profile and machine (:func:`record_scale`) and plans the next run with their mean
 (:func:`learnt_scale`, :meth:`ComputeScale.apply`). Pure functions over numbers, but the cache's files.
 """
@@ -33,7 +35,8 @@ from partition.costs import ModelProfile
 
 log = logging.getLogger(__name__)
 
-_KEPT = ("forward", "backward", "action_s", "worker_spread", "compute_spread")  # a kept run's figures
+_KEPT = ("forward", "backward", "action_s", "worker_spread", "compute_spread", "reduce_scatter_x")  # a kept run's figures
+_UNIT_FIGURES = ("reduce_scatter_x",)  # of those, factors whose neutral value is 1 (the others': 0)
 KEPT_RUNS = 5  # the runs whose factors the next plan averages (a single run's moment drifts by 10-30% here)
 
 
@@ -49,8 +52,8 @@ class ComputeScale:
     backward recomputes) times ``forward``, the rest of every backward times ``backward``; ``action_s``: the
     dispatch thread's own time per compute action (CPU workers; ``ModelProfile.action_s``); ``worker_spread``,
     ``compute_spread``: how much a worker's compute varied from step to step against the others', and one
-    compute's time inside a step (``ModelProfile``'s, measured);
-    ``runs``: how many runs' figures were averaged (0: none, the profile as measured); ``origin``: whose runs they
+    compute's time inside a step (``ModelProfile``'s, measured); ``reduce_scatter_x``: zero mode's reduce-scatters on
+    CPU workers against the hardware model (:func:`fit_reduce_scatter`); ``runs``: how many runs' figures were averaged (0: none, the profile as measured); ``origin``: whose runs they
     were when not this setting's (:func:`learnt_scale`'s ``others``, e.g. ``with parallel.schedule=swapped``)."""
 
     forward: float = 1.0
@@ -60,22 +63,25 @@ class ComputeScale:
     origin: str = ""
     worker_spread: float = 0.0
     compute_spread: float = 0.0
+    reduce_scatter_x: float = 1.0
 
     def apply(self, profile: ModelProfile) -> ModelProfile:
         """``profile`` with every unit's times scaled (the fp32 gradient sums, ``acc_s``, as profiled), and
-        ``action_s`` and the two spreads set."""
+        ``action_s``, the two spreads and ``reduce_scatter_x`` set."""
         if (self.forward == 1.0 and self.backward == 1.0 and self.action_s == profile.action_s
-                and self.worker_spread == profile.worker_spread and self.compute_spread == profile.compute_spread):
+                and self.worker_spread == profile.worker_spread and self.compute_spread == profile.compute_spread
+                and self.reduce_scatter_x == profile.reduce_scatter_x):
             return profile
         units = [dataclasses.replace(u, fwd_s=u.fwd_s * self.forward,
                                      bwd_s=u.fwd_s * self.forward + (u.bwd_s - u.fwd_s) * self.backward)
                  for u in profile.units]
         return dataclasses.replace(profile, units=units, notes=dict(profile.notes), action_s=self.action_s,
-                                   worker_spread=self.worker_spread, compute_spread=self.compute_spread)
+                                   worker_spread=self.worker_spread, compute_spread=self.compute_spread,
+                                   reduce_scatter_x=self.reduce_scatter_x)
 
     def times(self, other: "ComputeScale") -> "ComputeScale":
-        """This scale applied after ``other`` (scales compose factor by factor; ``action_s`` and the spreads are
-        this one's)."""
+        """This scale applied after ``other`` (scales compose factor by factor; ``action_s``, the spreads and
+        ``reduce_scatter_x`` are this one's)."""
         return dataclasses.replace(self, forward=self.forward * other.forward, backward=self.backward * other.backward,
                                    origin="")
 
@@ -83,6 +89,8 @@ class ComputeScale:
         action = f", {self.action_s * 1e3:.2f} ms dispatch per compute" if self.action_s else ""
         spread = (f", workers ±{100 * self.worker_spread:.0f}% and computes ±{100 * self.compute_spread:.0f}% around "
                   f"their means" if self.worker_spread or self.compute_spread else "")
+        if self.reduce_scatter_x != 1.0:
+            spread += f", reduce-scatters x{self.reduce_scatter_x:.2f} the model's"
         runs = 'the last run' if self.runs == 1 else f'the last {self.runs} runs'
         return (f"x{self.forward:.2f} forward, x{self.backward:.2f} backward{action}{spread} as "
                 f"{runs}{' ' + self.origin if self.origin else ''} on this machine computed")
@@ -94,7 +102,9 @@ def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
     ``measured`` ({"forward": s, "backward": s}, seconds per worker and step as the run's metrics give
     them), relative to ``profile``; the identity when nothing was measured. With ``measured["dispatch"]`` (CPU
     workers' pipeline: the dispatch thread's own time, ``dispatch_s``) also the ``action_s`` that makes the
-    dispatch phase equal it (:func:`fit_action`); without, the profile's. ``measured["worker_spread"]`` and
+    dispatch phase equal it (:func:`fit_action`); without, the profile's; likewise with ``measured["reduce_scatter"]``
+    (zero mode on CPU workers, ``reduce_scatter_s``) the ``reduce_scatter_x`` (:func:`fit_reduce_scatter`).
+    ``measured["worker_spread"]`` and
     ``["compute_spread"]`` (:func:`mobius.app.launch.measured_compute`) are passed on as they are.
 
     A phase is a sum of compute spans, each a sum of unit times, so it is linear in the two factors (plus
@@ -114,10 +124,13 @@ def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
     if not (fx > 0 and bx > 0):
         return ComputeScale()
     fit = ComputeScale(fx, bx, 1, profile.action_s, worker_spread=measured.get("worker_spread", 0.0),
-                       compute_spread=measured.get("compute_spread", 0.0))
-    if "dispatch" not in measured:
-        return fit
-    return dataclasses.replace(fit, action_s=fit_action(fit.apply(profile), simulate, measured["dispatch"]))
+                       compute_spread=measured.get("compute_spread", 0.0), reduce_scatter_x=profile.reduce_scatter_x)
+    if "dispatch" in measured:
+        fit = dataclasses.replace(fit, action_s=fit_action(fit.apply(profile), simulate, measured["dispatch"]))
+    if "reduce_scatter" in measured:
+        fit = dataclasses.replace(fit, reduce_scatter_x=fit_reduce_scatter(fit.apply(profile), simulate,
+                                                                           measured["reduce_scatter"]))
+    return fit
 
 
 def fit_action(profile: ModelProfile, simulate: Callable[[ModelProfile], Split], measured_s: float) -> float:
@@ -130,6 +143,18 @@ def fit_action(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
     if per_ms <= 0:
         return 0.0
     return max(0.0, (measured_s - at[0]) / per_ms * 1e-3)
+
+
+def fit_reduce_scatter(profile: ModelProfile, simulate: Callable[[ModelProfile], Split], measured_s: float) -> float:
+    """The ``reduce_scatter_x`` that makes ``simulate``'s reduce-scatter phase (zero mode on CPU workers: the
+    dispatch thread's waits for its reduce-scatters, the slowest rank's arrival included) equal ``measured_s``, as the
+    run's metrics give it (``reduce_scatter_s``); ``profile``'s when the simulation has no such phase. Nearly
+    linear in the factor: two simulations give it (at least 0.1)."""
+    at = [simulate(dataclasses.replace(profile, reduce_scatter_x=x)).time_split().get("reduce_scatter")
+          for x in (1.0, 2.0)]
+    if at[0] is None or at[1] <= at[0]:
+        return profile.reduce_scatter_x
+    return max(0.1, 1.0 + (measured_s - at[0]) / (at[1] - at[0]))
 
 
 def scale_key(profile_key: str, workers: int, threads: int, mode: str) -> str:
@@ -168,8 +193,8 @@ def _read_runs(path: Path) -> list[dict[str, float]]:
     """The kept runs' factors; a missing or unreadable file (another version's, a torn write) holds none."""
     try:
         runs = json.loads(path.read_text())["runs"]
-        return [{"forward": float(r["forward"]), "backward": float(r["backward"]),
-                 **{f: max(0.0, float(r.get(f, 0.0))) for f in _KEPT[2:]}} for r in runs  # (kept before them: 0)
+        return [{"forward": float(r["forward"]), "backward": float(r["backward"]),  # (kept before them: neutral)
+                 **{f: max(0.0, float(r.get(f, 1.0 if f in _UNIT_FIGURES else 0.0))) for f in _KEPT[2:]}} for r in runs
                 if float(r["forward"]) > 0 and float(r["backward"]) > 0]
     except (OSError, ValueError, KeyError, TypeError):
         return []

@@ -33,8 +33,6 @@ import dataclasses
 import itertools
 import json
 import math
-import random
-import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -42,6 +40,7 @@ from partition.costs import ModelProfile, StageCost, compute_copy_work, stage_co
 from partition.evaluate import GB, PipelineOptions, stage_exprs, tie_seconds
 from partition.hardware import Hardware
 from partition.schedule import COMPUTE, Kind, Schedule, build_schedule
+from partition.spread import SPREAD_STEPS, compute_factor, mean_period, worker_speeds
 from partition.timing import Shape, StageExprs, memory_peaks
 
 Sharing = Literal["priority", "fair"]
@@ -152,7 +151,6 @@ def simulate(profile: ModelProfile, boundaries: list[int], hardware: Hardware, w
 
 
 _KIND_CODE = {k: i for i, k in enumerate(Kind)}  # ints hash alike in every process (strings do not)
-SPREAD_STEPS = 10  # steps a simulation with the spreads drawn runs: the step is the mean period of all but the first two
 
 
 def with_spread(nominal: SimResult, profile: ModelProfile, run: Callable[[int, int], SimResult]) -> SimResult:
@@ -164,8 +162,7 @@ def with_spread(nominal: SimResult, profile: ModelProfile, run: Callable[[int, i
     either spread."""
     if profile.worker_spread <= 0 and profile.compute_spread <= 0:
         return nominal
-    ends = run(SPREAD_STEPS, 0).step_ends
-    extra = statistics.fmean(b - a for a, b in zip(ends[1:], ends[2:])) - nominal.step_s
+    extra = mean_period(run(SPREAD_STEPS, 0).step_ends) - nominal.step_s
     return dataclasses.replace(nominal, step_s=nominal.step_s + extra, spread_s=extra)
 
 
@@ -612,31 +609,17 @@ class _Sim:
         return work * self._speeds(step).get(gpu, 1.0) * self._drawn(task, step)
 
     def _speeds(self, step: int) -> dict[int, float]:
-        """Each worker's device's factor in ``step`` of a draw: 1 + ``ModelProfile.worker_spread`` times a normal
-        deviate less the step's mean over the workers (scaled so that each keeps that standard deviation), at
-        least 0.1: a worker's compute against the step's mean. Seeded by the draw and the step's pair; an odd step
-        takes the deviates of the even one before it negated (antithetic: their mean varies less)."""
+        """Each worker's device's factor in ``step`` of a draw (:func:`partition.spread.worker_speeds`)."""
         if step not in self.speeds:
-            gpus, spread = [w.gpu for w in self.workers], self.profile.worker_spread
-            rng = random.Random(hash((self.draw, step // 2)))
-            z = [rng.gauss(0.0, 1.0) * (-1.0 if step % 2 else 1.0) for _ in gpus]
-            mean, n = sum(z) / len(z), len(z)
-            scale = spread * math.sqrt(n / (n - 1)) if n > 1 else 0.0
-            self.speeds[step] = {g: max(0.1, 1.0 + scale * (zi - mean)) for g, zi in zip(gpus, z)}
+            gpus = [w.gpu for w in self.workers]
+            self.speeds[step] = dict(zip(gpus, worker_speeds(self.draw, step, len(gpus), self.profile.worker_spread)))
         return self.speeds[step]
 
     def _drawn(self, task: _Task, step: int) -> float:
-        """The task's own factor in ``step`` of a draw: lognormal with mean 1 and ``ModelProfile.compute_spread``
-        its standard deviation over mean, seeded by the draw, the step's pair and the task (kind, stage,
-        micro-batch, unit), so that it draws the same whatever runs beside it (an odd step: the deviate of the even
-        one before it, negated)."""
-        cv = self.profile.compute_spread
-        if cv <= 0:
-            return 1.0
+        """The task's own factor in ``step`` of a draw (:func:`partition.spread.compute_factor`), keyed by the task's
+        kind, stage, micro-batch and unit."""
         key = (self.draw, step // 2, _KIND_CODE[task.kind], task.stage, task.micro, task.unit)
-        sigma = math.sqrt(math.log1p(cv * cv))
-        z = random.Random(hash(key)).gauss(0.0, sigma) * (-1.0 if step % 2 else 1.0)
-        return math.exp(z - sigma * sigma / 2)
+        return compute_factor(self.profile.compute_spread, key, step)
 
     def _work(self, task: _Task) -> float:
         sc = self.costs[task.stage]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,8 +13,8 @@ import pytest
 from fixtures.partition.profiles import toy_profile
 from partition import Hardware, Plan, PlanRequest, plan_model
 from mobius.app.launch import measured_compute
-from partition.calibrate import (KEPT_RUNS, ComputeScale, fit_action, fit_scale, learnt_scale, record_scale,
-                                 scale_key, scale_path)
+from partition.calibrate import (KEPT_RUNS, ComputeScale, fit_action, fit_reduce_scatter, fit_scale, learnt_scale,
+                                 record_scale, scale_key, scale_path)
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -86,6 +87,9 @@ def test_the_workers_spread_is_how_far_each_is_from_its_usual_compute_against_th
     assert measured_compute(even, dispatch=False).keys() == {"forward", "backward", "worker_spread"}
     spreads = [{**r, "compute_spread": x} for r, x in zip(even, (0.1, 0.3, 0.2, 0.5))]
     assert measured_compute(spreads)["compute_spread"] == pytest.approx(0.25)  # the median of the steps
+    waits = [{**r, "reduce_scatter_s": x} for r, x in zip(even, (0.1, 0.3, 0.2, 0.5))]  # zero mode's, CPU workers
+    assert measured_compute(waits, waits=True)["reduce_scatter"] == pytest.approx(0.25)
+    assert "reduce_scatter" not in measured_compute(waits)
 
 
 @pytest.mark.parametrize("schedule", ["swapped", "round_robin"])
@@ -142,6 +146,67 @@ def test_a_zero_plan_replayed_gives_the_factors_its_run_computed_at_back(checkpo
     assert (fit.forward, fit.backward, fit.runs) == (pytest.approx(1.3, rel=1e-3), pytest.approx(0.9, rel=1e-3), 1)
 
 
+def _zero(blocking: bool, spread: ComputeScale = ComputeScale(), ranks: int = 2, **setting: int):
+    """A zero plan of the toy model made with ``spread`` applied to its profile, on CPU workers (``blocking``: the
+    dispatch thread waits for its gathers' fills and its reduce-scatters) or GPUs; its replay; the profile."""
+    from mobius.layout import ParamInfo
+    from partition.zero import ZeroHardware, replay
+    from partition.zero import plan as zero_plan
+
+    prof = toy_profile(blocks=6)
+    params = [ParamInfo((f"u{u}.w",), (1 << 16,), (u,), decay=True) for u in range(prof.num_units)]
+    hw = ZeroHardware(ranks, 8 * GiB, 10e9, 10e9, 0.45e9, 40e9, 2e9, 30e9, collective_s=1e-3, name="test",
+                      blocking=blocking)
+    zp = zero_plan(params, prof.num_units, spread.apply(prof), hw, micro_batches=4, checkpointing=False, barrier=True,
+                   **setting)
+    return zp, (lambda p: replay(zp, params, prof.num_units, p, hw)), prof
+
+
+def test_a_zero_plan_whose_ranks_speeds_vary_waits_for_the_slowest_at_every_collective() -> None:
+    """Ranks whose computes vary (from step to step 15%, each compute 20%): zero's plan and its replay report the mean
+    step over drawn speeds, above the step of ranks alike by ``spread_s`` (every collective begins when the last rank
+    issues it), the draws seeded; the searches compare at the means; one rank waits for nobody."""
+    spreads = ComputeScale(worker_spread=0.15, compute_spread=0.2)
+    for blocking in (True, False):
+        zp, again, prof = _zero(blocking, spreads)
+        nominal, drawn = again(prof), again(spreads.apply(prof))
+        assert nominal.spread_s == 0 and drawn.spread_s > 0.01 * nominal.step_s
+        assert drawn.step_s == pytest.approx(nominal.step_s + drawn.spread_s) == zp.predicted_step_s
+        assert again(spreads.apply(prof)).step_s == drawn.step_s and zp.spread_s == drawn.spread_s
+        assert drawn.time_split()["forward"] == nominal.time_split()["forward"]  # the compute's phases at the means
+        assert f"the spreads drawn: +{drawn.spread_s:.3f} s" in zp.summary()
+    zp, again, prof = _zero(True)
+    assert zp.spread_s == 0 and "drawn" not in zp.summary()
+    one, again1, _ = _zero(True, ComputeScale(worker_spread=0.15), ranks=1)
+    assert again1(ComputeScale(worker_spread=0.15).apply(prof)).spread_s == pytest.approx(0.0, abs=1e-12)
+
+
+def test_zero_on_cpu_workers_waits_for_its_collectives_and_learns_the_reduce_scatters_time() -> None:
+    """On CPU workers the dispatch thread fills the blocks, starts the next operator's gathers once its compute has
+    ended and waits for each reduce-scatter: the plan's time split has those waits (a GPU's has none, its dispatch
+    runs ahead of its streams), the gathers are no longer hidden behind the compute they follow, and a run whose
+    reduce-scatters took 1.7x the model (and whose ranks' speeds varied) gives 1.7 back, beside its compute factors,
+    for the next plan to simulate with."""
+    cpu, again, prof = _zero(True)
+    gpu, again_gpu, _ = _zero(False)
+    split, gpu_split = again(prof).time_split(), again_gpu(prof).time_split()
+    assert split["reduce_scatter"] > 0 and split["gather_wait"] > gpu.stall_s
+    assert "reduce_scatter" not in gpu_split and "gather_wait" not in gpu_split
+    least, _, _ = _zero(True, chunk_size=1 << 16, cache_blocks=2)  # a chunk per unit, rCache-min: gathered anew
+    shard, rs, ag = 1 << 15, 1e-3 + (1 << 15) * 4 / 0.45e9, 1e-3 + (1 << 15) * 2 / 0.45e9
+    assert (least.num_chunks, least.padded_chunk // 2) == (8, shard)
+    # each backward's flush waits behind the all-gather the dispatch thread started after its compute (prefetch)
+    assert least.time_split["reduce_scatter"] >= least.num_chunks * rs + 5 * ag
+    truth = ComputeScale(1.3, 0.9, worker_spread=0.1, compute_spread=0.1, reduce_scatter_x=1.7)
+    ran = again(truth.apply(prof))
+    assert ran.step_s > again(dataclasses.replace(truth, reduce_scatter_x=1.0).apply(prof)).step_s
+    run = {k: ran.time_split()[k] for k in ("forward", "backward", "reduce_scatter")}
+    fit = fit_scale(prof, again, {**run, "worker_spread": 0.1, "compute_spread": 0.1})
+    assert (fit.forward, fit.backward) == (pytest.approx(1.3, rel=0.02), pytest.approx(0.9, rel=0.02))
+    assert fit.reduce_scatter_x == pytest.approx(1.7, rel=0.03) and "reduce-scatters x1.7" in fit.line()
+    assert fit_reduce_scatter(prof, again_gpu, 1.0) == prof.reduce_scatter_x == 1.0  # nothing to fit on a GPU
+
+
 def test_the_next_plan_uses_the_mean_of_the_last_runs_and_ignores_a_torn_file(tmp_path: Path) -> None:
     key = scale_key("profile", 2, 1, "pipeline")
     assert learnt_scale(tmp_path, key) == ComputeScale()  # nothing learnt: the profile as measured
@@ -168,6 +233,9 @@ def test_the_next_plan_uses_the_mean_of_the_last_runs_and_ignores_a_torn_file(tm
                      {"device": "cpu"})
     learnt = learnt_scale(tmp_path, key)
     assert (learnt.worker_spread, learnt.compute_spread) == (pytest.approx(0.05), pytest.approx(0.1))
+    assert learnt.reduce_scatter_x == 1.0  # (kept before it: as modelled)
+    record_scale(tmp_path, key, ComputeScale(1.0, 1.0, reduce_scatter_x=2.0), {"device": "cpu"})
+    assert learnt_scale(tmp_path, key).reduce_scatter_x == pytest.approx(1.25)
 
 
 @pytest.mark.slow
@@ -190,9 +258,12 @@ def test_a_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Pat
     factors = kept[0]["runs"][0]
     assert 0.2 < factors["forward"] < 5 and 0.2 < factors["backward"] < 5
     if mode == "pipeline":  # CPU workers' dispatch thread per compute (binding stages, copies issued)
-        assert 0 < factors["action_s"] < 0.05
-    else:
-        assert factors["action_s"] == 0
+        assert 0 < factors["action_s"] < 0.05 and factors["reduce_scatter_x"] == 1.0
+    else:  # the reduce-scatters' time the steps measured, against the model's
+        assert factors["action_s"] == 0 and 0.1 <= factors["reduce_scatter_x"] != 1.0
+        assert "reduce-scatters x" in r.stderr and "reduce scatter " in r.stderr and "gather wait " in r.stderr
+        line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+        assert len(line["forward_by_worker"]) == 2 and line["gather_wait_s"] > 0 and line["reduce_scatter_s"] > 0
     shown = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, "--json", *common],
                            capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0, shown.stderr[-3000:]
@@ -202,8 +273,9 @@ def test_a_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Pat
                           text=True, timeout=600)
     assert ComputeScale(**factors, runs=1).line() in text.stdout + text.stderr
     assert ComputeScale(**factors, runs=1).line().endswith("as the last run on this machine computed")
-    if mode == "pipeline":  # the spreads its steps measured, drawn in the predicted step
-        assert factors["compute_spread"] > 0 and "the runs measured drawn;" in text.stdout + text.stderr
+    # the spreads its steps measured, drawn in the predicted step
+    assert factors["compute_spread"] > 0 and factors["worker_spread"] > 0
+    assert "the runs measured drawn" in text.stdout + text.stderr
     if mode == "pipeline":  # the round-robin schedule has no runs of its own yet: planned with the swapped one's
         rr = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, "--parallel.schedule=round_robin",
                              *common], capture_output=True, text=True, timeout=600)

@@ -145,7 +145,9 @@ PHASES = {"forward": "forward_s", "backward": "backward_s", "upload_wait": "uplo
           # outside its compute and what held it, the tied ends' sum and the reduce apart)
           "tail": "reduce_s"}  # the step's end (predicted: after the last compute; measured: the dispatch thread's,
 # from the tied ends' sum; the swapped pipeline's runtime measures it)
-ZERO_PHASES = {"forward": "forward_s", "backward": "backward_s", "cpu_adam": "cpu_adam_s"}  # zero plan -> metrics
+ZERO_PHASES = {"forward": "forward_s", "backward": "backward_s", "cpu_adam": "cpu_adam_s",  # zero plan -> metrics
+               "gather_wait": "gather_wait_s", "reduce_scatter": "reduce_scatter_s"}  # (the dispatch thread's waits:
+# predicted where it waits itself, on CPU workers)
 STEADY_FROM = 2  # steps before the measured medians (warm-up, the first uploads)
 MIN_STEADY_STEPS = 3  # steady steps a run needs before its compute is kept for the next plan
 
@@ -207,14 +209,16 @@ def phases(predicted_step_s: float, split: dict[str, float], rows: list[dict],
 def zero_phases(plan: ZeroPlan, rows: list[dict], steady_from: int = STEADY_FROM) -> dict[str, tuple[float, float]] | None:
     """Predicted beside measured, per phase of a zero step (seconds per rank, rank 0's; the median of the
     metrics lines after ``steady_from``): the whole step, the compute of the forwards and of the losses and
-    backwards (from after their gathers), and the CPU AdamW. None without steady steps."""
+    backwards (from after their gathers), the CPU AdamW, and on CPU workers the dispatch thread's waits for the
+    gathers and the reduce-scatters. None without steady steps."""
     steady = steady_rows(rows, steady_from)
     if not steady:
         return None
     predicted = {**plan.time_split, "cpu_adam": plan.cpu_adam_s}
     out = {"step": (plan.predicted_step_s, statistics.median(r["step_s"] for r in steady))}
     for phase, key in ZERO_PHASES.items():
-        out[phase] = (predicted.get(phase, 0.0), statistics.median(r[key] for r in steady))
+        if phase in predicted and all(key in r for r in steady):
+            out[phase] = (predicted[phase], statistics.median(r[key] for r in steady))
     return out
 
 
@@ -243,8 +247,9 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
     steady = steady_rows(rows)
     if info is None or replay is None or len(steady) < MIN_STEADY_STEPS:
         return
-    measured = measured_compute(steady, dispatch=planned.settings.device == "cpu" and planned.mode == "pipeline")
-    # (on CPU workers the dispatch thread is the compute's)
+    cpu = planned.settings.device == "cpu"  # (on CPU workers the dispatch thread is the compute's)
+    measured = measured_compute(steady, dispatch=cpu and planned.mode == "pipeline",
+                                waits=cpu and planned.mode == "zero")
     fitted = fit_scale(prof, replay, measured)
     if not fitted.runs:
         return
@@ -254,17 +259,19 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
                   "workers": planned.settings.workers, "threads": planned.settings.cpu_threads})
     given = replay(fitted.apply(prof)).step_s  # the schedule's own error, apart from compute
     log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's), "
-             "%.2f ms dispatch per compute, workers ±%.0f%% and computes ±%.0f%%; with that compute the plan's step is "
+             "%.2f ms dispatch per compute, workers ±%.0f%% and computes ±%.0f%%%s; with that compute the plan's step is "
              "%.3f s against %.3f s measured; kept for the next plan on this machine", fitted.forward, fitted.backward,
              scale.forward, scale.backward, scale.action_s * 1e3, 100 * scale.worker_spread,
-             100 * scale.compute_spread, given,
+             100 * scale.compute_spread, f", reduce-scatters x{scale.reduce_scatter_x:.2f} the model's"
+             if "reduce_scatter" in measured else "", given,
              statistics.median(r["step_s"] for r in steady))
 
 
-def measured_compute(steady: list[dict], dispatch: bool = False) -> dict:
+def measured_compute(steady: list[dict], dispatch: bool = False, waits: bool = False) -> dict:
     """What a run's steady steps measured of its compute, as :func:`partition.calibrate.fit_scale` takes it: the
     medians of the forward and backward seconds per worker; with ``dispatch`` the dispatch thread's own time
-    (``dispatch_s``); where the lines give each worker's own (``forward_by_worker``, ``backward_by_worker``; two
+    (``dispatch_s``); with ``waits`` (zero mode) the dispatch thread's time in its reduce-scatters
+    (``reduce_scatter_s``); where the lines give each worker's own (``forward_by_worker``, ``backward_by_worker``; two
     workers or more), ``worker_spread``: how far a worker's compute in a step is from its usual one, against how
     far the others' are (each worker's over its median, over the step's mean of those, less 1: root mean square
     over the steps and workers). Usual: over the steps that give the worker the same work (every step in the
@@ -274,6 +281,8 @@ def measured_compute(steady: list[dict], dispatch: bool = False) -> dict:
     out: dict = {k: statistics.median(r[f"{k}_s"] for r in steady) for k in ("forward", "backward")}
     if dispatch:
         out["dispatch"] = statistics.median(r["dispatch_s"] for r in steady)
+    if waits and all("reduce_scatter_s" in r for r in steady):
+        out["reduce_scatter"] = statistics.median(r["reduce_scatter_s"] for r in steady)
     if all("compute_spread" in r for r in steady):
         out["compute_spread"] = statistics.median(r["compute_spread"] for r in steady)
     each = [[f + b for f, b in zip(r.get("forward_by_worker", ()), r.get("backward_by_worker", ()))] for r in steady]

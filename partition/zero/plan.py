@@ -49,6 +49,8 @@ class ZeroPlan:
     # (Prediction.time_split), as a zero run's metrics measure them
     compute_scale: dict = field(default_factory=dict)  # the factors the profile's times were scaled by to the
     # compute earlier zero runs of the setting measured on this machine (partition.calibrate; empty: as profiled)
+    spread_s: float = 0.0  # of predicted_step_s, what the ranks' computes varying add (their spreads, which earlier
+    # runs measured, drawn: partition.zero.simulate.predict)
 
     @property
     def peak_bytes(self) -> int:
@@ -81,6 +83,15 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 100 else f"{n / 2**20:.1f} MiB"
 
 
+def _spread_text(p: ZeroPlan) -> str:
+    """What the ranks' spreads add to the step, and how far they were drawn (empty at the means)."""
+    if not p.spread_s:
+        return ""
+    w, c = (100 * p.compute_scale.get(k, 0.0) for k in ("worker_spread", "compute_spread"))
+    drawn = f"the ranks ±{w:.0f}% and computes ±{c:.0f}% the runs measured drawn" if w or c else "the spreads drawn"
+    return f"; {drawn}: {p.spread_s:+.3f} s"
+
+
 def _summary_lines(p: ZeroPlan) -> list[str]:
     e = PRECISION_BYTES[p.precision]
     m, t = p.memory, p.traffic
@@ -97,7 +108,7 @@ def _summary_lines(p: ZeroPlan) -> list[str]:
         f"chunk states: {p.gpu_chunks} chunk(s) on the GPU (GPU AdamW), {offloaded} offloaded (CPU master copy and "
         f"CPU AdamW; {_gib(m['host'])} of host memory) [{p.decided.get('gpu_chunks', 'search')}]",
         f"predicted step time: {p.predicted_step_s:.3f} s (compute {p.compute_s:.3f} s, waiting for gathers "
-        f"{p.stall_s:.3f} s, CPU AdamW {p.cpu_adam_s:.3f} s)",
+        f"{p.stall_s:.3f} s, CPU AdamW {p.cpu_adam_s:.3f} s{_spread_text(p)})",
         f"GPU memory per rank: {_gib(p.peak_bytes)} predicted of {_gib(m['capacity'])} (rCache "
         f"{_gib(m['rcache'])}, gradient buffers {_gib(m['grad_buffers'] + m['staging'])}, GPU shards "
         f"{_gib(m['gpu_shards'])}, activations {_gib(m['activations'])}; chunks may use {_gib(m['usable'])})"

@@ -37,8 +37,8 @@ def chunk_candidates(params: list[ParamInfo], num_units: int, elem: int, align: 
 
 
 def _evaluate(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, w: Workload, s: Setting,
-              act: int) -> dict:
-    pred = predict(layout, prof, hw, s, w)
+              act: int, spread: bool = False) -> dict:
+    pred = predict(layout, prof, hw, s, w, spread)
     peak = sum(model_state_bytes(layout, s, w.elem, w.delayed).values()) + act
     return {"cache_blocks": s.cache_blocks, "gpu_chunks": s.gpu_chunks, "step_s": pred.step_s, "peak_bytes": peak,
             "replaced_bytes": pred.traffic["replaced_bytes"], "prediction": pred}
@@ -46,17 +46,18 @@ def _evaluate(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, w: Work
 
 def alternatives(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, w: Workload, allowed: int,
                  act: int) -> dict[str, dict | None]:
-    """rCache-min, rCache-max and all-offload, each filling the memory left the paper's way."""
+    """rCache-min, rCache-max and all-offload, each filling the memory left the paper's way (each step with the
+    spreads drawn, as the plan's)."""
     out: dict[str, dict | None] = {}
     block = layout.padded * w.elem
     fixed = sum(model_state_bytes(layout, Setting(0, 0), w.elem, w.delayed).values())
     fill = {"rcache-min": layout.min_blocks, "rcache-max": layout.num_chunks}
     for name, n in fill.items():
         s = choose_setting(layout, hw, allowed, w, cache_blocks=n) if fixed + n * block <= allowed else None
-        out[name] = _public(_evaluate(layout, prof, hw, w, s, act)) if s else None
+        out[name] = _public(_evaluate(layout, prof, hw, w, s, act, spread=True)) if s else None
     n = min(layout.num_chunks, (allowed - fixed) // block) if allowed > fixed else 0
     ok = n >= layout.min_blocks
-    out["all-offload"] = _public(_evaluate(layout, prof, hw, w, Setting(n, 0), act)) if ok else None
+    out["all-offload"] = _public(_evaluate(layout, prof, hw, w, Setting(n, 0), act, spread=True)) if ok else None
     return out
 
 
@@ -109,11 +110,12 @@ def search(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: Zero
 def replay(zplan: ZeroPlan, params: list[ParamInfo], num_units: int, prof: ModelProfile,
            hw: ZeroHardware) -> Prediction:
     """``zplan``'s step simulated again with the unit times of ``prof`` (its chunk layout, rCache blocks and GPU
-    chunks as planned): what :mod:`partition.calibrate` fits a zero run's compute with."""
+    chunks as planned; ``prof``'s spreads drawn, as the plan's step): what :mod:`partition.calibrate` fits a zero
+    run's compute with."""
     layout = build_layout(params, num_units, zplan.chunk_size, hw.ranks, zplan.align)
     w = Workload(zplan.micro_batches // hw.ranks, zplan.precision, zplan.checkpointing, zplan.barrier, zplan.prefetch,
                  zplan.delayed)
-    return predict(layout, prof, hw, Setting(zplan.cache_blocks, zplan.gpu_chunks), w)
+    return predict(layout, prof, hw, Setting(zplan.cache_blocks, zplan.gpu_chunks), w, spread=True)
 
 
 def check_chunk_size(chunk_size: int, params: list[ParamInfo], align: int = ALIGN) -> None:
@@ -156,11 +158,11 @@ def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHa
     if micro_batches % hw.ranks:
         raise ConfigError(f"train.micro_batches={micro_batches} must be a multiple of the {hw.ranks} zero ranks")
     w = Workload(micro_batches // hw.ranks, prof.precision, checkpointing, barrier, prefetch, delayed)
-    layout, s, ev, table = search(params, num_units, prof, hw, w, chunk_size=chunk_size, cache_blocks=cache_blocks,
-                                  gpu_chunks=gpu_chunks, align=align)
+    layout, s, _, table = search(params, num_units, prof, hw, w, chunk_size=chunk_size, cache_blocks=cache_blocks,
+                                 gpu_chunks=gpu_chunks, align=align)  # (compared at the means)
     act = activation_bytes(prof, w)
     allowed = usable_bytes(hw.memory_bytes, act)
-    pred: Prediction = ev["prediction"]
+    pred = predict(layout, prof, hw, s, w, spread=True)
     states = model_state_bytes(layout, s, w.elem, delayed)
     memory = {**states, "activations": act, "usable": allowed, "capacity": hw.memory_bytes,
               "host": host_bytes(layout, s, w.precision, delayed)}
@@ -172,7 +174,7 @@ def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHa
         num_chunks=layout.num_chunks, cache_blocks=s.cache_blocks, min_blocks=layout.min_blocks,
         gpu_chunks=s.gpu_chunks, micro_batches=micro_batches, micro_batch_size=prof.micro_batch_size,
         seq_len=prof.seq_len, precision=prof.precision, checkpointing=checkpointing, prefetch=prefetch,
-        barrier=barrier, delayed=delayed, predicted_step_s=pred.step_s, compute_s=pred.compute_s,
+        barrier=barrier, delayed=delayed, predicted_step_s=pred.step_s, spread_s=pred.spread_s, compute_s=pred.compute_s,
         stall_s=pred.stall_s, cpu_adam_s=pred.cpu_adam_s, fits=sum(states.values()) <= allowed, memory=memory,
         traffic=pred.traffic,
         benefits={"I_s_per_GiB": rcache_benefit(hw, w.elem) * GiB,

@@ -14,16 +14,24 @@ bytes: uploads of offloaded chunks (host->GPU), gradient downloads (GPU->host) a
 collectives go through host memory (no P2P), each collective's two hops (GPU->host, then
 host->GPU, half its time each), so that a collective and an upload share the link instead of
 both running at its full rate. ``ZeroHardware``'s rates are per rank with every rank moving at
-once, so the root complex's share is in them."""
+once, so the root complex's share is in them.
+
+The ranks run alike at the means; with the spreads the runs on the machine measured (``predict(spread=True)``, the
+step a plan reports) each rank's computes are drawn (:mod:`partition.spread`) and the simulated lanes are rank 0's:
+the other ranks run ahead or behind it (``_StepSim.lag``), a collective begins when the last rank issues it, and
+a wait for one (a gather's all-gather, a blocking reduce-scatter, the step's statistics) lines them up again."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from mobius.layout import ChunkLayout
 from partition.costs import ModelProfile, compute_copy_work
 from partition.schedule.zero import OpKind, chunk_trace, grad_flushes, train_program
+from partition.spread import SPREAD_STEPS, compute_factor, mean_period, worker_speeds
 from partition.zero.cache import simulate_cache
 from partition.zero.memory import GRAD_BYTES, Setting, Workload, ZeroHardware
 
@@ -40,10 +48,14 @@ class Prediction:
     traffic: dict[str, float]  # bytes per rank per step
     forward_s: float = 0.0  # of compute_s: the forward operators'; the rest the loss's and the backward's (their
     # recomputes and gradient sums included), as a zero run's metrics split them
+    spread_s: float = 0.0  # of step_s, what the ranks' computes varying add (predict(spread=True))
+    waits: dict[str, float] = field(default_factory=dict)  # where the dispatch thread waits itself (hw.blocking, CPU
+    # workers; none on a GPU, whose dispatch runs ahead of its streams): for gathers (``stall_s``) and reduce-scatters
 
     def time_split(self) -> dict[str, float]:
-        """The compute's phases, as :func:`partition.calibrate.fit_scale` reads them."""
-        return {"forward": self.forward_s, "backward": self.compute_s - self.forward_s}
+        """The compute's phases, as :func:`partition.calibrate.fit_scale` reads them, and the dispatch thread's
+        waits (``waits``), as a zero run's metrics measure them."""
+        return {"forward": self.forward_s, "backward": self.compute_s - self.forward_s, **self.waits}
 
 
 @dataclass
@@ -65,8 +77,31 @@ def _op_seconds(prof: ModelProfile, op: Any, w: Workload) -> float:
     return w.micro_batches * max(u.bwd_s - u.fwd_s, 0.0)
 
 
-def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload) -> Prediction:
-    """Predicted steady-state step time and per-step traffic of one setting."""
+_KIND_CODE = {k: i for i, k in enumerate(OpKind)}  # ints hash alike in every process (strings do not)
+_WAITS = {"gather_wait": "stall", "reduce_scatter": "reduce_scatter"}  # Prediction.waits -> the step's stats
+
+
+def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload,
+            spread: bool = False) -> Prediction:
+    """Predicted steady-state step time and per-step traffic of one setting, every compute at its mean; with
+    ``spread``, the step when each rank's speed varies from step to step by ``prof.worker_spread`` and each of its
+    computes by ``prof.compute_spread``: the mean period of one seeded simulation of :data:`SPREAD_STEPS` steps
+    that draws them, the difference in ``spread_s``, and the dispatch thread's waits the mean of those steps' (where
+    a collective waits for the slowest rank); the compute's phases as at the means."""
+    nominal = _predict(layout, prof, hw, s, w)
+    if not spread or (prof.worker_spread <= 0 and prof.compute_spread <= 0):
+        return nominal
+    sim, ends, waits = _StepSim(layout, prof, hw, s, w, draw=0), [], []
+    for _ in range(SPREAD_STEPS):
+        stats = sim.step()
+        ends.append(sim.lanes.compute)
+        waits.append({k: stats[v] for k, v in _WAITS.items()})
+    extra = mean_period(ends) - nominal.step_s
+    mean = {k: sum(x[k] for x in waits[2:]) / len(waits[2:]) for k in nominal.waits}  # (as mean_period's steps)
+    return dataclasses.replace(nominal, step_s=nominal.step_s + extra, spread_s=extra, waits=mean)
+
+
+def _predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload) -> Prediction:
     sim = _StepSim(layout, prof, hw, s, w)
     ends, stats = [], {}
     for _ in range(3 if w.delayed else 2):  # delayed: an update's AdamW may hold up the step after next
@@ -78,15 +113,20 @@ def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Settin
     traffic = {"replaced_bytes": run.gathers * P * e, "allgather_bytes": run.gathers * (N - 1) * sh * e,
                "reduce_scatter_bytes": flush_count * (N - 1) * sh * GRAD_BYTES,
                "h2d_bytes": len(off) * sh * e, "d2h_bytes": sum(layout.trains(c) for c in range(s.gpu_chunks, layout.num_chunks)) * sh * GRAD_BYTES}
+    waits = {k: stats[v] for k, v in _WAITS.items()} if hw.blocking else {}
     return Prediction(ends[-1] - ends[-2], stats["compute"], stats["stall"], stats["cpu"], run.gathers, traffic,
-                      stats["forward"])
+                      stats["forward"], waits=waits)
 
 
 class _StepSim:
     """Steps of the runtime on its lanes (carried from step to step, as are the CPU updates' ends)."""
 
-    def __init__(self, layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload):
+    def __init__(self, layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload,
+                 draw: int = -1):
         self.layout, self.prof, self.hw, self.s, self.w = layout, prof, hw, s, w
+        self.draw, self.index = draw, -1  # the seed of the speeds drawn at every step (-1: none); this step's index
+        self.lag = [0.0] * hw.ranks  # each rank's compute behind rank 0's (the lanes'; ahead: negative)
+        self.speeds = [1.0] * hw.ranks  # each rank's factor in this step (a draw's)
         self.program = train_program(layout.num_units)
         self.trace = chunk_trace(self.program, layout)
         self.flushes = grad_flushes(self.program, layout)
@@ -95,8 +135,8 @@ class _StepSim:
         sh, e, N, lat = layout.shard, w.elem, hw.ranks, hw.collective_s
         self.cost = {"upload": lat + sh * e / hw.c2g_Bps, "cast": lat + sh * (4 + e) / hw.device_Bps,
                      "allgather": lat + (N - 1) * sh * e / hw.g2g_Bps if N > 1 else 0.0,
-                     "reduce": lat + ((N - 1) * sh * GRAD_BYTES / hw.g2g_Bps if N > 1
-                                      else 2 * sh * GRAD_BYTES / hw.device_Bps),
+                     "reduce": prof.reduce_scatter_x * (lat + ((N - 1) * sh * GRAD_BYTES / hw.g2g_Bps if N > 1
+                                                               else 2 * sh * GRAD_BYTES / hw.device_Bps)),
                      "download": lat + sh * GRAD_BYTES / hw.g2c_Bps, "cpu_adam": sh / hw.cpu_adam_params_per_s,
                      "copy": sh * compute_copy_work(w.precision) / hw.cpu_adam_params_per_s}
         self.fold_s = w.micro_batches * (e + 8) / hw.device_Bps  # per parameter: its gradient into the fp32 sums
@@ -114,13 +154,17 @@ class _StepSim:
     def step(self) -> dict[str, float]:
         """One step from the end of the previous one; returns its compute, stall and CPU seconds."""
         start = self.lanes.compute
+        self.index += 1
+        if self.draw >= 0:
+            self.speeds = worker_speeds(self.draw, self.index, self.hw.ranks, self.prof.worker_spread)
         self.block_free, self.ready, self.where = [start] * self.s.cache_blocks, {}, {}
         self.seen, self.barrier_jobs, self.flush_end = dict.fromkeys(self.runs, 0), [], start
-        self.stats = {"compute": 0.0, "forward": 0.0, "stall": 0.0, "cpu": 0.0}
+        self.stats = {"compute": 0.0, "forward": 0.0, "stall": 0.0, "cpu": 0.0, "reduce_scatter": 0.0}
         for t, op in enumerate(self.program):
             self._operator(t, op)
         lanes = self.lanes
-        lanes.compute = max(lanes.compute, self.flush_end) + self.hw.collective_s  # the step's statistics
+        self._line_up(max(lanes.compute + max(self.lag), self.flush_end))  # the step's statistics (an all-reduce)
+        lanes.compute += self.hw.collective_s  # begin when the last rank has every flush done
         for c, done in (self.barrier_jobs if self.w.delayed else sorted(self.barrier_jobs)):  # as the runtime
             self._cpu_update(c, max(done, lanes.compute))
         gpu_trainable = sum(self.layout.trains(c) for c in range(min(self.s.gpu_chunks, self.layout.num_chunks)))
@@ -130,19 +174,30 @@ class _StepSim:
         return self.stats
 
     def _operator(self, t: int, op: Any) -> None:
-        for c, b in self.run.demand[t] + self.run.prefetched[t]:
-            self._gather(c, b)
+        # the next operator's gathers (prefetch) start as this one's compute is issued (RCache.release); a dispatch
+        # thread that computes itself (hw.blocking) issues them when the compute has ended, before its flushes
+        early = [] if self.hw.blocking else self.run.prefetched[t]
         lanes = self.lanes
-        begin = max([lanes.compute] + [self.ready[c] for c in self.trace[t]])
+        before = lanes.compute  # (a blocking dispatch thread's fills for this operator count as its wait)
+        for c, b in self.run.demand[t] + early:
+            self._gather(c, b)
+        begin = self._line_up(max((self.ready[c] for c in self.trace[t]), default=-math.inf))  # its gathers' ends
         dt = _op_seconds(self.prof, op, self.w) + (self.fold_s * _unit_numel(self.layout, op.unit)
                                                   if op.makes_grads else 0.0)
-        self.stats["stall"] += begin - lanes.compute
+        if self.draw >= 0:  # each rank's own time for the operator
+            key = (self.draw, self.index // 2, _KIND_CODE[op.kind], op.unit)
+            f = [x * compute_factor(self.prof.compute_spread, (*key, r), self.index) for r, x in enumerate(self.speeds)]
+            self.lag = [lag + dt * (fr - f[0]) for lag, fr in zip(self.lag, f)]
+            dt *= f[0]
+        self.stats["stall"] += begin - before
         self.stats["compute"] += dt
         if op.kind in (OpKind.FORWARD, OpKind.EVAL):
             self.stats["forward"] += dt
         lanes.compute = begin + dt
         for c in self.trace[t]:
             self.block_free[self.where[c]] = lanes.compute
+        for c, b in self.run.prefetched[t] if self.hw.blocking else ():
+            self._gather(c, b)
         for c in self.flushes[t]:
             self._flush(c)
 
@@ -166,13 +221,21 @@ class _StepSim:
         memory it holds the GPU->host link for its first half and the host->GPU link for its second.
         Returns its end."""
         lanes = self.lanes
-        begin = max(lanes.g2g, ready)
+        begin = max(lanes.g2g, ready + max(self.lag))  # when the last rank issues it
         if not (self.hw.host_staged and self.hw.ranks > 1):
             lanes.g2g = begin + seconds
             return lanes.g2g
         lanes.d2h = max(begin, lanes.d2h) + seconds / 2
         lanes.h2d = lanes.g2g = max(lanes.d2h, lanes.h2d) + seconds / 2
         return lanes.g2g
+
+    def _line_up(self, at: float) -> float:
+        """Every rank's compute waits until ``at`` (the end of a collective they all wait for), a rank already past
+        it not at all: rank 0's lane and the others' lags move so. Returns rank 0's time then."""
+        now = self.lanes.compute
+        self.lanes.compute = max(now, at)
+        self.lag = [max(now + lag, at) - self.lanes.compute for lag in self.lag]
+        return self.lanes.compute
 
     def _flush(self, c: int) -> None:
         lanes = self.lanes
@@ -182,7 +245,8 @@ class _StepSim:
             lanes.compute = max(lanes.compute, self.consumed[c])
         done = self._collective(lanes.compute, self.cost["reduce"])
         if self.hw.blocking:  # the dispatch thread waits for its reduce-scatter
-            lanes.compute = max(lanes.compute, done)
+            before = lanes.compute
+            self.stats["reduce_scatter"] += self._line_up(done) - before
         if final:
             lanes.d2h = max(lanes.d2h, done) + self.cost["download"]
             done = lanes.d2h

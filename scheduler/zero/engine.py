@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -50,7 +51,7 @@ from scheduler.collectives import all_gather_flat
 from scheduler.counters import Counters
 from scheduler.pinned import host_zeros
 from scheduler.store import check_host_memory
-from scheduler.trace import ComputeSpans
+from scheduler.trace import ComputeSpans, by_worker
 from scheduler.zero.cache import GradBuffers, RCache, Streams
 from scheduler.updater import CpuUpdater, sum_over_ranks
 from scheduler.zero.store import HostChunk, Shards
@@ -82,6 +83,8 @@ class _Pass:
     flushed: dict[int, int] = field(default_factory=dict)
     arrived: list[tuple[int, object]] = field(default_factory=list)  # offloaded chunk, its gradient's event
     computed: ComputeSpans | None = None  # each operator's compute, from after its gathers to its end
+    gather_wait_s: float = 0.0  # the dispatch thread's time making the operators' chunks resident (waits, fills)
+    reduce_scatter_s: float = 0.0  # its time issuing (on CPU workers: running) the gradients' reduce-scatters
 
 
 class ZeroEngine:
@@ -103,7 +106,10 @@ class ZeroEngine:
         if self.world != plan.world:
             raise MobiusError(f"the zero plan is for {plan.world} ranks but {self.world} are running")
         self.dtype = DTYPES[cfg.train.precision]
-        num_units = len(unit_specs(model_cfg))
+        specs = unit_specs(model_cfg)
+        num_units = len(specs)
+        signatures = list(dict.fromkeys(u.signature for u in specs))
+        self.alike = [signatures.index(u.signature) for u in specs]  # units of one signature compute alike
         self.layout = build_layout(model_params(model_cfg), num_units, plan.chunk_size, self.world, plan.align)
         assert self.layout.num_chunks == plan.num_chunks, (self.layout.num_chunks, plan.num_chunks)
         self.index = {n: i for i, p in enumerate(self.layout.params) for n in p.names}
@@ -224,15 +230,19 @@ class ZeroEngine:
         ops = self.program if st.train else self.eval_ops
         for t, op in enumerate(ops):
             chunks = self.layout.unit_chunks[op.unit]
+            t0 = time.perf_counter()
             self.cache.acquire(chunks)
             start = st.computed.mark()
+            st.gather_wait_s += time.perf_counter() - t0
             {OpKind.FORWARD: self._forward, OpKind.LOSS: self._loss, OpKind.EVAL: self._loss,
              OpKind.BACKWARD: self._backward}[op.kind](op.unit, st)
             st.computed.add("forward" if op.kind in (OpKind.FORWARD, OpKind.EVAL) else "backward", start,
-                            op.kind.value, op.unit)
+                            op.kind.value, self.alike[op.unit])
             self.cache.release(chunks)
+            t0 = time.perf_counter()
             for c in self.flushes[t] if st.train else ():
                 self._flush(c, st)
+            st.reduce_scatter_s += time.perf_counter() - t0
         self.cache.end()
 
     def train_step(self, step: int, batches: list[Batch], lr: float,
@@ -244,8 +254,9 @@ class ZeroEngine:
         st.lr = lr
         self._run(st)
         gathers = list(self.cache.gathered)
+        computed = st.computed.stats(self.rank, self.world)  # (waits for the compute on a GPU)
         total = sum_over_ranks({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine)),
-                              "sumsq": self.grads.take_sumsq()})
+                              "sumsq": self.grads.take_sumsq(), **computed})
         norm, skipped, factor = self.rule.end(total["sumsq"])
         self.updated = self._update_gpu(lr, factor, skipped)
         if self.plan.barrier:  # the updates waited for the global norm: in forward order, where the next step's
@@ -253,9 +264,11 @@ class ZeroEngine:
             for c, done in (st.arrived if self.delayed else sorted(st.arrived, key=lambda x: x[0])):
                 self._queue_update(c, done, lr, factor, skipped)
         self.cache.invalidate()
-        computed = {f"{phase}_s": round(st.computed.seconds(phase), 4) for phase in ("forward", "backward")}
+        mine = {f"{phase}_s": round(computed[f"{phase}_s"], 4) for phase in ("forward", "backward")}  # this rank's
         return StepStats(total["loss_sum"] / total["micro"], norm, skipped, self.rule.loss_scale,
-                         {**self._counters(gathers), **computed})
+                         {**self._counters(gathers), **mine, **by_worker(total, self.world),
+                          "compute_spread": round(total["compute_spread"] / self.world, 4),
+                          "gather_wait_s": round(st.gather_wait_s, 4), "reduce_scatter_s": round(st.reduce_scatter_s, 4)})
 
     def _update_gpu(self, lr: float, factor: float, skip: bool) -> "torch.cuda.Event | None":
         """The GPU chunks' update on the compute stream (``skip``: an fp16 overflow, no AdamW). Returns
