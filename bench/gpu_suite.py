@@ -29,10 +29,11 @@ roundrobin OPT-2.7B on two workers sharing the GPU (24 GiB each) through ``mobiu
            schedule sync and delayed beside the swapped pipeline on the same two workers, a trace of one step of
            each (``overflow_bytes``: messages that found their mailbox full); on 2026-11-27 its sync run measured
            3.22 s against 6.25 s planned, no overflow (about 6 min)
-threads    OPT-2.7B's pipeline at 24 GiB with the workers' default CPU threads, 8 and 4, all planned with one CPU AdamW
-           rate (``partition.cpu_update_rate``: the same plan): does the CPU AdamW starve the thread that launches the
-           kernels? On 2026-11-27 (one untraced step each, each with its own plan, as each measured its own rate):
-           1.905 s with 14, 1.607 s with 8, 2.423 s with 4 threads
+threads    OPT-2.7B's pipeline at 24 GiB, sync and delayed, each with its CPU AdamW's threads placed by the OS and
+           pinned off the cores of the threads that launch the kernels (``parallel.cpu_pinning``), planned with one CPU
+           AdamW rate (``partition.cpu_update_rate``: one plan per update rule): does the CPU AdamW starve the thread
+           that launches the kernels, and does pinning stop it? On 2026-11-27 (one untraced step each, each with its
+           own plan): 1.905 s with the default 14 threads, 1.607 s with 8, 2.423 s with 4 (about 8 min)
 train-lora the same for Llama-3.1-8B LoRA (rank 16, all linear layers), single and pipeline (2 min)
 pipeline   1.42B, all-in-GPU and the pipeline as planned and all swapped, without and with clipping
 zero       1.42B zero mode as planned and its rCache-min / rCache-max / all-offload alternatives; clipped
@@ -96,10 +97,12 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
                                        ("round-robin-delayed", ["--set=--parallel.schedule=round_robin",
                                                                 "--set=--train.update=delayed"]),
                                        ("swapped", []))],
-    "threads": [(f"threads-{n or 'auto'}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline",
-                                            "--set=--partition.cpu_update_rate=4.0",  # one plan for all three
-                                            *([f"--set=--parallel.cpu_threads={n}"] if n else [])], 150)
-                for n in (0, 8, 4)],
+    "threads": [(f"threads-{name}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline",
+                                     "--set=--partition.cpu_update_rate=4.0",  # one plan per update rule
+                                     *[f"--set=--{kv}" for kv in extra]], 150)
+                for name, extra in (("auto", []), ("pinned", ["parallel.cpu_pinning=true"]),
+                                    ("delayed", ["train.update=delayed"]),
+                                    ("delayed-pinned", ["train.update=delayed", "parallel.cpu_pinning=true"]))],
     "train-lora": [("train-lora-llama-3.1-8b", ["bench/train_bench.py", "--presets", "llama-3.1-8b", "--lora-rank",
                                                 "16"], 480)],
     "pipeline": [("pipeline-1.4b", _pipe("--what", "ref,mobius", "--variants", "plain", *CLIPS, "--steps", "5"), 480)],

@@ -181,6 +181,10 @@ class ParallelSection(_Section):
     cpu_threads: int | None = _f(None, "CPU threads of each worker (its CPU AdamW, and its compute on CPU workers). "
                                  "null: the worker's share of the cores, less 2 for a GPU worker's dispatch and "
                                  "copy threads.", ge=1)
+    cpu_pinning: bool = _f(False, "GPU workers: keep each worker's CPU updates (its AdamW threads) on its share of the "
+                           "cores less the first 2, which stay to the threads that launch its kernels and copies, so "
+                           "an update cannot take the core a launch waits for. false: the OS places every thread. "
+                           "Not yet measured on a GPU (bench/gpu_suite.py --parts threads).")
 
 
 @dataclass

@@ -44,6 +44,7 @@ class ParallelSettings:
     groups: tuple[tuple[int, ...], ...]
     reason: str = ""  # why this mode (and device) were chosen
     nodes: int = 1  # machines the workers are spread over (torchrun's nodes), the same number on each
+    cpu_pinning: bool = False  # GPU workers' CPU update threads kept off their dispatch and copy threads' cores
 
     def __post_init__(self) -> None:
         rules = [(self.nodes >= 1 and self.workers % self.nodes == 0, "the workers split evenly over the nodes"),
@@ -86,5 +87,6 @@ class ParallelSettings:
         where = "CPU worker process(es)" if self.device == "cpu" else f"GPU(s) ({self.gpus} in use)"
         nodes = f" on {self.nodes} nodes" if self.nodes > 1 else ""
         return (f"mode {self.mode}: {self.workers} {where}{nodes}, {self.memory_bytes / 2**30:.1f} GiB each, "
-                f"{self.cpu_threads} CPU thread(s) per worker, activations {self.activation_path()}"
+                f"{self.cpu_threads} CPU thread(s) per worker{' (updates pinned)' if self.cpu_pinning else ''}, "
+                f"activations {self.activation_path()}"
                 + (f" ({self.reason})" if self.reason else ""))

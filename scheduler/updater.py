@@ -13,11 +13,12 @@
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,9 +47,21 @@ class Events:
             e.set()
 
 
+_UPDATE_CORES: frozenset[int] | None = None  # where this process's optimizer threads run (None: where the OS puts them)
+
+
+def set_update_cores(cores: Iterable[int] | None) -> None:
+    """Keep the optimizer threads this process starts from now on, and the torch threads their updates run on, on
+    ``cores`` (``parallel.cpu_pinning``); None: wherever the OS places them. For the whole process, like
+    ``torch.set_num_threads``."""
+    global _UPDATE_CORES
+    _UPDATE_CORES = frozenset(cores) if cores is not None else None
+
+
 class CpuUpdater:
     """One optimizer thread: jobs run one at a time, in the order :meth:`submit` queues them (those queued
-    ``first`` before the others that wait)."""
+    ``first`` before the others that wait); on the cores :func:`set_update_cores` gave, where it gave some (the
+    threads its AdamW's parallel loops start inherit them)."""
 
     def __init__(self) -> None:
         self.queue: queue.PriorityQueue = queue.PriorityQueue()  # (0 first / 1 / 2 stop, order, future, job,
@@ -77,6 +90,8 @@ class CpuUpdater:
         self.jobs.append(job)
 
     def _serve(self) -> None:
+        if _UPDATE_CORES is not None:
+            os.sched_setaffinity(0, _UPDATE_CORES)  # (Linux: the calling thread's)
         held: list[tuple] = []  # first jobs whose condition did not hold yet, in queue order
         while True:
             item = next((h for h in held if h[4]()), None)

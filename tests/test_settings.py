@@ -6,7 +6,7 @@ import pytest
 
 import topology
 from mobius.app.run import check_parallel
-from mobius.app.settings import DEVICE_RESERVE_BYTES, Machine, mode_options, resolve, static_mode
+from mobius.app.settings import DEVICE_RESERVE_BYTES, Machine, mode_options, resolve, static_mode, update_cores
 from mobius.config import config_from_dict
 from mobius.errors import ConfigError, NotAvailableError
 
@@ -40,6 +40,39 @@ def test_a_workers_cpu_threads_are_its_share_of_the_cores_unless_set() -> None:
     assert resolve(_cfg(mode="pipeline", devices=1, device="cuda", cpu_threads=8), box).cpu_threads == 8
     with pytest.raises(ConfigError, match="cpu_threads"):
         _cfg(mode="pipeline", cpu_threads=0)
+
+
+def test_pinned_updates_keep_off_each_gpu_workers_dispatch_cores() -> None:
+    """``parallel.cpu_pinning``: a GPU worker's CPU updates keep to its share of the cores less the first 2 (its
+    dispatch and copy threads'); CPU workers, whose dispatch thread computes, are not pinned; an optimizer thread
+    started under pinning runs where it was told, one started after it is unpinned where the OS puts it."""
+    import os
+    import threading
+
+    from scheduler.updater import CpuUpdater, set_update_cores
+
+    box = Machine(topology.Topology.synthetic([2], memory_bytes=24 * GiB), 16, local=True)
+    s = resolve(_cfg(mode="pipeline", devices=2, device="cuda", cpu_pinning=True), box)
+    assert s.cpu_pinning and "(updates pinned)" in s.describe() and s.cpu_threads == 6
+    assert not resolve(_cfg(mode="pipeline", devices=2, device="cuda"), box).cpu_pinning
+    assert not resolve(_cfg(mode="pipeline", devices=2, cpu_pinning=True), Machine(None, 8, local=True)).cpu_pinning
+    assert update_cores(range(16), 0, 2) == (2, 3, 4, 5, 6, 7) and update_cores(range(16), 1, 2) == tuple(range(10, 16))
+    assert update_cores([7, 3, 5, 1], 0, 1) == (5, 7) and update_cores(range(4), 1, 2) is None
+    mine = sorted(os.sched_getaffinity(0))
+    where = []
+
+    def job(into: list) -> int:
+        into.append(os.sched_getaffinity(0))  # (Linux: the calling thread's cores)
+        return 0
+
+    for cores in ([mine[-1]], None):
+        set_update_cores(cores)
+        updater, done = CpuUpdater(), threading.Event()
+        updater.submit(lambda: job(where), None, done)
+        assert done.wait(10)
+        updater.close()
+    set_update_cores(None)
+    assert where == [{mine[-1]}, set(mine)] and os.sched_getaffinity(0) == set(mine)  # this thread untouched
 
 
 def test_auto_needs_no_plan_only_for_one_device_without_a_gpu() -> None:

@@ -32,12 +32,14 @@ from mobius.models import ModelConfig
 from mobius.parallel import ParallelSettings
 from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
 from mobius.app.planning import Planned
+from mobius.app.settings import update_cores
 from partition.calibrate import ComputeScale, fit_scale, record_scale
 from partition.cpu_rate import record_in_step_rate
 from partition.plan import Plan
 from partition.zero import ZeroPlan
 from scheduler.engine import PipelineEngine
 from scheduler.roundrobin import RoundRobinEngine
+from scheduler.updater import set_update_cores
 from scheduler.zero import ZeroEngine
 
 log = logging.getLogger(__name__)
@@ -64,10 +66,22 @@ def expandable_segments() -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
+def _pinned(settings: ParallelSettings, local_rank: int) -> tuple[int, ...] | None:
+    """Where this worker's CPU updates run under ``parallel.cpu_pinning`` (:func:`update_cores`); None, and a
+    warning, when its share of the cores leaves none to them."""
+    local = settings.local_workers
+    cores = update_cores(os.sched_getaffinity(0), local_rank % local, local)
+    if cores is None:
+        log.warning("parallel.cpu_pinning: %d cores for %d worker(s) on this machine leave none apart from the "
+                    "dispatch and copy threads; the updates are not pinned", len(os.sched_getaffinity(0)), local)
+    return cores
+
+
 def open_device(settings: ParallelSettings, local_rank: int) -> torch.device:
     """This process's device: ``cuda:<local rank mod GPUs>`` (capped when the settings say so, with
     :func:`expandable_segments`), or the CPU."""
     torch.set_num_threads(settings.cpu_threads)
+    set_update_cores(_pinned(settings, local_rank) if settings.cpu_pinning else None)
     if settings.device == "cpu":
         return torch.device("cpu")
     expandable_segments()

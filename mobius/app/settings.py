@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from mobius.config import Config
 from mobius.errors import ConfigError, MobiusError, NotAvailableError
@@ -155,7 +155,7 @@ def resolve(cfg: Config, machine: Machine, mode: Mode | None = None, reason: str
                             p2p=_p2p(p.p2p, machine, device, local, gpus), memory_bytes=memory, memory_capped=capped,
                             cpu_threads=p.cpu_threads or _threads(machine, device, local),
                             groups=_groups(machine, device, workers, gpus),
-                            reason=reason, nodes=machine.nodes)
+                            reason=reason, nodes=machine.nodes, cpu_pinning=p.cpu_pinning and device == "cuda")
 
 
 def static_mode(cfg: Config, machine: Machine) -> tuple[Mode, str] | None:
@@ -262,6 +262,16 @@ def _threads(machine: Machine, device: str, local: int) -> int:
     if device == "cuda" and share > 2 * DISPATCH_THREADS:
         share -= DISPATCH_THREADS
     return share
+
+
+def update_cores(available: Iterable[int], local_rank: int, local_workers: int) -> tuple[int, ...] | None:
+    """The cores a GPU worker's CPU updates keep to under ``parallel.cpu_pinning``: its contiguous share of
+    ``available`` (split among the node's workers) less its first :data:`DISPATCH_THREADS`, which stay to its
+    dispatch and copy threads; None when the share has no more."""
+    cores = sorted(available)
+    n = len(cores)
+    share = cores[local_rank * n // local_workers:(local_rank + 1) * n // local_workers]
+    return tuple(share[DISPATCH_THREADS:]) or None
 
 
 def _groups(machine: Machine, device: str, workers: int, gpus: int) -> tuple[tuple[int, ...], ...]:
