@@ -45,9 +45,12 @@ def test_a_workers_cpu_threads_are_its_share_of_the_cores_unless_set() -> None:
 def test_pinned_updates_keep_off_each_gpu_workers_dispatch_cores() -> None:
     """``parallel.cpu_pinning``: a GPU worker's CPU updates keep to its share of the cores less the first 2 (its
     dispatch and copy threads'); CPU workers, whose dispatch thread computes, are not pinned; an optimizer thread
-    started under pinning runs where it was told, one started after it is unpinned where the OS puts it."""
+    started under pinning runs where it was told, and so do the threads its parallel loops start; one started after
+    it is unpinned where the OS puts it."""
     import os
     import threading
+
+    import torch
 
     from scheduler.updater import CpuUpdater, set_update_cores
 
@@ -58,21 +61,33 @@ def test_pinned_updates_keep_off_each_gpu_workers_dispatch_cores() -> None:
     assert not resolve(_cfg(mode="pipeline", devices=2, cpu_pinning=True), Machine(None, 8, local=True)).cpu_pinning
     assert update_cores(range(16), 0, 2) == (2, 3, 4, 5, 6, 7) and update_cores(range(16), 1, 2) == tuple(range(10, 16))
     assert update_cores([7, 3, 5, 1], 0, 1) == (5, 7) and update_cores(range(4), 1, 2) is None
-    mine = sorted(os.sched_getaffinity(0))
-    where = []
+    mine, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    where: list = []
 
-    def job(into: list) -> int:
-        into.append(os.sched_getaffinity(0))  # (Linux: the calling thread's cores)
+    def tasks() -> set[int]:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+
+    def job(into: list, before: set[int]) -> int:
+        torch.set_num_threads(2)  # an update's parallel loop: its threads start here
+        torch.ones(1 << 22).add_(1)
+        # (on Linux a thread's cores; 0: the calling thread's)
+        into.append((os.sched_getaffinity(0), [os.sched_getaffinity(t) for t in tasks() - before]))
         return 0
 
-    for cores in ([mine[-1]], None):
-        set_update_cores(cores)
-        updater, done = CpuUpdater(), threading.Event()
-        updater.submit(lambda: job(where), None, done)
-        assert done.wait(10)
-        updater.close()
-    set_update_cores(None)
-    assert where == [{mine[-1]}, set(mine)] and os.sched_getaffinity(0) == set(mine)  # this thread untouched
+    try:
+        for cores in ([mine[-1]], None):
+            set_update_cores(cores)
+            done, before = threading.Event(), tasks()
+            updater = CpuUpdater()
+            updater.submit(lambda: job(where, before), None, done)
+            assert done.wait(10)
+            updater.close()
+    finally:
+        set_update_cores(None)
+        torch.set_num_threads(threads)
+    (pinned, started), (free, _) = where
+    assert pinned == {mine[-1]} and len(started) >= 2 and all(c == {mine[-1]} for c in started)  # and its loops'
+    assert free == set(mine) and os.sched_getaffinity(0) == set(mine)  # unpinned; this thread untouched
 
 
 def test_auto_needs_no_plan_only_for_one_device_without_a_gpu() -> None:
