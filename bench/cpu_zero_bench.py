@@ -123,7 +123,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def print_summary(summary: list[dict]) -> None:
-    print(f"\n{'variant':26s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s} {'range':>15s} {'calibrated':>10s} "
+    print(f"\n{'variant':26s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s} {'range':>15s} "
+          f"{'calibrated':>10s} "
           f"{'profile alone':>13s} {'runs learnt':>11s}   {', '.join(PHASES)}: predicted / measured s")
     for r in summary:
         split = ", ".join(f"{r[f'{p}_s'][0]:.3f} / {r[f'{p}_s'][1]:.3f}" for p in PHASES if f"{p}_s" in r)

@@ -35,7 +35,7 @@ from partition.costs import ModelProfile
 
 log = logging.getLogger(__name__)
 
-_KEPT = ("forward", "backward", "action_s", "worker_spread", "compute_spread", "reduce_scatter_x")  # a kept run's figures
+_KEPT = ("forward", "backward", "action_s", "worker_spread", "compute_spread", "reduce_scatter_x")  # a run kept
 _UNIT_FIGURES = ("reduce_scatter_x",)  # of those, factors whose neutral value is 1 (the others': 0)
 KEPT_RUNS = 5  # the runs whose factors the next plan averages (a single run's moment drifts by 10-30% here)
 
@@ -53,8 +53,8 @@ class ComputeScale:
     dispatch thread's own time per compute action (CPU workers; ``ModelProfile.action_s``); ``worker_spread``,
     ``compute_spread``: how much a worker's compute varied from step to step against the others', and one
     compute's time inside a step (``ModelProfile``'s, measured); ``reduce_scatter_x``: zero mode's reduce-scatters on
-    CPU workers against the hardware model (:func:`fit_reduce_scatter`); ``runs``: how many runs' figures were averaged (0: none, the profile as measured); ``origin``: whose runs they
-    were when not this setting's (:func:`learnt_scale`'s ``others``, e.g. ``with parallel.schedule=swapped``)."""
+    CPU workers against the hardware model (:func:`fit_reduce_scatter`); ``runs``: how many runs' figures were
+    averaged (0: none, the profile as measured); ``origin``: whose runs they were when not this setting's (:func:`learnt_scale`'s ``others``, e.g. ``with parallel.schedule=swapped``)."""
 
     forward: float = 1.0
     backward: float = 1.0
@@ -104,8 +104,8 @@ def fit_scale(profile: ModelProfile, simulate: Callable[[ModelProfile], Split],
     workers' pipeline: the dispatch thread's own time, ``dispatch_s``) also the ``action_s`` that makes the
     dispatch phase equal it (:func:`fit_action`); without, the profile's; likewise with ``measured["reduce_scatter"]``
     (zero mode on CPU workers, ``reduce_scatter_s``) the ``reduce_scatter_x`` (:func:`fit_reduce_scatter`).
-    ``measured["worker_spread"]`` and
-    ``["compute_spread"]`` (:func:`mobius.app.launch.measured_compute`) are passed on as they are.
+    ``measured["worker_spread"]`` and ``["compute_spread"]`` (:func:`mobius.app.launch.measured_compute`) are passed
+    on as they are.
 
     A phase is a sum of compute spans, each a sum of unit times, so it is linear in the two factors (plus
     what they do not scale, the fp32 gradient sums): three simulations give its coefficients, and the two

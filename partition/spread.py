@@ -13,7 +13,7 @@ import random
 import statistics
 from typing import Hashable, Sequence
 
-SPREAD_STEPS = 10  # steps a simulation with the spreads drawn runs: the step is the mean period of all but the first two
+SPREAD_STEPS = 10  # steps a simulation with the spreads drawn runs (its step: the mean period of all but the first two)
 
 
 def worker_speeds(draw: int, step: int, n: int, spread: float) -> list[float]:

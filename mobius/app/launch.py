@@ -273,8 +273,8 @@ def _keep_compute_scale(cfg: Config, planned: Planned, rows: list[dict]) -> None
                   "workers": planned.settings.workers, "threads": planned.settings.cpu_threads})
     given = replay(fitted.apply(prof)).step_s  # the schedule's own error, apart from compute
     log.info("compute inside the steps: forward x%.2f, backward x%.2f the plan's (x%.2f, x%.2f the profile's), "
-             "%.2f ms dispatch per compute, workers ±%.0f%% and computes ±%.0f%%%s; with that compute the plan's step is "
-             "%.3f s against %.3f s measured; kept for the next plan on this machine", fitted.forward, fitted.backward,
+             "%.2f ms dispatch per compute, workers ±%.0f%% and computes ±%.0f%%%s; with that compute the plan's step "
+             "is %.3f s against %.3f s measured; kept for the next plan on this machine", fitted.forward, fitted.backward,
              scale.forward, scale.backward, scale.action_s * 1e3, 100 * scale.worker_spread,
              100 * scale.compute_spread, f", reduce-scatters x{scale.reduce_scatter_x:.2f} the model's"
              if "reduce_scatter" in measured else "", given,

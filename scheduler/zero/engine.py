@@ -268,7 +268,8 @@ class ZeroEngine:
         return StepStats(total["loss_sum"] / total["micro"], norm, skipped, self.rule.loss_scale,
                          {**self._counters(gathers), **mine, **by_worker(total, self.world),
                           "compute_spread": round(total["compute_spread"] / self.world, 4),
-                          "gather_wait_s": round(st.gather_wait_s, 4), "reduce_scatter_s": round(st.reduce_scatter_s, 4)})
+                          "gather_wait_s": round(st.gather_wait_s, 4),
+                          "reduce_scatter_s": round(st.reduce_scatter_s, 4)})
 
     def _update_gpu(self, lr: float, factor: float, skip: bool) -> "torch.cuda.Event | None":
         """The GPU chunks' update on the compute stream (``skip``: an fp16 overflow, no AdamW). Returns
