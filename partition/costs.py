@@ -152,12 +152,19 @@ class ModelProfile:
 
     @classmethod
     def from_json(cls, data: dict) -> "ModelProfile":
-        units = [UnitCost(**u) for u in data["units"]]
-        rest = {k: v for k, v in data.items() if k != "units"}
-        return cls(units=units, **rest)
+        """A profile from :meth:`to_json`; keys of another version that this one has no field for are left out (a
+        cached profile stays usable when a field is added or dropped; a change in how units are measured changes
+        the cache's key instead, ``partition.profile.PROFILE_METHOD``)."""
+        units = [UnitCost(**_known(UnitCost, u)) for u in data["units"]]
+        return cls(units=units, **_known(cls, {k: v for k, v in data.items() if k != "units"}))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
+
+
+def _known(cls: type, data: dict) -> dict:
+    """The items of ``data`` that name a field of the dataclass ``cls``."""
+    return {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
 
 
 @dataclass(frozen=True)

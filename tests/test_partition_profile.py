@@ -116,6 +116,12 @@ def test_measured_profiles_are_cached_by_shape_batch_sequence_precision_and_devi
     get_profile(specs, 2, 32, "fp32", "measured", device="cpu", cache_dir=tmp_path)
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
     assert ModelProfile.from_json(json.loads(files[0].read_text())).to_json() == first.to_json()
+    other = json.loads(files[0].read_text())  # another version's file: a field it had that this one has not
+    other["draw"] = 0
+    other["units"][0]["old_field"] = 1.0
+    files[0].write_text(json.dumps(other))
+    kept = get_profile(specs, 1, 32, "fp32", "measured", device="cpu", cache_dir=tmp_path)
+    assert kept.units == first.units and kept.profile_s == 0  # still cached: not measured again
 
 
 def test_half_precision_profiles_charge_the_fp32_gradient_sums() -> None:
