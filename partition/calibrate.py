@@ -36,7 +36,6 @@ from partition.costs import ModelProfile
 log = logging.getLogger(__name__)
 
 _KEPT = ("forward", "backward", "action_s", "worker_spread", "compute_spread", "reduce_scatter_x")  # a run kept
-_UNIT_FIGURES = ("reduce_scatter_x",)  # of those, factors whose neutral value is 1 (the others': 0)
 KEPT_RUNS = 5  # the runs whose factors the next plan averages (a single run's moment drifts by 10-30% here)
 
 
@@ -193,8 +192,9 @@ def _read_runs(path: Path) -> list[dict[str, float]]:
     """The kept runs' factors; a missing or unreadable file (another version's, a torn write) holds none."""
     try:
         runs = json.loads(path.read_text())["runs"]
-        return [{"forward": float(r["forward"]), "backward": float(r["backward"]),  # (kept before them: neutral)
-                 **{f: max(0.0, float(r.get(f, 1.0 if f in _UNIT_FIGURES else 0.0))) for f in _KEPT[2:]}} for r in runs
+        neutral = {f: ComputeScale.__dataclass_fields__[f].default for f in _KEPT[2:]}  # (kept before them)
+        return [{"forward": float(r["forward"]), "backward": float(r["backward"]),
+                 **{f: max(0.0, float(r.get(f, x))) for f, x in neutral.items()}} for r in runs
                 if float(r["forward"]) > 0 and float(r["backward"]) > 0]
     except (OSError, ValueError, KeyError, TypeError):
         return []

@@ -33,6 +33,7 @@ from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
 from partition.schedule.roundrobin import Cuts
+from partition.spread import drawn_text
 from partition.mapping import GpusFor, as_gpus_function
 from partition.mip import MipResult, StageCountResult, explain_infeasible, given_partition, solve_partition
 from partition.request import PlanRequest
@@ -247,9 +248,8 @@ def _summary_lines(p: Plan) -> list[str]:
     rates = p.mip.get("simulated_rates_GBps")
     seen = (f"at the upload rates the simulated step reached ({', '.join(f'{r:.1f}' for r in rates['h2d'])} GB/s "
             f"per GPU; re-planned under contention)" if rates else "contention-free")
-    cs = p.compute_scale
-    w, c = 100 * cs.get("worker_spread", 0.0), 100 * cs.get("compute_spread", 0.0)
-    drawn = f", the workers ±{w:.0f}% and computes ±{c:.0f}% the runs measured drawn" if w or c else ""
+    drawn = drawn_text(p.compute_scale, "workers")
+    drawn = f", {drawn}" if drawn else ""
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
                  f"contention{drawn}; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")

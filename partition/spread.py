@@ -38,6 +38,13 @@ def compute_factor(cv: float, key: Hashable, step: int) -> float:
     return math.exp(z - sigma * sigma / 2)
 
 
+def drawn_text(compute_scale: dict, who: str) -> str:
+    """How far the plan's step drew the spreads the runs measured (a plan's ``compute_scale``), for its summary:
+    ``the <who> ±w% and computes ±c% the runs measured drawn``; empty when none was measured."""
+    w, c = (100 * compute_scale.get(k, 0.0) for k in ("worker_spread", "compute_spread"))
+    return f"the {who} ±{w:.0f}% and computes ±{c:.0f}% the runs measured drawn" if w or c else ""
+
+
 def mean_period(ends: Sequence[float]) -> float:
     """The mean step of a drawn simulation from its steps' ends: all but the first two steps' (the first fills the
     pipeline or the caches, the second carries what the first left running)."""

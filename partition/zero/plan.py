@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from partition.costs import PRECISION_BYTES
+from partition.spread import drawn_text
 from partition.zero.memory import GB, GiB
 
 
@@ -50,7 +51,7 @@ class ZeroPlan:
     compute_scale: dict = field(default_factory=dict)  # the factors the profile's times were scaled by to the
     # compute earlier zero runs of the setting measured on this machine (partition.calibrate; empty: as profiled)
     spread_s: float = 0.0  # of predicted_step_s, what the ranks' computes varying add (their spreads, which earlier
-    # runs measured, drawn: partition.zero.simulate.predict)
+    # runs measured, drawn: partition.zero.simulate.with_spread)
 
     @property
     def peak_bytes(self) -> int:
@@ -87,9 +88,7 @@ def _spread_text(p: ZeroPlan) -> str:
     """What the ranks' spreads add to the step, and how far they were drawn (empty at the means)."""
     if not p.spread_s:
         return ""
-    w, c = (100 * p.compute_scale.get(k, 0.0) for k in ("worker_spread", "compute_spread"))
-    drawn = f"the ranks ±{w:.0f}% and computes ±{c:.0f}% the runs measured drawn" if w or c else "the spreads drawn"
-    return f"; {drawn}: {p.spread_s:+.3f} s"
+    return f"; {drawn_text(p.compute_scale, 'ranks') or 'the spreads drawn'}: {p.spread_s:+.3f} s"
 
 
 def _summary_lines(p: ZeroPlan) -> list[str]:

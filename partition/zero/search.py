@@ -15,7 +15,7 @@ from partition.zero.choice import choose_setting, gpu_benefit, rcache_benefit
 from partition.zero.memory import (F_FRAG, GiB, Setting, Workload, ZeroHardware, activation_bytes, host_bytes,
                                    model_state_bytes, usable_bytes)
 from partition.zero.plan import ZeroPlan
-from partition.zero.simulate import Prediction, predict
+from partition.zero.simulate import Prediction, predict, with_spread
 
 MIN_CHUNK_BYTES = 32 * 2**20  # chunks of at least this many half-precision bytes keep transfers efficient
 CHUNK_FACTORS = (0.25, 1 / 3, 0.5, 2 / 3, 1.0, 1.5, 2.0, 3.0, 4.0)  # candidates: x the largest unit
@@ -38,7 +38,9 @@ def chunk_candidates(params: list[ParamInfo], num_units: int, elem: int, align: 
 
 def _evaluate(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, w: Workload, s: Setting,
               act: int, spread: bool = False) -> dict:
-    pred = predict(layout, prof, hw, s, w, spread)
+    pred = predict(layout, prof, hw, s, w)
+    if spread:
+        pred = with_spread(pred, layout, prof, hw, s, w)
     peak = sum(model_state_bytes(layout, s, w.elem, w.delayed).values()) + act
     return {"cache_blocks": s.cache_blocks, "gpu_chunks": s.gpu_chunks, "step_s": pred.step_s, "peak_bytes": peak,
             "replaced_bytes": pred.traffic["replaced_bytes"], "prediction": pred}
@@ -115,7 +117,8 @@ def replay(zplan: ZeroPlan, params: list[ParamInfo], num_units: int, prof: Model
     layout = build_layout(params, num_units, zplan.chunk_size, hw.ranks, zplan.align)
     w = Workload(zplan.micro_batches // hw.ranks, zplan.precision, zplan.checkpointing, zplan.barrier, zplan.prefetch,
                  zplan.delayed)
-    return predict(layout, prof, hw, Setting(zplan.cache_blocks, zplan.gpu_chunks), w, spread=True)
+    s = Setting(zplan.cache_blocks, zplan.gpu_chunks)
+    return with_spread(predict(layout, prof, hw, s, w), layout, prof, hw, s, w)
 
 
 def check_chunk_size(chunk_size: int, params: list[ParamInfo], align: int = ALIGN) -> None:
@@ -158,11 +161,11 @@ def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHa
     if micro_batches % hw.ranks:
         raise ConfigError(f"train.micro_batches={micro_batches} must be a multiple of the {hw.ranks} zero ranks")
     w = Workload(micro_batches // hw.ranks, prof.precision, checkpointing, barrier, prefetch, delayed)
-    layout, s, _, table = search(params, num_units, prof, hw, w, chunk_size=chunk_size, cache_blocks=cache_blocks,
-                                 gpu_chunks=gpu_chunks, align=align)  # (compared at the means)
+    layout, s, ev, table = search(params, num_units, prof, hw, w, chunk_size=chunk_size, cache_blocks=cache_blocks,
+                                  gpu_chunks=gpu_chunks, align=align)  # (compared at the means)
     act = activation_bytes(prof, w)
     allowed = usable_bytes(hw.memory_bytes, act)
-    pred = predict(layout, prof, hw, s, w, spread=True)
+    pred = with_spread(ev["prediction"], layout, prof, hw, s, w)
     states = model_state_bytes(layout, s, w.elem, delayed)
     memory = {**states, "activations": act, "usable": allowed, "capacity": hw.memory_bytes,
               "host": host_bytes(layout, s, w.precision, delayed)}

@@ -16,8 +16,8 @@ host->GPU, half its time each), so that a collective and an upload share the lin
 both running at its full rate. ``ZeroHardware``'s rates are per rank with every rank moving at
 once, so the root complex's share is in them.
 
-The ranks run alike at the means; with the spreads the runs on the machine measured (``predict(spread=True)``, the
-step a plan reports) each rank's computes are drawn (:mod:`partition.spread`) and the simulated lanes are rank 0's:
+The ranks run alike at the means; with the spreads the runs on the machine measured (:func:`with_spread`, the step
+a plan reports) each rank's computes are drawn (:mod:`partition.spread`) and the simulated lanes are rank 0's:
 the other ranks run ahead or behind it (``_StepSim.lag``), a collective begins when the last rank issues it, and
 a wait for one (a gather's all-gather, a blocking reduce-scatter, the step's statistics) lines them up again."""
 
@@ -48,7 +48,7 @@ class Prediction:
     traffic: dict[str, float]  # bytes per rank per step
     forward_s: float = 0.0  # of compute_s: the forward operators'; the rest the loss's and the backward's (their
     # recomputes and gradient sums included), as a zero run's metrics split them
-    spread_s: float = 0.0  # of step_s, what the ranks' computes varying add (predict(spread=True))
+    spread_s: float = 0.0  # of step_s, what the ranks' computes varying add (with_spread)
     waits: dict[str, float] = field(default_factory=dict)  # where the dispatch thread waits itself (hw.blocking, CPU
     # workers; none on a GPU, whose dispatch runs ahead of its streams): for gathers (``stall_s``) and reduce-scatters
 
@@ -81,15 +81,14 @@ _KIND_CODE = {k: i for i, k in enumerate(OpKind)}  # ints hash alike in every pr
 _WAITS = {"gather_wait": "stall", "reduce_scatter": "reduce_scatter"}  # Prediction.waits -> the step's stats
 
 
-def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload,
-            spread: bool = False) -> Prediction:
-    """Predicted steady-state step time and per-step traffic of one setting, every compute at its mean; with
-    ``spread``, the step when each rank's speed varies from step to step by ``prof.worker_spread`` and each of its
-    computes by ``prof.compute_spread``: the mean period of one seeded simulation of :data:`SPREAD_STEPS` steps
-    that draws them, the difference in ``spread_s``, and the dispatch thread's waits the mean of those steps' (where
-    a collective waits for the slowest rank); the compute's phases as at the means."""
-    nominal = _predict(layout, prof, hw, s, w)
-    if not spread or (prof.worker_spread <= 0 and prof.compute_spread <= 0):
+def with_spread(nominal: Prediction, layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting,
+                w: Workload) -> Prediction:
+    """``nominal`` (:func:`predict`'s of the setting) with the step when each rank's speed varies from step to step by
+    ``prof.worker_spread`` and each of its computes by ``prof.compute_spread``: the mean period of one seeded
+    simulation of :data:`SPREAD_STEPS` steps that draws them, the difference in ``spread_s``, and the dispatch
+    thread's waits the mean of those steps' (where a collective waits for the slowest rank); the compute's phases as
+    at the means. ``nominal`` itself without either spread."""
+    if prof.worker_spread <= 0 and prof.compute_spread <= 0:
         return nominal
     sim, ends, waits = _StepSim(layout, prof, hw, s, w, draw=0), [], []
     for _ in range(SPREAD_STEPS):
@@ -101,7 +100,8 @@ def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Settin
     return dataclasses.replace(nominal, step_s=nominal.step_s + extra, spread_s=extra, waits=mean)
 
 
-def _predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload) -> Prediction:
+def predict(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, s: Setting, w: Workload) -> Prediction:
+    """Predicted steady-state step time and per-step traffic of one setting, every compute at its mean."""
     sim = _StepSim(layout, prof, hw, s, w)
     ends, stats = [], {}
     for _ in range(3 if w.delayed else 2):  # delayed: an update's AdamW may hold up the step after next
