@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import logging
@@ -34,6 +33,7 @@ import torch
 
 from mobius.errors import ConfigError, DataError, MobiusError
 from mobius.files import write_text_atomic
+from mobius.stdlib_docs import stdlib_docstrings
 
 if TYPE_CHECKING:
     import tokenizers
@@ -182,41 +182,6 @@ def _file_digest(path: Path) -> str:
 # ---------------------------------------------------------------------------------------------
 # Documents
 # ---------------------------------------------------------------------------------------------
-def stdlib_docstrings() -> Iterator[str]:
-    """Docstrings of the standard library's modules, classes and functions (parsed, never imported)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo", "dist-packages"}
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if parts[0] in skip or "tests" in parts:
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
-        yield from docstrings_of(tree)
-
-
-_HAS_DOCSTRING = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-_BODIES = frozenset({"body", "handlers", "orelse", "finalbody", "cases"})  # fields holding statements (and handlers)
-
-
-def docstrings_of(tree: ast.AST) -> Iterator[str]:
-    """The docstrings in ``tree`` in ``ast.walk``'s order (breadth first), visiting statements only: a
-    definition is never inside an expression, so the order is the same and the walk a third as long."""
-    todo = [tree]
-    while todo:
-        level, todo = todo, []
-        for node in level:
-            if isinstance(node, _HAS_DOCSTRING):
-                doc = ast.get_docstring(node)
-                if doc:
-                    yield doc
-            for name in node._fields:
-                if name in _BODIES:
-                    todo.extend(getattr(node, name))
-
-
 def source_files(path: str) -> list[Path]:
     """The .txt / .jsonl files a ``data.path`` names, in a stable order."""
     p = Path(path)

@@ -32,24 +32,64 @@ def takes_decay(param: torch.Tensor) -> bool:
     return param.dim() >= 2
 
 
-def adamw(decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainSection,
-          fused: bool = False) -> torch.optim.AdamW:
-    """AdamW with ``train.weight_decay`` on ``decay`` and none on ``no_decay`` (empty groups dropped)."""
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    if fused:
-        kwargs["fused"] = True
-    return torch.optim.AdamW([g for g in groups if g["params"]], **kwargs)
+class AdamW:
+    """``torch.optim.AdamW``'s update (the functional AdamW its ``step`` runs, on the same per-parameter state:
+    a step count, ``exp_avg`` and ``exp_avg_sq``) without a ``torch.optim.Optimizer``, whose construction
+    imports ``torch._dynamo`` (1.3 s of CPU on a 2-core VM, in every single-mode run): the single-device
+    engine's optimizer. ``decay`` takes ``train.weight_decay``, ``no_decay`` none; ``fused``: torch's fused
+    kernel (a GPU's), otherwise torch's default for the parameters' device."""
+
+    def __init__(self, decay: list[nn.Parameter], no_decay: list[nn.Parameter], cfg: TrainSection,
+                 fused: bool = False):
+        self.cfg, self.fused = cfg, fused
+        self.groups = [(params, wd) for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if params]
+        self.state: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # (step, m, v)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """One update of every parameter that has a gradient, at learning rate ``lr``."""
+        for params, decay in self.groups:
+            live = [p for p in params if p.grad is not None]
+            if not live:
+                continue
+            steps, ms, vs = zip(*(self.state.get(p) or self._fresh(p) for p in live))
+            adamw_functional(live, [p.grad for p in live], list(ms), list(vs), [], list(steps),
+                             fused=True if self.fused else None, amsgrad=False, beta1=self.cfg.beta1,
+                             beta2=self.cfg.beta2, lr=lr, weight_decay=decay, eps=self.cfg.eps, maximize=False)
+
+    def zero_grad(self) -> None:
+        for params, _ in self.groups:
+            for p in params:
+                p.grad = None
+
+    def moments(self, p: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(exp_avg, exp_avg_sq)`` of ``p``; None before its first update."""
+        st = self.state.get(p)
+        return None if st is None else (st[1], st[2])
+
+    def load(self, p: nn.Parameter, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: int) -> None:
+        """Give ``p`` the moments and the count of updates of a checkpoint."""
+        step, m, v = self._fresh(p)
+        step.fill_(float(steps))
+        m.copy_(exp_avg)
+        v.copy_(exp_avg_sq)
+
+    def _fresh(self, p: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """New state for ``p`` as torch's AdamW makes it: the step count on ``p``'s device when fused (fp32),
+        else on the CPU (fp64 only under a float64 default dtype)."""
+        if self.fused:
+            step = torch.zeros((), dtype=torch.float32, device=p.device)
+        else:
+            wide = torch.get_default_dtype() == torch.float64
+            step = torch.tensor(0.0, dtype=torch.float64 if wide else torch.float32)
+        st = self.state[p] = (step, torch.zeros_like(p, memory_format=torch.preserve_format),
+                              torch.zeros_like(p, memory_format=torch.preserve_format))
+        return st
 
 
-def make_adamw(named: list[tuple[str, nn.Parameter]], cfg: TrainSection, fused: bool = False) -> torch.optim.AdamW:
+def make_adamw(named: list[tuple[str, nn.Parameter]], cfg: TrainSection, fused: bool = False) -> AdamW:
     """AdamW over named parameters, grouped by :func:`takes_decay`."""
-    return adamw([p for _, p in named if takes_decay(p)], [p for _, p in named if not takes_decay(p)], cfg, fused)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for g in optimizer.param_groups:
-        g["lr"] = lr
+    return AdamW([p for _, p in named if takes_decay(p)], [p for _, p in named if not takes_decay(p)], cfg, fused)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats, autocast
 from mobius.models import ModelConfig, dropout_active
 from mobius.models.base import CausalLM, lm_loss, run_units
-from mobius.optim import UpdateRule, make_adamw, set_lr
+from mobius.optim import UpdateRule, make_adamw
 
 log = logging.getLogger(__name__)
 Named = list[tuple[str, nn.Parameter]]
@@ -153,9 +153,8 @@ class SingleEngine:
         if not skipped:
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.step(lr)
+        self.optimizer.zero_grad()
         return StepStats(float(total) / M, norm, skipped, self.rule.loss_scale)
 
     @torch.no_grad()
@@ -173,9 +172,9 @@ class SingleEngine:
         moments = {}
         if with_moments:
             for name, p in self.weights.named:
-                st = self.optimizer.state.get(p)
-                if st:
-                    moments[name] = (st["exp_avg"].float().cpu(), st["exp_avg_sq"].float().cpu())
+                st = self.optimizer.moments(p)
+                if st is not None:
+                    moments[name] = (st[0].float().cpu(), st[1].float().cpu())
         return RankState(weights, moments, *self.rule.state(),
                          compute=self.weights.in_flight() if with_moments else None)
 
@@ -187,11 +186,8 @@ class SingleEngine:
         self.weights.resume(resume, self.model.config)
         if not moments:
             return
-        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-        step = float(self.rule.optimizer_step)
-        state = {index[id(p)]: {"step": torch.tensor(step), "exp_avg": moments[n][0], "exp_avg_sq": moments[n][1]}
-                 for n, p in self.weights.named}
-        self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
+        for n, p in self.weights.named:
+            self.optimizer.load(p, *moments[n], self.rule.optimizer_step)
 
     def sync(self) -> None:
         if self.device.type == "cuda":

@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mobius.data import (BUILTIN_STDLIB, build_data, byte_tokenizer, documents, load_tokenizer, stdlib_docstrings,
+from mobius.data import (BUILTIN_STDLIB, build_data, byte_tokenizer, documents, load_tokenizer,
                          tokenize_to_cache)
 from mobius.errors import ConfigError, MobiusError
+from mobius.stdlib_docs import docstrings_in, stdlib_docstrings, stdlib_files
 
 
 def test_byte_tokenizer_round_trip(tmp_path: Path) -> None:
@@ -103,13 +104,28 @@ def test_stdlib_docstrings_exist_everywhere() -> None:
     assert BUILTIN_STDLIB == "builtin:stdlib-docs"
 
 
+def test_docstrings_parsed_by_a_pool_come_in_the_files_order() -> None:
+    """Two processes parse the files and the documents come out as one process reads them; a reader that
+    stops early leaves no process behind."""
+    import multiprocessing
+
+    files = stdlib_files()[:48]
+    alone = list(docstrings_in(files, workers=1))
+    assert len(alone) > 100
+    assert list(docstrings_in(files, workers=2)) == alone
+    early = docstrings_in(files, workers=2)
+    assert [d for _, d in zip(range(5), early)] == alone[:5]
+    early.close()
+    assert not multiprocessing.active_children()
+
+
 def test_docstrings_come_in_ast_walks_order() -> None:
     """The statements-only walk finds what ``ast.walk`` finds, in its order (the demo's corpus stays as it was):
     definitions nested in classes, functions, branches, loops, handlers, ``with`` and ``match`` blocks."""
     import ast
     import sysconfig
 
-    from mobius.data import docstrings_of
+    from mobius.stdlib_docs import docstrings_of
 
     source = '''"""module"""
 class A:

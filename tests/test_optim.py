@@ -1,5 +1,6 @@
 """FlatAdamW, the one AdamW of every host-side (and resident / zero GPU) update, against torch's
-AdamW over many odd sizes, block boundaries and decay runs: master, moments and half copy."""
+AdamW over many odd sizes, block boundaries and decay runs: master, moments and half copy; the single
+engine's AdamW, bit for bit torch's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from mobius.config import TrainSection
-from mobius.optim import FlatAdamW
+from mobius.optim import AdamW, FlatAdamW
 
 CFG = TrainSection(weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
 SIZES = [1, 2, 3, 63, 64, 65, 127, 1000, 4099]
@@ -99,3 +100,46 @@ def test_a_step_pauses_before_each_block_where_it_is_asked_to() -> None:
     plain.step(grad.clone(), 1e-2)
     paused.step(grad.clone(), 1e-2)
     assert done == [0, 16, 32, 48, 64] and torch.equal(paused.master, plain.master)
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((7, 5), (5,), (3, 4), (4,))]
+
+
+def test_the_single_engines_adamw_is_torchs_bit_for_bit() -> None:
+    """Five steps with a changing lr, a parameter without a gradient in one of them, decayed matrices and
+    undecayed vectors: parameters and moments equal to torch.optim.AdamW's exactly; an AdamW given torch's
+    moments and step count after the third step (a resume) goes on exactly as torch's."""
+    ours, theirs = _params(0), _params(0)
+    opt = AdamW([p for p in ours if p.dim() >= 2], [p for p in ours if p.dim() < 2], CFG)
+    ref = torch.optim.AdamW([{"params": [p for p in theirs if p.dim() >= 2], "weight_decay": CFG.weight_decay},
+                             {"params": [p for p in theirs if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=1.0, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps)
+    g = torch.Generator().manual_seed(1)
+    resumed = None
+    for step, lr in enumerate([1e-2, 3e-3, 2e-2, 5e-3, 1e-3]):
+        grads = [torch.randn(p.shape, generator=g) for p in ours]
+        for k, (a, b, gr) in enumerate(zip(ours, theirs, grads)):
+            a.grad, b.grad = (None, None) if (step, k) == (1, 3) else (gr.clone(), gr.clone())
+        for group in ref.param_groups:
+            group["lr"] = lr
+        opt.step(lr)
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+            st = ref.state[b]
+            assert torch.equal(opt.moments(a)[0], st["exp_avg"]) and torch.equal(opt.moments(a)[1], st["exp_avg_sq"])
+        if step == 2:
+            resumed_params = [torch.nn.Parameter(b.detach().clone()) for b in theirs]
+            resumed = AdamW([p for p in resumed_params if p.dim() >= 2], [p for p in resumed_params if p.dim() < 2],
+                            CFG)
+            for p, b in zip(resumed_params, theirs):
+                resumed.load(p, ref.state[b]["exp_avg"], ref.state[b]["exp_avg_sq"], int(ref.state[b]["step"]))
+        elif resumed is not None:
+            for p, gr in zip(resumed_params, grads):
+                p.grad = gr.clone()
+            resumed.step(lr)
+            assert all(torch.equal(p, b) for p, b in zip(resumed_params, theirs))

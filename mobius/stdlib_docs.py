@@ -1,0 +1,77 @@
+"""The CPU demo's text: the docstrings of Python's standard library (``data.path: builtin:stdlib-docs``),
+parsed, never imported. Parsing the library's ~760 files takes 5-6 s of CPU on a 2-core VM, so the files
+are parsed by a pool of processes (one per core, at most :data:`MAX_WORKERS`); the documents come out in
+the order of one process reading the files in sorted order. This module imports nothing heavy: the pool's
+processes are spawned and import only it."""
+
+from __future__ import annotations
+
+import ast
+import multiprocessing
+import os
+import sysconfig
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+MAX_WORKERS = 8
+SKIPPED = frozenset({"site-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo", "dist-packages"})
+_HAS_DOCSTRING = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_BODIES = frozenset({"body", "handlers", "orelse", "finalbody", "cases"})  # fields holding statements (and handlers)
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's source files the demo reads, sorted (tests and GUI packages left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [p for p in sorted(root.rglob("*.py"))
+            if p.relative_to(root).parts[0] not in SKIPPED and "tests" not in p.relative_to(root).parts]
+
+
+def stdlib_docstrings(workers: int | None = None) -> Iterator[str]:
+    """Docstrings of the standard library's modules, classes and functions (:func:`docstrings_in`)."""
+    return docstrings_in(stdlib_files(), workers)
+
+
+def docstrings_in(files: list[Path], workers: int | None = None) -> Iterator[str]:
+    """The docstrings of ``files``, file by file in their order; ``workers`` processes parse them (default:
+    one per core, at most :data:`MAX_WORKERS`; 1: this process alone)."""
+    workers = min(workers or _cores(), MAX_WORKERS, len(files))
+    if workers <= 1:
+        for path in files:
+            yield from file_docstrings(path)
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for docs in pool.map(file_docstrings, files, chunksize=8):
+            yield from docs
+    finally:  # (also when the reader stops early: the files not parsed yet are dropped)
+        pool.shutdown(cancel_futures=True)
+
+
+def file_docstrings(path: Path) -> list[str]:
+    """The docstrings of one source file (none when it does not parse or read as UTF-8)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return []
+    return list(docstrings_of(tree))
+
+
+def docstrings_of(tree: ast.AST) -> Iterator[str]:
+    """The docstrings in ``tree`` in ``ast.walk``'s order (breadth first), visiting statements only: a
+    definition is never inside an expression, so the order is the same and the walk a third as long."""
+    todo = [tree]
+    while todo:
+        level, todo = todo, []
+        for node in level:
+            if isinstance(node, _HAS_DOCSTRING):
+                doc = ast.get_docstring(node)
+                if doc:
+                    yield doc
+            for name in node._fields:
+                if name in _BODIES:
+                    todo.extend(getattr(node, name))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
