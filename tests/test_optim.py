@@ -107,15 +107,17 @@ def _params(seed: int) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((7, 5), (5,), (3, 4), (4,))]
 
 
-def test_the_single_engines_adamw_is_torchs_bit_for_bit() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_single_engines_adamw_is_torchs_bit_for_bit(fused: bool) -> None:
     """Five steps with a changing lr, a parameter without a gradient in one of them, decayed matrices and
-    undecayed vectors: parameters and moments equal to torch.optim.AdamW's exactly; an AdamW given torch's
-    moments and step count after the third step (a resume) goes on exactly as torch's."""
+    undecayed vectors: parameters and moments equal to torch.optim.AdamW's exactly, with torch's default
+    kernel and with its fused one (a GPU's; here on the CPU); an AdamW given torch's moments and step
+    count after the third step (a resume) goes on exactly as torch's."""
     ours, theirs = _params(0), _params(0)
-    opt = AdamW([p for p in ours if p.dim() >= 2], [p for p in ours if p.dim() < 2], CFG)
+    opt = AdamW([p for p in ours if p.dim() >= 2], [p for p in ours if p.dim() < 2], CFG, fused=fused)
     ref = torch.optim.AdamW([{"params": [p for p in theirs if p.dim() >= 2], "weight_decay": CFG.weight_decay},
                              {"params": [p for p in theirs if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=1.0, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps)
+                            lr=1.0, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps, fused=fused or None)
     g = torch.Generator().manual_seed(1)
     resumed = None
     for step, lr in enumerate([1e-2, 3e-3, 2e-2, 5e-3, 1e-3]):
@@ -135,7 +137,7 @@ def test_the_single_engines_adamw_is_torchs_bit_for_bit() -> None:
         if step == 2:
             resumed_params = [torch.nn.Parameter(b.detach().clone()) for b in theirs]
             resumed = AdamW([p for p in resumed_params if p.dim() >= 2], [p for p in resumed_params if p.dim() < 2],
-                            CFG)
+                            CFG, fused=fused)
             for p, b in zip(resumed_params, theirs):
                 resumed.load(p, ref.state[b]["exp_avg"], ref.state[b]["exp_avg_sq"], int(ref.state[b]["step"]))
         elif resumed is not None:
