@@ -82,8 +82,9 @@ def _workers(pgid: int) -> list[int]:
 
 def _start(run_file: Path, tmp_path: Path, env: dict | None = None, steps: int = 2,
            workers: int = 2) -> subprocess.Popen:
-    """The run, once it has logged ``steps`` steps (0: once its workers exist) and runs ``workers``
-    worker processes."""
+    """The run, once it has logged ``steps`` steps (0: once it has written its plan and its workers exist:
+    before the plan, a fork of the fork server is the one that tells the run it has started) and runs
+    ``workers`` worker processes."""
     proc = subprocess.Popen([sys.executable, "-m", "mobius.cli", "train", str(run_file)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, **(env or {})})
@@ -91,7 +92,7 @@ def _start(run_file: Path, tmp_path: Path, env: dict | None = None, steps: int =
     deadline = time.time() + 180
     while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= steps):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if steps == 0 and _workers(proc.pid):
+        if steps == 0 and (tmp_path / "out" / "plan.json").is_file() and _workers(proc.pid):
             return proc
         time.sleep(0.2 if steps else 0.02)
     assert len(_workers(proc.pid)) >= workers, f"the {workers} workers should be running"

@@ -23,7 +23,7 @@ from mobius.app.launch import keeping_compute, open_device, run_worker, spawn
 from mobius.app.planning import AnyPlan, ModeChoice, Planned, plan_run, profile_line
 from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static_mode
-from mobius.app.supervise import end_when_orphaned, start_helpers_early
+from mobius.app.supervise import end_when_orphaned, helpers_settled, start_helpers_early
 from mobius.assemble import (Prepared, check_inputs, check_resume, initial_model, prepare_data, resume_dir,
                              run_model_config)
 from mobius.checkpoint import ResumeState, checkpoint_bytes
@@ -57,11 +57,15 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
     machine = machine or Machine.detect(cfg)
     check_parallel(cfg, machine)
     rundir = RunDir.claim(Path(cfg.output.dir), resume, overwrite)
-    if (static_mode(cfg, machine) or ("",))[0] != "single":
-        start_helpers_early()  # the workers' imports go on while the data and the plan are made
+    early = (static_mode(cfg, machine) or ("",))[0] != "single"
+    if early:
+        start_helpers_early()  # the workers' imports go on while the data is made
     try:
         with startup.phase("data"):
             ready = prepare(cfg, resume)
+        if early:
+            with startup.phase("workers"):
+                helpers_settled()  # the plan's measurements time a machine that does nothing else
         with startup.phase("plan"):
             choice = plan_run(cfg, ready.model_cfg, machine)
             _check_before_start(cfg, choice, ready, machine)
