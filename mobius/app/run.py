@@ -57,13 +57,14 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
     machine = machine or Machine.detect(cfg)
     check_parallel(cfg, machine)
     rundir = RunDir.claim(Path(cfg.output.dir), resume, overwrite)
-    early = (static_mode(cfg, machine) or ("",))[0] != "single"
-    if early:
+    known = static_mode(cfg, machine)
+    workers_ahead = known is None or known[0] != "single"  # (auto may pick single: then the server idles)
+    if workers_ahead:
         start_helpers_early()  # the workers' imports go on while the data is made
     try:
         with startup.phase("data"):
             ready = prepare(cfg, resume)
-        if early:
+        if workers_ahead:
             with startup.phase("workers"):
                 helpers_settled()  # the plan's measurements time a machine that does nothing else
         with startup.phase("plan"):

@@ -170,9 +170,9 @@ def _terminal_signals_to_this_process() -> Iterator[None]:
 
 def start_helpers_early() -> None:
     """Start the resource tracker and the fork server now, so that the fork server imports torch and mobius
-    (2-2.5 s of CPU) while this process goes on with the data and the plan; the workers' launch then finds
-    them running. The terminal's signals are blocked while they start, as :func:`run_workers` starts them
-    (they and the workers inherit that), and a signal that comes meanwhile is taken once they run."""
+    (2-2.5 s of CPU) while this process reads its data; the workers' launch then finds them running. The
+    terminal's signals are blocked while they start, as :func:`run_workers` starts them (they and the workers
+    inherit that), and a signal that comes meanwhile is taken once they run."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         return  # (run_workers starts them)
     before = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
@@ -186,21 +186,14 @@ def helpers_settled() -> None:
     """Return once the fork server has imported what it preloads (it forks a process only then; this forks
     one that does nothing), so that what is timed next has the cores to itself: on 2 cores a CPU AdamW rate
     measured beside its import came out at half (0.71-0.77 against 1.38-1.54 G params/s), and the planner
-    keeps such measurements. Starts it (as :func:`start_helpers_early`) if it is not running."""
-    if START_METHOD != "forkserver":
-        return
+    keeps such measurements. Starts the helpers (:func:`start_helpers_early`) if they are not running."""
     import multiprocessing
 
-    blocking = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS) if blocking else None
-    try:
-        _helpers_running()
+    start_helpers_early()
+    if START_METHOD == "forkserver":
         nothing = multiprocessing.get_context("forkserver").Process(target=_nothing, daemon=True)
         nothing.start()
         nothing.join()
-    finally:
-        if before is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _nothing() -> None:
