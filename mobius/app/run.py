@@ -57,8 +57,8 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
     machine = machine or Machine.detect(cfg)
     check_parallel(cfg, machine)
     rundir = RunDir.claim(Path(cfg.output.dir), resume, overwrite)
-    known = static_mode(cfg, machine)
-    workers_ahead = known is None or known[0] != "single"  # (auto may pick single: then the server idles)
+    known = static_mode(cfg, machine)  # (None: auto, which may pick single; then nothing would use the server)
+    workers_ahead = known is not None and known[0] != "single"
     if workers_ahead:
         start_helpers_early()  # the workers' imports go on while the data is made
     try:
