@@ -1,5 +1,6 @@
-"""Learning-rate schedule, AdamW parameter groups, dynamic loss scaling and the update rule that ends every
-engine's step (:class:`UpdateRule`), and the flat AdamW the runtimes run on host memory and GPU chunks."""
+"""Learning-rate schedule, the single engine's AdamW (torch's, over decayed and undecayed parameters), dynamic
+loss scaling and the update rule that ends every engine's step (:class:`UpdateRule`), and the flat AdamW the
+runtimes run on host memory and GPU chunks."""
 
 from __future__ import annotations
 
