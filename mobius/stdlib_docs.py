@@ -8,13 +8,16 @@ processes are spawned and import only it."""
 from __future__ import annotations
 
 import ast
+import logging
 import multiprocessing
 import os
 import sysconfig
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterator
 
+log = logging.getLogger(__name__)
 MAX_WORKERS = 8
 SKIPPED = frozenset({"site-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo", "dist-packages"})
 _HAS_DOCSTRING = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
@@ -41,10 +44,16 @@ def docstrings_in(files: list[Path], workers: int | None = None) -> Iterator[str
         for path in files:
             yield from file_docstrings(path)
         return
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    pool, done = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")), 0
     try:
         for docs in pool.map(file_docstrings, files, chunksize=8):
             yield from docs
+            done += 1
+    except BrokenProcessPool:  # (a script without the `if __name__ == "__main__":` guard: each spawned process
+        # runs it again and stops, as Python's message says); the files left are parsed here
+        log.warning("the processes parsing the standard library stopped (see above); parsing it in this process")
+        for path in files[done:]:
+            yield from file_docstrings(path)
     finally:  # (also when the reader stops early: the files not parsed yet are dropped)
         pool.shutdown(cancel_futures=True)
 

@@ -119,6 +119,26 @@ def test_docstrings_parsed_by_a_pool_come_in_the_files_order() -> None:
     assert not multiprocessing.active_children()
 
 
+def test_a_script_without_a_main_guard_gets_its_docstrings_parsed_in_its_own_process(tmp_path: Path) -> None:
+    """Spawned processes run the main script again; one without the ``__main__`` guard stops each of them
+    (Python says why), and the files are then parsed in the script's own process, all of them, in order."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import json, sys\nfrom mobius.stdlib_docs import docstrings_in, stdlib_files\n"
+                      "files = stdlib_files()[:24]\n"
+                      "pooled, alone = list(docstrings_in(files, workers=2)), list(docstrings_in(files, workers=1))\n"
+                      "print(json.dumps([pooled, alone]))\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    pooled, alone = json.loads(r.stdout.splitlines()[-1])
+    assert pooled == alone and len(alone) > 50
+    assert "parsing it in this process" in r.stderr and "__main__" in r.stderr
+
+
 def test_docstrings_come_in_ast_walks_order() -> None:
     """The statements-only walk finds what ``ast.walk`` finds, in its order (the demo's corpus stays as it was):
     definitions nested in classes, functions, branches, loops, handlers, ``with`` and ``match`` blocks."""
