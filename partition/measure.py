@@ -99,10 +99,10 @@ def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: in
 
 def _built_on(spec: Any, dev, dtype):
     """The unit in ``dtype`` on ``dev``, in training mode, its weights set there as the families initialise them
-    (matrices normal with std 0.02, biases 0, norm weights 1: on the CPU values that drift towards denormals
-    slow a unit down, by 11% with every weight drawn at std 0.02). Built on the meta device: nothing is drawn on
-    the CPU first for a GPU and no fp32 copy is made there (Llama-3.1-8B's embedding, a block and its head take
-    8.4 s of CPU on 2 cores to initialise)."""
+    (matrices normal with std 0.02, biases 0, norm weights 1: on the CPU a unit's time depends on its values,
+    and with every weight drawn at std 0.02 a GPT-2 block ran 11% slower). Built on the meta device: nothing is
+    drawn on the CPU first for a GPU and no fp32 copy is made there (Llama-3.1-8B's embedding, a block and its
+    head take 8.4 s of CPU on 2 cores to initialise)."""
     import torch
 
     from mobius.models import materialise, on_meta
