@@ -3,6 +3,7 @@ from the config and the machine, and passed to every path that needs any part of
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -90,3 +91,8 @@ class ParallelSettings:
                 f"{self.cpu_threads} CPU thread(s) per worker{' (updates pinned)' if self.cpu_pinning else ''}, "
                 f"activations {self.activation_path()}"
                 + (f" ({self.reason})" if self.reason else ""))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -10,12 +10,13 @@ from __future__ import annotations
 import ast
 import logging
 import multiprocessing
-import os
 import sysconfig
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterator
+
+from mobius.parallel import usable_cores
 
 log = logging.getLogger(__name__)
 MAX_WORKERS = 8
@@ -39,23 +40,20 @@ def stdlib_docstrings(workers: int | None = None) -> Iterator[str]:
 def docstrings_in(files: list[Path], workers: int | None = None) -> Iterator[str]:
     """The docstrings of ``files``, file by file in their order; ``workers`` processes parse them (default:
     one per core, at most :data:`MAX_WORKERS`; 1: this process alone)."""
-    workers = min(workers or _cores(), MAX_WORKERS, len(files))
-    if workers <= 1:
-        for path in files:
-            yield from file_docstrings(path)
-        return
-    pool, done = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")), 0
-    try:
-        for docs in pool.map(file_docstrings, files, chunksize=8):
-            yield from docs
-            done += 1
-    except BrokenProcessPool:  # (a script without the `if __name__ == "__main__":` guard: each spawned process
-        # runs it again and stops, as Python's message says); the files left are parsed here
-        log.warning("the processes parsing the standard library stopped (see above); parsing it in this process")
-        for path in files[done:]:
-            yield from file_docstrings(path)
-    finally:  # (also when the reader stops early: the files not parsed yet are dropped)
-        pool.shutdown(cancel_futures=True)
+    workers, done = min(workers or usable_cores(), MAX_WORKERS, len(files)), 0  # done: files whose docstrings came
+    if workers > 1:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            for docs in pool.map(file_docstrings, files, chunksize=8):
+                yield from docs
+                done += 1
+        except BrokenProcessPool:  # (a script without the `if __name__ == "__main__":` guard: each spawned
+            # process runs it again and stops, as Python's message says); the files left are parsed here
+            log.warning("the processes parsing the standard library stopped (see above); parsing it in this process")
+        finally:  # (also when the reader stops early: the files not parsed yet are dropped)
+            pool.shutdown(cancel_futures=True)
+    for path in files[done:]:
+        yield from file_docstrings(path)
 
 
 def file_docstrings(path: Path) -> list[str]:
@@ -81,7 +79,3 @@ def docstrings_of(tree: ast.AST) -> Iterator[str]:
             for name in node._fields:
                 if name in _BODIES:
                     todo.extend(getattr(node, name))
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

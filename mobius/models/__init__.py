@@ -7,7 +7,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterator, Mapping
@@ -19,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from mobius.errors import CheckpointError, ConfigError
 from mobius.models import gpt2, llama, lora, opt
 from mobius.models.base import CausalLM, UnitSpec, lm_loss
+from mobius.parallel import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +220,7 @@ def fill_units(jobs: list[tuple[nn.Module, int, Given, Collection[str] | None]],
 def init_threads() -> int:
     """Threads for the initial weights: this process's CPU threads (``torch.get_num_threads``, a worker's
     share of the cores), at most the cores it may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, torch.get_num_threads()))
+    return max(1, min(usable_cores(), torch.get_num_threads()))
 
 
 def unit_prefix(index: int, num_units: int) -> str:
