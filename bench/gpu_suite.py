@@ -34,6 +34,10 @@ threads    OPT-2.7B's pipeline at 24 GiB, sync and delayed, each with its CPU Ad
            AdamW rate (``partition.cpu_update_rate``: one plan per update rule): does the CPU AdamW starve the thread
            that launches the kernels, and does pinning stop it? On 2026-11-27 (one untraced step each, each with its
            own plan): 1.905 s with the default 14 threads, 1.607 s with 8, 2.423 s with 4 (about 8 min)
+omp        OPT-2.7B's pipeline at 24 GiB, sync and delayed, each with OpenMP's threads spinning while they wait for
+           work (its default) and sleeping (``OMP_WAIT_POLICY=PASSIVE``): do the CPU AdamW's 14 waiting threads take
+           the cores of the thread that launches the kernels? On 2 CPU cores two processes side by side ran 8x
+           slower with spinning threads (about 8 min)
 train-lora the same for Llama-3.1-8B LoRA (rank 16, all linear layers), single and pipeline (2 min)
 pipeline   1.42B, all-in-GPU and the pipeline as planned and all swapped, without and with clipping
 zero       1.42B zero mode as planned and its rCache-min / rCache-max / all-offload alternatives; clipped
@@ -103,6 +107,11 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
                 for name, extra in (("auto", []), ("pinned", ["parallel.cpu_pinning=true"]),
                                     ("delayed", ["train.update=delayed"]),
                                     ("delayed-pinned", ["train.update=delayed", "parallel.cpu_pinning=true"]))],
+    "omp": [(f"omp-{name}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline",
+                             "--set=--partition.cpu_update_rate=4.0", *extra], 150)  # one plan per update rule
+            for name, extra in (("spin", []), ("passive", ["--env=OMP_WAIT_POLICY=PASSIVE"]),
+                                ("delayed-spin", ["--set=--train.update=delayed"]),
+                                ("delayed-passive", ["--set=--train.update=delayed", "--env=OMP_WAIT_POLICY=PASSIVE"]))],
     "train-lora": [("train-lora-llama-3.1-8b", ["bench/train_bench.py", "--presets", "llama-3.1-8b", "--lora-rank",
                                                 "16"], 480)],
     "pipeline": [("pipeline-1.4b", _pipe("--what", "ref,mobius", "--variants", "plain", *CLIPS, "--steps", "5"), 480)],

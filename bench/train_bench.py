@@ -76,12 +76,12 @@ def train(args: argparse.Namespace, preset: str, checkpoint: Path, mode: str) ->
     cfg.write_text(json.dumps(run_file(args, checkpoint, mode, out)))
     t0 = time.perf_counter()
     with open(log_file, "w") as log:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in args.env)}
         rc = subprocess.run([sys.executable, "-m", "mobius", "train", str(cfg), "--overwrite", *args.set], cwd=ROOT,
-                            stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+                            stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     wall = time.perf_counter() - t0
     name = "all-in-GPU (mobius train, single)" if mode == "single" else f"mobius train {mode}, {CAP_GIB} GiB"
-    name += "".join(f" {x.lstrip('-')}" for x in args.set)
+    name += "".join(f" {x.lstrip('-')}" for x in args.set + args.env)
     if rc != 0:
         tail = log_file.read_text().strip().splitlines()[-1:] or ["?"]
         return {"name": name, "error": tail[0][:200], "wall_s": round(wall, 1)}
@@ -171,8 +171,13 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                    help="a config override for every run (e.g. --set=--parallel.cpu_threads=8); the runs' rows are "
                         "named with it")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable of every run (e.g. --env=OMP_WAIT_POLICY=PASSIVE); the runs' rows are "
+                        "named with it")
     p.add_argument("--smoke", action="store_true", help="tiny models on 2 CPU workers")
     args = p.parse_args()
+    if bad := [kv for kv in args.env if "=" not in kv[1:]]:
+        p.error(f"--env takes NAME=VALUE, got {bad[0]!r}")
     args.steps = args.steps or (4 if args.smoke else 6)
     if args.smoke:
         args.presets, args.seq, args.micro_batches = "gpt2-tiny,opt-125m", 64, 2

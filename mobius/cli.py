@@ -26,29 +26,42 @@ from mobius.app.supervise import ECHOES, Interrupted, Signalled
 from mobius.errors import MobiusError
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR}
-# sub-command name -> module in mobius.commands exposing add_parser(subparsers) and run(args) -> int
+# sub-command name -> (module in mobius.commands exposing configure(parser) and run(args) -> int, its summary)
 COMMANDS = {
-    "train": "mobius.commands.train",
-    "plan": "mobius.commands.plan",
-    "topo": "mobius.commands.topo",
-    "profile": "mobius.commands.profile",
+    "train": ("mobius.commands.train", "train or fine-tune a model from a YAML config"),
+    "plan": ("mobius.commands.plan", "show which mode runs, how the model is partitioned and placed, and the "
+                                     "predicted step time"),
+    "topo": ("mobius.commands.topo", "show, map and benchmark the GPU topology"),
+    "profile": ("mobius.commands.profile", "measure the run's units here and write them as a profile file"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mobius", description="Fine-tune large Llama, Qwen, Mistral, OPT and GPT-2 models on commodity GPU servers.")
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``mobius`` parser. Only ``command``'s module is imported and its arguments added; the others are
+    listed by name and summary, so that ``mobius --help`` and ``--version`` import nothing heavy (torch
+    takes 1.5-3 s to import)."""
+    parser = argparse.ArgumentParser(prog="mobius", description="Fine-tune large Llama, Qwen, Mistral, OPT and "
+                                                                "GPT-2 models on commodity GPU servers.")
     parser.add_argument("--version", action="version", version=f"mobius {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in COMMANDS.items():
-        importlib.import_module(module).add_parser(sub)
+    for name, (module, summary) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+        if name == command:
+            importlib.import_module(module).configure(p)
     return parser
+
+
+def _command(argv: list[str]) -> str | None:
+    """The sub-command ``argv`` names: its first word that is not an option (``mobius``'s own options take
+    no values)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        parser = build_parser()
+        parser = build_parser(_command(argv))
         args, extra = parser.parse_known_args(argv)
         _logging(args.verbose)
         if args.command is None:

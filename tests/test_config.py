@@ -139,11 +139,29 @@ def test_cli_bad_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "placeholder" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_cli_version_and_help() -> None:
+QUICK = """
+import sys
+from mobius import cli
+for argv in (["--version"], ["--help"], ["train", "--help"], ["topo", "--help"], ["train", sys.argv[1]]):
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    print("exit", code, "torch" in sys.modules)
+"""
+
+
+def test_cli_version_and_help(tmp_path: Path) -> None:
     from mobius import __version__
 
     r = _cli("--version", cwd=ROOT)
     assert r.returncode == 0 and __version__ in r.stdout
+    # none of these imports torch (1.5-3 s): a typo in a run file is reported at once
+    bad = _write(tmp_path, "model:\n  preset: gpt2-tiny\ntrain:\n  lerning_rate: 0.1\n")
+    r = subprocess.run([sys.executable, "-c", QUICK, str(bad)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    ends = [line for line in r.stdout.splitlines() if line.startswith("exit ")]
+    assert ends == ["exit 0 False"] * 4 + ["exit 2 False"], r.stdout + r.stderr
+    assert "unknown key train.lerning_rate" in r.stderr
     r = _cli("train", "--help", cwd=ROOT)
     assert r.returncode == 0 and "train.micro_batch_size" in r.stdout
     assert "lora.rank (default 0, >= 0)" in r.stdout and "lora.targets (default ['all-linear'])" in r.stdout

@@ -4,13 +4,12 @@ uploads, and the gradient download dtype weighs host memory."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from mobius.commands import plan as plan_cmd
+from mobius import cli
 from mobius.layout import build_layout
 from mobius.models import get_preset, unit_specs
 from mobius.models.params import model_params
@@ -71,8 +70,7 @@ def test_a_saved_topology_plans_with_a_stated_host_default() -> None:
 
 
 def _run_plan(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mobius")
-    plan_cmd.add_parser(parser.add_subparsers(dest="command"))
+    parser = cli.build_parser("plan")
     args, extra = parser.parse_known_args(["plan", *argv])
     args.overrides = extra
     return args.func(args)

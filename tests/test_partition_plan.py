@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import topology
 from partition.plan import RESIDENCY_RESERVE
 from fixtures.partition.profiles import toy_profile
 from mobius import cli
-from mobius.commands import plan as plan_cmd
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import get_preset, unit_specs
 from partition import Hardware, Plan, PlanRequest, estimate_units, plan_model
@@ -45,8 +43,7 @@ partition:
 
 def _run_plan(argv: list[str]) -> int:
     """``mobius plan ARGV`` through the command's own parser (as cli.main dispatches it)."""
-    parser = argparse.ArgumentParser(prog="mobius")
-    plan_cmd.add_parser(parser.add_subparsers(dest="command"))
+    parser = cli.build_parser("plan")
     args, extra = parser.parse_known_args(["plan", *argv])
     assert args.accepts_overrides
     args.overrides = extra
@@ -210,8 +207,6 @@ def topology_available() -> bool:
 
 
 def test_cli_dispatches_plan_with_exit_code_2_on_errors(opt13b_yaml: Path, capsys: pytest.CaptureFixture) -> None:
-    if "plan" not in cli.COMMANDS:
-        pytest.skip("mobius.cli does not register the plan command yet")
     assert cli.main(["plan", str(opt13b_yaml), "--gpus", "4", "--partition.gpu_memory_gib=0.5"]) == 2
     assert "short by" in capsys.readouterr().err
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import json
@@ -18,6 +17,7 @@ from typing import Callable
 import pytest
 
 import topology
+from mobius import cli
 from mobius.commands import topo as topo_cmd
 from mobius.errors import MobiusError, NotAvailableError
 from topology import (
@@ -664,8 +664,7 @@ def test_bench_without_gpu() -> None:
 # ------------------------------------------------------------------------------------ the command
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """Run ``mobius topo`` the way mobius.cli.main does: MobiusError -> one line, exit code 2."""
-    parser = argparse.ArgumentParser(prog="mobius")
-    topo_cmd.add_parser(parser.add_subparsers(dest="command"))
+    parser = cli.build_parser("topo")
     args = parser.parse_args(["topo", *argv])
     try:
         code = args.func(args)

@@ -46,16 +46,13 @@ from partition.gpus import GB, gpu_spec
 log = logging.getLogger(__name__)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add the ``plan`` sub-command."""
-    p = sub.add_parser("plan", help="show which mode runs, how the model is partitioned and placed, and the predicted "
-                                    "step time",
-                       description="Profile (or estimate) the model's units and plan the run's mode: the pipeline's "
-                                   "partition MIP, mapping and simulated step with baselines, zero's chunk search, "
-                                   "or single's plain training; parallel.mode=auto compares them and picks one. Any "
-                                   "configuration key can be overridden with --section.key=value.",
-                       epilog="model.preset names an architecture before its checkpoint is at hand: "
-                              + ", ".join(preset_names()) + ".")
+def configure(p: argparse.ArgumentParser) -> None:
+    """The ``plan`` sub-command's arguments."""
+    p.description = ("Profile (or estimate) the model's units and plan the run's mode: the pipeline's partition MIP, "
+                     "mapping and simulated step with baselines, zero's chunk search, or single's plain training; "
+                     "parallel.mode=auto compares them and picks one. Any configuration key can be overridden with "
+                     "--section.key=value.")
+    p.epilog = "model.preset names an architecture before its checkpoint is at hand: " + ", ".join(preset_names()) + "."
     p.add_argument("config", help="YAML run file (see configs/)")
     p.add_argument("--topology", metavar="FILE", help="saved topology: `mobius topo --json` output or "
                                                       "`nvidia-smi topo -m` text (default: topology.file, else detect)")

@@ -20,13 +20,12 @@ from mobius.errors import ConfigError
 from mobius.files import write_failure, write_text_atomic
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="measure the run's units here and write them as a profile file",
-                       description="Measure one micro-batch's forward and backward of each kind of unit (embedding, "
-                                   "block, head) of the run's model on this machine's GPU (the CPU without one), at "
-                                   "the run's micro-batch size, sequence and precision, and write them as the JSON "
-                                   "that partition.profile_file plans with. Any configuration key can be overridden "
-                                   "with --section.key=value.")
+def configure(p: argparse.ArgumentParser) -> None:
+    """The ``profile`` sub-command's arguments."""
+    p.description = ("Measure one micro-batch's forward and backward of each kind of unit (embedding, block, head) of "
+                     "the run's model on this machine's GPU (the CPU without one), at the run's micro-batch size, "
+                     "sequence and precision, and write them as the JSON that partition.profile_file plans with. Any "
+                     "configuration key can be overridden with --section.key=value.")
     p.add_argument("config", help="YAML run file (see configs/)")
     p.add_argument("--out", default="unit_profile.json", metavar="FILE",
                    help="where to write it (default: %(default)s)")

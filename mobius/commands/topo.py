@@ -32,13 +32,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``topo`` sub-command to ``subparsers``."""
-    p = subparsers.add_parser(
-        "topo", help="show, map and benchmark the GPU topology",
-        description="Show the GPUs, the CPU root complexes they share, NVLink and peer access; "
-                    "map pipeline stages across root complexes; measure copy bandwidths.",
-    )
+def configure(p: argparse.ArgumentParser) -> None:
+    """The ``topo`` sub-command's arguments."""
+    p.description = ("Show the GPUs, the CPU root complexes they share, NVLink and peer access; map pipeline stages "
+                     "across root complexes; measure copy bandwidths.")
     p.add_argument("--json", action="store_true", help="print the topology as one JSON object")
     p.add_argument("--from", dest="from_file", metavar="FILE",
                    help="read a saved topology (`mobius topo --json` output or `nvidia-smi topo -m` text) instead of detecting")
@@ -52,7 +49,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--png", metavar="FILE",
                    help="heat map of the benchmark (default: --bench-out with .png, when matplotlib is installed)")
     p.set_defaults(func=run)
-    return p
 
 
 def _topology(args: argparse.Namespace) -> Topology:

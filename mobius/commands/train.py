@@ -15,12 +15,12 @@ from mobius.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train or fine-tune a model from a YAML config",
-                       description="Train or fine-tune a model. Any configuration key can be overridden with "
-                                   "--section.key=value (e.g. --train.max_steps=10).",
-                       epilog="configuration keys:\n" + describe_fields(),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+def configure(p: argparse.ArgumentParser) -> None:
+    """The ``train`` sub-command's arguments."""
+    p.description = ("Train or fine-tune a model. Any configuration key can be overridden with --section.key=value "
+                     "(e.g. --train.max_steps=10).")
+    p.epilog = "configuration keys:\n" + describe_fields()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("config", help="YAML run file (see configs/)")
     p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="DIR",
                    help="continue from the latest step checkpoint in output.dir, or from DIR")
@@ -31,11 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mobius.app.run import train  # the heavy imports only when training
-
     cfg = load_config(args.config, args.overrides)
     if args.resume and args.overwrite:
         raise ConfigError("--resume continues the run in output.dir and --overwrite replaces it: pass one of them")
+    from mobius.app.run import train  # the heavy imports only when training, after the config's checks
+
     run = Torchrun.from_env()
     with stop_on_signals() if run is None else contextlib.nullcontext():  # torchrun's agent stops its processes
         result = train(cfg, resume=args.resume, overwrite=args.overwrite)
