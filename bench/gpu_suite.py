@@ -111,7 +111,8 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
                              "--set=--partition.cpu_update_rate=4.0", *extra], 150)  # one plan per update rule
             for name, extra in (("spin", []), ("passive", ["--env=OMP_WAIT_POLICY=PASSIVE"]),
                                 ("delayed-spin", ["--set=--train.update=delayed"]),
-                                ("delayed-passive", ["--set=--train.update=delayed", "--env=OMP_WAIT_POLICY=PASSIVE"]))],
+                                ("delayed-passive", ["--set=--train.update=delayed",
+                                                     "--env=OMP_WAIT_POLICY=PASSIVE"]))],
     "train-lora": [("train-lora-llama-3.1-8b", ["bench/train_bench.py", "--presets", "llama-3.1-8b", "--lora-rank",
                                                 "16"], 480)],
     "pipeline": [("pipeline-1.4b", _pipe("--what", "ref,mobius", "--variants", "plain", *CLIPS, "--steps", "5"), 480)],
