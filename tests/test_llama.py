@@ -280,7 +280,7 @@ def test_mobius_plan_on_the_shipped_configs(config: str, fits: bool, capsys: pyt
     root = Path(__file__).resolve().parents[1]
     argv = [str(root / "configs" / f"{config}.yaml"), "--topology",
             str(root / "tests" / "fixtures" / "topology" / "topo8_4x4_nic.txt"), "--parallel.devices=8",
-            "--partition.host_memory_gib=300", "--partition.time_limit_s=10", "--json"]
+            "--partition.host_memory_gib=300", "--partition.time_limit_s=3", "--json"]
     if not fits:
         with pytest.raises(MobiusError, match=r"host memory does not suffice: the swapped stages need 427\.2 GiB "
                                               r"\(14 bytes per parameter, half gradient downloads\), 300\.0 GiB"):
