@@ -14,6 +14,7 @@ from mobius.app.settings import Machine
 from mobius.assemble import planned_architecture
 from mobius.config import load_config
 from mobius.errors import MobiusError, NotAvailableError
+from in_process import mobius
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPO = ROOT / "tests" / "fixtures" / "topology"
@@ -130,8 +131,7 @@ def test_mobius_train_and_plan_print_autos_choice_and_reason(tmp_path: Path, dem
     assert mode in ("pipeline", "zero") and "runner-up" in line, line
     assert f"mode {mode}: 2 CPU worker process(es)" in r.stderr
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
-    p = subprocess.run([sys.executable, "-m", "mobius", "plan", str(ROOT / "configs" / "demo.yaml"), "--json",
-                        *common], capture_output=True, text=True, timeout=600)
+    p = mobius(["plan", str(ROOT / "configs" / "demo.yaml"), "--json", *common])
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout)["mode"]["chosen"] == mode  # the plan shown is the plan run
 

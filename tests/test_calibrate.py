@@ -15,6 +15,7 @@ from partition import Hardware, Plan, PlanRequest, plan_model
 from mobius.app.launch import measured_compute
 from partition.calibrate import (KEPT_RUNS, ComputeScale, fit_action, fit_reduce_scatter, fit_scale, learnt_scale,
                                  record_scale, scale_key, scale_path)
+from in_process import mobius
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -264,21 +265,18 @@ def test_a_run_keeps_its_compute_and_the_next_plan_is_made_with_it(tmp_path: Pat
         assert "reduce-scatters x" in r.stderr and "reduce scatter " in r.stderr and "gather wait " in r.stderr
         line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
         assert len(line["forward_by_worker"]) == 2 and line["gather_wait_s"] > 0 and line["reduce_scatter_s"] > 0
-    shown = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, "--json", *common],
-                           capture_output=True, text=True, timeout=600)
+    shown = mobius(["plan", demo, "--json", *common])
     assert shown.returncode == 0, shown.stderr[-3000:]
     plan = json.loads(shown.stdout)
     assert plan["compute_scale"] == {**factors, "runs": 1, "origin": ""}
-    text = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, *common], capture_output=True,
-                          text=True, timeout=600)
+    text = mobius(["plan", demo, *common])
     assert ComputeScale(**factors, runs=1).line() in text.stdout + text.stderr
     assert ComputeScale(**factors, runs=1).line().endswith("as the last run on this machine computed")
     # the spreads its steps measured, drawn in the predicted step
     assert factors["compute_spread"] > 0 and factors["worker_spread"] > 0
     assert "the runs measured drawn" in text.stdout + text.stderr
     if mode == "pipeline":  # the round-robin schedule has no runs of its own yet: planned with the swapped one's
-        rr = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", demo, "--parallel.schedule=round_robin",
-                             *common], capture_output=True, text=True, timeout=600)
+        rr = mobius(["plan", demo, "--parallel.schedule=round_robin", *common])
         assert rr.returncode == 0, rr.stderr[-3000:]
         assert ComputeScale(**factors, runs=1, origin="with parallel.schedule=swapped").line() in rr.stdout + rr.stderr
 

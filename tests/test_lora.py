@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import make_hf_llama, make_hf_model, save_special_tokenizer
+from in_process import mobius
 from mobius.assemble import adapters, initial_model
 from mobius.config import config_from_dict
 from scheduler.single import SingleEngine
@@ -157,10 +158,9 @@ def test_bad_lora_settings_are_one_line_errors(tmp_path: Path, edit: dict, messa
     ck = tmp_path / "ck"
     make_hf_llama("llama").save_pretrained(ck)
     save_special_tokenizer(ck, "<|begin_of_text|>", "<|end_of_text|>")
-    r = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", str(ROOT / "configs" / "demo.yaml"),
-                        f"--model.checkpoint={ck}", "--model.preset=", "--parallel.mode=single", "--data.seq_len=16",
-                        *[f"--lora.{k}={json.dumps(v)}" for k, v in {"rank": 4, **edit}.items()]],
-                       capture_output=True, text=True, timeout=300)
+    r = mobius(["plan", str(ROOT / "configs" / "demo.yaml"), f"--model.checkpoint={ck}", "--model.preset=",
+                "--parallel.mode=single", "--data.seq_len=16",
+                *[f"--lora.{k}={json.dumps(v)}" for k, v in {"rank": 4, **edit}.items()]])
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("mobius: error: "), r.stderr
     import re

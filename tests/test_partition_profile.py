@@ -13,6 +13,7 @@ from mobius.models import get_preset, unit_specs
 from mobius.models.gpt2 import GPT2Config
 from partition import ModelProfile, estimate_units, get_profile, lookup_gpu, profile_units
 from partition.profile import profile_key
+from in_process import mobius
 
 
 def _small_gpt() -> list:
@@ -200,13 +201,10 @@ TOPO8 = "tests/fixtures/topology/topo8_4x4_nic.txt"
 
 
 def _plan_json(*args: str) -> dict:
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "mobius", "plan", *args, "--json"], capture_output=True, text=True,
-                       cwd=root)
+    r = mobius(["plan", *args, "--json"], cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout)
 
@@ -235,16 +233,13 @@ def test_a_plan_takes_its_unit_times_from_a_profile_file_and_estimates_the_kinds
     ({"seq_len": 1024}, "was measured with seq_len 1024, the run has 2048"),
 ])
 def test_a_wrong_profile_file_is_one_line_naming_the_key(tmp_path, edit: dict, message: str) -> None:
-    import subprocess
-    import sys
     from pathlib import Path
 
     path = tmp_path / "p.json"
     path.write_text(json.dumps({**ROUNDPIPE_8B, **edit}))
-    r = subprocess.run([sys.executable, "-m", "mobius", "plan", "configs/finetune-llama-3.1-8b.yaml", "--topology",
-                        TOPO8, "--parallel.devices=8", "--train.micro_batch_size=4", "--train.micro_batches=16",
-                        f"--partition.profile_file={path}"], capture_output=True, text=True,
-                       cwd=Path(__file__).resolve().parents[1])
+    r = mobius(["plan", "configs/finetune-llama-3.1-8b.yaml", "--topology", TOPO8, "--parallel.devices=8",
+                "--train.micro_batch_size=4", "--train.micro_batches=16", f"--partition.profile_file={path}"],
+               cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"mobius: error: partition.profile_file "
                                                                               f"{path}")
     assert message in r.stderr and "Traceback" not in r.stderr

@@ -18,6 +18,7 @@ from mobius.models.hf import read_state_dict
 from partition.plan import Plan
 from spawned import case_model, spawn_cases, token_batches
 from mobius.app.run import train
+from in_process import mobius
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -373,8 +374,7 @@ def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path, demo_single
 
     common = [f"--data.cache_dir={demo_data_cache}", *DEMO_SHORT, f"--partition.cache_dir={tmp_path / 'cache'}"]
     pipe = ["--parallel.mode=pipeline", "--parallel.devices=2", "--parallel.trace_step=2"]
-    shown = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", str(ROOT / "configs" / "demo.yaml"), "--json",
-                            *common, *pipe], capture_output=True, text=True, timeout=600)
+    shown = mobius(["plan", str(ROOT / "configs" / "demo.yaml"), "--json", *common, *pipe])
     assert shown.returncode == 0, shown.stderr[-3000:]
     r = subprocess.run([sys.executable, "-m", "mobius.cli", "train", str(ROOT / "configs" / "demo.yaml"),
                         f"--output.dir={tmp_path / 'pipe'}", *common, *pipe], capture_output=True, text=True,

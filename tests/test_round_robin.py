@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from partition.roundrobin import (candidate_shapes, minimax_cuts, neighbours, pa
                                   shape_cuts, simulate_round_robin)
 from partition.schedule import COMPUTE, Kind, PipelineOptions, ScheduleError
 from partition.schedule.roundrobin import Cuts, build_round_robin, round_robin_timeline
+from in_process import mobius
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,12 +221,12 @@ def test_mobius_plan_prints_the_round_robin_prediction_under_both_update_rules(t
     prof.write_text(json.dumps({"gpu": "rtx4090", "micro_batch_size": 1, "seq_len": 512, "precision": "bf16",
                                 "units": {"block": {"forward_ms": 2.0, "backward_ms": 4.0},
                                           "head": {"forward_ms": 3.0, "backward_ms": 6.0}}}))
-    args = [sys.executable, "-m", "mobius", "plan", "configs/finetune-opt-1.3b.yaml", "--gpus", "4",
+    args = ["plan", "configs/finetune-opt-1.3b.yaml", "--gpus", "4",
             "--partition.gpu=rtx4090", "--train.micro_batch_size=1", "--data.seq_len=512", "--train.micro_batches=8",
             f"--partition.profile_file={prof}", "--parallel.schedule=auto", "--partition.time_limit_s=1"]
-    text = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    text = mobius(args, cwd=ROOT)
     assert text.returncode == 0, text.stderr[-2000:]
-    out = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, cwd=ROOT).stdout)
+    out = json.loads(mobius(args + ["--json"], cwd=ROOT).stdout)
     rr = out["round_robin"]
     assert rr["runs"] == (rr["step_s"] < out["predicted_step_s"])  # auto: the faster predicted one runs
     first = text.stdout.splitlines()[0]  # the schedule that runs, the update rule and the predictions come first

@@ -27,6 +27,7 @@ from mobius.models.hf import read_config
 from mobius.layout import build_layout
 from mobius.models.params import model_params
 from spawned import case_model, spawn_cases, token_batches
+from in_process import mobius
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 4999  # prime: no world divides it; the token embedding (300 x 32) spans two chunks; blocks straddle chunks
@@ -242,16 +243,14 @@ def test_demo_in_zero_mode_on_two_workers_matches_single(tmp_path: Path, demo_si
 
 
 def test_mobius_plan_shows_the_zero_plan(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", str(ROOT / "configs" / "demo.yaml"),
-                        "--parallel.mode=zero", "--parallel.devices=2", f"--partition.cache_dir={tmp_path}"],
-                       capture_output=True, text=True, timeout=300)
+    r = mobius(["plan", str(ROOT / "configs" / "demo.yaml"), "--parallel.mode=zero", "--parallel.devices=2",
+                f"--partition.cache_dir={tmp_path}"])
     assert r.returncode == 0, r.stderr[-3000:]
     for words in ("zero: 2 rank(s)", "chunks:", "rCache:", "chunk states:", "predicted step time",
                   "GPU memory per rank", "alternatives (predicted): rcache-min", "rcache-max", "all-offload"):
         assert words in r.stdout, (words, r.stdout)
-    r = subprocess.run([sys.executable, "-m", "mobius.cli", "plan", str(ROOT / "configs" / "demo.yaml"),
-                        "--parallel.mode=zero", "--parallel.devices=2", "--zero.cache_blocks=3", "--json",
-                        f"--partition.cache_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    r = mobius(["plan", str(ROOT / "configs" / "demo.yaml"), "--parallel.mode=zero", "--parallel.devices=2",
+                "--zero.cache_blocks=3", "--json", f"--partition.cache_dir={tmp_path}"])
     out = json.loads(r.stdout)
     assert out["cache_blocks"] == 3 and out["decided"]["cache_blocks"] == "config" and out["world"] == 2
 
