@@ -46,7 +46,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, summary) in COMMANDS.items():
-        p = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+        p = sub.add_parser(name, help=summary)  # (its description: the module's configure)
         if name == command:
             importlib.import_module(module).configure(p)
     return parser

@@ -186,10 +186,9 @@ def helpers_settled() -> None:
     """Return once the fork server has imported what it preloads (it forks a process only then; this forks
     one that does nothing), so that what is timed next has the cores to itself: on 2 cores a CPU AdamW rate
     measured beside its import came out at half (0.71-0.77 against 1.38-1.54 G params/s), and the planner
-    keeps such measurements. Starts the helpers (:func:`start_helpers_early`) if they are not running."""
+    keeps such measurements. The helpers were started by :func:`start_helpers_early`."""
     import multiprocessing
 
-    start_helpers_early()
     if START_METHOD == "forkserver":
         nothing = multiprocessing.get_context("forkserver").Process(target=_nothing, daemon=True)
         nothing.start()
