@@ -119,7 +119,7 @@ def _like_for_like(model: str, prof, hw, plan) -> dict[str, float]:
     and under RoundPipe's simulator's assumptions (sync: one step from empty GPUs; delayed: steady state),
     where mobius's search chooses its cuts again."""
     rr, gpus = plan.round_robin, plan.worker_gpus
-    theirs, ours = roundpipe_cuts(model, prof.num_units), plan.round_robin_cuts()
+    theirs = roundpipe_cuts(model, prof.num_units)
     out: dict[str, float] = {}
     for delayed in (False, True):
         rule, opts = "delayed" if delayed else "sync", PipelineOptions(delayed=delayed)
@@ -129,8 +129,7 @@ def _like_for_like(model: str, prof, hw, plan) -> dict[str, float]:
         for who, cuts in (("roundpipe_cuts", theirs), ("mobius_cuts", mine)):
             res = simulate_round_robin(free_prof, cuts, free_hw, gpus, 16, opts, record=False)
             out[f"free_{who}_{rule}_s"] = res.step_s if delayed else res.step_ends[0]
-    out["mobius_cuts_sync_s"] = rr["step_s"] if rr["update"] == "sync" else rr["sync_step_s"]
-    out["mobius_cuts_delayed_s"] = rr.get("delayed_step_s", rr["step_s"])
+    out["mobius_cuts_sync_s"], out["mobius_cuts_delayed_s"] = _sync_delayed(rr)
     return out
 
 

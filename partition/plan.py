@@ -267,7 +267,7 @@ def _summary_lines(p: Plan) -> list[str]:
     alts = p.mip.get("alternatives") or []
     if len(alts) > 1:
         each = ", ".join(f"{a['num_stages']} stages {a['simulated_step_s']:.3f} s" for a in alts)
-        ranked = (f"; ranked by the sync rule's timing model, whose plan simulated faster than the delayed rule's"
+        ranked = ("; ranked by the sync rule's timing model, whose plan simulated faster than the delayed rule's"
                   if p.mip.get("ranked_by") == "sync" and p.options.delayed else "")
         lines.append(f"partition: the fastest simulated, each with its own resident/kept stages, of the search's "
                      f"{len(alts)} near-best and finest ({each}{ranked})")

@@ -52,7 +52,7 @@ from mobius.models.params import build_units
 from scheduler.stages import StageLayout, add_gradients, add_tied, bind
 from scheduler.store import StageStore
 from scheduler.trace import ComputeSpans, DispatchTime, StepTrace
-from scheduler.updater import CpuUpdater, Events
+from scheduler.updater import CpuUpdater
 
 log = logging.getLogger(__name__)
 UPLOAD_CHUNK = 64 << 20  # bytes per arbitrated upload chunk

@@ -135,7 +135,6 @@ class RoundRobinEngine:
 
     def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: Plan, settings: ParallelSettings,
                  device: torch.device, weights_from: WeightSource | None = None, skip_updates: bool = False):
-        rr = plan.round_robin
         self.cfg, self.model_cfg, self.device = cfg, model_cfg, device
         self.comm = ProcessGroup()
         self.rank, self.world = self.comm.rank, self.comm.world

@@ -142,7 +142,7 @@ def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
     # that a step after the norm would wait for
     other = plan.other_update
     assert other["update"] == "delayed" and other["step_s"] <= plan.predicted_step_s * 1.001
-    assert other["host_bytes"] >= plan.host_bytes and f"with train.update=delayed the same stages" in text
+    assert other["host_bytes"] >= plan.host_bytes and "with train.update=delayed the same stages" in text
     assert Plan.from_json(plan.to_json()).other_update == other
 
 

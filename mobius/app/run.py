@@ -26,7 +26,7 @@ from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static
 from mobius.app.supervise import end_when_orphaned, helpers_settled, start_helpers_early
 from mobius.assemble import (Prepared, check_inputs, check_resume, initial_model, prepare_data, resume_dir,
                              run_model_config)
-from mobius.checkpoint import ResumeState, checkpoint_bytes
+from mobius.checkpoint import checkpoint_bytes
 from mobius.config import Config
 from mobius.errors import ConfigError, size_text
 from mobius.files import write_failure, write_text_atomic
