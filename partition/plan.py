@@ -217,6 +217,19 @@ def _time_split_line(split: dict[str, float], step_s: float) -> str:
 
 
 def _summary_lines(p: Plan) -> list[str]:
+    """The plan as ``mobius plan`` prints it: its stages, runtime, prediction, search, memory and traffic."""
+    lines = _stage_lines(p) + _runtime_lines(p) + _search_lines(p)
+    if p.time_split:
+        lines.append(_time_split_line(p.time_split, p.predicted_step_s))
+    lines += _totals_lines(p)
+    rr = p.round_robin
+    if rr:
+        lines += rr["summary"] if "summary" in rr else [f"round-robin schedule: {rr['error']}"]
+    return lines
+
+
+def _stage_lines(p: Plan) -> list[str]:
+    """The stages, one row each."""
     lines = [f"stages: {p.num_stages} on {p.num_gpus} GPU(s), {p.mapping_kind} mapping, worker GPUs {p.worker_gpus} "
              f"(stage j runs on GPU worker_gpus[j % {len(p.worker_gpus)}])",
              f"  {'stage':>5}  {'units':<22} {'gpu':>3}  {'where':<8} {'params':>9}  {'fwd/mb':>8}  {'bwd/mb':>8}  "
@@ -229,6 +242,12 @@ def _summary_lines(p: Plan) -> list[str]:
                      f"{s.upload_wait_s * 1e3:>9.1f}ms  {s.fwd_peak_bytes / GiB:>6.2f}GiB  {s.bwd_peak_bytes / GiB:>6.2f}GiB")
     lines.append("  resident: weights, fp32 master and AdamW states live on the GPU (device AdamW, no uploads); "
                  "K: keeps its forward's activations (no recompute)")
+    return lines
+
+
+def _runtime_lines(p: Plan) -> list[str]:
+    """What the runtime does with the stages (slots, inputs, updates, residency), and the predicted step."""
+    opts, lines = p.options, []
     slots = ("2 per GPU (the next stage uploads while one computes)" if opts.num_slots == 2 else
              f"1 per GPU and a {opts.prefetch_bytes / GiB:.2f} GiB prefetch buffer (the next stage's first bytes "
              f"upload while one computes, the rest once its slot is free)" if opts.prefetch_bytes else
@@ -253,6 +272,12 @@ def _summary_lines(p: Plan) -> list[str]:
     lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
                  f"contention{drawn}; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
+    return lines
+
+
+def _search_lines(p: Plan) -> list[str]:
+    """Where the plan came from: a kept plan, the other update rule, the search's alternatives, a baseline."""
+    lines = []
     reused = p.mip.get("reused")
     if reused:
         lines.append(f"plan reused: made on {reused['made']} for the same profile, machine, settings "
@@ -275,8 +300,12 @@ def _summary_lines(p: Plan) -> list[str]:
     if adopted:
         lines.append(f"partition: the {adopted['name']} baseline's, which simulates faster than the search's "
                      f"({adopted['search_step_s']:.3f} s; {p.status})")
-    if p.time_split:
-        lines.append(_time_split_line(p.time_split, p.predicted_step_s))
+    return lines
+
+
+def _totals_lines(p: Plan) -> list[str]:
+    """Peak GPU memory, traffic per step and the baselines."""
+    lines = []
     mem = ", ".join(f"GPU{g} {b / GiB:.1f}" for g, b in enumerate(p.peak_bytes))
     lines.append(f"peak GPU memory (GiB, budget {p.gpu_memory_bytes / GiB:.1f}): {mem}")
     t = p.traffic
@@ -287,9 +316,6 @@ def _summary_lines(p: Plan) -> list[str]:
     for name, v in p.baselines.items():
         base.append(f"{name} {v:.3f} s ({100 * (v / p.predicted_step_s - 1):+.1f}%)" if v else f"{name}: does not fit")
     lines.append("baselines (simulated the same way): " + ", ".join(base))
-    rr = p.round_robin
-    if rr:
-        lines += rr["summary"] if "summary" in rr else [f"round-robin schedule: {rr['error']}"]
     return lines
 
 
