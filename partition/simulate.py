@@ -185,13 +185,11 @@ class _Flow:
     rate: float = 0.0
     base: float = 0.0  # its rate on its links (CPU workers: times the share of the cores it gets, _share_cores)
 
+    def __post_init__(self) -> None:
+        self.distinct = len(set(self.resources)) == len(self.resources)  # each link once (_fill's short way)
+
     def remaining(self) -> float:
         return self.total - self.done
-
-    def due(self, t: float) -> bool:
-        """Done at time ``t``, up to a byte's fraction or a time too short to move the clock on from ``t``
-        (a fast link's last bytes)."""
-        return self.remaining() < max(_EPS_BYTES, self.rate * max(_EPS_T, 4 * math.ulp(t)))
 
 
 @dataclass
@@ -306,6 +304,12 @@ class _Sim:
         self.t = 0.0
         self.flows: list[_Flow] = []
         self.flows_changed = False  # a flow started or ended since the rates were last set
+        self.link_caps = {(d, g): rate for g in range(hw.num_gpus)  # each GPU's links, and the root complexes' with
+                          for d, rate in (("h2d", hw.h2d_Bps[g]), ("d2h", hw.d2h_Bps[g]))  # one stream (_capacities)
+                          + ((("bidir", hw.bidir_Bps[g]),) if hw.bidir_Bps else ())}
+        for k in range(len(hw.groups)):
+            self.link_caps[("rc_h2d", k)] = hw.rc_rate(k, "h2d", 1)
+            self.link_caps[("rc_d2h", k)] = hw.rc_rate(k, "d2h", 1)
         self.step = 0
         self.step_start = 0.0
         self.step_ends: list[float] = []
@@ -378,6 +382,7 @@ class _Sim:
         self.arrived: dict[tuple[str, int, int], float] = {}
         self.kept_at: dict[tuple[int, int], float] = {}  # (unit, micro) -> its input is in host memory
         self.downloaded: dict[tuple[int, int], float] = {}  # (step, stage) -> its last download of the step
+        self.tie_check = True  # a download landed since _start_tie last looked
         self.reduced = False
         self.timing = [StageTiming() for _ in range(self.S)]
         self.bytes = {"h2d": [0.0] * self.hw.num_gpus, "d2h": [0.0] * self.hw.num_gpus,
@@ -703,6 +708,7 @@ class _Sim:
         if self.downloads_done[key] < self.downloads_due[(task.tstep, task.stage)]:
             return  # round-robin: earlier rounds' gradients are summed in host memory
         self.downloaded[key] = t
+        self.tie_check = True
         if not self.copy_work:  # (delayed: the compute copy is queued at the step's last upload, _upload_done)
             self.copied[task.stage] += 1
         if not self.sched.barrier and not self._tied_end(task.stage):
@@ -722,12 +728,15 @@ class _Sim:
 
     def _start_tie(self) -> bool:
         """Once both ends of a tied weight are down in a step, their gradients are summed (``TIE``)."""
-        if not self.sched.tied:
+        if not self.sched.tied or not self.tie_check:
             return False
+        self.tie_check = False
         started = False
         for step in range(self.step, self.step + self.sched.steps):
+            if step in self.tie_at:
+                continue
             ends = [(step, j) for j in self.sched.tie_ends]
-            if step in self.tie_at or not all(e in self.downloaded for e in ends):
+            if not all(e in self.downloaded for e in ends):
                 continue
             self.tie_at[step] = max(self.downloaded[e] for e in ends) + self.tie_s
             if not self.sched.barrier:
@@ -758,8 +767,8 @@ class _Sim:
         for w in range(self.N):
             if self.opt_busy[w] is not None:
                 continue
-            copy = next((c for c in self.copy_queue[w] if self.version[c[1]] >= c[0]), None)
-            if copy is not None:  # a compute copy goes ahead of every update (the next step's upload waits for it),
+            copy = self.copy_queue[w] and next((c for c in self.copy_queue[w] if self.version[c[1]] >= c[0]), None)
+            if copy:  # a compute copy goes ahead of every update (the next step's upload waits for it),
                 # once the stage's earlier updates have run
                 self.copy_queue[w].remove(copy)
                 step, j = copy
@@ -873,14 +882,15 @@ class _Sim:
         for w in self.workers if self.hw.host_cores else ():
             if w.running is not None and w.comp_left > 0:
                 w.comp_left = 0.0 if w.comp_end <= t_next + _EPS_T else max(0.0, w.comp_left - w.comp_rate * dt)
-        for f in self.flows:
-            f.done = min(f.total, f.done + f.rate * dt)
-            if f.due(t_next):
+        short = max(_EPS_T, 4 * math.ulp(t_next))  # a time too short to move the clock on from t_next
+        for f in self.flows:  # a flow is done up to a byte's fraction or what moves in that time (a fast link's last
+            f.done = min(f.total, f.done + f.rate * dt)  # bytes): _complete_due ends it
+            if f.total - f.done < max(_EPS_BYTES, f.rate * short):
                 f.done = f.total
         self.t = t_next
 
     def _complete_due(self) -> None:
-        for f in [f for f in self.flows if f.due(self.t)]:
+        for f in [f for f in self.flows if f.done == f.total]:  # (_advance marks the flows due now done)
             self.flows.remove(f)
             self.flows_changed = True
             self._finish_flow(f)
@@ -997,15 +1007,13 @@ class _Sim:
     # ---- sharing -------------------------------------------------------------------------------
     def _capacities(self) -> dict:
         """Each link's capacity now; a root complex's may depend on how many streams share it."""
-        hw, cap = self.hw, {}
+        hw, cap = self.hw, dict(self.link_caps)
+        if not (hw.rc_h2d_by_streams or hw.rc_d2h_by_streams):  # (then set once, in link_caps)
+            return cap
         users: dict = {}
         for f in self.flows:
             for r in f.resources:
                 users[r] = users.get(r, 0) + 1
-        for g in range(hw.num_gpus):
-            cap[("h2d", g)], cap[("d2h", g)] = hw.h2d_Bps[g], hw.d2h_Bps[g]
-            if hw.bidir_Bps:
-                cap[("bidir", g)] = hw.bidir_Bps[g]
         for k in range(len(hw.groups)):
             cap[("rc_h2d", k)] = hw.rc_rate(k, "h2d", users.get(("rc_h2d", k), 1))
             cap[("rc_d2h", k)] = hw.rc_rate(k, "d2h", users.get(("rc_d2h", k), 1))
@@ -1086,7 +1094,7 @@ def _priority(f: _Flow) -> tuple:
 
 def _fill(flows: list[_Flow], remaining: dict, capacity: dict) -> None:
     """Max-min fair rates for ``flows`` within ``remaining`` capacity (reduced in place)."""
-    if len(flows) == 1 and len(set(flows[0].resources)) == len(flows[0].resources):  # one round of the loop below
+    if len(flows) == 1 and flows[0].distinct:  # one round of the loop below
         f = flows[0]
         step = max(min([remaining[r] for r in f.resources] + [f.cap - f.rate]), 0.0)
         f.rate += step

@@ -53,15 +53,15 @@ class Cuts:
     def fused_from(self) -> int:
         return self.forward[-1]
 
-    @property
+    @cached_property  # (the simulator asks for these at every event)
     def num_forward(self) -> int:
         return len(self.forward) - 1
 
-    @property
+    @cached_property
     def num_backward(self) -> int:
         return len(self.backward) - 1
 
-    @property
+    @cached_property
     def num_ops(self) -> int:
         """Ops per round: the forward stages, the fused stage, the backward stages."""
         return self.num_forward + 1 + self.num_backward
@@ -120,13 +120,13 @@ class RoundRobinSchedule:
 
     num_slots = property(lambda self: self.options.num_slots)
     barrier = property(lambda self: self.options.barrier)
-    num_stages = property(lambda self: self.cuts.num_ops)
-    rounds = property(lambda self: rounds_per_step(self.micro_batches, self.num_workers))
-    tie_ends = property(lambda self: (self.cuts.num_ops - 1, self.cuts.num_forward))  # unit 0's backward, the head
-    # the op whose update reads both ends' gradients: unit 0's, which runs the tied weight's AdamW and copies the
+    num_stages = cached_property(lambda self: self.cuts.num_ops)
+    rounds = cached_property(lambda self: rounds_per_step(self.micro_batches, self.num_workers))
+    tie_ends = cached_property(lambda self: (self.cuts.num_ops - 1, self.cuts.num_forward))  # unit 0's backward, the
+    # head; the op whose update reads both ends' gradients: unit 0's, which runs the tied weight's AdamW and copies the
     # result into the head's end (master and compute copy); the head's update leaves the tied weight out
-    tie_readers = property(lambda self: self.tie_ends[:1])
-    tie_held = property(lambda self: self.tie_ends[1])  # the end that takes no AdamW of its own
+    tie_readers = cached_property(lambda self: self.tie_ends[:1])
+    tie_held = cached_property(lambda self: self.tie_ends[1])  # the end that takes no AdamW of its own
     tie_copies = True
 
     def round_of(self, micro: int) -> int:
