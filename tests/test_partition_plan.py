@@ -35,7 +35,7 @@ parallel:
   mapping: cross
 partition:
   solver: auto
-  time_limit_s: 30
+  time_limit_s: 4
   profile: estimated
   gpu: rtx3090ti
 """
@@ -172,7 +172,7 @@ def test_mobius_plan_for_opt_13b_on_the_papers_2x2_box_from_a_saved_file(opt13b_
     for key in ("stages", "mapping", "predicted_step_s", "baselines", "solver", "solve_s"):
         assert key in out
     assert out["boundaries"][-1] == 42 and out["mapping"]["worker_gpus"] == [0, 2, 1, 3]
-    assert out["solve_s"] < 20 and out["profile"]["source"] == "estimated"  # 7 s alone on 2 cores, 11 in a full suite
+    assert out["solve_s"] < 20 and out["profile"]["source"] == "estimated"  # (the search stops at 4 s; 7 s unbounded)
     assert all(isinstance(v, float) or v is None for v in out["baselines"].values())
     assert "traceEvents" in json.loads(trace.read_text())
 

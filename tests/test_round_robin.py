@@ -221,7 +221,7 @@ def test_mobius_plan_prints_the_round_robin_prediction_under_both_update_rules(t
     prof.write_text(json.dumps({"gpu": "rtx4090", "micro_batch_size": 1, "seq_len": 512, "precision": "bf16",
                                 "units": {"block": {"forward_ms": 2.0, "backward_ms": 4.0},
                                           "head": {"forward_ms": 3.0, "backward_ms": 6.0}}}))
-    args = ["plan", "configs/finetune-opt-1.3b.yaml", "--gpus", "4",
+    args = ["plan", "configs/finetune-opt-1.3b.yaml", "--gpus", "4", "--model.preset=opt-125m",
             "--partition.gpu=rtx4090", "--train.micro_batch_size=1", "--data.seq_len=512", "--train.micro_batches=8",
             f"--partition.profile_file={prof}", "--parallel.schedule=auto", "--partition.time_limit_s=1"]
     text = mobius(args, cwd=ROOT)
