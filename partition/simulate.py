@@ -1007,9 +1007,10 @@ class _Sim:
     # ---- sharing -------------------------------------------------------------------------------
     def _capacities(self) -> dict:
         """Each link's capacity now; a root complex's may depend on how many streams share it."""
-        hw, cap = self.hw, dict(self.link_caps)
-        if not (hw.rc_h2d_by_streams or hw.rc_d2h_by_streams):  # (then set once, in link_caps)
-            return cap
+        hw = self.hw
+        if not (hw.rc_h2d_by_streams or hw.rc_d2h_by_streams):  # then set once (read only: _allocate fills a copy)
+            return self.link_caps
+        cap = dict(self.link_caps)
         users: dict = {}
         for f in self.flows:
             for r in f.resources:
