@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import importlib
 import logging
 import os
@@ -22,7 +23,7 @@ import sys
 
 from mobius import __version__
 from mobius.app.settings import Torchrun
-from mobius.app.supervise import ECHOES, Interrupted, Signalled
+from mobius.app.supervise import ECHOES, Interrupted, Signalled, claim_exit
 from mobius.errors import MobiusError
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR}
@@ -60,6 +61,7 @@ def _command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _stacks_on_sigusr1()
     try:
         parser = build_parser(_command(argv))
         args, extra = parser.parse_known_args(argv)
@@ -93,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         return _failed(e, f"mobius: error: {_worker_failure(rank, e)}", 1)
 
 
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints every thread's stack on stderr, for a process that seems stuck (where stderr
+    is a file: not under a test's capture)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
+    except (AttributeError, OSError, ValueError):  # no SIGUSR1 (Windows), or no file behind stderr
+        pass
+
+
 def _rank() -> int | None:
     """This process's rank when torchrun started it."""
     try:
@@ -122,11 +133,13 @@ def _worker_failure(rank: int, e: Exception) -> str:
 
 def _failed(e: BaseException, line: str, code: int) -> int:
     """Print the one line; under torchrun also record ``e`` for its report and leave now."""
-    print(line, file=sys.stderr)
     if _rank() is None:
+        print(line, file=sys.stderr)
         return code
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
+    claim_exit()  # (a thread that watches this rank's peers or parent may be ending it already)
+    print(line, file=sys.stderr)
     get_error_handler().record_exception(e)
     sys.stdout.flush()
     sys.stderr.flush()

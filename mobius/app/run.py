@@ -191,6 +191,7 @@ def _train_under_torchrun(cfg: Config, run: Torchrun, resume: str | None, overwr
     startup = Startup()
     end_when_orphaned(run.rank)  # a stop signal ends this rank by itself (one line); so does the agent's death
     torchrun.init()
+    peers = torchrun.watch_peers(run) if run.nodes > 1 else None  # (on one node, torchrun's agent ends them)
     if cfg.parallel.devices != run.world and run.rank == 0:
         log.info("torchrun started %d processes on %d node(s): parallel.devices=%d -> %d", run.world, run.nodes,
                  cfg.parallel.devices, run.world)
@@ -199,10 +200,13 @@ def _train_under_torchrun(cfg: Config, run: Torchrun, resume: str | None, overwr
     torchrun.on_ranks(lambda: check_parallel(cfg, machine), True)
     rundir = torchrun.on_ranks(lambda: RunDir.claim(Path(cfg.output.dir), resume, overwrite), run.rank == 0)
     try:
-        return _torchrun_ranks(cfg, run, machine, resume, rundir, startup)
+        result = _torchrun_ranks(cfg, run, machine, resume, rundir, startup)
     finally:
         if rundir is not None:
             rundir.release()
+    if peers is not None:
+        peers.finish()
+    return result
 
 
 def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | None,

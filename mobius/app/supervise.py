@@ -67,6 +67,13 @@ ORPHAN_CHECK_S = 1.0  # how often a worker looks for its parent
 START_METHOD = "forkserver"
 PRELOAD = ["mobius.app.launch"]  # what the fork server imports once (torch and every module a worker runs)
 _IMPORT_ENV = dict(os.environ)  # this process's environment when it imported this module
+_EXIT = threading.Lock()  # held by the thread that ends this process at once, with its one line (claim_exit)
+
+
+def claim_exit() -> None:
+    """Become the one thread that ends this process now (its one line, then ``os._exit``): a thread that
+    comes second waits here until the process is gone, so that a process ends with one line."""
+    _EXIT.acquire()
 
 
 class Signalled(KeyboardInterrupt):
@@ -333,6 +340,7 @@ def end_when_orphaned(rank: int, named: int | None = None) -> None:
                 time.sleep(ORPHAN_CHECK_S)
         # one write of the whole line: the other workers report at the same moment, and print's separate write of
         # the newline let their lines run together
+        claim_exit()
         os.write(2, f"mobius: worker rank {rank} stopped: its parent process {named or parent} is gone\n".encode())
         os._exit(1)
     threading.Thread(target=watch, name="mobius-parent-watch", daemon=True).start()

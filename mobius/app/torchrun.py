@@ -21,6 +21,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from mobius.app.launch import TIMEOUT
+from mobius.app.peers import PeerWatch, ending_together
 from mobius.app.settings import Torchrun
 from mobius.errors import MobiusError
 
@@ -32,6 +33,14 @@ def init() -> None:
     """Join the run's default process group (gloo; torchrun's environment says where its store is)."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=TIMEOUT)
+
+
+def watch_peers(run: Torchrun) -> PeerWatch:
+    """(Every rank, once the default group exists) this rank's connection to rank 0 that ends it as soon as
+    a rank on another node ends before it finished (:mod:`mobius.app.peers`)."""
+    server = PeerWatch.listen() if run.rank == 0 else None
+    port = from_rank0(lambda: server.getsockname()[1])
+    return on_ranks(lambda: PeerWatch(run, port, server), True)
 
 
 def on_ranks(fn: Callable[[], T], mine: bool) -> T | None:
@@ -46,9 +55,11 @@ def on_ranks(fn: Callable[[], T], mine: bool) -> T | None:
             error = e
     failures: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(failures, None if error is None else _describe(error))
+    first = next(((rank, f) for rank, f in enumerate(failures) if f is not None), None)
+    if first is not None:
+        ending_together()  # (every rank raises now: a peer's closed connection is no news)
     if error is not None:
         raise error
-    first = next(((rank, f) for rank, f in enumerate(failures) if f is not None), None)
     if first is not None:
         rank, (is_mobius, text) = first
         raise MobiusError(text if is_mobius else f"rank {rank} failed: {text}")
