@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import types
 from dataclasses import replace
 
 import pytest
@@ -407,13 +408,17 @@ def test_the_first_pass_tries_every_count_when_solves_overrun_their_limit(monkey
     prof = toy_profile(blocks=30)
     hw = Hardware.uniform(4, 8 * GiB, 10e9, groups=[[0], [1], [2], [3]])
     caps: list[float] = []
+    clock = types.SimpleNamespace(now=0.0)  # the search's clock: only the solves take time (a loaded machine's
+    # local search and sleeps would take more, and leave less to the counts than the test means)
+    clock.perf_counter = lambda: clock.now
 
     def slow(profile, hw_, gpus, M_, S, solver, cap, cutoff, *rest):
         caps.append(cap)
-        time.sleep(cap + 0.006)  # the overrun, reported as solver time (as gurobipy reports it)
+        clock.now += cap + 0.006  # the overrun, reported as solver time (as gurobipy reports it)
         return mip.StageCountResult(S, "time limit", math.inf, 0.1, None, "gurobi", cap + 0.006, 1, 1, "count")
 
     monkeypatch.setattr(mip, "solve_stage_count", slow)
+    monkeypatch.setattr(mip, "time", clock)
     res = solve_partition(prof, hw, _sequential(4), 4, time_limit_s=1.0)
     floors = [max(0.1, mip.compute_bound(prof, r.num_stages, 4, 4, PipelineOptions(), hw.gpu_memory_bytes))
               for r in res.per_stage_count if r.status != "infeasible"]  # each count's root bound, or its compute's
