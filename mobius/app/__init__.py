@@ -7,6 +7,6 @@ uses topology/, partition/ and scheduler/.
 * :mod:`mobius.app.rundir` -- the run directory a run claims (lock, ``--overwrite``) and gives back;
 * :mod:`mobius.app.launch` -- worker processes of multi-process modes;
 * :mod:`mobius.app.supervise` -- the workers mobius starts, under torch's elastic agent, and their signals;
-* :mod:`mobius.app.torchrun` -- runs that ``torchrun`` started, and :mod:`mobius.app.peers`, their ranks'
+* :mod:`mobius.app.torchrun` -- runs that ``torchrun`` started, and :mod:`mobius.app.rankwatch`, their ranks'
   watch on each other across nodes.
 """

@@ -191,7 +191,7 @@ def _train_under_torchrun(cfg: Config, run: Torchrun, resume: str | None, overwr
     startup = Startup()
     end_when_orphaned(run.rank)  # a stop signal ends this rank by itself (one line); so does the agent's death
     torchrun.init()
-    peers = torchrun.watch_peers(run) if run.nodes > 1 else None  # (on one node, torchrun's agent ends them)
+    watch = torchrun.watch_ranks(run) if run.nodes > 1 else None  # (on one node, torchrun's agent ends them)
     if cfg.parallel.devices != run.world and run.rank == 0:
         log.info("torchrun started %d processes on %d node(s): parallel.devices=%d -> %d", run.world, run.nodes,
                  cfg.parallel.devices, run.world)
@@ -204,8 +204,8 @@ def _train_under_torchrun(cfg: Config, run: Torchrun, resume: str | None, overwr
     finally:
         if rundir is not None:
             rundir.release()
-    if peers is not None:
-        peers.finish()
+    if watch is not None:
+        watch.finish()
     return result
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from mobius.app.launch import TIMEOUT
-from mobius.app.peers import PeerWatch, ending_together
+from mobius.app.rankwatch import RankWatch, ending_together
 from mobius.app.settings import Torchrun
 from mobius.errors import MobiusError
 
@@ -35,12 +35,12 @@ def init() -> None:
         dist.init_process_group("gloo", timeout=TIMEOUT)
 
 
-def watch_peers(run: Torchrun) -> PeerWatch:
+def watch_ranks(run: Torchrun) -> RankWatch:
     """(Every rank, once the default group exists) this rank's connection to rank 0 that ends it as soon as
-    a rank on another node ends before it finished (:mod:`mobius.app.peers`)."""
-    server = PeerWatch.listen() if run.rank == 0 else None
+    a rank on another node ends before it finished (:mod:`mobius.app.rankwatch`)."""
+    server = RankWatch.listen() if run.rank == 0 else None
     port = from_rank0(lambda: server.getsockname()[1])
-    return on_ranks(lambda: PeerWatch(run, port, server), True)
+    return on_ranks(lambda: RankWatch(run, port, server), True)
 
 
 def on_ranks(fn: Callable[[], T], mine: bool) -> T | None:

@@ -1,4 +1,4 @@
-"""The torchrun ranks' watch on each other (:mod:`mobius.app.peers`), on its own: plain processes that
+"""The torchrun ranks' watch on each other (:mod:`mobius.app.rankwatch`), on its own: plain processes that
 join the star of connections and neither train nor hold a process group, so that nothing but the watch
 can end them."""
 
@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from mobius.app.peers import GRACE_S
+from mobius.app.rankwatch import GRACE_S
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = """
 import sys, time
-from mobius.app.peers import PeerWatch
+from mobius.app.rankwatch import RankWatch
 from mobius.app.settings import Torchrun
 rank, world, port, stay = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-server = PeerWatch.listen() if rank == 0 else None
+server = RankWatch.listen() if rank == 0 else None
 if server is not None:
     print(server.getsockname()[1], flush=True)
-watch = PeerWatch(Torchrun(rank, world, 0, 1, rank, "test", world), port, server)
+watch = RankWatch(Torchrun(rank, world, 0, 1, rank, "test", world), port, server)
 print("watching", flush=True)
 time.sleep(stay)
 t0 = time.perf_counter()

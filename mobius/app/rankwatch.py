@@ -3,7 +3,7 @@
 On one machine torchrun's agent stops a node's other ranks when one of them fails. Across machines
 nothing does: the ranks of the other nodes learn it from their next collective, and gloo (or NCCL)
 may only raise at the collective's timeout (30 minutes), leaving the run hung. So every rank keeps one
-TCP connection to rank 0 from its start (:class:`PeerWatch`): a connection that closes before its
+TCP connection to rank 0 from its start (:class:`RankWatch`): a connection that closes before its
 rank said it finished (a rank that raised, was killed, or whose machine went away: TCP keep-alive
 notices within about :data:`KEEPALIVE_S`) ends rank 0 with one line that names that rank, and rank 0
 ending closes its connections after telling every other rank who was lost, which ends them the same
@@ -45,7 +45,7 @@ def _keepalive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-class PeerWatch:
+class RankWatch:
     """This rank's side of the run's star of connections (rank 0 in the middle); :meth:`finish` once
     the run ended well here. Every rank constructs it together, after the default process group."""
 
