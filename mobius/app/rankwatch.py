@@ -4,8 +4,8 @@ On one machine torchrun's agent stops a node's other ranks when one of them fail
 nothing does: the ranks of the other nodes learn it from their next collective, and gloo (or NCCL)
 may only raise at the collective's timeout (30 minutes), leaving the run hung. So every rank keeps one
 TCP connection to rank 0 from its start (:class:`RankWatch`): a connection that closes before its
-rank said it finished (a rank that raised, was killed, or whose machine went away: TCP keep-alive
-notices within about :data:`KEEPALIVE_S`) ends rank 0 with one line that names that rank, and rank 0
+rank said it finished (a rank that raised, was killed, or whose machine went away: TCP keep-alive,
+:data:`KEEPALIVE_S`, notices that within about 25 s) ends rank 0 with one line that names that rank, and rank 0
 ending closes its connections after telling every other rank who was lost, which ends them the same
 way. A watcher waits :data:`GRACE_S` before it ends its rank, so that a rank whose own main thread is
 reporting the same failure (an error every rank raises together) prints that instead.
@@ -13,7 +13,6 @@ reporting the same failure (an error every rank raises together) prints that ins
 
 from __future__ import annotations
 
-import logging
 import os
 import selectors
 import socket
@@ -25,7 +24,6 @@ from mobius.app.settings import Torchrun
 from mobius.app.supervise import claim_exit
 from mobius.errors import MobiusError
 
-log = logging.getLogger(__name__)
 CONNECT_S = 60.0  # how long a rank tries to reach rank 0, and rank 0 waits for every rank
 GRACE_S = 2.0  # how long a watcher lets its main thread report a failure first
 KEEPALIVE_S = (10, 5, 3)  # idle seconds before TCP probes a quiet connection, seconds between probes, probes
