@@ -21,7 +21,7 @@ import threading
 import time
 
 from mobius.app.settings import Torchrun
-from mobius.app.supervise import claim_exit
+from mobius.app.supervise import claim_exit, leave
 from mobius.errors import MobiusError
 
 CONNECT_S = 60.0  # how long a rank tries to reach rank 0, and rank 0 waits for every rank
@@ -55,8 +55,7 @@ class RankWatch:
             self._accept(server)
         else:
             self._connect(port)
-        self.thread = threading.Thread(target=self._watch_all if run.rank == 0 else self._watch_rank0,
-                                       name="mobius-peer-watch", daemon=True)
+        self.thread = threading.Thread(target=self._watch, name="mobius-rank-watch", daemon=True)
         self.thread.start()
 
     @staticmethod
@@ -77,7 +76,8 @@ class RankWatch:
                     raise MobiusError(f"rank 0 waited {CONNECT_S:.0f} s for the other ranks to connect (ranks "
                                       f"{sorted(set(range(1, self.run.world)) - set(self.conns))} did not)") from None
                 conn.settimeout(CONNECT_S)
-                rank = struct.unpack("!i", _read(conn, 4) or b"\xff\xff\xff\xff")[0]
+                said = _read(conn, 4)
+                rank = struct.unpack("!i", said)[0] if said else -1
                 if not 0 < rank < self.run.world or rank in self.conns:
                     conn.close()  # not one of this run's ranks (something else found the port)
                     continue
@@ -113,29 +113,17 @@ class RankWatch:
         self.thread.join(timeout=GRACE_S + 1)
 
     # ---- the watcher thread ---------------------------------------------------------------------
-    def _watch_rank0(self) -> None:
-        conn = self.conns[0]
-        try:
-            word = conn.recv(1)
-        except OSError:
-            word = b""
-        if word == LOST:  # rank 0 is ending, having waited its grace: no second one
-            self._lost(struct.unpack("!i", _read(conn, 4) or b"\0\0\0\0")[0], grace=0.0)
-        elif word != FINISHED:  # rank 0 ended before it finished, or this rank finishes
-            self._lost(0)
-        conn.close()
-
-    def _watch_all(self) -> None:
+    def _watch(self) -> None:
+        """Wait on every connection (a rank other than 0: rank 0's) until its rank finished or this one did."""
         with selectors.DefaultSelector() as sel:
             for rank, conn in self.conns.items():
                 sel.register(conn, selectors.EVENT_READ, rank)
-            while not self.finished.is_set():
+            while sel.get_map() and not self.finished.is_set():
                 for key, _ in sel.select(timeout=0.5):
-                    try:
-                        word = key.fileobj.recv(1)
-                    except OSError:
-                        word = b""
-                    if word != FINISHED:
+                    word = _read(key.fileobj, 1)
+                    if word == LOST:  # (from rank 0) it is ending, having waited its grace: no second one
+                        self._lost(struct.unpack("!i", _read(key.fileobj, 4) or b"\0\0\0\0")[0], grace=0.0)
+                    elif word != FINISHED:  # that rank ended before it finished (or this one finishes)
                         self._lost(key.data)
                     sel.unregister(key.fileobj)
         for conn in self.conns.values():
@@ -153,9 +141,8 @@ class RankWatch:
                     conn.sendall(LOST + struct.pack("!i", rank))
                 except OSError:
                     pass
-        os.write(2, f"mobius: error: rank {self.run.rank} lost its connection to another rank, which failed or was "
-                    f"stopped (rank {rank} ended before it finished)\n".encode())
-        os._exit(1)
+        leave(f"mobius: error: rank {self.run.rank} lost its connection to another rank, which failed or was "
+              f"stopped (rank {rank} ended before it finished)")
 
 
 def _read(conn: socket.socket, n: int) -> bytes:

@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 from mobius.errors import MobiusError
 
@@ -67,13 +67,21 @@ ORPHAN_CHECK_S = 1.0  # how often a worker looks for its parent
 START_METHOD = "forkserver"
 PRELOAD = ["mobius.app.launch"]  # what the fork server imports once (torch and every module a worker runs)
 _IMPORT_ENV = dict(os.environ)  # this process's environment when it imported this module
-_EXIT = threading.Lock()  # held by the thread that ends this process at once, with its one line (claim_exit)
+_EXIT = threading.RLock()  # held by the thread that ends this process at once, with its one line (claim_exit)
 
 
 def claim_exit() -> None:
     """Become the one thread that ends this process now (its one line, then ``os._exit``): a thread that
     comes second waits here until the process is gone, so that a process ends with one line."""
     _EXIT.acquire()
+
+
+def leave(line: str) -> NoReturn:
+    """End this process now with ``line`` on stderr (one write: other processes report at the same moment, and
+    print's separate write of the newline let their lines run together), unless another thread is ending it."""
+    claim_exit()
+    os.write(2, f"{line}\n".encode())
+    os._exit(1)
 
 
 class Signalled(KeyboardInterrupt):
@@ -338,11 +346,7 @@ def end_when_orphaned(rank: int, named: int | None = None) -> None:
         else:
             while os.getppid() == parent:
                 time.sleep(ORPHAN_CHECK_S)
-        # one write of the whole line: the other workers report at the same moment, and print's separate write of
-        # the newline let their lines run together
-        claim_exit()
-        os.write(2, f"mobius: worker rank {rank} stopped: its parent process {named or parent} is gone\n".encode())
-        os._exit(1)
+        leave(f"mobius: worker rank {rank} stopped: its parent process {named or parent} is gone")
     threading.Thread(target=watch, name="mobius-parent-watch", daemon=True).start()
 
 
