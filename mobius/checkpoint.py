@@ -178,41 +178,40 @@ def _shared_tmp_dir(path: Path, comm: Collective) -> Path:
     return Path(comm.all_gather_object(name)[0])
 
 
-def _hf_tensors(model_cfg: ModelConfig, dtype: torch.dtype, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's weights under Hugging Face names, in ``dtype``; a tied head is left out
-    (transformers ties it again on load)."""
+def _hf_views(model_cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's weights under Hugging Face names, as views (converted one shard at a time when written); a
+    tied head is left out (transformers ties it again on load)."""
     hf = to_hf(weights, model_cfg, partial=True)
     km = KEY_MAPS[model_cfg.family](model_cfg)
     if km.tied is not None:
         hf.pop(km.tied[0], None)
-    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in hf.items()}
+    return hf
 
 
-def _split(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+def _split(tensors: dict[str, torch.Tensor], max_bytes: int, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+    """``tensors`` in shards of at most ``max_bytes`` once in ``dtype`` (a larger tensor alone)."""
     shards: list[dict[str, torch.Tensor]] = []
     size = max_bytes
     for key, t in tensors.items():
-        if size + t.nbytes > max_bytes and (not shards or shards[-1]):
+        nbytes = t.numel() * dtype.itemsize
+        if size + nbytes > max_bytes and (not shards or shards[-1]):
             shards.append({})
             size = 0
         shards[-1][key] = t
-        size += t.nbytes
+        size += nbytes
     return [s for s in shards if s]
 
 
 def _write_weights(tmp: Path, model_cfg: ModelConfig, dtype: torch.dtype, weights: dict[str, torch.Tensor],
                    comm: Collective, max_bytes: int) -> dict | None:
     """Each rank writes its shards; returns the index (rank 0, several shards) or None."""
-    from safetensors.torch import save_file
-
-    shards = _split(_hf_tensors(model_cfg, dtype, weights), max_bytes)
+    shards = _split(_hf_views(model_cfg, weights), max_bytes, dtype)
     counts = comm.all_gather_object(len(shards))
     first, total = sum(counts[:comm.rank]), sum(counts)
     written = []
-    for i, shard in enumerate(shards):
+    for i, views in enumerate(shards):
         name = "model.safetensors" if total == 1 else f"model-{first + i + 1:05d}-of-{total:05d}.safetensors"
-        save_file(shard, str(tmp / name), metadata={"format": "pt"})
-        written.append((name, sorted(shard), sum(t.nbytes for t in shard.values())))
+        written.append((name, sorted(views), _write_shard(tmp / name, views, dtype)))
     everything = [w for part in comm.all_gather_object(written) for w in part]
     if total == 0:
         raise CheckpointError("no weights to write: no rank holds any parameter")
@@ -220,6 +219,16 @@ def _write_weights(tmp: Path, model_cfg: ModelConfig, dtype: torch.dtype, weight
         return None
     weight_map = {key: name for name, keys, _ in everything for key in keys}
     return {"metadata": {"total_size": sum(size for _, _, size in everything)}, "weight_map": weight_map}
+
+
+def _write_shard(file: Path, views: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+    """One shard, converted to ``dtype`` only now: a save holds one converted shard beside the weights, not a
+    converted copy of them all (8B parameters in bf16: one 5 GiB shard instead of 16 GB); its bytes."""
+    from safetensors.torch import save_file
+
+    shard = {k: v.detach().to("cpu", dtype).contiguous() for k, v in views.items()}
+    save_file(shard, str(file), metadata={"format": "pt"})
+    return sum(t.nbytes for t in shard.values())
 
 
 def _write_adapter(tmp: Path, model_cfg: ModelConfig, dtype: torch.dtype, weights: dict[str, torch.Tensor],

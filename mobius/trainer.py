@@ -202,7 +202,7 @@ class Trainer:
     def save(self, path: Path, dtype: torch.dtype, resumable: bool) -> Path:
         """One checkpoint, written by every rank of the engine together (see :mod:`mobius.checkpoint`).
         A write that fails (a full disk) is a CheckpointError naming the last complete checkpoint."""
-        rank_state = self.engine.rank_state(with_moments=resumable)
+        rank_state = self.engine.rank_state(with_moments=resumable, frozen=self.model_cfg.lora is None)
         state = self._trainer_state(rank_state) if resumable else None
 
         def extra(tmp: Path) -> None:

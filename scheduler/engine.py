@@ -241,8 +241,9 @@ class PipelineEngine:
             yield
 
     # ---- state ----------------------------------------------------------------------------------
-    def rank_state(self, with_moments: bool) -> RankState:
-        """This worker's stages: fp32 weights (the newest) and, ``with_moments`` (a resumable checkpoint),
+    def rank_state(self, with_moments: bool, frozen: bool = True) -> RankState:
+        """This worker's stages: fp32 weights (the newest; ``frozen``: also those that do not train) and,
+        ``with_moments`` (a resumable checkpoint),
         AdamW moments and under train.update=delayed the compute weights, by parameter name; every
         queued update has ended first."""
         self.ex.sync()
@@ -250,7 +251,7 @@ class PipelineEngine:
         moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         compute: dict[str, torch.Tensor] | None = {} if with_moments and self.delayed else None
         for j, host in self.stores.items():
-            weights.update(host.weights())
+            weights.update(host.weights(frozen))
             if with_moments:
                 moments.update(host.moments())
             if compute is not None:

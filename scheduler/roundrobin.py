@@ -275,8 +275,9 @@ class RoundRobinEngine:
         for k in range(self.cuts.num_forward, self.cuts.num_ops):
             wait_for(lambda k=k: int(self.stores.version[k]) >= want, f"the update of op {k} (step {want})")
 
-    def rank_state(self, with_moments: bool) -> RankState:
-        """Every ``world``-th unit from this rank: fp32 weights (the newest), and ``with_moments`` the AdamW
+    def rank_state(self, with_moments: bool, frozen: bool = True) -> RankState:
+        """Every ``world``-th unit from this rank: fp32 weights (the newest; ``frozen``: also those that do not
+        train), and ``with_moments`` the AdamW
         moments and under delayed the compute weights the next step reads, by parameter name."""
         self.updates_done()
         weights: dict[str, torch.Tensor] = {}
@@ -284,7 +285,7 @@ class RoundRobinEngine:
         compute: dict[str, torch.Tensor] | None = {} if with_moments and self.delayed else None
         m, v = self.stores.host["m"], self.stores.host["v"]
         for u in self._my_units():
-            weights.update(self.stores.weights(u))
+            weights.update(self.stores.weights(u, frozen))
             if with_moments and self.rule.optimizer_step > 0:
                 moments.update({name: (m[s].clone().view(shape), v[s].clone().view(shape))
                                 for name, s, shape in self.stores.trained(u, own=True)})

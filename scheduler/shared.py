@@ -214,12 +214,15 @@ class UnitStores:
             filled.update(p.names)
         return filled
 
-    def weights(self, u: int) -> dict[str, torch.Tensor]:
-        """Unit ``u``'s parameters by name, fp32 (the master for what trains, the compute copy for the rest)."""
+    def weights(self, u: int, frozen: bool = True) -> dict[str, torch.Tensor]:
+        """Unit ``u``'s parameters by name (``frozen``: else only those that train), fp32 (the master for what
+        trains, the compute copy for the rest)."""
         s, lay = self.span(u, u + 1), self.layouts[u]
         master, half = self.host["master"][s.glo:s.ghi], self.half(0)[s.lo:s.hi]
         out = {}
         for p in lay.params:
+            if p.offset >= s.trainable and not frozen:
+                continue
             src = master if p.offset < s.trainable else half
             v = src[p.offset:p.offset + p.numel].float().clone().view(p.shape)
             out.update({n: v for n in p.names})

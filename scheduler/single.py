@@ -21,6 +21,7 @@ from mobius.config import Config
 from mobius.engine import DTYPES, Batch, StepStats, autocast
 from mobius.models import ModelConfig, dropout_active
 from mobius.models.base import CausalLM, lm_loss, run_units
+from mobius.models.lora import trains
 from mobius.optim import UpdateRule, make_adamw
 
 log = logging.getLogger(__name__)
@@ -164,11 +165,12 @@ class SingleEngine:
             losses = [float(self._forward_loss(x, y, None)) for x, y in batches]
         return sum(losses) / max(1, len(losses))
 
-    def rank_state(self, with_moments: bool) -> RankState:
-        """The newest weights and, ``with_moments`` (a resumable checkpoint), the AdamW moments and under
-        train.update=delayed the compute weights."""
+    def rank_state(self, with_moments: bool, frozen: bool = True) -> RankState:
+        """The newest weights (``frozen``: also those that do not train) and, ``with_moments`` (a resumable
+        checkpoint), the AdamW moments and under train.update=delayed the compute weights."""
         with self.weights.newest():
-            weights = {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
+            weights = {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()
+                       if frozen or trains(self.model.config, k)}
         moments = {}
         if with_moments:
             for name, p in self.weights.named:

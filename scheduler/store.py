@@ -250,13 +250,15 @@ class StageStore:
         return {p.names[0]: (m[p.offset:p.offset + p.numel].view(p.shape), v[p.offset:p.offset + p.numel].view(p.shape))
                 for p in self.layout.params if p.offset < self.own}
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter by name, in fp32 on the CPU (the master for what trains, the half copy for
-        what is frozen; a tied end's, the source's master)."""
+    def weights(self, frozen: bool = True) -> dict[str, torch.Tensor]:
+        """Every parameter by name (``frozen``: else only those that train), in fp32 on the CPU (the master
+        for what trains, the half copy for what is frozen; a tied end's, the source's master)."""
         t = self.layout.trainable_numel
-        master, half = self.master.cpu(), self.half.cpu()
+        master, half = self.master.cpu(), self.half.cpu() if frozen else None
         out = {}
         for p in self.layout.params:
+            if p.offset >= t and not frozen:
+                continue
             if self._is_tied_end(p):
                 v = self.tied.source_range(self.tied.source.master).cpu().float().view(p.shape)
             else:

@@ -109,7 +109,8 @@ def train_delayed_case(engine: Any, cfg: Any, steps: int, batches: Any, state_of
     is kept before and after that step. ``batches(step)`` gives a step's micro-batches, ``batches(step, 2)`` two.
     Each step is handed the next (``upcoming``, as the trainer does: an engine that looks ahead may run it before it
     returns) but before an evaluation, the overflow and the end. Returns the losses, skip flags, evaluations, the
-    newest and compute weights and the optimizer step."""
+    newest and compute weights, the optimizer step, and the names of the weights a state without the frozen ones
+    holds (a LoRA checkpoint's; its tensors, moments and compute weights checked here to equal the whole state's)."""
     from mobius.optim import lr_at
 
     def upcoming(s: int) -> tuple | None:
@@ -132,8 +133,13 @@ def train_delayed_case(engine: Any, cfg: Any, steps: int, batches: Any, state_of
         out["skipped"].append(stats.skipped)
         if s == 1 or s == steps - 1:
             out["evals"].append(engine.evaluate(batches(99, 2)))
-    state = engine.rank_state(True)
-    out.update(weights=state.weights, compute=state.compute or {}, optimizer_step=state.optimizer_step)
+    state, trained = engine.rank_state(True), engine.rank_state(True, frozen=False)
+    for k, w in trained.weights.items():
+        assert torch.equal(w, state.weights[k]), k
+    assert trained.moments.keys() == state.moments.keys()
+    assert (trained.compute or {}).keys() == (state.compute or {}).keys()
+    out.update(weights=state.weights, compute=state.compute or {}, optimizer_step=state.optimizer_step,
+               trained=sorted(trained.weights))
     return out
 
 
@@ -153,8 +159,10 @@ def check_against_reference(ranks: list[dict], ref: dict, where: str, steps: int
                             model_cfg: Any, weights: bool = True, each_once: bool = False, behind: bool = True) -> None:
     """A case's ranks (:func:`train_delayed_case`'s results) against the reference's on the same batches: the
     optimizer steps, the losses and evaluations within ``atol``; with ``weights`` every weight, and (delayed) the
-    compute weights a checkpoint keeps, by canonical name (``behind``: one update behind the newest)."""
+    compute weights a checkpoint keeps, by canonical name (``behind``: one update behind the newest); and that a
+    state without the frozen weights holds exactly the weights that train."""
     from mobius.checkpoint import canonical_name
+    from mobius.models.lora import trains
 
     assert all(r["optimizer_step"] == ref["optimizer_step"] == steps for r in ranks), where
     for key in ("losses", "evals"):
@@ -164,6 +172,7 @@ def check_against_reference(ranks: list[dict], ref: dict, where: str, steps: int
         return
     got = joined(ranks, "weights", where, each_once)
     assert set(got) == set(ref["weights"]), where
+    assert {n for r in ranks for n in r["trained"]} == {n for n in got if trains(model_cfg, n)}, where
     for name, w in ref["weights"].items():
         torch.testing.assert_close(got[name], w, rtol=0, atol=atol, msg=f"{where}: {name}")
     compute = {canonical_name(k, model_cfg): v for k, v in joined(ranks, "compute", where, each_once).items()}

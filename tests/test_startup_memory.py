@@ -3,7 +3,11 @@ worker reads its stages from the checkpoint one unit at a time, straight into it
 copy of a stage's weights exists beside them. Measured in the worker process itself: its peak resident
 memory from just before its engine allocates the stores until they hold the weights, above what it held
 before (after torch's one-off mapping of ~34 MB on a process's first ``to_empty``, which is the
-process's, not the model's)."""
+process's, not the model's).
+
+And it writes its checkpoints without a copy of the frozen base: a LoRA checkpoint holds what trains, so a
+save adds about the adapters' bytes to what the process holds, whatever the model's size (an fp32 copy of
+Llama-3.1-70B's frozen weights would take 280 GB of host memory at every save)."""
 
 from __future__ import annotations
 
@@ -65,6 +69,22 @@ def initial_model(*args, **kw):  # the whole model, from the checkpoint, where i
 assemble.initial_model = initial_model
 """
 
+SAVE_HOOK = """
+from mobius import trainer
+
+save = trainer.Trainer.save
+
+def measured_save(self, *args, **kw):  # the process's peak resident memory while it writes a checkpoint
+    Path('/proc/self/clear_refs').write_text('5')
+    before = status('VmRSS')
+    path = save(self, *args, **kw)
+    with open(os.environ['MOBIUS_SAVE_RSS_FILE'], 'a') as f:
+        f.write(json.dumps({'before': before, 'peak': status('VmHWM')}) + chr(10))
+    return path
+
+trainer.Trainer.save = measured_save
+"""
+
 
 def _peak_resets() -> bool:
     try:
@@ -94,8 +114,9 @@ def _checkpoint(tmp_path: Path) -> Path:
 
 
 def _train(tmp_path: Path, corpus: Path, hook_text: str, train: dict, parallel: dict) -> dict:
-    """``mobius train`` of a LoRA run on :func:`_checkpoint` with ``hook_text`` loaded first (as
-    ``sitecustomize``); what the hook measured."""
+    """``mobius train`` of a LoRA run on :func:`_checkpoint` with ``hook_text`` and :data:`SAVE_HOOK` loaded
+    first (as ``sitecustomize``); what the hook measured, and under ``saves`` what each checkpoint's write
+    added to its process's resident memory at its peak."""
     run = {"model": {"checkpoint": str(_checkpoint(tmp_path))}, "lora": {"rank": 8, "targets": ["all-linear"]},
            "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
            "train": {"max_steps": 1, "micro_batch_size": 1, "micro_batches": 2, "eval_every": 0, "eval_batches": 1,
@@ -106,13 +127,15 @@ def _train(tmp_path: Path, corpus: Path, hook_text: str, train: dict, parallel: 
     (tmp_path / "run.yaml").write_text(json.dumps(run))
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(hook_text)
-    rss = tmp_path / "rss.json"
-    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "MOBIUS_RSS_FILE": str(rss)}
+    (hook / "sitecustomize.py").write_text(hook_text + SAVE_HOOK)
+    rss, saves = tmp_path / "rss.json", tmp_path / "saves.jsonl"
+    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "MOBIUS_RSS_FILE": str(rss),
+           "MOBIUS_SAVE_RSS_FILE": str(saves)}
     r = subprocess.run([sys.executable, "-m", "mobius", "train", str(tmp_path / "run.yaml")], capture_output=True,
                        text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(rss.read_text())
+    added = [m["peak"] - m["before"] for m in map(json.loads, saves.read_text().splitlines())]
+    return {**json.loads(rss.read_text()), "saves": added}
 
 
 @pytest.mark.slow
@@ -125,6 +148,9 @@ def test_a_checkpointed_lora_pipeline_starts_within_10_percent_of_its_plans_host
     took = measured["peak"] - measured["before"]
     assert plan["host_bytes"] > 400e6 and not plan["resident"]  # every stage swapped: the stores are the plan's host
     assert 0.5 * plan["host_bytes"] < took <= 1.10 * plan["host_bytes"], (took, plan["host_bytes"])
+    # the final checkpoint: the adapters and norms (10 MB), no copy of the frozen base (400 MB); the stores' own
+    # tensors are already fp32 on the CPU, so the bf16 single run below is the one whose copy would be a cast
+    assert measured["saves"] and max(measured["saves"]) < 0.25 * plan["host_bytes"], measured["saves"]
 
 
 @needs_proc
@@ -136,3 +162,31 @@ def test_a_checkpointed_lora_single_run_builds_its_model_where_it_lives(tmp_path
     took = measured["peak"] - measured["before"]
     assert measured["model"] > 200e6  # 102M parameters, nearly all of them frozen in bf16
     assert 0.5 * measured["model"] < took <= 1.10 * measured["model"], (took, measured["model"])
+    assert measured["saves"] and max(measured["saves"]) < 0.25 * measured["model"], measured["saves"]
+
+
+@needs_proc
+def test_a_save_converts_one_shard_at_a_time(tmp_path: Path) -> None:
+    """A bf16 save of fp32 weights holds one converted shard at a time beside them, not a bf16 copy of them all
+    (an 8B model: one 5 GiB shard instead of 16 GB)."""
+    import torch
+
+    from conftest import make_hf_model
+    from mobius.checkpoint import save_model
+    from mobius.models.hf import load_checkpoint
+
+    make_hf_model("opt", hidden_size=512, ffn_dim=2048, num_hidden_layers=6, max_position_embeddings=64,
+                  vocab_size=2048).save_pretrained(tmp_path / "in")
+    model = load_checkpoint(tmp_path / "in")
+    half = sum(p.numel() for p in model.parameters()) * 2  # 40 MB in bf16
+    largest = max(p.numel() for p in model.parameters()) * 2  # 2 MB
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status("VmRSS")
+    save_model(model, tmp_path / "out", torch.bfloat16, max_shard_bytes=2 * largest)
+    added = _status("VmHWM") - before
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 8
+    assert added < 0.3 * half, (added, half)
+
+
+def _status(key: str) -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))

@@ -457,18 +457,20 @@ class ZeroEngine:
                 out[i] = out[index[f"{layer}.weight"]]
         return out
 
-    def rank_state(self, with_moments: bool) -> RankState:
-        """This rank's share of complete fp32 weights (the newest) and, ``with_moments`` (a resumable
-        checkpoint), AdamW moments and under train.update=delayed the compute weights, by parameter name;
-        every queued update has ended first."""
+    def rank_state(self, with_moments: bool, frozen: bool = True) -> RankState:
+        """This rank's share of complete fp32 weights (the newest; ``frozen``: also those that do not train)
+        and, ``with_moments`` (a resumable checkpoint), AdamW moments and under train.update=delayed the
+        compute weights, by parameter name; every queued update has ended first."""
         self.sync()
         owner = self._owners()
-        mine = [i for i, r in enumerate(owner) if r == self.rank]
+        mine = [i for i, r in enumerate(owner) if r == self.rank and (frozen or self.layout.params[i].trains)]
         moments = with_moments and self.rule.optimizer_step > 0
         compute = with_moments and self.delayed
         parts = 1 + 2 * moments + compute  # master, m, v, compute copy
         full = {i: torch.zeros(parts, self.layout.params[i].numel) for i in mine}  # [parts, numel]
         for c in range(self.layout.num_chunks):
+            if c in self.frozen and not frozen:  # LoRA's base weights (the same chunks on every rank)
+                continue
             chunk = self._gather_state(c, moments, compute)  # [parts, P]
             for seg in self.layout.chunks[c].segments:
                 if owner[seg.param] == self.rank:
