@@ -229,7 +229,7 @@ class Trainer:
 
         from mobius.models.lora import merge
 
-        weights = merge(self.engine.rank_state(with_moments=False).weights, self.model_cfg)
+        weights = merge(self.engine.rank_state(with_moments=False).weights, self.model_cfg, dtype)
         plain = dataclasses.replace(self.model_cfg, lora=None)
         return checkpoint.save(path, plain, dtype, checkpoint.RankState(weights), self.engine.comm,
                                extra=self.tokenizer.save)

@@ -108,20 +108,20 @@ def _is_norm(module_path: str) -> bool:
     return "norm" in leaf or leaf.startswith("ln")
 
 
-def merge(weights: dict[str, torch.Tensor], cfg: object) -> dict[str, torch.Tensor]:
-    """The weights with every adapter folded into its layer (``W + B A alpha / rank``) and the adapters
-    gone: a plain checkpoint of the fine-tuned model. ``weights`` holds whole layers with their adapters
-    (each rank's share of a run does)."""
+def merge(weights: dict[str, torch.Tensor], cfg: object, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``weights`` with every adapter folded into its layer (``W + B A alpha / rank`` in fp32, then ``dtype``) and
+    the adapters gone, in place: a plain checkpoint of the fine-tuned model. ``weights`` holds whole layers with
+    their adapters (each rank's share of a run does); a layer's input leaves it as its merged copy comes in, so
+    the merge adds one layer to what the weights take, not a second model."""
     spec: LoraSpec = cfg.lora
-    out = {k: v for k, v in weights.items() if ADAPTER not in k}
-    for name, a in weights.items():
-        if not name.endswith(f"{ADAPTER}A.weight"):
-            continue
-        layer = name[:-len(f"{ADAPTER}A.weight")]
-        b = weights[f"{layer}{ADAPTER}B.weight"]
-        w = out[f"{layer}.weight"]
-        out[f"{layer}.weight"] = (w.float() + spec.scaling * (b.float() @ a.float())).to(w.dtype)  # [out, in]
-    return out
+    layers = [name[:-len(f"{ADAPTER}A.weight")] for name in weights if name.endswith(f"{ADAPTER}A.weight")]
+    for layer in layers:
+        a, b = weights.pop(f"{layer}{ADAPTER}A.weight"), weights.pop(f"{layer}{ADAPTER}B.weight")
+        w = weights.pop(f"{layer}.weight")
+        weights[f"{layer}.weight"] = (w.float() + spec.scaling * (b.float() @ a.float())).to(dtype)  # [out, in]
+        del w
+    assert not any(ADAPTER in k for k in weights), "an adapter without its pair"
+    return weights
 
 
 def init_adapters(unit: nn.Module, generator_seed: int) -> None:
