@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import OUT  # noqa: E402
+from mobius.app.launch import free_port  # noqa: E402
 from scheduler.collectives import all_gather_flat, reduce_scatter_flat  # noqa: E402
 
 SHARDS = (1024, 100_000, 1_000_000, 10_000_000)  # elements per rank
@@ -62,12 +62,6 @@ def _worker(rank: int, world: int, port: int, reps: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
@@ -76,7 +70,7 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out) / "gloo_collectives.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(args.workers, _free_port(), args.reps, str(out)), nprocs=args.workers)
+    mp.spawn(_worker, args=(args.workers, free_port(), args.reps, str(out)), nprocs=args.workers)
     rows = json.loads(out.read_text())["rows"]
     print(f"| shard (elements) | reduce-scatter ms | GB/s | all-gather ms | GB/s |  ({args.workers} workers)\n"
           "|---|---|---|---|---|")
