@@ -241,9 +241,9 @@ def text_lines(path: Path) -> Iterator[str]:
                 line = raw.decode("utf-8", errors="replace")
                 invalid += line.count(REPLACEMENT) - raw.count(REPLACEMENT.encode())
                 if invalid > MAX_INVALID_UTF8 * size:
-                    raise DataError(f"{path}: not UTF-8 text ({invalid} invalid byte(s) in the first {offset + len(raw)} "
-                                    f"of {size}, the first at byte offset {first}; at most {100 * MAX_INVALID_UTF8:g}% "
-                                    "are tolerated)") from None
+                    raise DataError(f"{path}: not UTF-8 text ({invalid} invalid byte(s) in the first "
+                                    f"{offset + len(raw)} of {size}, the first at byte offset {first}; at most "
+                                    f"{100 * MAX_INVALID_UTF8:g}% are tolerated)") from None
             offset += len(raw)
             yield line
     if invalid:
