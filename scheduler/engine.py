@@ -243,9 +243,8 @@ class PipelineEngine:
     # ---- state ----------------------------------------------------------------------------------
     def rank_state(self, with_moments: bool, frozen: bool = True) -> RankState:
         """This worker's stages: fp32 weights (the newest; ``frozen``: also those that do not train) and,
-        ``with_moments`` (a resumable checkpoint),
-        AdamW moments and under train.update=delayed the compute weights, by parameter name; every
-        queued update has ended first."""
+        ``with_moments`` (a resumable checkpoint), AdamW moments and under train.update=delayed the compute
+        weights, by parameter name; every queued update has ended first."""
         self.ex.sync()
         weights: dict[str, torch.Tensor] = {}
         moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

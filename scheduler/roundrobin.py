@@ -277,8 +277,8 @@ class RoundRobinEngine:
 
     def rank_state(self, with_moments: bool, frozen: bool = True) -> RankState:
         """Every ``world``-th unit from this rank: fp32 weights (the newest; ``frozen``: also those that do not
-        train), and ``with_moments`` the AdamW
-        moments and under delayed the compute weights the next step reads, by parameter name."""
+        train), and ``with_moments`` the AdamW moments and under delayed the compute weights the next step
+        reads, by parameter name."""
         self.updates_done()
         weights: dict[str, torch.Tensor] = {}
         moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

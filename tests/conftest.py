@@ -26,6 +26,23 @@ TEXT = (
 )
 
 
+def _peak_resets() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/status").is_file() or not _peak_resets(),
+                                reason="reads and resets the peak resident size through /proc")
+
+
+def proc_status(key: str) -> int:
+    """This process's ``/proc/self/status`` figure ``key`` (``VmRSS``, ``VmHWM``) in bytes."""
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The ``slow`` tests first (otherwise in collection order): the workers start on them together and
     end on short ones, instead of one worker running a 40 s matrix at the end while the other waits."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import needs_proc, proc_status
 from mobius.data import (BUILTIN_STDLIB, build_data, byte_tokenizer, documents, load_tokenizer,
                          tokenize_to_cache)
 from mobius.errors import ConfigError, MobiusError
@@ -48,31 +49,23 @@ def test_jsonl_text_field_and_errors(jsonl_file: Path, tmp_path: Path) -> None:
         list(documents(str(tmp_path / "nothing"), "text"))
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads and resets the peak resident size")
+@needs_proc
 def test_a_jsonl_file_is_read_a_line_at_a_time(tmp_path: Path) -> None:
     """Reading a 32 MB .jsonl file holds about one record, not the file's bytes, text and lines at once (2.9x the
     file); its records, a few invalid bytes (read as U+FFFD) and a blank line come out as before."""
     import json
-    import time
 
     f = tmp_path / "big.jsonl"
     record = json.dumps({"text": "x" * 1000}) + "\n"
     f.write_bytes(record.encode() * 32_000 + b"\n" + b'{"text": "caf\xe9"}\n')
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pytest.skip("the peak resident size cannot be reset here")
-    before = _status("VmRSS")
-    count, t = 0, time.perf_counter()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = proc_status("VmRSS")
+    count = 0
     for doc in documents(str(f), "text"):
         count += 1
-    added = _status("VmHWM") - before
+    added = proc_status("VmHWM") - before
     assert count == 32_001 and doc == "caf\ufffd"
-    assert added < 0.2 * f.stat().st_size, (added, f.stat().st_size, time.perf_counter() - t)
-
-
-def _status(key: str) -> int:
-    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+    assert added < 0.2 * f.stat().st_size, (added, f.stat().st_size)
 
 
 def test_cache_is_reused_and_blocks_pack(text_file: Path, tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import make_hf_model, needs_proc, proc_status
+
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = """
 import json, os
@@ -89,17 +91,6 @@ measured('save')
 measured('save_merged')
 """
 
-
-def _peak_resets() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-needs_proc = pytest.mark.skipif(not Path("/proc/self/status").is_file() or not _peak_resets(),
-                                reason="reads and resets the peak resident size through /proc")
 
 
 def _checkpoint(tmp_path: Path) -> Path:
@@ -182,7 +173,6 @@ def test_a_save_converts_one_shard_at_a_time(tmp_path: Path) -> None:
     (an 8B model: one 5 GiB shard instead of 16 GB)."""
     import torch
 
-    from conftest import make_hf_model
     from mobius.checkpoint import save_model
     from mobius.models.hf import load_checkpoint
 
@@ -192,12 +182,8 @@ def test_a_save_converts_one_shard_at_a_time(tmp_path: Path) -> None:
     half = sum(p.numel() for p in model.parameters()) * 2  # 40 MB in bf16
     largest = max(p.numel() for p in model.parameters()) * 2  # 2 MB
     Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
+    before = proc_status("VmRSS")
     save_model(model, tmp_path / "out", torch.bfloat16, max_shard_bytes=2 * largest)
-    added = _status("VmHWM") - before
+    added = proc_status("VmHWM") - before
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 8
     assert added < 0.3 * half, (added, half)
-
-
-def _status(key: str) -> int:
-    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
