@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mobius.app.launch import expandable_segments
+from mobius.batch import MicroBatch
 from mobius.config import Config, config_from_dict
 from mobius.models import ModelConfig, get_preset
 
@@ -91,14 +92,14 @@ def architecture(preset: str, layers: int = 0) -> ModelConfig:
     return dataclasses.replace(mc, **{mc.FIELDS["layers"]: layers}) if layers else mc
 
 
-def batches(args: argparse.Namespace, vocab: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Step ``step``'s ``--micro-batches`` (inputs, targets) of ``--mbs`` x ``--seq`` random tokens (seeded by
+def batches(args: argparse.Namespace, vocab: int, step: int) -> list[MicroBatch]:
+    """Step ``step``'s ``--micro-batches`` of ``--mbs`` x ``--seq`` random tokens, every one a target (seeded by
     the step: every system trains on the same)."""
     g = torch.Generator().manual_seed(step)
     out = []
     for _ in range(args.micro_batches):
         t = torch.randint(0, vocab, (args.mbs, args.seq + 1), generator=g)
-        out.append((t[:, :-1], t[:, 1:]))
+        out.append(MicroBatch(t[:, :-1], t[:, 1:]))
     return out
 
 

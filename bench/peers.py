@@ -51,7 +51,7 @@ from mobius.models.base import lm_loss  # noqa: E402
 
 def step_batches(args: argparse.Namespace, vocab: int, step: int, gas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """pipeline_bench's batches of this step, regrouped as ``gas`` micro-batches."""
-    xs, ys = zip(*batches(args, vocab, step))
+    xs, ys = zip(*((b.inputs, b.targets) for b in batches(args, vocab, step)))
     return list(zip(torch.cat(xs).chunk(gas), torch.cat(ys).chunk(gas)))
 
 

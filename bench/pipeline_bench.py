@@ -136,15 +136,15 @@ class PeftSteps:
         self.model, self.opt, self.device, self.grad_clip = model, opt, device, grad_clip
         self.trainable = [p for p in model.parameters() if p.requires_grad]
 
-    def train_step(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]], lr: float):
+    def train_step(self, step: int, micro: list, lr: float):
         from mobius.engine import StepStats
         from mobius.optim import clip_coefficient
         from scheduler.single import sum_of_squares
 
         total = 0.0
-        for x, y in micro:
-            logits = self.model(input_ids=x.to(self.device)).logits  # [B, T, V]
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.to(self.device).flatten())
+        for b in micro:
+            logits = self.model(input_ids=b.inputs.to(self.device)).logits  # [B, T, V]
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), b.targets.to(self.device).flatten())
             (loss / len(micro)).backward()
             total += float(loss.detach())
         grads = [p.grad for p in self.trainable if p.grad is not None]

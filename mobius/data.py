@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 import torch
 
+from mobius.batch import MicroBatch
 from mobius.errors import ConfigError, DataError, MobiusError
 from mobius.files import write_text_atomic
 from mobius.stdlib_docs import stdlib_docstrings
@@ -368,12 +369,12 @@ class PackedBlocks:
     def __len__(self) -> int:
         return self.count
 
-    def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks by index -> (inputs [B, T], targets [B, T]) as int64."""
+    def get(self, indices: np.ndarray) -> MicroBatch:
+        """Blocks by index -> inputs [B, T], targets [B, T] (every token a target) as int64."""
         rows = [np.asarray(self.tokens[(self.start + i) * self.seq_len:(self.start + i + 1) * self.seq_len + 1])
                 for i in indices]
         block = torch.from_numpy(np.stack(rows).astype(np.int64))  # [B, T + 1]
-        return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+        return MicroBatch(block[:, :-1].contiguous(), block[:, 1:].contiguous())
 
 
 @dataclass
@@ -386,13 +387,13 @@ class TrainData:
     position: int = 0  # samples drawn so far (the resumable state)
     fingerprint: str = ""  # the documents' content (:func:`token_cache`), checked when a run resumes
 
-    def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ``batch_size`` training blocks: (inputs [B, T], targets [B, T])."""
+    def next_batch(self, batch_size: int) -> MicroBatch:
+        """The next ``batch_size`` training blocks."""
         idx = np.array([self._index(self.position + i) for i in range(batch_size)])
         self.position += batch_size
         return self.train.get(idx)
 
-    def peek_batches(self, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def peek_batches(self, batch_size: int, count: int) -> list[MicroBatch]:
         """The next ``count`` batches :meth:`next_batch` will give, without drawing them."""
         position = self.position
         try:
@@ -407,7 +408,7 @@ class TrainData:
             self._perm = (epoch, rng.permutation(len(self.train)))
         return int(self._perm[1][offset])
 
-    def eval_batches(self, batch_size: int, batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, batch_size: int, batches: int) -> Iterator[MicroBatch]:
         """Fixed held-out batches (the same ones at every evaluation)."""
         n = min(batches, len(self.val) // batch_size)
         for b in range(n):

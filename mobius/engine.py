@@ -15,15 +15,15 @@ from typing import Protocol
 
 import torch
 
+from mobius.batch import MicroBatch
 from mobius.checkpoint import Collective, RankState, ResumeState
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs [B, T], targets [B, T])
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class StepStats:
-    loss: float  # mean loss over the step's micro-batches
+    loss: float  # mean loss over the step's target tokens (every micro-batch and rank together)
     grad_norm: float  # global gradient norm before clipping (inf/nan on fp16 overflow)
     skipped: bool = False  # fp16 overflow: no update was made
     loss_scale: float = 1.0
@@ -40,9 +40,9 @@ class Engine(Protocol):
     looks_ahead: bool  # train_step may start the next step it is handed (``upcoming``) before it returns
 
     # ``upcoming``: the next step's batches and learning rate, when no checkpoint or evaluation comes between
-    def train_step(self, step: int, batches: list[Batch], lr: float,
-                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats: ...
-    def evaluate(self, batches: list[Batch]) -> float: ...
+    def train_step(self, step: int, batches: list[MicroBatch], lr: float,
+                   upcoming: tuple[list[MicroBatch], float] | None = None) -> StepStats: ...
+    def evaluate(self, batches: list[MicroBatch]) -> float: ...
     # finishes pending updates first; ``frozen``: also the weights that do not train (a LoRA checkpoint has none)
     def rank_state(self, with_moments: bool, frozen: bool = True) -> RankState: ...
     def load_state(self, resume: ResumeState) -> None: ...  # optimizer moments by name, step, loss scale

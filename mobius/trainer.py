@@ -2,7 +2,7 @@
 
 Run directory layout (``output.dir``)::
 
-    metrics.jsonl                 one JSON object per logged step (step, loss, lr, tokens_per_s, ...)
+    metrics.jsonl                 one JSON object per logged step (step, loss, lr, tokens_per_s, target_tokens, ...)
     checkpoints/step-000050/      HF checkpoint (fp32) + tokenizer + optimizer moments + trainer_state.json
                                   (+ the compute weights under train.update=delayed)
     final/                        HF checkpoint in output.save_dtype + tokenizer
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from mobius import checkpoint
+from mobius.batch import step_targets
 from mobius.checkpoint import STATE_FILE, STATE_FORMAT, ResumeState
 from mobius.config import Config
 from mobius.data import TextTokenizer, TrainData
@@ -245,13 +246,15 @@ class Trainer:
         batches = list(self.data.eval_batches(self.cfg.train.micro_batch_size, self.cfg.train.eval_batches))
         return self.engine.evaluate(batches) if batches else float("nan")
 
-    def _one_step(self) -> tuple[StepStats, float, float]:
+    def _one_step(self) -> tuple[StepStats, float, float, int]:
+        """One optimizer step: its statistics, learning rate, seconds and target tokens."""
         t = self.cfg.train
         lr = lr_at(self.step, t)
         batches = [self.data.next_batch(t.micro_batch_size) for _ in range(t.micro_batches)]
         start = time.perf_counter()
         stats = self.engine.train_step(self.step, batches, lr, self._upcoming())
-        return stats, lr, stats.seconds if stats.seconds is not None else time.perf_counter() - start
+        seconds = stats.seconds if stats.seconds is not None else time.perf_counter() - start
+        return stats, lr, seconds, step_targets(batches)
 
     def _upcoming(self) -> tuple[list, float] | None:
         """The next step's batches and learning rate for an engine that may start it early, unless this step
@@ -275,10 +278,10 @@ class Trainer:
         ready = self._ready()
         try:
             while self.step < t.max_steps:
-                stats, lr, dt = self._one_step()
+                stats, lr, dt, targets = self._one_step()
                 self.step += 1
                 self.result.losses.append(stats.loss)
-                record = {**self._record(stats, lr, dt), **ready}
+                record = {**self._record(stats, lr, dt, targets), **ready}
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     with output_errors(self.out, "metrics.jsonl"):
                         metrics.write(json.dumps(record) + "\n")
@@ -305,10 +308,10 @@ class Trainer:
             log.info("%s", Startup.line(record))
         return record
 
-    def _record(self, stats: StepStats, lr: float, dt: float) -> dict:
+    def _record(self, stats: StepStats, lr: float, dt: float, targets: int) -> dict:
         t = self.cfg.train
         record = {"step": self.step, "loss": round(stats.loss, 6), "lr": lr,
-                  "tokens_per_s": round(self.tokens_per_step / dt, 1), "step_s": round(dt, 4),
+                  "tokens_per_s": round(self.tokens_per_step / dt, 1), "step_s": round(dt, 4), "target_tokens": targets,
                   "grad_norm": round(stats.grad_norm, 6) if math.isfinite(stats.grad_norm) else None,
                   "update": t.update}
         if stats.skipped or stats.loss_scale != 1.0:

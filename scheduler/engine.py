@@ -24,7 +24,8 @@ import torch.distributed as dist
 from mobius.assemble import WeightSource
 from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
-from mobius.engine import DTYPES, Batch, StepStats
+from mobius.batch import MicroBatch, step_targets
+from mobius.engine import DTYPES, StepStats
 from mobius.errors import CheckpointError, MobiusError
 from mobius.models import ModelConfig, dropout_active, hidden_size, unit_prefix
 from mobius.optim import UpdateRule
@@ -171,11 +172,9 @@ class PipelineEngine:
         return other
 
     # ---- a step ---------------------------------------------------------------------------------
-    def train_step(self, step: int, batches: list[Batch], lr: float,
-                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats:
-        M = len(batches)
-        io = StepIO([x for x, _ in batches], [y for _, y in batches], step, self.rule.loss_factor() / M,
-                    self.dropout_seed, lr)
+    def train_step(self, step: int, batches: list[MicroBatch], lr: float,
+                   upcoming: tuple[list[MicroBatch], float] | None = None) -> StepStats:
+        io = StepIO(batches, step, self.rule.loss_factor() / max(step_targets(batches), 1), self.dropout_seed, lr)
         trace = StepTrace(self.device) if self.cfg.parallel.trace_step == step + 1 else None
         out = self.ex.run(self.train_sched, io, trace)
         waited = self.traced.step_ran(trace, step, self._write_trace)
@@ -220,7 +219,7 @@ class PipelineEngine:
         write_step_trace(trace, self.comm, self.rank, self.device, self.cfg.output.dir, step)
 
     @torch.no_grad()
-    def evaluate(self, batches: list[Batch]) -> float:
+    def evaluate(self, batches: list[MicroBatch]) -> float:
         """The held-out loss with the newest weights (under delayed, not the ones the next step computes
         with)."""
         self.ex.sync()
@@ -228,7 +227,7 @@ class PipelineEngine:
         if M not in self.eval_scheds:
             self.eval_scheds[M] = build_eval_schedule(self.plan.num_stages, self.world, M, list(self.gpu_of),
                                                       self.plan.options)
-        io = StepIO([x for x, _ in batches], [y for _, y in batches], 0, 1.0, None, training=False)
+        io = StepIO(batches, 0, 1.0, None, training=False)
         with self._newest():
             return self.ex.run(self.eval_scheds[M], io).loss
 

@@ -39,9 +39,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mobius.batch import MicroBatch
 from mobius.engine import autocast
 from mobius.models import ModelConfig
-from mobius.models.base import lm_loss, run_units
+from mobius.models.base import lm_loss_sum, run_units
 from mobius.optim import UpdateRule
 from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.arbiter import UploadArbiter
@@ -85,10 +86,9 @@ class ExecutorOptions:
 
 @dataclass
 class StepIO:
-    inputs: list[torch.Tensor]  # per micro-batch token ids [B, T]
-    targets: list[torch.Tensor]  # per micro-batch targets [B, T]
+    batches: list[MicroBatch]  # the step's micro-batches (token ids, targets, documents)
     step: int
-    loss_factor: float  # loss scale / micro-batches
+    loss_factor: float  # loss scale / the step's target tokens (each micro-batch's loss is its sum)
     dropout_seed: int | None  # the run's seed when dropout is active
     lr: float = 0.0
     training: bool = True  # False: an evaluation (dropout off)
@@ -98,7 +98,7 @@ class StepIO:
 class StepOutcome:
     """A step as every worker saw it (statistics already summed over workers, by name)."""
 
-    loss: float  # mean over the step's micro-batches
+    loss: float  # mean over the step's target tokens
     grad_norm: float  # global, before clipping (inf on fp16 overflow); 0 in evaluation
     skipped: bool  # fp16 overflow: no update
     stats: dict[str, float]
@@ -200,7 +200,7 @@ class StepState:
     outputs: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # waiting to be sent
     waiting: dict[tuple[str, int, int], Callable[[], torch.Tensor]] = field(default_factory=dict)  # posted receives
     loss_sum: torch.Tensor | float = 0.0  # on the device until REDUCE (no host sync per micro-batch)
-    losses: int = 0
+    losses: int = 0  # target tokens behind loss_sum
     stall_s: float = 0.0  # compute stream idle waiting for stage data (GPU events; host time on the CPU)
     wait_s: float = 0.0  # dispatch thread blocked on uploads (which wait for the stage's CPU update)
     dispatch_s: float = 0.0  # dispatch thread's own time: every action outside its compute and what held it, the
@@ -553,7 +553,8 @@ class Executor:
     def _run(self, j: int, x: torch.Tensor, m: int) -> torch.Tensor:
         io = self.st.io
         seed = (io.dropout_seed, io.step, m) if io.dropout_seed is not None else None
-        return run_units(list(self.units[j]), x, self.layouts[j].first_unit, dropout_seed=seed)
+        return run_units(list(self.units[j]), x, self.layouts[j].first_unit, dropout_seed=seed,
+                         docs=self.st.io.batches[m].docs)
 
     def _input(self, j: int, m: int) -> torch.Tensor:
         if j == 0:
@@ -570,7 +571,7 @@ class Executor:
         with torch.no_grad(), autocast(self.device, self.opt.precision):
             y = self._run(j, x, m)
             if j == st.sched.num_stages - 1:  # evaluation: the last stage's forward ends in the loss
-                self._count_loss(lm_loss(y, st.batches["targets"][m]))
+                self._count_loss(lm_loss_sum(y, st.batches["targets"][m]), m)
                 return
         if st.sched.train:
             st.saved[(j, m)] = x  # an OFFLOAD that follows moves it to host memory
@@ -624,9 +625,9 @@ class Executor:
         if x.is_floating_point():
             x = x.detach().requires_grad_()
         with autocast(self.device, self.opt.precision):
-            loss = lm_loss(self._run(j, x, m), st.batches["targets"][m])
+            loss = lm_loss_sum(self._run(j, x, m), st.batches["targets"][m])
         (loss * st.io.loss_factor).backward()
-        self._count_loss(loss.detach())
+        self._count_loss(loss.detach(), m)
         add_gradients(slot.pairs)
         if j > 0:
             st.outputs[("g", j, m)] = x.grad
@@ -660,15 +661,17 @@ class Executor:
             st.outputs[("g", j, m)] = x.grad
         self.st.computed.add("backward", start, "B", j)
 
-    def _count_loss(self, loss: torch.Tensor) -> None:
+    def _count_loss(self, loss: torch.Tensor, m: int) -> None:
+        """Micro-batch m's summed loss and its target tokens, towards the mean over the step's."""
         self.st.loss_sum = self.st.loss_sum + loss.detach().float()
-        self.st.losses += 1
+        self.st.losses += self.st.io.batches[m].target_count
 
     def _stage_batches(self, sched: Schedule, io: StepIO) -> dict[str, list[torch.Tensor]]:
         """Token ids for stage 0 and targets for the last stage, copied to the device up front."""
         mine = set(self.hosts) | set(self.resident)
-        return {"inputs": batches_on(self.device, io.inputs) if 0 in mine else [],
-                "targets": batches_on(self.device, io.targets) if sched.num_stages - 1 in mine else []}
+        inputs, targets = [b.inputs for b in io.batches], [b.targets for b in io.batches]
+        return {"inputs": batches_on(self.device, inputs) if 0 in mine else [],
+                "targets": batches_on(self.device, targets) if sched.num_stages - 1 in mine else []}
 
     # ---- transfers ------------------------------------------------------------------------------
     def _tag(self, kind: str, sender_stage: int, m: int) -> int:

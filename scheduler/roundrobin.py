@@ -43,10 +43,11 @@ import torch.distributed as dist
 from mobius.assemble import WeightSource
 from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
-from mobius.engine import DTYPES, Batch, StepStats, autocast
+from mobius.batch import MicroBatch, step_targets
+from mobius.engine import DTYPES, StepStats, autocast
 from mobius.errors import CheckpointError, ConfigError, MobiusError
 from mobius.models import ModelConfig, dropout_active, hidden_size, unit_prefix
-from mobius.models.base import lm_loss, run_units
+from mobius.models.base import lm_loss_sum, run_units
 from mobius.models.params import build_units
 from mobius.optim import UpdateRule
 from mobius.parallel import ParallelSettings
@@ -99,9 +100,8 @@ class _Step:
     sched: RoundRobinSchedule
     index: int  # steps this engine has run before this one
     step: int  # the run's step (dropout seeds)
-    inputs: list[torch.Tensor]  # each micro-batch's token ids (and below its targets), as the trainer gave them
-    targets: list[torch.Tensor]
-    loss_factor: float
+    micro: list[MicroBatch]  # the step's micro-batches, as the trainer gave them
+    loss_factor: float  # loss scale / the step's target tokens
     lr: float
     adam_step: int  # the AdamW step this step's update is (when not skipped)
     kept: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (micro, unit) -> input, until OFFLOAD
@@ -116,7 +116,7 @@ class _Step:
     d2h: list[Future] = field(default_factory=list)  # the download thread's jobs (offloads, gradient sums)
     downloaded: dict[int, Future] = field(default_factory=dict)  # op -> its last download job
     loss_sum: torch.Tensor | float = 0.0  # this worker's, on the device until REDUCE
-    losses: int = 0
+    losses: int = 0  # target tokens behind loss_sum
     sumsq: float = 0.0
     wait_s: float = 0.0  # for uploads: the dispatch thread's waits, and the upload thread's for updates and sums
     dispatch_s: float = 0.0  # the dispatch thread's own time: every action outside its compute and what held it,
@@ -213,13 +213,13 @@ class RoundRobinEngine:
         return self.scheds[first]
 
     # ---- the Engine interface -------------------------------------------------------------------
-    def train_step(self, step: int, batches: list[Batch], lr: float,
-                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats:
+    def train_step(self, step: int, batches: list[MicroBatch], lr: float,
+                   upcoming: tuple[list[MicroBatch], float] | None = None) -> StepStats:
         """Run step ``step`` (unless it ran ahead) and, when ``upcoming`` is given and the rule allows, the next
         step's list too before waiting for this step's statistics: this worker goes on while the others finish."""
         if self.ahead is not None and self.ahead.step == step:
             st, self.ahead = self.ahead, None
-            if not all(torch.equal(x, y) for x, (y, _) in zip(st.inputs, batches)):
+            if not all(torch.equal(a.inputs, b.inputs) for a, b in zip(st.micro, batches)):
                 raise MobiusError(f"internal error: step {step}'s batches differ from those it ran ahead with")
         else:
             st = self._run(step, batches, lr)
@@ -240,12 +240,12 @@ class RoundRobinEngine:
         return StepStats(total["loss_sum"] / max(total["losses"], 1), norm, skipped, self.rule.loss_scale, extra,
                          seconds=st.seconds if self.looks_ahead else None)
 
-    def _run(self, step: int, batches: list[Batch], lr: float) -> _Step:
+    def _run(self, step: int, batches: list[MicroBatch], lr: float) -> _Step:
         """This worker's list of one step, to its REDUCE (posted, not waited for)."""
-        M, index = len(batches), self.steps_run
+        index = self.steps_run
         adam_step = self.adam_base + index + 1 if self.looks_ahead else self.rule.optimizer_step + 1
-        st = _Step(self.schedule(index), index, step, [x for x, _ in batches], [y for _, y in batches],
-                   self.rule.loss_factor() / M, lr, adam_step)
+        st = _Step(self.schedule(index), index, step, batches,
+                   self.rule.loss_factor() / max(step_targets(batches), 1), lr, adam_step)
         if self.cfg.parallel.trace_step == step + 1:
             st.trace = StepTrace(self.device)
         t0 = time.perf_counter()
@@ -256,7 +256,7 @@ class RoundRobinEngine:
         return st
 
     @torch.no_grad()
-    def evaluate(self, batches: list[Batch]) -> float:
+    def evaluate(self, batches: list[MicroBatch]) -> float:
         """The held-out loss with the newest weights (the masters): each worker runs every ``world``-th
         micro-batch through the forward ops and the fused op's forward."""
         self.updates_done()
@@ -380,7 +380,8 @@ class _Dispatch:
         self.st, self.before = st, before
         st.computed = ComputeSpans(self.device)
         st.clock = DispatchTime(st.computed)
-        st.batches = batches_on(self.device, st.inputs), batches_on(self.device, st.targets)
+        st.batches = (batches_on(self.device, [b.inputs for b in st.micro]),
+                      batches_on(self.device, [b.targets for b in st.micro]))
         for unit in self.units:
             unit.train(True)
         post_early(st.sched.actions[self.e.rank], self.links, self._recv)
@@ -548,7 +549,7 @@ class _Dispatch:
     def _run(self, first: int, end: int, x: torch.Tensor, m: int) -> torch.Tensor:
         st = self.st
         seed = (self.e.dropout_seed, st.step, m) if self.e.dropout_seed is not None else None
-        return run_units(list(self.units[first:end]), x, first, dropout_seed=seed)
+        return run_units(list(self.units[first:end]), x, first, dropout_seed=seed, docs=st.micro[m].docs)
 
     def _round(self, m: int) -> int:
         return self.st.sched.round_of(m)
@@ -719,10 +720,10 @@ class _Dispatch:
         x = self._input(k, m).detach().requires_grad_()
         start = self.st.computed.mark()
         with autocast(self.device, self.e.cfg.train.precision):
-            loss = lm_loss(self._run(first, end, x, m), st.batches[1][m])
+            loss = lm_loss_sum(self._run(first, end, x, m), st.batches[1][m])
         (loss * st.loss_factor).backward()
         st.loss_sum = st.loss_sum + loss.detach().float()
-        st.losses += 1
+        st.losses += st.micro[m].target_count
         add_gradients(slot.pairs)
         st.outputs[("g", k, m)] = x.grad
         self.st.computed.add("backward", start, "FB", k)
@@ -886,14 +887,14 @@ class _Dispatch:
 
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, batches: list[Batch]) -> float:
+    def evaluate(self, batches: list[MicroBatch]) -> float:
         """Every ``world``-th micro-batch of ``batches`` on this worker, op by op through one slot with the
         newest weights (the master of what trains); the mean loss over all."""
         e, slot = self.e, self.slots[0]
         for unit in self.units:
             unit.train(False)
         mine = list(range(e.rank, len(batches), e.world))
-        xs = [batches[m][0].to(self.device) for m in mine]
+        xs = [batches[m].inputs.to(self.device) for m in mine]
         loss = torch.zeros((), dtype=torch.float64)
         for k in range(self.cuts.num_forward + 1):
             first, end = self.cuts.units(k)
@@ -902,14 +903,14 @@ class _Dispatch:
             self.bound = None
             with autocast(self.device, e.cfg.train.precision):
                 for i, m in enumerate(mine):
-                    y = run_units(list(self.units[first:end]), xs[i], first)
+                    y = run_units(list(self.units[first:end]), xs[i], first, docs=batches[m].docs)
                     if k < self.cuts.num_forward:
                         xs[i] = y.to(e.dtype)
                     else:
-                        loss += float(lm_loss(y, batches[m][1].to(self.device)))
+                        loss += float(lm_loss_sum(y, batches[m].targets.to(self.device)))
         self.counters.take()  # an evaluation's uploads are not the next step's traffic
-        total = sum_over_ranks({"loss": float(loss), "n": float(len(mine))})
-        return total["loss"] / total["n"]
+        total = sum_over_ranks({"loss": float(loss)})
+        return total["loss"] / max(step_targets(batches), 1)
 
     def _newest_to_slot(self, slot: DeviceSlot, s: Span) -> None:
         """Units of ``s`` into ``slot``: the newest weights (the fp32 master cast) of what trains, the compute

@@ -18,9 +18,10 @@ from torch import nn
 
 from mobius.checkpoint import RankState, ResumeState, SingleProcess
 from mobius.config import Config
-from mobius.engine import DTYPES, Batch, StepStats, autocast
+from mobius.batch import MicroBatch, step_targets
+from mobius.engine import DTYPES, StepStats, autocast
 from mobius.models import ModelConfig, dropout_active
-from mobius.models.base import CausalLM, lm_loss, run_units
+from mobius.models.base import CausalLM, lm_loss_sum, run_units
 from mobius.models.lora import trains
 from mobius.optim import UpdateRule, make_adamw
 
@@ -131,21 +132,22 @@ class SingleEngine:
         self.rule = UpdateRule(cfg.train)
         self.dropout = dropout_active(model.config)
 
-    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor, seed: tuple[int, int, int] | None) -> torch.Tensor:
+    def _forward_loss(self, b: MicroBatch, seed: tuple[int, int, int] | None) -> torch.Tensor:
+        """The micro-batch's summed loss over its targets."""
         with autocast(self.device, self.cfg.train.precision):
-            logits = run_units(self.model.units(), x.to(self.device), dropout_seed=seed,
-                               checkpoint_blocks=self.cfg.model.activation_checkpointing)  # [B, T, V]
-            return lm_loss(logits, y.to(self.device))
+            logits = run_units(self.model.units(), b.inputs.to(self.device), dropout_seed=seed,
+                               checkpoint_blocks=self.cfg.model.activation_checkpointing, docs=b.docs)  # [B, T, V]
+            return lm_loss_sum(logits, b.targets.to(self.device))
 
-    def train_step(self, step: int, batches: list[Batch], lr: float,
-                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats:
+    def train_step(self, step: int, batches: list[MicroBatch], lr: float,
+                   upcoming: tuple[list[MicroBatch], float] | None = None) -> StepStats:
         self.model.train()
-        M = len(batches)
-        factor = self.rule.loss_factor() / M
+        targets = max(step_targets(batches), 1)
+        factor = self.rule.loss_factor() / targets  # the loss is the mean over the step's target tokens
         total = torch.zeros((), device=self.device)
-        for m, (x, y) in enumerate(batches):
+        for m, b in enumerate(batches):
             seed = (self.cfg.train.seed, step, m) if self.dropout else None
-            loss = self._forward_loss(x, y, seed)
+            loss = self._forward_loss(b, seed)
             (loss * factor).backward()
             total += loss.detach()
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -156,14 +158,15 @@ class SingleEngine:
                 torch._foreach_mul_(grads, coef)
             self.optimizer.step(lr)
         self.optimizer.zero_grad()
-        return StepStats(float(total) / M, norm, skipped, self.rule.loss_scale)
+        return StepStats(float(total) / targets, norm, skipped, self.rule.loss_scale)
 
     @torch.no_grad()
-    def evaluate(self, batches: list[Batch]) -> float:
+    def evaluate(self, batches: list[MicroBatch]) -> float:
+        """The mean loss over the batches' target tokens, with the newest weights."""
         self.model.eval()
         with self.weights.newest():
-            losses = [float(self._forward_loss(x, y, None)) for x, y in batches]
-        return sum(losses) / max(1, len(losses))
+            total = sum(float(self._forward_loss(b, None)) for b in batches)
+        return total / max(1, step_targets(batches))
 
     def rank_state(self, with_moments: bool, frozen: bool = True) -> RankState:
         """The newest weights (``frozen``: also those that do not train) and, ``with_moments`` (a resumable

@@ -12,6 +12,12 @@ import pytest
 import torch
 
 SPAWN_TIMEOUT_S = 600  # a hung worker fails the test instead of the suite
+# AdamW's epsilon in the exactness matrices. AdamW moves each element by about lr * g / (|g| + eps), so an element
+# whose gradient is near eps moves by lr * delta / 4 for a relative error delta of its gradient. A gradient that
+# comes out of a cancellation carries a large one: with packed documents and masked targets one element's gradient
+# was -3.4e-9 in float64 and -2.8e-9 in fp32 (20%); two exact engines summing in another order then end 7e-5 apart
+# after one step at lr 1e-2. At 1e-6 the same noise moves weights by well under the matrices' 1e-5.
+EXACT_EPS = 1e-6
 
 RunCase = Callable[[dict, int], dict]  # (case, world) -> this rank's result, in a worker
 
@@ -80,7 +86,7 @@ def exact_config(case: dict, name: str, steps: int, micro: int, train: dict, par
     raw = {"model": {"checkpoint": str(case["ck"]), **(model or {})},
            "data": {"seq_len": 16},
            "train": {"max_steps": steps, "micro_batch_size": 2, "micro_batches": micro, "lr": 1e-2, "warmup_steps": 1,
-                     "weight_decay": 0.1, "seed": 3, **train},
+                     "weight_decay": 0.1, "seed": 3, "eps": EXACT_EPS, **train},
            "parallel": parallel, "output": {"dir": str(out)}}
     if partition is not None:
         raw["partition"] = partition
@@ -96,11 +102,40 @@ def adapted_model(case: dict, cfg: Any) -> Any:
     return with_adapters(case_model(case["ck"], None), cfg)
 
 
-def token_batches(step: int, count: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``count`` micro-batches of 2 x 16 tokens (inputs, targets), the same for every engine at ``step``."""
+def token_batches(step: int, count: int, vocab: int) -> list:
+    """``count`` micro-batches of 2 x 16 tokens, the same for every engine at ``step``: the even ones packed
+    conversations (2-4 documents a row, each with a prompt that is no target: :func:`packed_batch`), the odd
+    ones plain text (every token a target). So every case checks documents, masks and that the loss is the mean
+    over the step's target tokens (the micro-batches hold different numbers of them)."""
+    from mobius.batch import MicroBatch
+
     g = torch.Generator().manual_seed(1000 + step)
     tokens = [torch.randint(0, vocab, (2, 17), generator=g) for _ in range(count)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    return [packed_batch(t, g) if m % 2 == 0 else MicroBatch(t[:, :-1], t[:, 1:]) for m, t in enumerate(tokens)]
+
+
+def packed_batch(tokens: torch.Tensor, g: torch.Generator) -> Any:
+    """``tokens`` [B, T + 1] as rows of random documents: lengths [B, D] summing to T, each document's first
+    tokens (its prompt, 1 to half of it) and its last position (whose target is the next document's) no target."""
+    from mobius.batch import IGNORE, MicroBatch
+
+    B, T = tokens.shape[0], tokens.shape[1] - 1
+    targets, rows = tokens[:, 1:].clone(), []
+    for b in range(B):
+        cuts = sorted(torch.randperm(T - 1, generator=g)[:int(torch.randint(1, 4, (1,), generator=g))] + 1)
+        lengths = [e - s for s, e in zip([0, *cuts], [*cuts, T])]
+        start = 0
+        for n in lengths:
+            prompt = int(torch.randint(1, max(2, n // 2 + 1), (1,), generator=g))
+            targets[b, start:start + prompt] = IGNORE
+            targets[b, start + n - 1] = IGNORE
+            start += n
+        targets[b, T - 1] = tokens[b, T]  # at least one target per row
+        rows.append(lengths)
+    docs = torch.zeros(B, max(map(len, rows)), dtype=torch.int32)
+    for b, lengths in enumerate(rows):
+        docs[b, :len(lengths)] = torch.tensor(lengths, dtype=torch.int32)
+    return MicroBatch(tokens[:, :-1], targets, docs)
 
 
 def train_delayed_case(engine: Any, cfg: Any, steps: int, batches: Any, state_of: Any, overflow_step: int = -1) -> dict:

@@ -59,8 +59,8 @@ def _reference(cfg: Config, delayed: bool) -> tuple[list[float], dict[str, torch
     for step in range(t.max_steps):
         batches = [data.next_batch(t.micro_batch_size) for _ in range(t.micro_batches)]
         total = 0.0
-        for x, y in batches:
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        for b in batches:
+            loss = torch.nn.functional.cross_entropy(model(b.inputs).flatten(0, 1), b.targets.flatten())
             (loss / len(batches)).backward()
             total += float(loss.detach())
         losses.append(total / len(batches))
@@ -78,8 +78,8 @@ def _reference(cfg: Config, delayed: bool) -> tuple[list[float], dict[str, torch
                 if not delayed or step == t.max_steps - 1:  # the end: the newest weights, to compare
                     c.copy_(m)
     with torch.no_grad():
-        held_out = [float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
-                    for x, y in data.eval_batches(t.micro_batch_size, t.eval_batches)]
+        held_out = [float(torch.nn.functional.cross_entropy(model(b.inputs).flatten(0, 1), b.targets.flatten()))
+                    for b in data.eval_batches(t.micro_batch_size, t.eval_batches)]
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, sum(held_out) / len(held_out)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import make_hf_llama, tiny_llama_config
+from mobius.batch import MicroBatch
 from mobius.assemble import initial_model, weights_source, with_adapters
 from mobius.config import config_from_dict
 from scheduler.single import SingleEngine
@@ -268,9 +269,9 @@ def test_lora_first_step_from_a_transformers_checkpoint(tmp_path: Path, shape: s
     start = {k: v.clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(1)
     tokens = [torch.randint(0, mc.vocab_size, (2, 17), generator=g) for _ in range(2)]
-    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    batches = [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens]
     with torch.no_grad():
-        theirs = sum(float(lm_loss(hf(x).logits, y)) for x, y in batches) / len(batches)
+        theirs = sum(float(lm_loss(hf(b.inputs).logits, b.targets)) for b in batches) / len(batches)
     ours = SingleEngine(model, cfg, torch.device("cpu")).train_step(0, batches, lr_at(0, cfg.train)).loss
     assert abs(ours - theirs) < 1e-4, (ours, theirs)
     moved = {k for k, v in model.state_dict().items() if not torch.equal(v, start[k])}

@@ -14,6 +14,7 @@ import torch
 from conftest import make_hf_llama, make_hf_model, save_special_tokenizer
 from in_process import mobius
 from mobius.assemble import adapters, initial_model
+from mobius.batch import MicroBatch
 from mobius.config import config_from_dict
 from scheduler.single import SingleEngine
 from mobius.models.base import lm_loss
@@ -38,10 +39,10 @@ def _cfg(ck: Path, out: Path, **sections: dict):
     return config_from_dict(raw, "test.yaml")
 
 
-def _batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(step: int) -> list[MicroBatch]:
     g = torch.Generator().manual_seed(100 + step)
     tokens = [torch.randint(0, 300, (2, 17), generator=g) for _ in range(MICRO)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    return [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
 def _peft_model(ck: Path, start: dict[str, torch.Tensor], mc, targets: str | list[str]):
@@ -68,8 +69,8 @@ def _train_peft(model, cfg) -> list[float]:
     for step in range(STEPS):
         opt.zero_grad()
         total = 0.0
-        for x, y in _batches(step):
-            loss = lm_loss(model(x).logits, y)
+        for b in _batches(step):
+            loss = lm_loss(model(b.inputs).logits, b.targets)
             (loss / MICRO).backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_([p for _, p in trainable], t.grad_clip)

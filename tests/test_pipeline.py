@@ -16,7 +16,7 @@ import torch
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
 from partition.plan import Plan
-from spawned import case_model, spawn_cases, token_batches
+from spawned import EXACT_EPS, case_model, spawn_cases, token_batches
 from mobius.app.run import train
 from in_process import mobius
 
@@ -143,7 +143,7 @@ def _exact_cfg(case: dict, world: int, tmp: Path):
     raw = {"model": {"checkpoint": str(case["ck"]), "dropout": case["dropout"]},
            "data": {"seq_len": 16},
            "train": {"max_steps": STEPS, "micro_batch_size": 2, "micro_batches": MICRO, "lr": 1e-2,
-                     "warmup_steps": 1, "weight_decay": 0.1, "seed": 3, **case["train"]},
+                     "warmup_steps": 1, "weight_decay": 0.1, "seed": 3, "eps": EXACT_EPS, **case["train"]},
            "parallel": {"mode": "pipeline" if world else "single", "device": "cpu", "devices": max(world, 1),
                         **(case["parallel"] if world else {})},
            "partition": {"cache_dir": str(tmp / "cache")}, "output": {"dir": str(tmp / "out")}}

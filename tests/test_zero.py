@@ -26,7 +26,7 @@ from mobius.models import unit_specs
 from mobius.models.hf import read_config
 from mobius.layout import build_layout
 from mobius.models.params import model_params
-from spawned import case_model, spawn_cases, token_batches
+from spawned import EXACT_EPS, case_model, spawn_cases, token_batches
 from in_process import mobius
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def _cfg(ck: Path, case: dict, tmp: Path | None = None):
     raw = {"model": {"checkpoint": str(ck), "activation_checkpointing": case["ac"], "dropout": case.get("dropout")},
            "data": {"seq_len": 16},
            "train": {"max_steps": STEPS, "micro_batch_size": 2, "micro_batches": MICRO, "lr": 1e-2, "warmup_steps": 1,
-                     "weight_decay": 0.1, "seed": 3, **case.get("train", {})},
+                     "weight_decay": 0.1, "seed": 3, "eps": EXACT_EPS, **case.get("train", {})},
            "parallel": {"mode": "zero", "device": "cpu"}, "output": {"dir": str(tmp or ck.parent / "out")}}
     return config_from_dict(raw, "test_zero")
 

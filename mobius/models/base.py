@@ -6,6 +6,9 @@ A model is ``embed -> block_0 .. block_{L-1} -> head``. Each unit is a plain ``n
 * a block takes and returns hidden states ``[B, T, H]``;
 * the head takes hidden states ``[B, T, H]`` and returns logits ``[B, T, V]``.
 
+Each also takes ``docs``, the rows' documents (:class:`~mobius.models.packing.Documents`; None for
+rows that are one causal sequence): positions start again and attention stays within each one.
+
 A partitioner may cut between any two units. :class:`UnitSpec` describes a unit without building
 it, so a profiler can build one unit of each kind at a time (a 13B model never has to fit whole)
 and an analytic estimate can count FLOPs and bytes.
@@ -27,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mobius.batch import IGNORE
 from mobius.errors import ConfigError
 from mobius.models.lora import LoraSpec
+from mobius.models.packing import Documents
 
 ACTIVATIONS = {  # by Hugging Face's name, for the families that name their MLP's activation (GPT-2, OPT)
     "gelu_new": partial(F.gelu, approximate="tanh"),
@@ -120,8 +125,15 @@ def check_positions(cfg: ArchConfig, seq_len: int) -> None:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy. logits [B, T, V], targets [B, T] (already shifted)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-token cross entropy over the targets. logits [B, T, V], targets [B, T] (already shifted;
+    IGNORE: no loss)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy over the targets (fp32): what an engine divides by the step's
+    target count (:func:`mobius.batch.step_targets`). logits [B, T, V], targets [B, T]."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 class CausalLM(nn.Module):
@@ -191,12 +203,9 @@ class CausalLM(nn.Module):
 
             init_adapters(unit, unit_seed(seed, -2, -2, index))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V]."""
-        x = input_ids
-        for unit in self.units():
-            x = unit(x)
-        return x
+    def forward(self, input_ids: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V]; ``docs`` [B, D]: each row's document lengths (host memory)."""
+        return run_units(self.units(), input_ids, docs=docs)
 
 
 def init_unit_(unit: nn.Module, index: int, seed: int, std: float, n_layer: int, skip: set[str],
@@ -247,16 +256,20 @@ def unit_seed(seed: int, step: int, micro_batch: int, unit_index: int) -> int:
 
 
 def run_units(units: list[nn.Module], x: torch.Tensor, first_index: int = 0,
-              dropout_seed: tuple[int, int, int] | None = None, checkpoint_blocks: bool = False) -> torch.Tensor:
+              dropout_seed: tuple[int, int, int] | None = None, checkpoint_blocks: bool = False,
+              docs: torch.Tensor | None = None) -> torch.Tensor:
     """Run consecutive units. ``dropout_seed`` = (seed, step, micro_batch) reseeds the RNG before each
-    unit (needed only when dropout is active); ``checkpoint_blocks`` recomputes blocks in backward."""
+    unit (needed only when dropout is active); ``checkpoint_blocks`` recomputes blocks in backward;
+    ``docs`` (a micro-batch's document lengths [B, D], host memory; None: one sequence per row) keeps
+    attention and positions within each document."""
     from torch.utils.checkpoint import checkpoint
 
+    packed = None if docs is None else Documents(docs, x.device)  # its masks, made once, serve every unit
     for k, unit in enumerate(units):
         if dropout_seed is not None:
             torch.manual_seed(unit_seed(*dropout_seed, first_index + k))
         if checkpoint_blocks and x.is_floating_point() and torch.is_grad_enabled():
-            x = checkpoint(unit, x, use_reentrant=False)
+            x = checkpoint(unit, x, packed, use_reentrant=False)
         else:
-            x = unit(x)
+            x = unit(x, packed)
     return x

@@ -3,7 +3,8 @@
 Field names of :class:`GPT2Config` follow Hugging Face's ``config.json`` so that checkpoint
 configs map one to one. Differences from transformers' implementation, all numerically
 equivalent: ``nn.Linear`` instead of ``Conv1D`` (weights are transposed on load, see
-``mobius.models.hf``), attention through ``F.scaled_dot_product_attention``.
+``mobius.models.hf``), attention through ``F.scaled_dot_product_attention`` (within each document of a
+packed row: :mod:`mobius.models.packing`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
 from mobius.models.base import ACTIVATIONS, ArchConfig, CausalLM, UnitSpec
 from mobius.models.costs import embed_memory, head_memory, transformer_block_flops, transformer_block_memory
+from mobius.models.packing import Documents, causal_attention, positions
 
 
 @dataclass
@@ -71,11 +72,11 @@ class GPT2Embedding(nn.Module):
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.drop = nn.Dropout(cfg.embd_pdrop)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         T = input_ids.shape[1]
         if T > self.wpe.num_embeddings:
             raise ValueError(f"sequence length {T} exceeds the model's {self.wpe.num_embeddings} positions")
-        pos = torch.arange(T, device=input_ids.device)
+        pos = positions(docs, T, input_ids.device)  # [T], or [B, T] restarting at each document
         return self.drop(self.wte(input_ids) + self.wpe(pos))  # [B, T, H]
 
 
@@ -90,11 +91,11 @@ class GPT2Attention(nn.Module):
         head_dim = cfg.n_embd // cfg.n_head
         self.scale = head_dim**-0.5 / (layer_idx + 1 if cfg.scale_attn_by_inverse_layer_idx else 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # 3 x [B, nh, T, hd]
         p = self.attn_pdrop if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, scale=self.scale)  # [B, nh, T, hd]
+        y = causal_attention(q, k, v, docs, p, scale=self.scale)  # [B, nh, T, hd]
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
@@ -120,8 +121,8 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -133,7 +134,7 @@ class GPT2Head(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
 
 

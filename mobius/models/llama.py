@@ -34,11 +34,11 @@ from torch import nn
 from mobius.errors import ConfigError
 from mobius.models.base import ArchConfig, CausalLM, UnitSpec, check_positions
 from mobius.models.costs import embed_memory, head_memory
+from mobius.models.packing import Documents, causal_attention
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-_GQA_IN_SDPA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 @dataclass
@@ -184,11 +184,16 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     return torch.where(medium, blended, scaled)
 
 
-def rotary_tables(cfg: LlamaConfig, seq: int, device: torch.device,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] for positions 0..seq-1 (computed in fp32, then cast to ``dtype``)."""
+def rotary_tables(cfg: LlamaConfig, seq: int, device: torch.device, dtype: torch.dtype,
+                  docs: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] for positions 0..seq-1 (computed in fp32, then cast to ``dtype``); with
+    ``docs``, [B, 1, T, head_dim] for positions that start again at each document."""
     scaling = tuple(sorted(cfg.rope_scaling.items())) if cfg.rope_scaling else None
-    return _rotary_tables(cfg.head_dim, cfg.rope_theta, scaling, seq, device, dtype)
+    cos, sin = _rotary_tables(cfg.head_dim, cfg.rope_theta, scaling, seq, device, dtype)
+    if docs is None:
+        return cos, sin
+    pos = docs.positions  # [B, T]
+    return cos[pos][:, None], sin[pos][:, None]
 
 
 @functools.lru_cache(maxsize=16)
@@ -208,7 +213,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, hd] by the tables cos, sin [T, hd]."""
+    """Rotate x [B, heads, T, hd] by the tables cos, sin [T, hd] (or [B, 1, T, hd])."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -237,7 +242,7 @@ class LlamaEmbedding(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.max_positions = cfg.max_position_embeddings
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         T = input_ids.shape[1]
         if T > self.max_positions:
             raise ValueError(f"sequence length {T} exceeds the model's {self.max_positions} positions")
@@ -258,7 +263,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         q = self.q_proj(x).view(B, T, self.n_head, hd)  # [B, T, nh, hd]
@@ -266,22 +271,12 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, hd).transpose(1, 2)  # [B, nkv, T, hd]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rotary_tables(self.cfg, T, x.device, q.dtype)
+        cos, sin = rotary_tables(self.cfg, T, x.device, q.dtype, docs)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, nh, T, hd]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
         p = self.cfg.attention_dropout if self.training else 0.0
-        y = _attention(q, k, v, p, self.n_head // self.n_kv)  # [B, nh, T, hd]
+        y = causal_attention(q, k, v, docs, p, groups=self.n_head // self.n_kv)  # [B, nh, T, hd]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, groups: int) -> torch.Tensor:
-    """Causal attention of q [B, nh, T, hd] over k, v [B, nkv, T, hd]; each kv head serves ``groups`` q heads."""
-    if groups == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-    if _GQA_IN_SDPA:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=True)
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, nh, T, hd]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 
 class LlamaMLP(nn.Module):
@@ -308,8 +303,8 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), docs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -321,7 +316,7 @@ class LlamaHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         return self.lm_head(self.norm(x))
 
 

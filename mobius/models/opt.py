@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import ConfigError
 from mobius.models.base import ACTIVATIONS, ArchConfig, CausalLM, UnitSpec
 from mobius.models.costs import embed_memory, head_memory, transformer_block_flops, transformer_block_memory
+from mobius.models.packing import Documents, causal_attention, positions
 
 POSITION_OFFSET = 2  # OPT's learned positions start at index 2 (a fairseq legacy)
 
@@ -89,7 +89,7 @@ class OPTEmbedding(nn.Module):
         self.project_in = nn.Linear(cfg.word_embed_proj_dim, cfg.hidden_size, bias=False) if cfg.projects else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         T = input_ids.shape[1]
         if T + POSITION_OFFSET > self.embed_positions.num_embeddings:
             raise ValueError(f"sequence length {T} exceeds the model's "
@@ -97,7 +97,7 @@ class OPTEmbedding(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, T, E]
         if self.project_in is not None:
             x = self.project_in(x)  # [B, T, H]
-        pos = torch.arange(POSITION_OFFSET, T + POSITION_OFFSET, device=input_ids.device)
+        pos = positions(docs, T, input_ids.device) + POSITION_OFFSET  # [T], or [B, T] restarting at each document
         return self.drop(x + self.embed_positions(pos))
 
 
@@ -112,14 +112,14 @@ class OPTAttention(nn.Module):
         self.out_proj = nn.Linear(H, H, bias=bias)
         self.attn_pdrop = cfg.attention_dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         B, T, C = x.shape
         shape = (B, T, self.n_head, C // self.n_head)
         q = self.q_proj(x).view(shape).transpose(1, 2)  # [B, nh, T, hd]
         k = self.k_proj(x).view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
         p = self.attn_pdrop if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # [B, nh, T, hd]
+        y = causal_attention(q, k, v, docs, p)  # [B, nh, T, hd]
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -137,11 +137,11 @@ class OPTBlock(nn.Module):
         self.act = ACTIVATIONS[cfg.activation_function]
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         if self.pre_norm:
-            x = x + self.drop(self.attn(self.ln_1(x)))
+            x = x + self.drop(self.attn(self.ln_1(x), docs))
             return x + self.drop(self.fc2(self.act(self.fc1(self.ln_2(x)))))
-        x = self.ln_1(x + self.drop(self.attn(x)))
+        x = self.ln_1(x + self.drop(self.attn(x, docs)))
         return self.ln_2(x + self.drop(self.fc2(self.act(self.fc1(x)))))
 
 
@@ -155,7 +155,7 @@ class OPTHead(nn.Module):
         self.project_out = nn.Linear(cfg.hidden_size, cfg.word_embed_proj_dim, bias=False) if cfg.projects else None
         self.lm_head = nn.Linear(cfg.word_embed_proj_dim, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:

@@ -36,10 +36,11 @@ import torch.distributed as dist
 from mobius.assemble import WeightSource
 from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
-from mobius.engine import DTYPES, Batch, StepStats, autocast
+from mobius.batch import MicroBatch, step_targets
+from mobius.engine import DTYPES, StepStats, autocast
 from mobius.errors import CheckpointError, MobiusError
 from mobius.models import ModelConfig, dropout_active, unit_prefix, unit_specs
-from mobius.models.base import bind_parameters, lm_loss, run_units
+from mobius.models.base import bind_parameters, lm_loss_sum, run_units
 from mobius.models.params import build_units, model_params
 from mobius.optim import UpdateRule
 from mobius.parallel import ParallelSettings
@@ -73,7 +74,8 @@ class _Pass:
     mine: range
     inputs: dict[int, torch.Tensor]
     targets: dict[int, torch.Tensor]
-    factor: float = 1.0  # loss multiplier: loss scale / micro-batches
+    docs: dict[int, torch.Tensor | None]  # each micro-batch's document lengths (host memory)
+    factor: float = 1.0  # loss multiplier: loss scale / the step's target tokens (all ranks')
     lr: float = 0.0
     acts: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (unit, micro) -> the unit's input
     graphs: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (unit, micro) -> (input, output), no AC
@@ -214,7 +216,7 @@ class ZeroEngine:
         self.counters.add(h2d=mine.nbytes)
 
     # ---- a step ---------------------------------------------------------------------------------
-    def _begin(self, train: bool, step: int, batches: list[Batch], factor: float) -> _Pass:
+    def _begin(self, train: bool, step: int, batches: list[MicroBatch], factor: float) -> _Pass:
         self.check()
         mine = share(len(batches), self.rank, self.world)
         put = (lambda t: t.pin_memory().to(self.device, non_blocking=True)) if self.device.type == "cuda" else \
@@ -223,8 +225,9 @@ class ZeroEngine:
             unit.train(train)
         self.cache.begin("train" if train else "eval", self.updated)
         self.updated = None
-        return _Pass(train, step, mine, {m: put(batches[m][0]) for m in mine}, {m: put(batches[m][1]) for m in mine},
-                     factor, computed=ComputeSpans(self.device))
+        return _Pass(train, step, mine, {m: put(batches[m].inputs) for m in mine},
+                     {m: put(batches[m].targets) for m in mine}, {m: batches[m].docs for m in mine}, factor,
+                     computed=ComputeSpans(self.device))
 
     def _run(self, st: _Pass) -> None:
         ops = self.program if st.train else self.eval_ops
@@ -245,18 +248,18 @@ class ZeroEngine:
             st.reduce_scatter_s += time.perf_counter() - t0
         self.cache.end()
 
-    def train_step(self, step: int, batches: list[Batch], lr: float,
-                   upcoming: tuple[list[Batch], float] | None = None) -> StepStats:
+    def train_step(self, step: int, batches: list[MicroBatch], lr: float,
+                   upcoming: tuple[list[MicroBatch], float] | None = None) -> StepStats:
         M = len(batches)
         if M % self.world:
             raise MobiusError(f"{M} micro-batches cannot be split evenly among {self.world} zero ranks")
-        st = self._begin(True, step, batches, self.rule.loss_factor() / M)
+        targets = max(step_targets(batches), 1)  # every rank's: the loss is the mean over the step's target tokens
+        st = self._begin(True, step, batches, self.rule.loss_factor() / targets)
         st.lr = lr
         self._run(st)
         gathers = list(self.cache.gathered)
         computed = st.computed.stats(self.rank, self.world)  # (waits for the compute on a GPU)
-        total = sum_over_ranks({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine)),
-                              "sumsq": self.grads.take_sumsq(), **computed})
+        total = sum_over_ranks({"loss_sum": float(st.loss_sum), "sumsq": self.grads.take_sumsq(), **computed})
         norm, skipped, factor = self.rule.end(total["sumsq"])
         self.updated = self._update_gpu(lr, factor, skipped)
         if self.plan.barrier:  # the updates waited for the global norm: in forward order, where the next step's
@@ -265,7 +268,7 @@ class ZeroEngine:
                 self._queue_update(c, done, lr, factor, skipped)
         self.cache.invalidate()
         mine = {f"{phase}_s": round(computed[f"{phase}_s"], 4) for phase in ("forward", "backward")}  # this rank's
-        return StepStats(total["loss_sum"] / total["micro"], norm, skipped, self.rule.loss_scale,
+        return StepStats(total["loss_sum"] / targets, norm, skipped, self.rule.loss_scale,
                          {**self._counters(gathers), **mine, **by_worker(total, self.world),
                           "compute_spread": round(total["compute_spread"] / self.world, 4),
                           "gather_wait_s": round(st.gather_wait_s, 4),
@@ -307,7 +310,7 @@ class ZeroEngine:
     def _call(self, unit: int, x: torch.Tensor, m: int, st: _Pass) -> torch.Tensor:
         seed = (self.dropout_seed, st.step, m) if self.dropout_seed is not None else None
         with autocast(self.device, self.cfg.train.precision):
-            return run_units([self.units[unit]], x, unit, dropout_seed=seed)
+            return run_units([self.units[unit]], x, unit, dropout_seed=seed, docs=st.docs[m])
 
     def _forward(self, unit: int, st: _Pass) -> None:
         keep = st.train and not self.cfg.model.activation_checkpointing  # graphs wait for the backward
@@ -335,10 +338,10 @@ class ZeroEngine:
             x = st.acts.pop((unit, m))
             if not st.train:
                 with torch.no_grad():
-                    st.loss_sum = st.loss_sum + lm_loss(self._call(unit, x, m, st), st.targets[m]).float()
+                    st.loss_sum = st.loss_sum + lm_loss_sum(self._call(unit, x, m, st), st.targets[m])
                 continue
             x = x.detach().requires_grad_()
-            loss = lm_loss(self._call(unit, x, m, st), st.targets[m])
+            loss = lm_loss_sum(self._call(unit, x, m, st), st.targets[m])
             (loss * st.factor).backward()
             self._fold(bound)
             st.dys[m] = x.grad
@@ -413,15 +416,15 @@ class ZeroEngine:
 
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, batches: list[Batch]) -> float:
+    def evaluate(self, batches: list[MicroBatch]) -> float:
         """The held-out loss with the newest weights (under delayed, not the ones the next step computes
         with)."""
         with self._newest():
             st = self._begin(False, 0, batches, 1.0)
             self._run(st)
         self.counters.take()  # a training step reports its own bytes only
-        total = sum_over_ranks({"loss_sum": float(st.loss_sum), "micro": float(len(st.mine))})
-        return total["loss_sum"] / max(total["micro"], 1.0)
+        total = sum_over_ranks({"loss_sum": float(st.loss_sum)})
+        return total["loss_sum"] / max(step_targets(batches), 1)
 
     @contextlib.contextmanager
     def _newest(self) -> Iterator[None]:
