@@ -22,6 +22,7 @@ import signal
 import sys
 
 from mobius import __version__
+from mobius.app.library_warnings import one_line_warnings
 from mobius.app.settings import Torchrun
 from mobius.app.supervise import ECHOES, Interrupted, Signalled, claim_exit
 from mobius.errors import MobiusError
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(_command(argv))
         args, extra = parser.parse_known_args(argv)
         _logging(args.verbose)
+        one_line_warnings()
         if args.command is None:
             parser.print_help()
             return 2

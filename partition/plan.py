@@ -68,6 +68,18 @@ class StagePlan:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
+@dataclass(frozen=True)
+class PlannedSchedule:
+    """One schedule planned for a pipeline run, as the plan's JSON gives it: the one ``mobius train`` runs at its
+    top level, the others under ``other_schedules``."""
+
+    schedule: str  # "swapped" (the swapped pipeline) or "round_robin" (the round-robin family)
+    update: str  # train.update: "sync" or "delayed"
+    predicted_step_s: float  # the schedule simulated on the topology
+    tokens_per_s: float
+    time_split: dict[str, float]  # where its simulated step goes (SimResult.time_split)
+
+
 @dataclass
 class Plan:
     """A partition of the model into stages mapped to GPUs, the runtime's settings and the predicted cost."""
@@ -81,7 +93,8 @@ class Plan:
     precision: str
     options: PipelineOptions  # the runtime's settings: device slots, offload, barrier, resident / kept stages,
     # gradient download dtype, prefetch buffer (the one place the plan holds them)
-    predicted_step_s: float  # the runtime's schedule simulated on the topology (contention included)
+    predicted_step_s: float  # the swapped pipeline simulated on the topology (contention included); the
+    # round-robin family's, when it runs, is round_robin's "step_s" (schedules() names the one that runs)
     model_step_s: float  # the MIP's own figure (no root-complex contention)
     solver: str
     solve_s: float
@@ -119,23 +132,44 @@ class Plan:
     def gpu_of_stage(self, j: int) -> int:
         return self.worker_gpus[j % len(self.worker_gpus)]
 
+    def schedules(self) -> list[PlannedSchedule]:
+        """Every schedule planned, the one ``mobius train`` runs first: the swapped pipeline, and the round-robin
+        family's when it was planned beside it (first when ``round_robin["runs"]``, as :meth:`replay` runs it)."""
+        tokens = self.micro_batches * self.micro_batch_size * self.seq_len
+        swapped = PlannedSchedule("swapped", "delayed" if self.options.delayed else "sync", self.predicted_step_s,
+                                  tokens / self.predicted_step_s, dict(self.time_split))
+        rr = self.round_robin
+        if not rr or "error" in rr:
+            return [swapped]
+        robin = PlannedSchedule("round_robin", rr["update"], rr["step_s"], rr["tokens_per_s"], dict(rr["time_split"]))
+        return [robin, swapped] if rr.get("runs") else [swapped, robin]
+
     def to_json(self) -> dict:
-        """A JSON-ready dict (also what ``mobius plan --json`` prints and ``plan.json`` holds); the
-        options' fields are top-level keys (:meth:`PipelineOptions.to_json`)."""
+        """A JSON-ready dict (also what ``mobius plan --json`` prints and ``plan.json`` holds): the plan's
+        fields, the options' as top-level keys (:meth:`PipelineOptions.to_json`), and at the top level the
+        schedule that runs -- its ``schedule``, ``update``, ``predicted_step_s``, ``tokens_per_s`` and
+        ``time_split`` -- with the others, the same fields each, under ``other_schedules``."""
         out = asdict(self)
         out.pop("options")
         out.update(self.options.to_json())
         out["num_stages"] = self.num_stages
         out["mapping"] = {"kind": self.mapping_kind, "worker_gpus": self.worker_gpus,
                           "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)]}
+        runs, *others = self.schedules()
+        out.update(asdict(runs))
+        out["other_schedules"] = [asdict(o) for o in others]
         return _finite(out)
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
-        """A plan from :meth:`to_json`'s dict (``plan.json``; derived keys such as ``mapping`` ignored)."""
+        """A plan from :meth:`to_json`'s dict (``plan.json``; derived keys such as ``mapping`` ignored; the
+        swapped pipeline's step and split from ``other_schedules`` when another schedule runs)."""
         kw = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         kw["stages"] = [StagePlan.from_json(s) for s in data["stages"]]
         kw["options"] = PipelineOptions.from_json(data)
+        if data.get("schedule", "swapped") != "swapped":
+            swapped = next(s for s in data["other_schedules"] if s["schedule"] == "swapped")
+            kw["predicted_step_s"], kw["time_split"] = swapped["predicted_step_s"], swapped["time_split"]
         return cls(**kw)
 
     def round_robin_cuts(self) -> Cuts:

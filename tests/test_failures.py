@@ -4,6 +4,7 @@ exists; nothing a user owns is overwritten; no file a user is given can run code
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -142,6 +143,27 @@ def test_resume_state_never_runs_code_from_a_crafted_pickle(run_yaml: Path, tmp_
     torch.save({"transformer.wte.weight": _Boom(marker)}, step / "pytorch_model.bin")
     assert cli.main(["train", str(run_yaml), f"--model.checkpoint={step}", "--output.dir=" + str(tmp_path / "b")]) == 2
     assert "pickled code is never loaded" in capsys.readouterr().err and not marker.exists()
+
+
+def test_a_library_warning_reaches_the_user_as_one_line_naming_the_library(run_yaml: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 65: Python prints a warning as two lines (the message, then the source line that issued it); the
+    ``mobius`` command logs its first line, naming its category and the library that issued it."""
+    import types
+    import warnings
+
+    from mobius.app.library_warnings import show_one_line
+
+    assert cli.main(["train", str(run_yaml), "--train.lrr=1"]) == 2  # any command, however it ends
+    assert warnings.showwarning is show_one_line
+    lib = types.ModuleType("somelib.core")
+    exec("import warnings\ndef deprecated():\n    warnings.warn('first line\\nsecond line', FutureWarning, "
+         "stacklevel=2)\n", lib.__dict__)
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show_one_line
+        lib.deprecated()
+    assert caplog.messages == ["FutureWarning from somelib: first line"]
 
 
 # ---- the config loader never fails with anything but ConfigError ------------------------------------

@@ -228,7 +228,8 @@ def test_mobius_plan_prints_the_round_robin_prediction_under_both_update_rules(t
     assert text.returncode == 0, text.stderr[-2000:]
     out = json.loads(mobius(args + ["--json"], cwd=ROOT).stdout)
     rr = out["round_robin"]
-    assert rr["runs"] == (rr["step_s"] < out["predicted_step_s"])  # auto: the faster predicted one runs
+    swapped = next(s for s in [out, *out["other_schedules"]] if s["schedule"] == "swapped")
+    assert rr["runs"] == (rr["step_s"] < swapped["predicted_step_s"])  # auto: the faster predicted one runs
     first = text.stdout.splitlines()[0]  # the schedule that runs, the update rule and the predictions come first
     runs, other = ("round-robin", "swapped pipeline") if rr["runs"] else ("swapped pipeline", "round-robin")
     assert first.startswith(f"schedule: {runs}") and "update sync" in first and f"not run: the {other}" in first
@@ -236,6 +237,32 @@ def test_mobius_plan_prints_the_round_robin_prediction_under_both_update_rules(t
     assert "tokens/s with update sync" in text.stdout and "tokens/s with delayed" in text.stdout
     assert rr["update"] == "sync" and rr["delayed_step_s"] <= rr["step_s"] + 1e-9
     assert rr["forward"][0] == 0 and rr["forward"][-1] == rr["backward"][-1] == rr["fused"][0]
+
+
+def test_mobius_plan_json_gives_at_its_top_level_the_schedule_that_runs(tmp_path) -> None:
+    """Issue 65: with the round-robin schedule running, the JSON's top level gave the swapped pipeline's step. Its
+    top level is the schedule that runs (schedule, update, step, tokens/s, where the step goes), every other one
+    under ``other_schedules`` with the same fields, and auto's comparison and plan.json's round trip agree."""
+    from partition.plan import Plan
+
+    args = ["plan", "configs/demo.yaml", "--gpus", "4", "--parallel.mode=pipeline", "--parallel.device=cuda",
+            "--partition.gpu=rtx3090", "--partition.time_limit_s=1", "--parallel.schedule=round_robin",
+            f"--partition.cache_dir={tmp_path}", "--json"]
+    r = mobius(args, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    rr, fields = out["round_robin"], ["schedule", "update", "predicted_step_s", "tokens_per_s", "time_split"]
+    assert rr["runs"] and out["schedule"] == "round_robin"
+    assert [out[k] for k in fields[1:]] == [rr["update"], rr["step_s"], rr["tokens_per_s"], rr["time_split"]]
+    assert out["mode"]["candidates"][0]["predicted_step_s"] == out["predicted_step_s"]
+    [swapped] = out["other_schedules"]
+    assert list(swapped) == fields and swapped["schedule"] == "swapped" and swapped["update"] == "sync"
+    tokens = out["micro_batches"] * out["micro_batch_size"] * out["seq_len"]
+    assert swapped["tokens_per_s"] == pytest.approx(tokens / swapped["predicted_step_s"])
+    assert swapped["predicted_step_s"] != out["predicted_step_s"]
+    again = Plan.from_json(out)  # plan.json and the kept plans read it back
+    assert again.predicted_step_s == swapped["predicted_step_s"] and again.time_split == swapped["time_split"]
+    assert again.to_json() == {k: v for k, v in out.items() if k not in ("mode", "profile", "model", "host")}
 
 
 def test_a_delayed_update_takes_the_cpu_update_off_the_swapped_pipelines_step() -> None:

@@ -352,21 +352,48 @@ def test_resume_accepts_new_data_when_told_and_a_mere_touch_is_no_change(run: Pa
     assert "done: 3 steps" in capsys.readouterr().out
 
 
-def test_more_cpu_workers_than_cores_is_said(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+def test_more_cpu_workers_than_cores_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """In every mode that runs CPU workers (auto on the CPU compares only those), not in single mode nor on GPUs."""
     from mobius.app.run import warn_oversubscribed
-    from mobius.app.settings import Machine, resolve
+    from mobius.app.settings import Machine
     from mobius.config import config_from_dict
 
-    cfg = config_from_dict({"model": {"preset": "gpt2-tiny"}, "train": {"micro_batches": 4},
-                            "parallel": {"mode": "zero", "devices": 4, "device": "cpu"}})
-    machine = dataclasses.replace(Machine.cpu_only(), cpu_count=2)
-    with caplog.at_level(logging.WARNING):
-        warn_oversubscribed(cfg, resolve(cfg, machine), machine)
-    assert "parallel.devices=4: 4 CPU worker processes on this machine's 2 cores" in caplog.text
-    caplog.clear()
-    warn_oversubscribed(cfg, resolve(cfg, dataclasses.replace(machine, cpu_count=4)),
-                        dataclasses.replace(machine, cpu_count=4))
-    assert caplog.text == ""
+    def said(parallel: dict, cores: int = 2) -> str:
+        cfg = config_from_dict({"model": {"preset": "gpt2-tiny"}, "train": {"micro_batches": 4},
+                                "parallel": {"device": "cpu", **parallel}})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            warn_oversubscribed(cfg, dataclasses.replace(Machine.cpu_only(), cpu_count=cores))
+        return caplog.text
+
+    for mode in ("zero", "pipeline", "auto"):
+        assert "parallel.devices=4: 4 CPU worker processes on this machine's 2 cores" in said({"mode": mode,
+                                                                                               "devices": 4})
+    assert said({"mode": "zero", "devices": 4}, cores=4) == ""
+    assert said({"mode": "auto", "devices": 1}, cores=1) == ""  # auto on one CPU device: single mode, no worker
+
+
+class _Spent(Exception):
+    """What a test raises where a run would start spending time (its fork server, its data, its plan)."""
+
+
+def test_too_many_cpu_workers_are_said_before_the_run_spends_anything(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 65: 16 CPU workers on 2 cores were said 12 s after the start, once their CPU AdamW was measured."""
+    from mobius.app import run
+    from mobius.app.settings import Machine
+    from mobius.config import config_from_dict
+
+    def spent(*args: object, **kwargs: object) -> None:
+        raise _Spent
+    for name in ("start_helpers_early", "prepare", "plan_run"):
+        monkeypatch.setattr(run, name, spent)
+    cfg = config_from_dict({"model": {"preset": "gpt2-tiny"}, "train": {"micro_batches": 16},
+                            "parallel": {"mode": "zero", "devices": 16, "device": "cpu"},
+                            "output": {"dir": str(tmp_path / "out")}})
+    with caplog.at_level(logging.WARNING), pytest.raises(_Spent):
+        run.train(cfg, machine=dataclasses.replace(Machine.cpu_only(), cpu_count=2))
+    assert "parallel.devices=16: 16 CPU worker processes on this machine's 2 cores" in caplog.text
 
 
 def test_chunk_size_bounds_name_both_numbers() -> None:

@@ -239,6 +239,85 @@ def test_mobius_killed_with_9_leaves_no_process_and_no_shared_memory_file_5_s_la
     assert [p for p in shared if p.exists()] == [], "shared-memory files of the run were left behind"
 
 
+MARK = "MOBIUS_TEST_RUN"  # in the environment of a run under test, and so of every process it starts
+
+
+def _marked(mark: str) -> dict[int, bytes]:
+    """The live processes whose environment carries ``MARK=mark`` (what the run started, however reparented),
+    with their command lines."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if entry.isdigit() else []
+        except OSError:
+            continue
+        if f"{MARK}={mark}".encode() in env:
+            found[int(entry)] = _cmdline(int(entry))
+    return found
+
+
+class _Code:
+    """Unpickling this would call a function (a harmless one)."""
+
+    def __reduce__(self) -> tuple:
+        return (os.getpid, ())
+
+
+@pytest.fixture(scope="module")
+def pickled_step(tmp_path_factory: pytest.TempPathFactory, deep_checkpoint: Path, corpus: Path, cache: Path) -> Path:
+    """The first step checkpoint of a two-step run whose weights were then replaced by a plain pickle (protocol 4, as
+    ``pickle.dumps`` writes it) of something other than tensors."""
+    import pickle
+
+    from mobius import cli
+
+    tmp = tmp_path_factory.mktemp("pickled-step")
+    assert cli.main(["train", str(_run_file(tmp, deep_checkpoint, corpus, cache, "single")), "--train.max_steps=2",
+                     "--output.save_every=1"]) == 0
+    step = tmp / "out" / "checkpoints" / "step-000001"
+    for f in step.glob("model*.safetensors"):
+        f.unlink()
+    (step / "pytorch_model.bin").write_bytes(pickle.dumps({"transformer.wte.weight": _Code()}, protocol=4))
+    return step
+
+
+@pytest.fixture(scope="module", params=["pipeline", "zero"])
+def refused(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, deep_checkpoint: Path,
+            corpus: Path, cache: Path, pickled_step: Path) -> dict:
+    """``mobius train --resume`` in pipeline or zero mode on a checkpoint whose weights are a pickle: refused in
+    its data phase, once its fork server has started (importing torch). What ran while it ran, at its exit and a
+    second later."""
+    tmp = tmp_path_factory.mktemp(f"refused-{request.param}")
+    mark = f"{os.getpid()}-{request.param}-{time.time_ns()}"
+    proc = subprocess.Popen([sys.executable, "-m", "mobius.cli", "train",
+                             str(_run_file(tmp, deep_checkpoint, corpus, cache, request.param)),
+                             "--resume", str(pickled_step)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, MARK: mark})
+    seen: set[bytes] = set()
+    while proc.poll() is None:
+        seen.update(_marked(mark).values())
+        time.sleep(0.01)
+    at_exit = _marked(mark)
+    time.sleep(1.0)
+    return {"code": proc.returncode, "err": proc.communicate()[1], "seen": seen, "at_exit": at_exit,
+            "a_second_later": _marked(mark)}
+
+
+def test_a_run_refused_before_its_workers_leaves_no_process_behind(refused: dict) -> None:
+    """Issue 65: the fork server, started before the data is read, was still importing torch 1-2 s after
+    mobius had refused the run. It ends before mobius exits; the resource tracker within a second of it."""
+    assert refused["code"] == 2, refused["err"][-3000:]
+    assert any(b"forkserver" in cmd for cmd in refused["seen"]), "the fork server should have started"
+    assert not [cmd for cmd in refused["at_exit"].values() if b"forkserver" in cmd], refused["at_exit"]
+    assert refused["a_second_later"] == {}, f"processes of the run outlived it: {refused['a_second_later']}"
+
+
+def test_a_run_refused_for_pickled_weights_says_so_in_one_line(refused: dict) -> None:
+    """Issue 65: torch's two lines of warning about the pickle's protocol came before mobius's one."""
+    assert refused["err"].strip().splitlines() == [refused["err"].strip()], refused["err"][-3000:]
+    assert refused["err"].startswith("mobius: error: ") and "pickled code is never loaded" in refused["err"]
+
+
 AGENT = """
 import subprocess, sys, time
 worker = ("import sys, time; from mobius.app.supervise import end_when_orphaned; end_when_orphaned(3); "

@@ -321,10 +321,9 @@ def log_phases(plan: Plan | ZeroPlan, metrics: Path) -> None:
     rows = run_rows(metrics)
     if isinstance(plan, ZeroPlan):
         table = zero_phases(plan, rows)
-    elif plan.round_robin.get("runs"):
-        table = phases(plan.round_robin["step_s"], plan.round_robin["time_split"], rows)
     else:
-        table = phases(plan.predicted_step_s, plan.time_split, rows)
+        runs = plan.schedules()[0]
+        table = phases(runs.predicted_step_s, runs.time_split, rows)
     if table is None:
         return
     log.info("predicted / measured per step: " + ", ".join(f"{p.replace('_', ' ')} {a:.3f} / {b:.3f} s"

@@ -389,7 +389,8 @@ class Planned:
         if p is None:
             return Candidate(self.mode, None, True, "not planned")
         fits = getattr(p, "fits", True)  # a pipeline plan is only made when it fits
-        return Candidate(self.mode, p.predicted_step_s, fits, _note(p, self.settings))
+        step = p.schedules()[0].predicted_step_s if isinstance(p, Plan) else p.predicted_step_s  # of what runs
+        return Candidate(self.mode, step, fits, _note(p, self.settings))
 
 
 def _host_need(plan: AnyPlan | None, workers: int) -> int:
@@ -404,7 +405,8 @@ def _host_need(plan: AnyPlan | None, workers: int) -> int:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A mode in auto's comparison: its predicted step, whether it fits, and what it plans (or why not)."""
+    """A mode in auto's comparison: its predicted step (of the schedule that runs), whether it fits, and what it
+    plans (or why not)."""
 
     mode: Mode
     predicted_step_s: float | None
@@ -423,6 +425,10 @@ def _note(plan: AnyPlan, settings: ParallelSettings) -> str:
         return (f"{where}: {plan.num_chunks} chunks, {plan.cache_blocks} rCache blocks, "
                 f"{plan.num_chunks - plan.gpu_chunks} offloaded" + ("" if plan.fits else
                 f"; needs {plan.peak_bytes / 2**30:.1f} GiB of {plan.memory['capacity'] / 2**30:.1f} GiB"))
+    if plan.schedules()[0].schedule == "round_robin":
+        rr = plan.round_robin
+        return (f"{where}: round-robin, {len(rr['forward']) - 1} forward + 1 fused + {len(rr['backward']) - 1} "
+                f"backward ops per round")
     return f"{where}: {plan.num_stages} stages, {plan.mapping_kind} mapping"
 
 

@@ -2,10 +2,11 @@
 auto`` compares the modes' plans), then run the single-device engine here or the workers of the
 pipeline or zero mode -- started by mobius, or, under ``torchrun``, this process being one of them.
 
-Every check comes before any work (:func:`prepare`): the inputs, the run directory (claimed for the
-run: :mod:`mobius.app.rundir`), the data, the model against its checkpoint and against what
-``--resume`` continues, the plan (zero mode's must fit), the free disk for checkpoints. Only then
-does ``--overwrite`` set the old run aside and the plan get written."""
+Every check comes before any work, and each before anything is measured that it does not need: the inputs
+and the parallel settings (with a word when CPU workers would outnumber the cores), the run directory
+(claimed for the run: :mod:`mobius.app.rundir`), the data, the model against its checkpoint and against what
+``--resume`` continues (:func:`prepare`), the free disk for checkpoints, then the plan (zero mode's must fit).
+Only then does ``--overwrite`` set the old run aside and the plan get written."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from mobius.app import torchrun
 from mobius.app.launch import keeping_compute, open_device, run_worker, spawn
 from mobius.app.planning import AnyPlan, ModeChoice, Planned, plan_run, profile_line
 from mobius.app.rundir import PLAN_FILE, RunDir
-from mobius.app.settings import Machine, Torchrun, mode_options, resolve, static_mode
+from mobius.app.settings import Machine, Torchrun, local_cpu_workers, mode_options, resolve, static_mode
 from mobius.app.supervise import end_when_orphaned, helpers_settled, start_helpers_early
 from mobius.assemble import (Prepared, check_inputs, check_resume, initial_model, prepare_data, resume_dir,
                              run_model_config)
@@ -56,6 +57,7 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
     startup = Startup()
     machine = machine or Machine.detect(cfg)
     check_parallel(cfg, machine)
+    warn_oversubscribed(cfg, machine)
     rundir = RunDir.claim(Path(cfg.output.dir), resume, overwrite)
     known = static_mode(cfg, machine)  # (None: auto, which may pick single; then nothing would use the server)
     workers_ahead = known is not None and known[0] != "single"
@@ -64,12 +66,13 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
     try:
         with startup.phase("data"):
             ready = prepare(cfg, resume)
+        check_prepared(cfg, ready)
         if workers_ahead:
             with startup.phase("workers"):
                 helpers_settled()  # the plan's measurements time a machine that does nothing else
         with startup.phase("plan"):
             choice = plan_run(cfg, ready.model_cfg, machine)
-            _check_before_start(cfg, choice, ready, machine)
+            check_plan(choice)
         rundir.set_aside()
         _announce(cfg, choice)
         settings, plan = choice.chosen.settings, choice.chosen.plan
@@ -101,24 +104,28 @@ def check_parallel(cfg: Config, machine: Machine) -> None:
         mode_options(cfg, machine)
 
 
-def _check_before_start(cfg: Config, choice: ModeChoice, ready: Prepared, machine: Machine) -> None:
-    """The last checks before any work: zero mode's plan fits, the disk holds a checkpoint; a word when
-    CPU workers outnumber the cores."""
-    log.info("data: %d training blocks of %d tokens, %d held out; model: %s, %.1fM parameters", len(ready.data.train),
-             cfg.data.seq_len, len(ready.data.val), ready.model_cfg.family, param_count(ready.model_cfg) / 1e6)
-    settings, plan = choice.chosen.settings, choice.chosen.plan
-    if isinstance(plan, ZeroPlan) and not plan.fits:
-        raise ConfigError(_zero_too_big(plan))
-    check_disk(Path(cfg.output.dir), cfg, ready.model_cfg, save_dtype_for(cfg, ready.ck_dtype))
-    warn_oversubscribed(cfg, settings, machine)
-
-
-def warn_oversubscribed(cfg: Config, settings: ParallelSettings, machine: Machine) -> None:
-    """A word when CPU worker processes outnumber this machine's cores."""
-    local = settings.workers // settings.nodes
-    if settings.device == "cpu" and local > machine.cpu_count:
+def warn_oversubscribed(cfg: Config, machine: Machine) -> None:
+    """A word when CPU worker processes would outnumber this machine's cores, given with the parallel settings'
+    checks: before the run reads its data or measures anything for them."""
+    local = local_cpu_workers(cfg, machine)
+    if local > machine.cpu_count:
         log.warning("parallel.devices=%d: %d CPU worker processes on this machine's %d cores share them, each "
                     "running slower; fewer devices may train faster", cfg.parallel.devices, local, machine.cpu_count)
+
+
+def check_prepared(cfg: Config, ready: Prepared) -> None:
+    """The checks that need the prepared model and nothing measured (before the plan): the disk holds the
+    largest checkpoint the run writes."""
+    log.info("data: %d training blocks of %d tokens, %d held out; model: %s, %.1fM parameters", len(ready.data.train),
+             cfg.data.seq_len, len(ready.data.val), ready.model_cfg.family, param_count(ready.model_cfg) / 1e6)
+    check_disk(Path(cfg.output.dir), cfg, ready.model_cfg, save_dtype_for(cfg, ready.ck_dtype))
+
+
+def check_plan(choice: ModeChoice) -> None:
+    """The last check before any work: zero mode's plan fits."""
+    plan = choice.chosen.plan
+    if isinstance(plan, ZeroPlan) and not plan.fits:
+        raise ConfigError(_zero_too_big(plan))
 
 
 def _zero_too_big(plan: ZeroPlan) -> str:
@@ -198,6 +205,8 @@ def _train_under_torchrun(cfg: Config, run: Torchrun, resume: str | None, overwr
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, devices=run.world))
     machine = Machine.detect(cfg, nodes=run.nodes, torchrun=True)
     torchrun.on_ranks(lambda: check_parallel(cfg, machine), True)
+    if run.rank == 0:
+        warn_oversubscribed(cfg, machine)
     rundir = torchrun.on_ranks(lambda: RunDir.claim(Path(cfg.output.dir), resume, overwrite), run.rank == 0)
     try:
         result = _torchrun_ranks(cfg, run, machine, resume, rundir, startup)
@@ -229,9 +238,10 @@ def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | 
 
 def _plan_and_announce(cfg: Config, ready: Prepared, machine: Machine, rundir: RunDir | None,
                        chosen: list[Planned]) -> tuple[Mode, str, AnyPlan | None]:
+    check_prepared(cfg, ready)
     choice = plan_run(cfg, ready.model_cfg, machine)
     chosen.append(choice.chosen)
-    _check_before_start(cfg, choice, ready, machine)
+    check_plan(choice)
     if rundir is not None:
         rundir.set_aside()
     _announce(cfg, choice)

@@ -168,6 +168,16 @@ def static_mode(cfg: Config, machine: Machine) -> tuple[Mode, str] | None:
     return None
 
 
+def local_cpu_workers(cfg: Config, machine: Machine) -> int:
+    """How many CPU worker processes a run of ``cfg`` starts on each of ``machine``'s nodes, known before any plan:
+    ``parallel.devices`` over the nodes on the CPU in every mode but single (``auto`` on the CPU with several
+    devices compares only modes that run them); 0 on GPUs and in single mode."""
+    static = static_mode(cfg, machine)
+    if (static is not None and static[0] == "single") or _device(cfg.parallel.device, machine) != "cpu":
+        return 0
+    return cfg.parallel.devices // machine.nodes
+
+
 def mode_options(cfg: Config, machine: Machine) -> dict[Mode, str]:
     """For ``parallel.mode: auto``: each mode, and why it cannot run here ("" when it can)."""
     device = _device(cfg.parallel.device, machine)

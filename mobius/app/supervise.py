@@ -23,7 +23,9 @@ comes. The multiprocessing resource tracker is started here the same way (it the
 hang-up and cleans up what killed workers leave without a word). Each worker watches its parent
 (this process, or torchrun's agent) and ends as soon as it is gone, however it ended, so that the fork
 server and the resource tracker, which live while a worker does, end too; a rank torchrun started
-keeps the terminal's signals and stops on them by itself (:func:`end_when_orphaned`).
+keeps the terminal's signals and stops on them by itself (:func:`end_when_orphaned`). However else this
+process ends (a run done, refused, failed or stopped), it ends the fork server before it exits, and the
+resource tracker ends with it (:func:`end_fork_server`).
 
 Workers are forks of multiprocessing's fork server, started once per process with torch and mobius
 imported (:func:`_fork_server_running`): a worker then starts in milliseconds instead of importing
@@ -33,6 +35,7 @@ environment as it is at launch, with the agent's per-rank variables on top (:fun
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -46,6 +49,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
+from mobius.app.library_warnings import one_line_warnings
 from mobius.errors import MobiusError
 
 log = logging.getLogger(__name__)
@@ -187,7 +191,8 @@ def start_helpers_early() -> None:
     """Start the resource tracker and the fork server now, so that the fork server imports torch and mobius
     (2-2.5 s of CPU) while this process reads its data; the workers' launch then finds them running. The
     terminal's signals are blocked while they start, as :func:`run_workers` starts them (they and the workers
-    inherit that), and a signal that comes meanwhile is taken once they run."""
+    inherit that), and a signal that comes meanwhile is taken once they run. The fork server ends before this
+    process exits, however a run ends, refused before its workers started included (:func:`end_fork_server`)."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         return  # (run_workers starts them)
     before = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
@@ -195,6 +200,26 @@ def start_helpers_early() -> None:
         _helpers_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def end_fork_server(owner: int) -> None:
+    """End the fork server that process ``owner`` started (when this is that process, not a fork of it), if one
+    runs; registered to run when that process exits (:func:`_fork_server_running`), however it ends but by
+    ``os._exit`` or a fatal signal. An idle server would end by itself once this process had (it watches its
+    "alive" pipe), but one still importing what it preloads -- a run refused before its workers started -- reads
+    that pipe only when done, and outlived ``mobius`` by 1-2 s. It holds nothing to clean up (its socket is in
+    the abstract namespace; the resource tracker removes what its forks registered), so it is killed and reaped.
+    The resource tracker then ends as soon as this process does: the last holder of its pipe."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = server._forkserver_pid
+    if pid is None or os.getpid() != owner:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        server._stop()  # closes its "alive" pipe and reaps it; a later run would start another
 
 
 def helpers_settled() -> None:
@@ -287,13 +312,15 @@ def _launches_whole() -> Iterator[None]:
 def _fork_server_running() -> None:
     """Start multiprocessing's fork server, which imports :data:`PRELOAD` once; its forks inherit the
     signal mask it was started with (blocked: :func:`_terminal_signals_to_this_process`). Once started
-    it serves every later run of this process, until the process ends."""
+    it serves every later run of this process, until the process exits and ends it (:func:`end_fork_server`)."""
     import multiprocessing
     from multiprocessing import forkserver
 
     if START_METHOD == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)
         forkserver.ensure_running()
+        atexit.unregister(end_fork_server)  # (registered once)
+        atexit.register(end_fork_server, os.getpid())
 
 
 def _start_resource_tracker() -> None:
@@ -405,6 +432,7 @@ def _worker_entry(fn: Callable[..., Any], args: tuple, log_level: int, env: dict
     leave_stopping_to_parent(rank, parent)
     logging.basicConfig(level=log_level if rank == 0 else max(log_level, logging.WARNING),
                         format=f"[rank {rank}] %(message)s", force=True)
+    one_line_warnings()
     handler = get_error_handler()
     handler.initialize()
     try:

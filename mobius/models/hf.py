@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import pickle
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -24,6 +25,7 @@ from mobius.models import FAMILIES, ModelConfig, build_model, gpt2, llama, opt
 from mobius.models.base import CausalLM
 
 log = logging.getLogger(__name__)
+PICKLE_PROTOCOL_WARNING = "Detected pickle protocol"  # torch's weights-only unpickler, on a plain pickle
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,13 +366,16 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
 
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     """A ``.bin`` state dict through torch's weights-only unpickler (tensors only, never code),
-    memory-mapped when the file is in the zip format (legacy files are read whole)."""
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-        return torch.load(file, map_location="cpu", weights_only=True)
+    memory-mapped when the file is in the zip format (legacy files are read whole). Torch's warning that a
+    plain pickle's protocol is not its own is silenced: the unpickler reads the file or mobius refuses it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PICKLE_PROTOCOL_WARNING)
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def _keys_of(file: Path) -> list[str]:
