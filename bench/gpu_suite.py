@@ -10,6 +10,10 @@ Parts, in the order a short GPU session should take them (``--parts all`` runs t
 =========  ==================================================================================================
 tests      the tests marked ``gpu`` (bench/gpu_tests.py: ``python -m pytest -m gpu``, its JUnit XML and counts); 26
            tests, all passing on one H100 on 2026-11-27 in 144 s
+packing    attention over packed documents on the GPU (bench/packed_attention_bench.py): varlen flash attention,
+           one SDPA call per document, a dense block-diagonal mask and compiled flex attention, forward and
+           backward at 512-8192 tokens of about 400-token documents, Llama-3.1-8B's heads (32 / 8 of 128), bf16;
+           which kernel ``mobius.models.packing.pick_kernel`` should pick on CUDA (varlen until measured; 1 min)
 calls      what the host pays per CUDA call the pipeline's dispatch thread makes (bench/cuda_calls.py): timing
            events, reading them, reading a device scalar, a synchronize, a launch; on 2026-11-27 the end of an
            OPT-2.7B pipeline step took about 0.15 s after its last gradient was down (10 s)
@@ -86,6 +90,7 @@ def _zero(*extra: str) -> list[str]:
 # part -> [(benchmark name, script and arguments, time limit in seconds)]
 PARTS: dict[str, list[tuple[str, list[str], int]]] = {
     "tests": [("gpu-tests", ["bench/gpu_tests.py"], 300)],
+    "packing": [("packed-attention", ["bench/packed_attention_bench.py"], 120)],
     "calls": [("cuda-calls", ["bench/cuda_calls.py"], 60)],
     "delayed": [("opt-2.7b-sync", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "single,pipeline,zero"],
                  300),

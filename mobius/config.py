@@ -223,6 +223,11 @@ class PartitionSection(_Section):
                                        "the plan takes 0.68 of it inside a step and divides it among the workers "
                                        "updating at the same time. null: measured on this machine when planning "
                                        "on it; planning from a saved topology, 4.0 (a two-socket server's).", gt=0)
+    document_tokens: int | None = _f(None, "Tokens per document in packed rows of conversations, which the plan "
+                                     "profiles attention with (within each document, not across the row). null: "
+                                     "the data's mean when it is packed conversations and mobius can read it (its "
+                                     "token cache, or tokenized now with the checkpoint's tokenizer); else one "
+                                     "sequence per row.", ge=1)
     reuse_plan: bool = _f(True, "Run the pipeline plan made before for the same profile, machine, settings and "
                           "mobius code (mobius plan, then mobius train: the plan shown; a resumed run), kept under "
                           "partition.cache_dir; false: search again, and keep the new plan.")

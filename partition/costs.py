@@ -123,6 +123,8 @@ class ModelProfile:
     # step (:func:`partition.simulate.with_spread`). 0: workers alike
     compute_spread: float = 0.0  # how much one compute's time varies inside a step (standard deviation over mean of
     # one stage's computes of one kind: the runtime's ``compute_spread``); learnt and drawn alike. 0: none
+    doc_tokens: int | None = None  # rows packed with documents of about this many tokens: attention within each
+    # (the kernel mobius.models.packing picks, measured so; its FLOPs estimated so). None: one sequence per row
     reduce_scatter_x: float = 1.0  # zero mode on CPU workers: its gradient flushes' time inside the steps (each a
     # reduce-scatter, entered straight from the compute, and the copy into the rank's shard; one rank: the copy) over
     # the hardware model's, which the dispatch thread waits for; learnt from the runs on the machine

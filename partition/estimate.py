@@ -41,24 +41,26 @@ def precision_bytes(precision: str) -> int:
 def estimate_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str,
                    gpu: str | dict | GPUSpec, compute_efficiency: float = COMPUTE_EFFICIENCY,
                    memory_efficiency: float = MEMORY_EFFICIENCY, accumulate: str = "fp32",
-                   loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT) -> ModelProfile:
+                   loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT, doc_tokens: int | None = None) -> ModelProfile:
     """Analytic unit costs for ``gpu`` (a catalogue name, device name, figures, or a GPUSpec).
     ``accumulate``: the matrix multiplies' accumulation ("fp32", what mobius runs; "fp16" to compare
-    with runs that allowed FP16 accumulation); ``loss_bytes_per_logit``: the loss's memory traffic."""
+    with runs that allowed FP16 accumulation); ``loss_bytes_per_logit``: the loss's memory traffic;
+    ``doc_tokens``: rows packed with documents of that many tokens (attention's FLOPs within each)."""
     spec = gpu_spec(gpu)
     rate = spec.tflops(precision, accumulate)
     units = [_estimate_unit(s, micro_batch_size, seq_len, precision, spec, rate * compute_efficiency,
-                            memory_efficiency, loss_bytes_per_logit) for s in specs]
+                            memory_efficiency, loss_bytes_per_logit, doc_tokens) for s in specs]
     notes = {"gpu": spec.name, "compute_efficiency": compute_efficiency, "memory_efficiency": memory_efficiency,
              "tflops": rate, "mem_GBps": spec.mem_GBps}
-    return ModelProfile(units, micro_batch_size, seq_len, precision, spec.name, "estimated", 0.0, notes)
+    return ModelProfile(units, micro_batch_size, seq_len, precision, spec.name, "estimated", 0.0, notes,
+                        doc_tokens=doc_tokens)
 
 
 def _estimate_unit(s: Any, mbs: int, seq: int, precision: str, gpu: GPUSpec, tflops: float, me: float,
-                   loss_bytes: float) -> UnitCost:
+                   loss_bytes: float, doc_tokens: int | None = None) -> UnitCost:
     elem = precision_bytes(precision)
     tokens = mbs * seq
-    flops = float(s.fwd_flops(mbs, seq))
+    flops = float(s.fwd_flops(mbs, seq, doc_tokens))
     param_bytes = s.param_count * elem
     in_bytes = tokens * 8 if s.kind == "embed" else tokens * s.hidden_size * elem
     act_bytes = int(s.out_numel(mbs, seq)) * elem

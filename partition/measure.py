@@ -30,8 +30,9 @@ CPU_REPS = 15  # timed repetitions of each unit on the CPU, whose speed varies m
 
 
 def profile_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str,
-                  device: str = "auto", reps: int = 5, warmup: int = 2) -> ModelProfile:
-    """Measure every distinct unit once (one at a time) and expand to all units."""
+                  device: str = "auto", reps: int = 5, warmup: int = 2, doc_tokens: int | None = None) -> ModelProfile:
+    """Measure every distinct unit once (one at a time) and expand to all units; ``doc_tokens``: on rows
+    packed with documents of that many tokens (attention within each, as training runs it)."""
     import torch
 
     from mobius.engine import DTYPES
@@ -45,13 +46,15 @@ def profile_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, pre
     for k, spec in enumerate(distinct, 1):
         log.info("profiling unit %d/%d: %s (%s, %.0fM parameters) on %s", k, len(distinct), spec.name, spec.kind,
                  spec.param_count / 1e6, dev)
-        by_sig[spec.signature] = _measure(spec, micro_batch_size, seq_len, precision, dtype, dev, reps, warmup)
+        by_sig[spec.signature] = _measure(spec, micro_batch_size, seq_len, precision, dtype, dev, reps, warmup,
+                                          doc_tokens)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     units = [_rename(by_sig[s.signature], s) for s in specs]
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     notes = {"reps": reps, "warmup": warmup, "distinct_units": len(distinct)}
-    return ModelProfile(units, micro_batch_size, seq_len, precision, name, "measured", time.perf_counter() - t0, notes)
+    return ModelProfile(units, micro_batch_size, seq_len, precision, name, "measured", time.perf_counter() - t0, notes,
+                        doc_tokens=doc_tokens)
 
 
 def _resolve_device(device: str):
@@ -70,17 +73,21 @@ def _rename(cost: UnitCost, spec: Any) -> UnitCost:
     return replace(cost, name=spec.name, param_count=spec.param_count, frozen_count=spec.frozen_count)
 
 
-def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: int, warmup: int) -> UnitCost:
+def _measure(spec: Any, mbs: int, seq: int, precision: str, dtype, dev, reps: int, warmup: int,
+             doc_tokens: int | None = None) -> UnitCost:
     """Time forward and recompute+backward of one unit; count its saved and working memory."""
     import torch
 
     from mobius.engine import autocast
+    from mobius.models.packing import Documents
 
     elem = precision_bytes(precision)
     module = _built_on(spec, dev, dtype)
     x = spec.make_input(mbs, seq, dev, dtype)
+    lengths = spec.make_docs(mbs, seq, doc_tokens)
+    docs = None if lengths is None else Documents(lengths, dev)  # made once, as for a stage's every unit
     targets = torch.randint(0, spec.vocab_size, (mbs, seq), device=dev) if spec.kind == "head" else None
-    step = _unit_step(spec.kind, module, x, targets, lambda: autocast(dev, precision))
+    step = _unit_step(spec.kind, module, x, targets, lambda: autocast(dev, precision), docs)
     fwd, bwd = _time_interleaved([lambda: step(False), lambda: step(True)], dev, reps, warmup)
     saved, largest = _saved_bytes(module, x, step)
     trainable = spec.param_count - spec.frozen_count  # frozen weights (LoRA's) get no gradients
@@ -129,9 +136,9 @@ def _accumulate_s(numel: int, dtype, dev, reps: int, warmup: int) -> float:
     return _time(lambda: acc.add_(grads), dev, reps, warmup)
 
 
-def _unit_step(kind: str, module, x, targets, autocast):
+def _unit_step(kind: str, module, x, targets, autocast, docs=None):
     """A closure running the unit's forward (no grad) or its forward with grad plus backward, each forward
-    under ``autocast()`` (the runtimes' context for the training precision)."""
+    under ``autocast()`` (the runtimes' context for the training precision), over ``docs`` (packed rows)."""
     import torch
 
     from mobius.models.base import lm_loss
@@ -139,13 +146,13 @@ def _unit_step(kind: str, module, x, targets, autocast):
     def step(backward: bool) -> None:
         if not backward:
             with torch.no_grad(), autocast():
-                out = module(x)
+                out = module(x, docs)
                 if targets is not None:
                     lm_loss(out, targets)
             return
         inp = x if kind == "embed" else x.detach().requires_grad_(True)
         with autocast():
-            out = module(inp)
+            out = module(inp, docs)
             loss = lm_loss(out, targets) if targets is not None else None
         if loss is not None:
             loss.backward()

@@ -30,10 +30,12 @@ log = logging.getLogger(__name__)
 PROFILE_METHOD = "autocast"  # how units are run when measured (a profile measured otherwise is not reused)
 
 
-def profile_key(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str, device_name: str) -> str:
-    """Cache key: model shape (the units' signatures), micro-batch, sequence, precision, device, and how
-    the units were run (:data:`PROFILE_METHOD`)."""
-    blob = json.dumps({"shape": [s.signature for s in specs], "mbs": micro_batch_size, "seq": seq_len,
+def profile_key(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str, device_name: str,
+                doc_tokens: int | None = None) -> str:
+    """Cache key: model shape (the units' signatures), micro-batch, sequence, packed documents' length,
+    precision, device, and how the units were run (:data:`PROFILE_METHOD`)."""
+    row = {"seq": seq_len} if doc_tokens is None else {"seq": seq_len, "doc": doc_tokens}  # (old keys stay valid)
+    blob = json.dumps({"shape": [s.signature for s in specs], "mbs": micro_batch_size, **row,
                        "precision": precision, "device": device_name, "method": PROFILE_METHOD})
     return hashlib.sha1(blob.encode()).hexdigest()[:20]
 
@@ -47,10 +49,12 @@ def load_cached(path: Path) -> ModelProfile | None:
 
 def get_profile(specs: Sequence[Any], micro_batch_size: int, seq_len: int, precision: str, mode: str = "auto",
                 gpu: str | dict | GPUSpec | None = None, device: str = "auto",
-                cache_dir: str | Path | None = None, threads: int | None = None) -> ModelProfile:
+                cache_dir: str | Path | None = None, threads: int | None = None,
+                doc_tokens: int | None = None) -> ModelProfile:
     """A measured profile (``mode="measured"``, or ``auto`` with a CUDA device and no ``gpu`` named)
     or an estimated one (``mode="estimated"``, or ``auto`` otherwise; needs ``gpu``). ``threads``:
-    measure on the CPU with this many threads (what each CPU worker of a run will have)."""
+    measure on the CPU with this many threads (what each CPU worker of a run will have); ``doc_tokens``:
+    rows packed with documents of that many tokens (None: one sequence per row)."""
     precision_bytes(precision)
     if mode not in ("auto", "measured", "estimated"):
         raise ConfigError(f"partition.profile must be auto, measured or estimated, got {mode!r}")
@@ -60,8 +64,8 @@ def get_profile(specs: Sequence[Any], micro_batch_size: int, seq_len: int, preci
         if gpu is None:
             raise ConfigError("an estimated profile needs the GPU model: set partition.gpu (e.g. rtx3090, rtx4090, "
                               "a100-40gb, h100) or give a topology whose GPU names are in the catalogue")
-        return estimate_units(specs, micro_batch_size, seq_len, precision, gpu)
-    return _measured_cached(specs, micro_batch_size, seq_len, precision, device, cache_dir, threads)
+        return estimate_units(specs, micro_batch_size, seq_len, precision, gpu, doc_tokens=doc_tokens)
+    return _measured_cached(specs, micro_batch_size, seq_len, precision, device, cache_dir, threads, doc_tokens)
 
 
 def _local_gpu_matches(gpu: str | dict | GPUSpec | None) -> bool:
@@ -81,7 +85,7 @@ def _local_gpu_matches(gpu: str | dict | GPUSpec | None) -> bool:
 
 
 def _measured_cached(specs: Sequence[Any], mbs: int, seq: int, precision: str, device: str,
-                     cache_dir: str | Path | None, threads: int | None) -> ModelProfile:
+                     cache_dir: str | Path | None, threads: int | None, doc_tokens: int | None = None) -> ModelProfile:
     import torch
 
     dev = _resolve_device(device)
@@ -90,7 +94,7 @@ def _measured_cached(specs: Sequence[Any], mbs: int, seq: int, precision: str, d
         name = f"cpu ({threads} thread{'s' if threads > 1 else ''})"
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / "profiles" / f"{profile_key(specs, mbs, seq, precision, name)}.json"
+        path = Path(cache_dir) / "profiles" / f"{profile_key(specs, mbs, seq, precision, name, doc_tokens)}.json"
         cached = load_cached(path) if path.is_file() else None
         if cached is not None:
             log.info("using cached profile %s", path)
@@ -100,7 +104,7 @@ def _measured_cached(specs: Sequence[Any], mbs: int, seq: int, precision: str, d
     if dev.type == "cpu" and threads:
         torch.set_num_threads(threads)
     try:
-        prof = profile_units(specs, mbs, seq, precision, str(dev))
+        prof = profile_units(specs, mbs, seq, precision, str(dev), doc_tokens=doc_tokens)
     finally:
         torch.set_num_threads(before)
     prof.device_name = name

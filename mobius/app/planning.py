@@ -128,20 +128,22 @@ def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, mac
     """Unit costs: measured here -- on the CPU for CPU workers, on this machine's GPU when the run is
     planned on it, whatever ``partition.gpu`` names (a note says so when it names another GPU) -- or
     estimated from a datasheet: for a saved topology, without a GPU here, or because
-    ``partition.profile`` says estimated."""
+    ``partition.profile`` says estimated; on rows packed with documents of ``partition.document_tokens``
+    tokens when it is set (the run's data fills it in: :func:`mobius.assemble.with_document_tokens`)."""
     cache = os.path.join(cfg.partition.cache_dir, "partition")
-    specs, t = unit_specs(model_cfg), cfg.train
+    specs, t, doc = unit_specs(model_cfg), cfg.train, cfg.partition.document_tokens
     how = profile_mode(cfg, settings, machine)
     if cfg.partition.profile_file:
         prof = _from_profile_file(cfg, specs, hw)
     elif settings.device == "cpu" and how == "measured":
         prof = get_profile(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, "measured", None,
-                           device="cpu", cache_dir=cache, threads=settings.cpu_threads)
+                           device="cpu", cache_dir=cache, threads=settings.cpu_threads, doc_tokens=doc)
     else:
         names = hw.gpu_names
         here = lookup_gpu(names[0]).name if names and lookup_gpu(names[0]) else None
         datasheet = (cfg.partition.gpu or here) if how == "estimated" else None
-        prof = get_profile(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, how, datasheet, cache_dir=cache)
+        prof = get_profile(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, how, datasheet, cache_dir=cache,
+                           doc_tokens=doc)
     prof.notes["why"] = _profile_reason(cfg, settings, machine, prof)
     tied = tied_weights(model_cfg)
     prof.tied_params = tied_param_count(model_cfg) if tied and trains(model_cfg, tied[0][0]) else 0  # frozen: no exchange
@@ -159,7 +161,8 @@ def as_runs_compute(prof: ModelProfile, cfg: Config, model_cfg: ModelConfig,
     if prof.source != "measured" or cfg.partition.profile_file:
         return prof
     t = cfg.train
-    units = profile_key(unit_specs(model_cfg), t.micro_batch_size, cfg.data.seq_len, t.precision, prof.device_name)
+    units = profile_key(unit_specs(model_cfg), t.micro_batch_size, cfg.data.seq_len, t.precision, prof.device_name,
+                        prof.doc_tokens)
 
     def key(mode: str) -> str:
         return scale_key(units, settings.workers, settings.cpu_threads, mode)
@@ -186,7 +189,9 @@ def _from_profile_file(cfg: Config, specs: list, hw: Hardware) -> ModelProfile:
     if gpu is None:
         raise ConfigError(f"partition.profile_file {path}: the kinds it does not name are estimated from a GPU's "
                           f"datasheet, and neither the file's gpu nor partition.gpu names a known one")
-    return apply_profile_file(estimate_units(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, gpu), data, path)
+    est = estimate_units(specs, t.micro_batch_size, cfg.data.seq_len, t.precision, gpu,
+                         doc_tokens=cfg.partition.document_tokens)
+    return apply_profile_file(est, data, path)
 
 
 def profile_mode(cfg: Config, settings: ParallelSettings, machine: Machine) -> str:
@@ -225,18 +230,21 @@ def _profile_reason(cfg: Config, settings: ParallelSettings, machine: Machine, p
 def profile_line(prof: ModelProfile) -> str:
     """How the unit costs were had, in words, for ``mobius plan`` and ``mobius train``: "measured on
     NVIDIA H100 80GB HBM3 in 12.3 s", "estimated for RTX 3090 (60% of 71.0 TFLOP/s; no GPU here to
-    measure)", with the note when ``partition.gpu`` names another GPU than the one measured."""
+    measure)", with the note when ``partition.gpu`` names another GPU than the one measured, and the packed
+    documents' length ("; attention within documents of 412 tokens") when the rows hold several."""
     why = prof.notes.get("why", "")
+    docs = f"; attention within documents of {prof.doc_tokens} tokens" if prof.doc_tokens else ""
     if prof.source == "estimated":
         rate = f"{100 * prof.notes.get('compute_efficiency', 0):.0f}% of {prof.notes.get('tflops', 0):.1f} TFLOP/s"
-        return f"estimated for {prof.device_name} from its datasheet ({rate}{'; ' + why if why else ''})"
+        return f"estimated for {prof.device_name} from its datasheet ({rate}{'; ' + why if why else ''}){docs}"
     if "profile_file" in prof.notes:
-        return f"measured on {prof.device_name}, from {why}"
+        return f"measured on {prof.device_name}, from {why}" + (f"{docs} (the file's units as it gives them)"
+                                                                 if docs else "")
     took = f"in {prof.profile_s:.1f} s" if prof.profile_s else "(cached)"
     learnt = prof.notes.get("in_run", {})
     runs = (f"; {ComputeScale(**{k: v for k, v in learnt.items() if k != 'key'}).line()}"
             if learnt.get("runs") else "")
-    return f"measured on {prof.device_name} {took}" + (f" ({why})" if why else "") + runs
+    return f"measured on {prof.device_name} {took}" + (f" ({why})" if why else "") + runs + docs
 
 
 def even_boundaries(num_units: int, num_stages: int) -> list[int]:

@@ -33,7 +33,7 @@ from torch import nn
 from mobius.batch import IGNORE
 from mobius.errors import ConfigError
 from mobius.models.lora import LoraSpec
-from mobius.models.packing import Documents
+from mobius.models.packing import Documents, even_documents
 
 ACTIVATIONS = {  # by Hugging Face's name, for the families that name their MLP's activation (GPT-2, OPT)
     "gelu_new": partial(F.gelu, approximate="tanh"),
@@ -60,10 +60,17 @@ class UnitSpec:
     hidden_size: int
     vocab_size: int
     build: Callable[[], nn.Module]
-    fwd_flops: Callable[[int, int], float]  # (batch, seq) -> forward FLOPs of one call
+    fwd_flops: Callable[..., float]  # (batch, seq, doc=None) -> forward FLOPs of one call (doc: tokens per packed
+    # document, None: one sequence per row)
     out_numel: Callable[[int, int], int]  # (batch, seq) -> elements of the unit's output
     memory: Callable[[int, int, int], tuple[int, int]]  # (batch, seq, bytes per element) -> (saved, working) bytes
     frozen_count: int = 0  # of param_count, what does not train (LoRA's base weights)
+
+    def make_docs(self, batch: int, seq: int, doc_tokens: int | None) -> torch.Tensor | None:
+        """Document lengths [B, D] of rows packed with documents of ``doc_tokens`` (None: one sequence per row)."""
+        if doc_tokens is None:
+            return None
+        return torch.tensor([even_documents(seq, doc_tokens)] * batch, dtype=torch.int32)
 
     def make_input(self, batch: int, seq: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
         """A random input of the right shape for this unit (token ids for the embedding)."""

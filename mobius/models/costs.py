@@ -3,6 +3,8 @@ forward call, as the unit descriptions (:class:`~mobius.models.base.UnitSpec`) r
 
 from __future__ import annotations
 
+from mobius.models.packing import attended_pairs
+
 
 def embed_memory(hidden: int, batch: int, seq: int, elem: int) -> tuple[int, int]:
     """(saved, working) bytes of an embedding's forward: the int64 token ids; the output twice over."""
@@ -17,11 +19,12 @@ def head_memory(hidden: int, vocab: int, batch: int, seq: int, elem: int) -> tup
     return tokens * (hidden * elem + vocab * 4), 2 * tokens * vocab * 4
 
 
-def transformer_block_flops(batch: int, seq: int, hidden: int, ffn: int) -> float:
-    """Forward FLOPs of one GPT-2/OPT block: QKV/out projections, MLP, causal attention (half of T x T)."""
+def transformer_block_flops(batch: int, seq: int, hidden: int, ffn: int, doc: int | None = None) -> float:
+    """Forward FLOPs of one GPT-2/OPT block: QKV/out projections, MLP, causal attention (half of T x T, or of
+    each document's square in rows packed with documents of ``doc`` tokens)."""
     tokens = batch * seq
     matmuls = 2.0 * tokens * (4 * hidden * hidden + 2 * hidden * ffn)
-    attention = 2.0 * batch * seq * seq * hidden  # QK^T and AV, each 2*B*T*T*H, halved by causality
+    attention = 2.0 * batch * attended_pairs(seq, doc) * hidden  # QK^T and AV, each 2*B*T*T*H, halved by causality
     return matmuls + attention
 
 

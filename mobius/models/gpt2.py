@@ -152,16 +152,16 @@ def unit_specs(cfg: GPT2Config) -> list[UnitSpec]:
     common = dict(hidden_size=H, vocab_size=V, out_numel=lambda b, s: b * s * H)
     shape = f"gpt2:h{H}:f{F_}:nh{cfg.n_head}:v{V}:p{cfg.n_positions}:{cfg.activation_function}"
     specs = [UnitSpec(name="embed", kind="embed", signature=f"{shape}:embed", param_count=V * H + cfg.n_positions * H,
-                      build=lambda: GPT2Embedding(cfg), fwd_flops=lambda b, s: 2.0 * b * s * H,
+                      build=lambda: GPT2Embedding(cfg), fwd_flops=lambda b, s, doc=None: 2.0 * b * s * H,
                       memory=partial(embed_memory, H), **common)]
     for i in range(cfg.n_layer):
         specs.append(UnitSpec(
             name=f"block.{i}", kind="block", signature=f"{shape}:block", param_count=block_params,
-            build=partial(GPT2Block, cfg, i), fwd_flops=lambda b, s: transformer_block_flops(b, s, H, F_),
+            build=partial(GPT2Block, cfg, i), fwd_flops=lambda b, s, doc=None: transformer_block_flops(b, s, H, F_, doc),
             memory=partial(transformer_block_memory, H, F_), **common))
     specs.append(UnitSpec(
         name="head", kind="head", signature=f"{shape}:head", param_count=V * H + 2 * H, build=lambda: GPT2Head(cfg),
-        fwd_flops=lambda b, s: 2.0 * b * s * H * V, memory=partial(head_memory, H, V), hidden_size=H, vocab_size=V,
+        fwd_flops=lambda b, s, doc=None: 2.0 * b * s * H * V, memory=partial(head_memory, H, V), hidden_size=H, vocab_size=V,
         out_numel=lambda b, s: b * s * V))
     return specs
 

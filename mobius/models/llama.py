@@ -34,7 +34,7 @@ from torch import nn
 from mobius.errors import ConfigError
 from mobius.models.base import ArchConfig, CausalLM, UnitSpec, check_positions
 from mobius.models.costs import embed_memory, head_memory
-from mobius.models.packing import Documents, causal_attention
+from mobius.models.packing import Documents, attended_pairs, causal_attention
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -338,13 +338,14 @@ def block_param_count(cfg: LlamaConfig) -> int:
     return attention + mlp + 2 * H
 
 
-def block_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:
-    """Forward FLOPs of one layer: projections (GQA: k and v are narrower), SwiGLU, causal attention."""
+def block_flops(cfg: LlamaConfig, batch: int, seq: int, doc: int | None = None) -> float:
+    """Forward FLOPs of one layer: projections (GQA: k and v are narrower), SwiGLU, causal attention (within
+    documents of ``doc`` tokens in packed rows)."""
     H, F_ = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     tokens = batch * seq
     matmuls = 2.0 * tokens * (H * (q + 2 * kv) + q * H + 3 * H * F_)
-    attention = 2.0 * batch * seq * seq * q  # QK^T and AV over every query head, halved by causality
+    attention = 2.0 * batch * attended_pairs(seq, doc) * q  # QK^T and AV over every query head, halved by causality
     return matmuls + attention
 
 
@@ -378,14 +379,14 @@ def unit_specs(cfg: LlamaConfig) -> list[UnitSpec]:
              f":n{int(cfg.qk_norm)}")
     common = dict(hidden_size=H, vocab_size=V, out_numel=lambda b, s: b * s * H)
     specs = [UnitSpec(name="embed", kind="embed", signature=f"{shape}:embed", param_count=V * H,
-                      build=lambda: LlamaEmbedding(cfg), fwd_flops=lambda b, s: 2.0 * b * s * H,
+                      build=lambda: LlamaEmbedding(cfg), fwd_flops=lambda b, s, doc=None: 2.0 * b * s * H,
                       memory=partial(embed_memory, H), **common)]
     for i in range(cfg.num_hidden_layers):
         specs.append(UnitSpec(name=f"block.{i}", kind="block", signature=f"{shape}:block",
                               param_count=block_param_count(cfg), build=partial(LlamaBlock, cfg),
                               fwd_flops=partial(block_flops, cfg), memory=partial(block_memory, cfg), **common))
     specs.append(UnitSpec(name="head", kind="head", signature=f"{shape}:head", param_count=V * H + H,
-                          build=lambda: LlamaHead(cfg), fwd_flops=lambda b, s: 2.0 * b * s * H * V,
+                          build=lambda: LlamaHead(cfg), fwd_flops=lambda b, s, doc=None: 2.0 * b * s * H * V,
                           memory=partial(rms_head_memory, H, V), hidden_size=H, vocab_size=V,
                           out_numel=lambda b, s: b * s * V))
     return specs

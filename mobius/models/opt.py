@@ -180,17 +180,17 @@ def unit_specs(cfg: OPTConfig) -> list[UnitSpec]:
     common = dict(hidden_size=H, vocab_size=V, out_numel=lambda b, s: b * s * H)
     specs = [UnitSpec(name="embed", kind="embed", signature=f"{shape}:embed",
                       param_count=V * E + (cfg.max_position_embeddings + POSITION_OFFSET) * H + proj,
-                      build=lambda: OPTEmbedding(cfg), fwd_flops=lambda b, s: 2.0 * b * s * (H + proj),
+                      build=lambda: OPTEmbedding(cfg), fwd_flops=lambda b, s, doc=None: 2.0 * b * s * (H + proj),
                       memory=partial(embed_memory, H), **common)]
     for i in range(cfg.num_hidden_layers):
         specs.append(UnitSpec(name=f"block.{i}", kind="block", signature=f"{shape}:block", param_count=block_params,
                               build=partial(OPTBlock, cfg),
-                              fwd_flops=lambda b, s: transformer_block_flops(b, s, H, F_),
+                              fwd_flops=lambda b, s, doc=None: transformer_block_flops(b, s, H, F_, doc),
                               memory=partial(transformer_block_memory, H, F_), **common))
     specs.append(UnitSpec(
         name="head", kind="head", signature=f"{shape}:head",
         param_count=V * E + proj + (2 * H if cfg.has_final_layer_norm else 0), build=lambda: OPTHead(cfg),
-        fwd_flops=lambda b, s: 2.0 * b * s * (E * V + proj), memory=partial(head_memory, H, V), hidden_size=H,
+        fwd_flops=lambda b, s, doc=None: 2.0 * b * s * (E * V + proj), memory=partial(head_memory, H, V), hidden_size=H,
         vocab_size=V,
         out_numel=lambda b, s: b * s * V))
     return specs

@@ -130,6 +130,21 @@ class Documents:
         return y.view(B, T, nh, hd).transpose(1, 2)
 
 
+def even_documents(seq: int, doc_tokens: int | None) -> list[int]:
+    """A row of ``seq`` positions as documents of ``doc_tokens`` each, the last one what is left (``[seq]`` for
+    None): the layout a planner profiles packed rows with."""
+    if doc_tokens is None or doc_tokens >= seq:
+        return [seq]
+    full, rest = divmod(seq, doc_tokens)
+    return [doc_tokens] * full + ([rest] if rest else [])
+
+
+def attended_pairs(seq: int, doc_tokens: int | None) -> int:
+    """Query-key pairs of causal attention over such a row, both triangles' halves counted whole (sum of the
+    documents' squared lengths; seq ** 2 for one document): what attention's FLOPs scale with."""
+    return sum(n * n for n in even_documents(seq, doc_tokens))
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None, dropout: float,
                      scale: float | None = None, groups: int = 1) -> torch.Tensor:
     """Causal attention of q [B, nh, T, hd] over k, v [B, nkv, T, hd]: over the whole row, or within each
