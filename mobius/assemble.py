@@ -129,6 +129,10 @@ def check_resume(cfg: Config, resume_from: Path, tokenizer: TextTokenizer, data:
                               f"{_tokenizer_source(cfg)} gives ({trained_with} then, {tokenizer.name} now); resume "
                               f"with the tokenizer it trained with")
     _check_same_data(cfg, state.trainer["data"], data, resume_from)
+    saved_states, states = state.states, cfg.train.optimizer_states
+    if saved_states is not None and saved_states != states:
+        log.info("train.optimizer_states=%s: the checkpoint's AdamW moments are %s; converted as they load (%s)",
+                 states, saved_states, "exactly" if states == "fp32" else f"rounded once to {states}")
     return state
 
 

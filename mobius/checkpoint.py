@@ -6,7 +6,9 @@ A checkpoint directory::
     model.safetensors                     weights; or model-0000k-of-0000n.safetensors + model.safetensors.index.json
     tokenizer.json, tokenizer_config.json
     mobius.json                           step and run config
-    optimizer-0000r-of-0000w.safetensors  AdamW moments by parameter name, one file per rank (resumable only)
+    optimizer-0000r-of-0000w.safetensors  AdamW moments by parameter name, in the run's train.optimizer_states
+                                          (fp32, bf16, or int8 codes and their .scale), one file per rank
+                                          (resumable only)
     trainer_state.json                    step, data position, losses, RNG, loss scale, optimizer step (resumable only)
     compute-weights.safetensors           train.update=delayed: the fp32 weights the next step computes with (the
                                           update in flight), what trains only, by parameter name (resumable only)
@@ -37,6 +39,7 @@ from mobius.errors import CheckpointError
 from mobius.files import write_failure
 from mobius.models import ModelConfig, tied_weights
 from mobius.models.hf import KEY_MAPS, config_to_hf, to_hf
+from mobius.states import Moments
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,7 @@ class RankState:
     """What one rank holds of the model: fp32 weights and AdamW moments by mobius parameter name."""
 
     weights: dict[str, torch.Tensor]
-    moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> (exp_avg, exp_avg_sq)
+    moments: dict[str, Moments] = field(default_factory=dict)  # name -> exp_avg and exp_avg_sq, in the rule's storage
     optimizer_step: int = 0  # AdamW steps taken (equal on every rank)
     scaler: dict = field(default_factory=dict)  # LossScaler.state_dict() (equal on every rank)
     compute: dict[str, torch.Tensor] | None = None  # train.update=delayed: what trains, as the next step computes it
@@ -259,12 +262,11 @@ def _write_moments(tmp: Path, model_cfg: ModelConfig, state: RankState, comm: Co
     from safetensors.torch import save_file
 
     out: dict[str, torch.Tensor] = {}
-    for name, (m, v) in state.moments.items():
+    for name, mo in state.moments.items():
         if canonical_name(name, model_cfg) != name and canonical_name(name, model_cfg) in state.moments:
             continue  # the tied head's moments equal the embedding's
         key = canonical_name(name, model_cfg)
-        out[f"{key}.exp_avg"] = m.detach().to("cpu", torch.float32).contiguous()
-        out[f"{key}.exp_avg_sq"] = v.detach().to("cpu", torch.float32).contiguous()
+        out.update({f"{key}.{part}": t.detach().to("cpu").contiguous() for part, t in mo.tensors().items()})
     file = tmp / f"optimizer-{comm.rank + 1:05d}-of-{comm.world:05d}.safetensors"
     save_file(out, str(file), metadata={"optimizer_step": str(state.optimizer_step)})
 
@@ -416,9 +418,9 @@ class ResumeState:
     def scaler(self) -> dict:
         return dict(self.trainer["engine"]["scaler"])
 
-    def moments(self, names: list[str], model_cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """AdamW (exp_avg, exp_avg_sq) for ``names`` (a tied head gets the embedding's); empty
-        before the first optimizer step."""
+    def moments(self, names: list[str], model_cfg: ModelConfig) -> dict[str, Moments]:
+        """AdamW's moments for ``names`` (a tied head gets the embedding's), in the storage of the rule that wrote
+        them (the engine converts them to its own); empty before the first optimizer step."""
         from safetensors import safe_open
 
         if self.optimizer_step == 0:
@@ -428,12 +430,27 @@ class ResumeState:
             key = canonical_name(name, model_cfg)
             if f"{key}.exp_avg" not in self._where:
                 raise CheckpointError(f"{self.path}: no optimizer state for {key}")
-            pair = []
-            for part in ("exp_avg", "exp_avg_sq"):
+            parts = [k for k in ("exp_avg", "exp_avg_sq", "exp_avg.scale", "exp_avg_sq.scale")
+                     if f"{key}.{k}" in self._where]
+            read = {}
+            for part in parts:
                 with safe_open(str(self._where[f"{key}.{part}"]), framework="pt") as h:
-                    pair.append(h.get_tensor(f"{key}.{part}"))
-            out[name] = (pair[0], pair[1])
+                    read[part] = h.get_tensor(f"{key}.{part}")
+            out[name] = Moments.from_tensors(read)
         return out
+
+    @property
+    def states(self) -> str | None:
+        """The train.optimizer_states of the run that wrote the moments (from their dtype); None before the first
+        optimizer step."""
+        from safetensors import safe_open
+
+        first = next((k for k in self._where if k.endswith(".exp_avg")), None)
+        if self.optimizer_step == 0 or first is None:
+            return None
+        with safe_open(str(self._where[first]), framework="pt") as h:
+            dtype = h.get_slice(first).get_dtype()
+        return {"F32": "fp32", "BF16": "bf16", "U8": "int8"}[dtype]
 
     @property
     def delayed(self) -> bool:

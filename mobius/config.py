@@ -128,6 +128,12 @@ class TrainSection(_Section):
                                             "weights, clipping and fp16 loss scaling from its step's gradients). "
                                             "Costs up to one more copy of what trains in memory and one more fp32 "
                                             "copy in resumable checkpoints. Runs in every parallel.mode.")
+    optimizer_states: Literal["fp32", "bf16", "int8"] = _f(
+        "fp32", "Precision of AdamW's two moments, in host memory and on GPUs alike (the master weights stay fp32): "
+        "fp32 (8 bytes per trained parameter: torch's fused AdamW); bf16 (4 bytes: updated in fp32, stored with "
+        "stochastic rounding); int8 (2.125 bytes: 8-bit codes with a scale per block of 64 elements, "
+        "docs/optimizer-states.md). Fewer bytes also make the CPU update faster. A checkpoint keeps the moments in "
+        "this precision; resuming one written with another converts them once.")
 
     @property
     def barrier(self) -> bool:
@@ -217,12 +223,15 @@ class PartitionSection(_Section):
                                        "it; planning from a saved topology, not known: nothing is checked and no "
                                        "choice spends host memory for speed (bf16 gradient downloads unless fp32 "
                                        "is at least 5% faster).", gt=0)
-    cpu_update_rate: float | None = _f(None, "The host's CPU AdamW rate in G parameters per second, all of a run's "
-                                       "workers updating at once, in total, measured outside a training step "
-                                       "(python bench/cpu_update_bench.py --workers N on the server prints it); "
-                                       "the plan takes 0.68 of it inside a step and divides it among the workers "
-                                       "updating at the same time. null: measured on this machine when planning "
-                                       "on it; planning from a saved topology, 4.0 (a two-socket server's).", gt=0)
+    cpu_update_rate: float | None = _f(None, "The host's CPU AdamW rate in G parameters per second with fp32 "
+                                       "moments, all of a run's workers updating at once, in total, measured outside "
+                                       "a training step (python bench/cpu_update_bench.py --workers N on the server "
+                                       "prints it); the plan takes 0.68 of it inside a step, divides it among the "
+                                       "workers updating at the same time and, for bf16 or int8 moments "
+                                       "(train.optimizer_states), scales it by their fewer bytes per parameter "
+                                       "(30/22, 30/18.25). null: measured on this machine, with the run's moments, "
+                                       "when planning on it; planning from a saved topology, 4.0 (a two-socket "
+                                       "server's).", gt=0)
     document_tokens: int | None = _f(None, "Tokens per document in packed rows of conversations, which the plan "
                                      "profiles attention with (within each document, not across the row). null: "
                                      "the data's mean when it is packed conversations and mobius can read it (its "

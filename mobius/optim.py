@@ -1,6 +1,7 @@
-"""Learning-rate schedule, the single engine's AdamW (torch's, over decayed and undecayed parameters), dynamic
-loss scaling and the update rule that ends every engine's step (:class:`UpdateRule`), and the flat AdamW the
-runtimes run on host memory and GPU chunks."""
+"""Learning-rate schedule, the single engine's AdamW (torch's over decayed and undecayed parameters, or a
+:class:`FlatAdamW` per parameter for bf16 and int8 moments), dynamic loss scaling and the update rule that ends every
+engine's step (:class:`UpdateRule`), and the flat AdamW the runtimes run on host memory and GPU chunks, with its
+moments in the precision ``train.optimizer_states`` names (:mod:`mobius.states`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 from torch.optim.adamw import adamw as adamw_functional
 
 from mobius.config import TrainSection
+from mobius.states import BLOCK, Moments, RuleUpdate, StepScalars
 
 
 def lr_at(step: int, cfg: TrainSection) -> float:
@@ -63,17 +65,16 @@ class AdamW:
             for p in params:
                 p.grad = None
 
-    def moments(self, p: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(exp_avg, exp_avg_sq)`` of ``p``; None before its first update."""
+    def moments(self, p: nn.Parameter) -> Moments | None:
+        """``p``'s exp_avg and exp_avg_sq (fp32, its shape); None before its first update."""
         st = self.state.get(p)
-        return None if st is None else (st[1], st[2])
+        return None if st is None else Moments("fp32", st[1], st[2])
 
-    def load(self, p: nn.Parameter, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: int) -> None:
-        """Give ``p`` the moments and the count of updates of a checkpoint."""
+    def load(self, p: nn.Parameter, moments: Moments, steps: int) -> None:
+        """Give ``p`` the moments (fp32) and the count of updates of a checkpoint."""
         step, m, v = self._fresh(p)
         step.fill_(float(steps))
-        m.copy_(exp_avg)
-        v.copy_(exp_avg_sq)
+        Moments("fp32", m, v).copy_(moments)
 
     def _fresh(self, p: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """New state for ``p`` as torch's AdamW makes it: the step count on ``p``'s device when fused (fp32),
@@ -88,8 +89,47 @@ class AdamW:
         return st
 
 
-def make_adamw(named: list[tuple[str, nn.Parameter]], cfg: TrainSection, fused: bool = False) -> AdamW:
-    """AdamW over named parameters, grouped by :func:`takes_decay`."""
+class ParamAdamW:
+    """The single engine's AdamW with bf16 or int8 moments: one :class:`FlatAdamW` per parameter (its elements one
+    flat run, its own blocks), in a loop over the parameters -- the plain reference of the runtimes' flat buffers."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], cfg: TrainSection):
+        self.params = [p for _, p in named]
+        self.cfg = cfg
+        self.state: dict[nn.Parameter, FlatAdamW] = {}
+
+    def _of(self, p: nn.Parameter) -> FlatAdamW:
+        if p not in self.state:
+            assert p.is_contiguous() and p.dtype == torch.float32, "the master weights train in fp32, contiguous"
+            self.state[p] = FlatAdamW(p.data.view(-1), None, [(0, p.numel(), takes_decay(p))], self.cfg)
+        return self.state[p]
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """One update of every parameter that has a gradient, at learning rate ``lr``."""
+        for p in self.params:
+            if p.grad is not None:
+                self._of(p).step(p.grad.reshape(-1), lr)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def moments(self, p: nn.Parameter) -> Moments | None:
+        """``p``'s moments in the rule's storage; None before its first update."""
+        opt = self.state.get(p)
+        return None if opt is None or opt.steps == 0 else opt.moments
+
+    def load(self, p: nn.Parameter, moments: Moments, steps: int) -> None:
+        """Give ``p`` the moments (in the rule's storage) and the count of updates of a checkpoint."""
+        self._of(p).load(moments, steps)
+
+
+def make_adamw(named: list[tuple[str, nn.Parameter]], cfg: TrainSection, fused: bool = False) -> AdamW | ParamAdamW:
+    """AdamW over named parameters, grouped by :func:`takes_decay`: torch's with fp32 moments, else
+    :class:`ParamAdamW` (``train.optimizer_states``)."""
+    if cfg.optimizer_states != "fp32":
+        return ParamAdamW(named, cfg)
     return AdamW([p for _, p in named if takes_decay(p)], [p for _, p in named if not takes_decay(p)], cfg, fused)
 
 
@@ -179,15 +219,19 @@ Run = tuple[int, int, bool]  # [lo, hi) of a flat buffer whose elements all take
 
 class FlatAdamW:
     """AdamW over one flat fp32 master buffer whose ``runs`` say which elements take weight decay,
-    with its moments beside it on the same device (host memory, or a GPU); every host-side update of
+    with its moments beside it on the same device (host memory, or a GPU) in the precision
+    ``train.optimizer_states`` names (:class:`~mobius.states.Moments`); every host-side update of
     both runtimes, and the GPU-side ones of resident stages and zero's GPU chunks.
 
-    One :meth:`step` is torch's fused AdamW kernel run block by block (on a GPU: one block): each
-    block reads its gradient (fp32, or the half dtype converted into a small scratch buffer), updates
+    One :meth:`step` runs block by block (on a GPU: one block). fp32 moments: torch's fused AdamW kernel;
+    each block reads its gradient (fp32, or the half dtype converted into a small scratch buffer), updates
     master and moments of its runs (one kernel call over the decayed runs, one over the others), and
-    writes the block's half-precision copy while the block is still in cache. The gradient factor
-    (clipping, loss scale) is folded into the kernel, not a separate pass over the gradients.
-    Elements outside every run are not touched.
+    writes the block's half-precision copy while the block is still in cache. bf16 and int8 moments: the
+    rule's own update (:class:`~mobius.states.RuleUpdate`: one pass of a host kernel reading the gradient
+    in its dtype and writing the half copy, or torch ops), over the runs cut where a parameter begins
+    (``origins``: (index, position in its parameter) where positions restart; default: one parameter).
+    The gradient factor (clipping, loss scale) is folded into the update, not a separate pass over the
+    gradients. Elements outside every run are not touched.
 
     ``compute`` (``train.update: delayed``, instead of ``half``): the copy the device computes with, one
     update behind the master; :meth:`step` leaves it alone, :meth:`to_compute` refreshes it from the master
@@ -195,25 +239,34 @@ class FlatAdamW:
     """
 
     def __init__(self, master: torch.Tensor, half: torch.Tensor | None, runs: list[Run], cfg: TrainSection,
-                 block: int = UPDATE_BLOCK, compute: torch.Tensor | None = None,
-                 moments: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 block: int = UPDATE_BLOCK, compute: torch.Tensor | None = None, moments: Moments | None = None,
+                 origins: list[tuple[int, int]] | None = None):
         assert half is None or compute is None, "a delayed update's AdamW writes no copy"
         self.master, self.half, self.cfg, self.compute = master, half, cfg, compute
         n = master.numel()
+        self.rule = cfg.optimizer_states
+        if self.rule == "int8":  # a block of the update holds whole blocks of the moments
+            block = -(-block // BLOCK) * BLOCK
         self.block = block if master.device.type == "cpu" else max(n, 1)  # one kernel call per group on a GPU
-        # (exp_avg, exp_avg_sq): zeros of its own, or buffers the caller owns (memory shared between processes)
-        self.m, self.v = moments if moments is not None else (torch.zeros_like(master), torch.zeros_like(master))
+        # zeros of its own, or buffers the caller owns (memory shared between processes)
+        self.moments = moments if moments is not None else Moments.zeros(n, self.rule, master.device)
+        assert self.moments.rule == self.rule and self.moments.numel == n, (self.moments.rule, self.moments.numel, n)
         self.steps = 0  # updates applied so far (AdamW's bias correction)
-        self._blocks = [(a, min(n, a + self.block), _pieces(runs, a, min(n, a + self.block)))
-                        for a in range(0, n, self.block)]
+        bounds = [(a, min(n, a + self.block)) for a in range(0, n, self.block)]
+        self._rule = None if self.rule == "fp32" else RuleUpdate(self.rule, runs, origins or [(0, 0)], bounds,
+                                                                 master.device)
+        self._blocks = [(a, b, _pieces(runs, a, b)) for a, b in bounds]
         dev = master.device  # one step count per piece: the kernel counts each of them up by one per step
         self._counts = [[torch.zeros((), device=dev) for _ in p] for _, _, groups in self._blocks for p in groups]
         self._scratch: torch.Tensor | None = None
         self.pause: Callable[[], None] | None = None  # called before each block (a caller's thread that comes first)
 
     def step(self, grad: torch.Tensor, lr: float, grad_factor: float = 1.0) -> None:
-        """One AdamW step with gradient ``grad * grad_factor`` (an fp32 ``grad`` is scaled in place)."""
+        """One AdamW step with gradient ``grad * grad_factor`` (fp32 moments: an fp32 ``grad`` is scaled in place)."""
         self.steps += 1
+        if self._rule is not None:
+            self._rule_step(grad, lr, grad_factor)
+            return
         scale = torch.tensor(1.0 / grad_factor, device=self.master.device) if grad_factor != 1.0 else None
         counts = iter(self._counts)
         for a, b, groups in self._blocks:
@@ -224,13 +277,23 @@ class FlatAdamW:
                 if not pieces:
                     next(counts)
                     continue
+                m, v = self.moments.m, self.moments.v
                 adamw_functional([self.master[lo:hi] for lo, hi in pieces], [g[lo - a:hi - a] for lo, hi in pieces],
-                                 [self.m[lo:hi] for lo, hi in pieces], [self.v[lo:hi] for lo, hi in pieces], [],
+                                 [m[lo:hi] for lo, hi in pieces], [v[lo:hi] for lo, hi in pieces], [],
                                  next(counts), fused=True, grad_scale=scale, amsgrad=False, beta1=self.cfg.beta1,
                                  beta2=self.cfg.beta2, lr=lr, weight_decay=self.cfg.weight_decay if decay else 0.0,
                                  eps=self.cfg.eps, maximize=False)
             if self.half is not None:
                 self.half[a:b].copy_(self.master[a:b])
+
+    def _rule_step(self, grad: torch.Tensor, lr: float, grad_factor: float) -> None:
+        """One step of the bf16 or int8 rule, block by block (the half copy written in the same pass)."""
+        c = self.cfg
+        k = StepScalars.of(c.beta1, c.beta2, c.eps, c.weight_decay, lr, self.steps, grad_factor)
+        for i in range(len(self._blocks)):
+            if self.pause is not None:
+                self.pause()
+            self._rule.run(i, k, self.steps, self.master, grad, self.half, self.moments)
 
     def update(self, grad: torch.Tensor, lr: float, grad_factor: float = 1.0, skip: bool = False,
                copied: threading.Event | None = None) -> None:
@@ -271,10 +334,10 @@ class FlatAdamW:
             self._scratch = torch.empty(min(self.block, self.master.numel()), device=self.master.device)
         return self._scratch[:g.numel()].copy_(g)
 
-    def load(self, m: torch.Tensor, v: torch.Tensor, steps: int, offset: int = 0) -> None:
-        """Set the moments of ``[offset, offset + len(m))`` and the number of updates applied."""
-        self.m[offset:offset + m.numel()].copy_(m)
-        self.v[offset:offset + v.numel()].copy_(v)
+    def load(self, moments: Moments, steps: int, offset: int = 0) -> None:
+        """Set the moments of ``[offset, offset + moments.numel)`` (converted to this rule's storage when they are in
+        another's) and the number of updates applied."""
+        self.moments.part(offset, moments.numel).copy_(moments.as_rule(self.rule))
         self.set_steps(steps)
 
     def set_steps(self, steps: int) -> None:

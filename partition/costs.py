@@ -6,8 +6,8 @@ measured or estimated for. :func:`stage_cost` sums a contiguous range of units i
 :class:`StageCost`; how stages become a step (times and memory) is :mod:`partition.timing`.
 
 The bytes per element and per parameter every planner (and the runtimes' host-memory checks) count
-with are here, once: :data:`PRECISION_BYTES`, :data:`STATE_BYTES`, :data:`ADAM_BYTES` and
-:func:`host_bytes_per_param`.
+with are here, once: :data:`PRECISION_BYTES`, :data:`STATE_BYTES`, :data:`ADAM_BYTES`,
+:data:`MOMENT_BYTES` (by ``train.optimizer_states``) and :func:`host_bytes_per_param`.
 """
 
 from __future__ import annotations
@@ -32,18 +32,49 @@ TIE_SUM_BYTES = 12  # a tied weight's two ends' gradients summed on the host int
 # CPU AdamW's parameters per second)
 
 
-def host_bytes_per_param(precision: str, half_grads: bool, delayed: bool = False) -> int:
+STATES_ORDER = ("fp32", "bf16", "int8")  # train.optimizer_states, most bytes first
+MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / 64}  # AdamW's m and v per parameter, by
+# train.optimizer_states (int8: two 8-bit codes and two fp32 scales per block of 64 elements; mobius/states.py)
+
+
+def moment_savings(states: str) -> float:
+    """Bytes per trained parameter that ``states``' moments take fewer than fp32's."""
+    return MOMENT_BYTES["fp32"] - MOMENT_BYTES[states]
+
+
+def host_bytes_per_param(precision: str, half_grads: bool, delayed: bool = False, states: str = "fp32") -> float:
     """Host bytes of a swapped pipeline stage's trainable parameter (``precision``: "fp32", or any
-    half precision): fp32 master (4) + AdamW moments (8) + the pinned half-precision upload copy (2;
-    in fp32 the master is the upload copy) + the pinned fp32 gradient the GPU's sums come down to (4;
-    none when gradients come down in the half dtype, into the half copy). ``delayed``
-    (train.update=delayed): the upload copy holds the compute weights, one update behind the master,
-    so fp32 training keeps a separate pinned fp32 copy (4 more); a half-precision copy is separate
+    half precision): fp32 master (4) + AdamW moments (8 in fp32, :data:`MOMENT_BYTES` by ``states``) + the
+    pinned half-precision upload copy (2; in fp32 the master is the upload copy) + the pinned fp32 gradient
+    the GPU's sums come down to (4; none when gradients come down in the half dtype, into the half copy).
+    ``delayed`` (train.update=delayed): the upload copy holds the compute weights, one update behind the
+    master, so fp32 training keeps a separate pinned fp32 copy (4 more); a half-precision copy is separate
     already (and takes no gradients then: delayed downloads fp32 gradients). Zero mode's offloaded
     chunk shards hold the same as fp32 downloads. What ``scheduler/store.py`` allocates."""
     if precision == "fp32":
-        return 20 if delayed else 16
-    return 14 if half_grads else 18
+        base = 20 if delayed else 16
+    else:
+        base = 14 if half_grads else 18
+    return base - moment_savings(states)
+
+
+def states_advice(need: dict[str, int], states: str, host_memory: int) -> str:
+    """What a plan that does not fit its host says of the other ``train.optimizer_states`` rules: those with fewer
+    bytes that would fit, with their need, or that none would."""
+    smaller = [r for r in STATES_ORDER if need[r] < need[states]]
+    fits = [r for r in smaller if need[r] <= host_memory]
+    if not smaller:
+        return ""
+    if not fits:
+        return (f"; neither would fewer bytes of optimizer states ("
+                + ", ".join(f"{r}: {need[r] / 2**30:.1f} GiB" for r in smaller) + ")")
+    return "; it fits with " + " or ".join(f"train.optimizer_states={r} ({need[r] / 2**30:.1f} GiB)" for r in fits)
+
+
+def update_bytes(states: str = "fp32") -> float:
+    """Memory traffic of one CPU update of a parameter with ``states``' moments (they are read and written once):
+    :data:`UPDATE_BYTES` with fp32 moments, 22 with bf16, 18.25 with int8."""
+    return UPDATE_BYTES - 2 * moment_savings(states)
 
 
 def compute_copy_work(precision: str) -> float:

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Collection, Sequence
 
 from partition.baselines import BASELINES
-from partition.costs import (PRECISION_BYTES, ModelProfile, compute_copy_work, host_bytes_per_param, stage_costs,
-                             tied_end_bytes_per_param, tied_end_held)
+from partition.costs import (MOMENT_BYTES, PRECISION_BYTES, STATES_ORDER, ModelProfile, compute_copy_work,
+                             host_bytes_per_param, stage_costs, states_advice, tied_end_bytes_per_param, tied_end_held)
 from mobius.errors import ConfigError, MobiusError
 from partition import residency
 from partition.evaluate import ModelEvaluator, stage_exprs
@@ -115,6 +115,8 @@ class Plan:
     cpu_adam_params_per_s: float
     mip: dict[str, Any] = field(default_factory=dict)
     host_bytes: int = 0  # host memory of the swapped stages' stores (weights, AdamW, transfer buffers)
+    host_bytes_by_states: dict[str, int] = field(default_factory=dict)  # the same stores with each
+    # train.optimizer_states rule's moments (the plan's own is ``options.states``)
     host_memory_bytes: int | None = None  # what the stores may take on the host (None: not known)
     grad_choice: str = ""  # why this gradient dtype
     time_split: dict[str, float] = field(default_factory=dict)  # SimResult.time_split of the predicted step
@@ -298,6 +300,7 @@ def _runtime_lines(p: Plan) -> list[str]:
                  f"{p.host_bytes / GiB:.1f} GiB " + (f"of {p.host_memory_bytes / GiB:.1f} GiB available"
                                                      if p.host_memory_bytes is not None else
                                                      "(not checked: set partition.host_memory_gib)"))
+    lines.append(states_line(p))
     rates = p.mip.get("simulated_rates_GBps")
     seen = (f"at the upload rates the simulated step reached ({', '.join(f'{r:.1f}' for r in rates['h2d'])} GB/s "
             f"per GPU; re-planned under contention)" if rates else "contention-free")
@@ -307,6 +310,16 @@ def _runtime_lines(p: Plan) -> list[str]:
                  f"contention{drawn}; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
                  f"{p.solve_s:.2f} s, {p.status})")
     return lines
+
+
+def states_line(p: Plan) -> str:
+    """The optimizer states' line of a plan: the chosen rule's bytes per trained parameter and the host memory
+    each rule's moments would need."""
+    per = host_bytes_per_param(p.precision, p.options.grad_dtype == "half", p.options.delayed, p.options.states)
+    others = ", ".join(f"{r} {b / GiB:.1f} GiB" for r, b in p.host_bytes_by_states.items())
+    return (f"optimizer states: {p.options.states} ({MOMENT_BYTES[p.options.states]:g} bytes of AdamW moments, "
+            f"{per:g} bytes in host memory per trained swapped parameter); the swapped stages' host memory by "
+            f"train.optimizer_states: {others}")
 
 
 def _search_lines(p: Plan) -> list[str]:
@@ -740,17 +753,24 @@ def _grad_dtype(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
 
 
 def _check_host_memory(ctx: PlanContext, bounds: list[int], options: PipelineOptions) -> None:
-    """Stop when the chosen plan's host stores exceed the host memory (when it is known)."""
+    """Stop when the chosen plan's host stores exceed the host memory (when it is known), naming the
+    ``train.optimizer_states`` rules whose moments would fit."""
     prof, host_memory = ctx.prof, ctx.hw.host_memory_bytes
     need = _host_bytes(ctx, bounds, options)
     if host_memory is not None and need > host_memory:
-        per = host_bytes_per_param(prof.precision, options.grad_dtype == "half", options.delayed)
+        per = host_bytes_per_param(prof.precision, options.grad_dtype == "half", options.delayed, options.states)
         frozen = (f" ({PRECISION_BYTES[prof.precision]} per frozen one)" if any(u.frozen_count for u in prof.units)
                   else "")
-        raise MobiusError(f"host memory does not suffice: the swapped stages need {need / GiB:.1f} GiB ({per} bytes "
-                          f"per parameter{frozen}, {options.grad_dtype} gradient downloads), "
-                          f"{host_memory / GiB:.1f} GiB is available (partition.host_memory_gib, or 85% of the "
-                          f"free memory of this machine)")
+        raise MobiusError(f"host memory does not suffice: the swapped stages need {need / GiB:.1f} GiB ({per:g} "
+                          f"bytes per parameter{frozen}, train.optimizer_states={options.states}, "
+                          f"{options.grad_dtype} gradient downloads), {host_memory / GiB:.1f} GiB is available "
+                          f"(partition.host_memory_gib, or 85% of the free memory of this machine)"
+                          + states_advice(_host_bytes_by_states(ctx, bounds, options), options.states, host_memory))
+
+
+def _host_bytes_by_states(ctx: PlanContext, bounds: list[int], options: PipelineOptions) -> dict[str, int]:
+    """:func:`_host_bytes` with each rule's moments."""
+    return {r: _host_bytes(ctx, bounds, dataclasses.replace(options, states=r)) for r in STATES_ORDER}
 
 
 def _host_bytes(ctx: PlanContext, bounds: list[int], options: PipelineOptions) -> int:
@@ -758,11 +778,11 @@ def _host_bytes(ctx: PlanContext, bounds: list[int], options: PipelineOptions) -
     end that the embedding's store updates at :func:`partition.costs.tied_end_bytes_per_param`)."""
     prof, S = ctx.prof, len(bounds) - 1
     half_grads = options.grad_dtype == "half"
-    per = host_bytes_per_param(prof.precision, half_grads, options.delayed)
+    per = host_bytes_per_param(prof.precision, half_grads, options.delayed, options.states)
     frozen = PRECISION_BYTES[prof.precision]  # LoRA's base weights: one copy in the training dtype
     held = tied_end_held(prof, S, len(ctx.gpus_for(S))) * (per - tied_end_bytes_per_param(prof.precision, half_grads))
-    return sum(sc.trainable_count * per + sc.frozen_count * frozen
-               for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident) - held
+    return round(sum(sc.trainable_count * per + sc.frozen_count * frozen
+                     for j, sc in enumerate(stage_costs(prof, bounds)) if j not in options.resident) - held)
 
 
 _BaselineRun = tuple[PipelineOptions, SimResult] | None  # a baseline's settings and simulated step (None: no fit)
@@ -824,7 +844,8 @@ def _option_sets(req: PlanRequest) -> list[list[PipelineOptions]]:
     offloads = {"on": [True], "off": [False]}.get(req.offload_inputs, [False, True])
     grad_dtype = "half" if req.grad_download == "half" else "fp32"
     delayed = req.update == "delayed"
-    return [[PipelineOptions(k, o, req.barrier, grad_dtype=grad_dtype, delayed=delayed) for o in offloads]
+    return [[PipelineOptions(k, o, req.barrier, grad_dtype=grad_dtype, delayed=delayed, states=req.states)
+             for o in offloads]
             for k in ((2, 1) if req.prefetch else (1,))]
 
 
@@ -894,7 +915,7 @@ def _assemble(ctx: PlanContext, bounds: list[int], options: PipelineOptions, sim
                 gpu_memory_bytes=hw.gpu_memory_bytes, param_count=prof.param_count(),
                 cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half", len(worker_gpus)),
                 mip=mip_info, host_bytes=_host_bytes(ctx, bounds, options), host_memory_bytes=hw.host_memory_bytes,
-                time_split=sim.time_split())
+                host_bytes_by_states=_host_bytes_by_states(ctx, bounds, options), time_split=sim.time_split())
 
 
 def _stage_plans(ctx: PlanContext, bounds: list[int], options: PipelineOptions, sim: SimResult) -> list[StagePlan]:

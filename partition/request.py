@@ -17,7 +17,8 @@ CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
 
 _CHOICES = {"solver": get_args(SolverName), "bandwidth_view": get_args(BandwidthView), "sharing": get_args(Sharing),
             "offload_inputs": ("auto", "on", "off"), "grad_download": ("auto", "fp32", "half"),
-            "update": ("sync", "delayed"), "schedule": ("swapped", "round_robin", "auto")}
+            "update": ("sync", "delayed"), "schedule": ("swapped", "round_robin", "auto"),
+            "states": ("fp32", "bf16", "int8")}
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ class PlanRequest:
     needs it or the simulator finds it clearly faster). ``contention_rounds``: how often to re-plan
     at the simulated transfer rates when contention the MIP does not see slows the simulated step
     (0: never). ``update``: "sync", or "delayed" (a step computes with the weights one update older and
-    does not wait for its CPU updates). ``schedule``: "swapped" (the swapped pipeline alone),
+    does not wait for its CPU updates). ``states``: the AdamW moments' precision (``train.optimizer_states``:
+    "fp32", "bf16" or "int8"; the host bytes per parameter and the CPU update's rate follow it). ``schedule``:
+    "swapped" (the swapped pipeline alone),
     "round_robin" (also plan the round-robin family, :mod:`partition.roundrobin`, on the same GPUs, and run it)
     or "auto" (plan both, run the faster predicted one). Sequences are stored as tuples and
     frozensets."""
@@ -61,6 +64,7 @@ class PlanRequest:
     contention_rounds: int = CONTENTION_ROUNDS
     update: str = "sync"
     schedule: str = "swapped"
+    states: str = "fp32"
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():

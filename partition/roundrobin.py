@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from partition.costs import ModelProfile, StageCost, stage_cost
+from partition.costs import MOMENT_BYTES, ModelProfile, StageCost, moment_savings, stage_cost, states_advice
 from partition.evaluate import GB, stage_exprs
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
@@ -80,9 +80,10 @@ def simulate_round_robin(profile: ModelProfile, cuts: Cuts, hardware: Hardware, 
 
 
 def round_robin_host_bytes(profile: ModelProfile, cuts: Cuts, micro_batches: int, delayed: bool,
-                           workers: int = 1) -> int:
+                           workers: int = 1, states: str = "fp32") -> int:
     """Host memory the round-robin runtime takes: in the shared stores, per trainable parameter the fp32 master
-    and AdamW moments (12) and one fp32 gradient sum per compute copy (4 each); every parameter once per compute
+    and AdamW moments (12 with fp32 moments; ``states``: :data:`partition.costs.MOMENT_BYTES`) and one fp32 gradient
+    sum per compute copy (4 each); every parameter once per compute
     copy in the training dtype (delayed: two copies of both, alternating by step); and the stash of every
     micro-batch's input of each unit where a backward op starts (delayed: one per step of two, alternating, as a
     step's forwards may overtake the backwards of the step before). With more than two rounds each of the
@@ -94,7 +95,8 @@ def round_robin_host_bytes(profile: ModelProfile, cuts: Cuts, micro_batches: int
     staging = 0
     if micro_batches > 2 * workers:  # more than two rounds
         staging = workers * 4 * max(stage_cost(profile, *cuts.units(k)).trainable_count for k in range(cuts.num_ops))
-    return trainable * (12 + 4 * copies) + profile.param_bytes() * copies + kept * copies + staging
+    return round(trainable * (12 - moment_savings(states) + 4 * copies) + profile.param_bytes() * copies
+                 + kept * copies + staging)
 
 
 def minimax_cuts(times: list[float], parts: int) -> tuple[int, ...]:
@@ -265,9 +267,9 @@ class RoundRobinPlan:
 
 
 def round_robin_options(options: PipelineOptions) -> PipelineOptions:
-    """What of the swapped pipeline's ``options`` the round-robin schedule runs with: the barrier and the
-    update rule (two device slots; the gradient sums come down in fp32, as the runtime keeps them)."""
-    return PipelineOptions(barrier=options.barrier, delayed=options.delayed)
+    """What of the swapped pipeline's ``options`` the round-robin schedule runs with: the barrier, the update rule
+    and the optimizer states (two device slots; the gradient sums come down in fp32, as the runtime keeps them)."""
+    return PipelineOptions(barrier=options.barrier, delayed=options.delayed, states=options.states)
 
 
 def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int], micro_batches: int,
@@ -276,10 +278,13 @@ def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: lis
     :func:`round_robin_options` of the swapped pipeline's ``options``."""
     options = round_robin_options(options)
     choice = search_cuts(profile, hardware, worker_gpus, micro_batches, options, budget_bytes / GB, sharing)
-    host = round_robin_host_bytes(profile, choice.cuts, micro_batches, options.delayed, len(worker_gpus))
+    need = {r: round_robin_host_bytes(profile, choice.cuts, micro_batches, options.delayed, len(worker_gpus), r)
+            for r in MOMENT_BYTES}
+    host = need[options.states]
     if hardware.host_memory_bytes and host > hardware.host_memory_bytes:
-        raise ValueError(f"its shared host stores need {host / 2**30:.1f} GiB of host memory, "
-                         f"{hardware.host_memory_bytes / 2**30:.1f} GiB is available")
+        raise ValueError(f"its shared host stores need {host / 2**30:.1f} GiB of host memory with "
+                         f"train.optimizer_states={options.states}, {hardware.host_memory_bytes / 2**30:.1f} GiB is "
+                         f"available" + states_advice(need, options.states, hardware.host_memory_bytes))
 
     recorded = with_spread(  # with the spreads the runs on the machine measured (ModelProfile.worker_spread, ...)
         simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, options, sharing), profile,

@@ -29,6 +29,7 @@ from mobius.engine import DTYPES, StepStats
 from mobius.errors import CheckpointError, MobiusError
 from mobius.models import ModelConfig, dropout_active, hidden_size, unit_prefix
 from mobius.optim import UpdateRule
+from mobius.states import Moments
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
@@ -71,11 +72,14 @@ class PipelineEngine:
         if self.delayed != (cfg.train.update == "delayed"):
             raise MobiusError(f"the plan was made for train.update={'delayed' if plan.options.delayed else 'sync'}, "
                               f"but the run has train.update={cfg.train.update}; plan again for this configuration")
+        if plan.options.states != cfg.train.optimizer_states:
+            raise MobiusError(f"the plan was made for train.optimizer_states={plan.options.states}, but the run has "
+                              f"{cfg.train.optimizer_states}; plan again for this configuration")
         swapped = [j for j in mine if j not in plan.options.resident]
         tied_end = self._tied_end(swapped)
         held = self.layouts[-1].trainable_numel - tied_end[0] if tied_end else 0  # the end, padding included
-        check_host_memory(host_bytes([self.layouts[j] for j in swapped], self.dtype, half_grads, self.delayed, held),
-                          f"worker {self.rank}'s swapped stages")
+        check_host_memory(host_bytes([self.layouts[j] for j in swapped], self.dtype, half_grads, self.delayed, held,
+                                     cfg.train.optimizer_states), f"worker {self.rank}'s swapped stages")
         pin = device.type == "cuda"
         self.stores: dict[int, StageStore] = {}
         for j in mine:  # ascending: the embedding's store before the head's, which may read it
@@ -246,7 +250,7 @@ class PipelineEngine:
         weights, by parameter name; every queued update has ended first."""
         self.ex.sync()
         weights: dict[str, torch.Tensor] = {}
-        moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        moments: dict[str, Moments] = {}
         compute: dict[str, torch.Tensor] | None = {} if with_moments and self.delayed else None
         for j, host in self.stores.items():
             weights.update(host.weights(frozen))

@@ -50,6 +50,7 @@ from mobius.models import ModelConfig, dropout_active, hidden_size, unit_prefix
 from mobius.models.base import lm_loss_sum, run_units
 from mobius.models.params import build_units
 from mobius.optim import UpdateRule
+from mobius.states import Moments
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
 from partition.roundrobin import round_robin_options
@@ -147,6 +148,9 @@ class RoundRobinEngine:
         if self.delayed != (cfg.train.update == "delayed"):
             raise MobiusError(f"the plan was made for train.update={'delayed' if self.delayed else 'sync'}, but the "
                               f"run has train.update={cfg.train.update}; plan again for this configuration")
+        if plan.options.states != cfg.train.optimizer_states:
+            raise MobiusError(f"the plan was made for train.optimizer_states={plan.options.states}, but the run has "
+                              f"{cfg.train.optimizer_states}; plan again for this configuration")
         self.dtype = DTYPES[cfg.train.precision]
         self.options = round_robin_options(plan.options)
         M, (B, T, H) = cfg.train.micro_batches, (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg))
@@ -281,14 +285,12 @@ class RoundRobinEngine:
         reads, by parameter name."""
         self.updates_done()
         weights: dict[str, torch.Tensor] = {}
-        moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        moments: dict[str, Moments] = {}
         compute: dict[str, torch.Tensor] | None = {} if with_moments and self.delayed else None
-        m, v = self.stores.host["m"], self.stores.host["v"]
         for u in self._my_units():
             weights.update(self.stores.weights(u, frozen))
             if with_moments and self.rule.optimizer_step > 0:
-                moments.update({name: (m[s].clone().view(shape), v[s].clone().view(shape))
-                                for name, s, shape in self.stores.trained(u, own=True)})
+                moments.update(self.stores.moments(u))
             if compute is not None:
                 compute.update(self.stores.compute_weights(u, self.steps_run))
         return RankState(weights, moments, *self.rule.state(), compute=compute)
@@ -298,14 +300,11 @@ class RoundRobinEngine:
         checkpoint's update in flight (a sync checkpoint has none: the first step computes with its newest)."""
         self.rule.load(resume.optimizer_step, resume.scaler)
         self.adam_base = resume.optimizer_step - self.steps_run
-        m, v = self.stores.host["m"], self.stores.host["v"]
         for u in self._my_units():
             trained = self.stores.trained(u)
             got = resume.moments([name for name, _, _ in trained], self.model_cfg)
-            for name, s, _ in trained:
-                if got:
-                    m[s].copy_(got[name][0].reshape(-1))
-                    v[s].copy_(got[name][1].reshape(-1))
+            if got:
+                self.stores.load_moments(u, got)
             if self.delayed:
                 compute = resume.compute_weights([name for name, _, _ in trained], self.model_cfg)
                 if compute is not None and trained:

@@ -31,6 +31,7 @@ from mobius.config import TrainSection
 from mobius.errors import MobiusError
 from mobius.models import ModelConfig, unit_specs
 from mobius.optim import FlatAdamW
+from mobius.states import Moments
 from scheduler import pinned
 from scheduler.stages import StageLayout, stage_layouts, tied_places, trains_last
 from scheduler.store import check_host_memory
@@ -122,7 +123,8 @@ class Span:
 
 class UnitStores:
     """Every unit's weights (``copies`` compute copies: two alternate by step under ``train.update:
-    delayed``), fp32 master, AdamW moments, gradient sums and the stash of kept inputs (one of each per compute
+    delayed``), fp32 master, AdamW moments (in ``train.optimizer_states``' precision), gradient sums and the stash of
+    kept inputs (one of each per compute
     copy), in host memory all workers share, with one :class:`FlatAdamW` per unit over its slices; ``stash``:
     (entries, elements per entry) of a step's kept inputs."""
 
@@ -135,8 +137,8 @@ class UnitStores:
             self.off.append(self.off[-1] + lay.numel)
             self.goff.append(self.goff[-1] + lay.trainable_numel)
         H, T = self.off[-1], self.goff[-1]
-        spec = {"master": (T, torch.float32), "m": (T, torch.float32), "v": (T, torch.float32),
-                "counts": (2 * num_ops, torch.int64)}
+        self.states = cfg.optimizer_states
+        spec = {"master": (T, torch.float32), **Moments.spec(T, self.states), "counts": (2 * num_ops, torch.int64)}
         for c in range(self.copies):
             spec[f"half{c}"] = (H, train_dtype)
             spec[f"grad{c}"] = (T, torch.float32)
@@ -167,12 +169,25 @@ class UnitStores:
         return self.tie.head if self.tie is not None and u == len(self.layouts) - 1 else self.span(u, u + 1).trainable
 
     def _optimizer(self, u: int, cfg: TrainSection) -> FlatAdamW:
-        """Unit ``u``'s AdamW over what it owns (:meth:`_own`)."""
+        """Unit ``u``'s AdamW over what it owns (:meth:`_own`), its moments in the shared buffers."""
         s, h, n = self.span(u, u + 1), self.host, self._own(u)
         half = None if self.delayed else h["half0"][s.lo:s.lo + n]
         runs = [(lo, min(hi, n), d) for lo, hi, d in self.layouts[u].runs if lo < n]
+        origins = [(p.offset, 0) for p in self.layouts[u].params if p.offset < n]  # each parameter's first element
         return FlatAdamW(h["master"][s.glo:s.glo + n], half, runs, cfg,
-                         moments=(h["m"][s.glo:s.glo + n], h["v"][s.glo:s.glo + n]))
+                         moments=Moments.of(h.buffers, self.states, s.glo, n), origins=origins)
+
+    def moments(self, u: int) -> dict[str, Moments]:
+        """Unit ``u``'s AdamW moments by the first name of each parameter its AdamW updates, copies in the rule's
+        storage."""
+        whole = Moments.of(self.host.buffers, self.states, 0, self.goff[-1])
+        return {name: whole.part(s.start, s.stop - s.start).to("cpu", shape) for name, s, shape in self.trained(u, True)}
+
+    def load_moments(self, u: int, moments: dict[str, Moments]) -> None:
+        """Unit ``u``'s moments from a checkpoint's by name (every parameter of the unit; another rule's converted)."""
+        whole = Moments.of(self.host.buffers, self.states, 0, self.goff[-1])
+        for name, s, _ in self.trained(u):
+            whole.part(s.start, s.stop - s.start).copy_(moments[name].as_rule(self.states))
 
     @property
     def num_units(self) -> int:

@@ -179,7 +179,7 @@ class SingleEngine:
             for name, p in self.weights.named:
                 st = self.optimizer.moments(p)
                 if st is not None:
-                    moments[name] = (st[0].float().cpu(), st[1].float().cpu())
+                    moments[name] = st.to("cpu", p.shape)
         return RankState(weights, moments, *self.rule.state(),
                          compute=self.weights.in_flight() if with_moments else None)
 
@@ -192,7 +192,7 @@ class SingleEngine:
         if not moments:
             return
         for n, p in self.weights.named:
-            self.optimizer.load(p, *moments[n], self.rule.optimizer_step)
+            self.optimizer.load(p, moments[n].as_rule(self.cfg.train.optimizer_states), self.rule.optimizer_step)
 
     def sync(self) -> None:
         if self.device.type == "cuda":

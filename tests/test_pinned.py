@@ -138,7 +138,7 @@ def test_a_tied_head_end_has_no_master_or_moments_and_uploads_the_embeddings_cop
     store = StageStore(last, dtype, TrainSection(), pin=True, half_grads=half_grads, delayed=delayed,
                        tied=TiedEnd(head.offset, head.numel, source, emb.offset))
     own, t = store.own, last.trainable_numel
-    assert own == head.offset and store.master.numel() == own and store.optimizer.m.numel() == own
+    assert own == head.offset and store.master.numel() == own and store.optimizer.moments.numel == own
     locked = sum(cudart.registered.values()) - before
     shared = dtype == torch.float32 and not delayed
     allocated = locked + own * (8 if shared else 12)  # AdamW's m and v (and a separate fp32 master)

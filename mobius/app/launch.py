@@ -148,7 +148,7 @@ def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: Plan, rate: 
     if rate is None:
         return
     record_in_step_rate(settings.cpu_threads, cfg.train.precision, Path(cfg.partition.cache_dir) / "partition",
-                        settings.device, plan.options.grad_dtype == "half", rate)
+                        settings.device, plan.options.grad_dtype == "half", rate, cfg.train.optimizer_states)
     log.info("CPU AdamW inside training steps: %.2f G params/s per worker (planned with %.2f); kept for the "
              "next plan on this machine", rate / 1e9, plan.cpu_adam_params_per_s / 1e9)
 

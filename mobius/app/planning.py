@@ -26,7 +26,7 @@ from partition.calibrate import ComputeScale, learnt_scale, scale_key
 from partition.profile import apply_profile_file, profile_key, read_profile_file
 from partition.gpus import gpu_spec
 from partition.cpu_rate import cpu_update_rate_in_step, host_memory_rate, host_update_rates_in_step
-from partition.costs import ADAM_BYTES
+from partition.costs import ADAM_BYTES, UPDATE_BYTES, update_bytes
 from partition.estimate import MEMORY_EFFICIENCY
 from partition.hardware import (CPU_UPDATE_IN_STEP, GLOO_MESSAGE_S, HOST_COPY_Bps, HOST_DEFAULT_SOURCE,
                                 MAILBOX_MESSAGE_S, PAPER_ADAM_PARAMS_PER_S)
@@ -70,26 +70,31 @@ def _host(cfg: Config, settings: ParallelSettings, machine: Machine, hw: Hardwar
     memory, and where each comes from: ``partition.cpu_update_rate`` / ``host_memory_gib`` when given,
     else measured on this machine (once, then cached), else the stated defaults of a server planned
     from elsewhere (``HOST_DEFAULT_SOURCE``; host memory not known)."""
-    p, sources = cfg.partition, {}
+    p, sources, states = cfg.partition, {}, cfg.train.optimizer_states
+    scaled = UPDATE_BYTES / update_bytes(states)  # an fp32 rate's factor for the run's moments, bandwidth-bound
+    by_bytes = "" if states == "fp32" else (f"; x {scaled:.2f} for {states} moments ({update_bytes(states):g} bytes "
+                                            f"per parameter against {UPDATE_BYTES}: the host's memory bandwidth bounds "
+                                            f"the update)")
     if machine.local:
         cache, threads, precision = os.path.join(p.cache_dir, "partition"), settings.cpu_threads, cfg.train.precision
         hw.cpu_adam_params_per_s, hw.host_adam_params_per_s, sources["cpu"] = host_update_rates_in_step(
-            settings.local_workers, threads, precision, cache, settings.device)
+            settings.local_workers, threads, precision, cache, settings.device, states=states)
         if precision == "bf16":
             hw.cpu_adam_half_grads_params_per_s, _ = cpu_update_rate_in_step(threads, precision, cache,
-                                                                             settings.device, half_grads=True)
+                                                                             settings.device, True, states)
         hw.host_memory_bytes = available_host_bytes()
         sources["memory"] = f"{HOST_USABLE_FRACTION:.0%} of this machine's available memory"
     else:
-        hw.cpu_adam_params_per_s = hw.host_adam_params_per_s = PAPER_ADAM_PARAMS_PER_S * CPU_UPDATE_IN_STEP
-        hw.host_memory_bytes, sources["cpu"] = None, HOST_DEFAULT_SOURCE
+        hw.cpu_adam_params_per_s = hw.host_adam_params_per_s = PAPER_ADAM_PARAMS_PER_S * CPU_UPDATE_IN_STEP * scaled
+        hw.host_memory_bytes, sources["cpu"] = None, HOST_DEFAULT_SOURCE + by_bytes
         sources["memory"] = ("not known (planned from a saved topology): nothing checked, and no choice spends host "
                              "memory for speed; set partition.host_memory_gib")
     if p.cpu_update_rate is not None:
-        hw.host_adam_params_per_s = p.cpu_update_rate * 1e9 * CPU_UPDATE_IN_STEP
+        hw.host_adam_params_per_s = p.cpu_update_rate * 1e9 * CPU_UPDATE_IN_STEP * scaled
         if not machine.local:
             hw.cpu_adam_params_per_s = hw.host_adam_params_per_s
-        sources["cpu"] = f"partition.cpu_update_rate={p.cpu_update_rate:g} G params/s x {CPU_UPDATE_IN_STEP} in a step"
+        sources["cpu"] = (f"partition.cpu_update_rate={p.cpu_update_rate:g} G params/s x {CPU_UPDATE_IN_STEP} in a "
+                          f"step{by_bytes}")
     if p.host_memory_gib is not None:
         hw.host_memory_bytes = int(p.host_memory_gib * 2**30)
         sources["memory"] = f"partition.host_memory_gib={p.host_memory_gib:g}"
@@ -268,7 +273,7 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
                           time_limit_s=p.time_limit_s, prefetch=par.prefetch, min_stages=settings.workers,
                           boundaries=forced, offload_inputs=par.offload_inputs, barrier=t.barrier,
                           resident=par.resident_stages, kept=par.kept_stages, grad_download=par.grad_download,
-                          update=t.update, schedule=par.schedule)
+                          update=t.update, schedule=par.schedule, states=t.optimizer_states)
     plan = reuse_or_plan(os.path.join(p.cache_dir, "partition"), prof, hw, request,
                          lambda: plan_model(prof, hw, request), reuse=p.reuse_plan)
     return plan, prof, hw
@@ -325,7 +330,7 @@ def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, m
                      checkpointing=cfg.model.activation_checkpointing,
                      barrier=t.barrier, prefetch=cfg.parallel.prefetch,
                      chunk_size=z.chunk_size, cache_blocks=z.cache_blocks, gpu_chunks=z.gpu_chunks,
-                     delayed=t.update == "delayed")
+                     delayed=t.update == "delayed", states=t.optimizer_states)
     return plan, prof, zhw  # one that does not fit: auto reports it in its comparison, train refuses it
 
 

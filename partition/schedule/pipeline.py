@@ -100,6 +100,7 @@ class PipelineOptions:
     prefetch_bytes: int = 0  # one slot: a buffer for the first bytes of the next residency's weights (0: none)
     delayed: bool = False  # train.update: delayed -- a step computes with the weights one update older (its
     # uploads wait for the update of the step before the previous one, and the step does not wait for its updates)
+    states: str = "fp32"  # train.optimizer_states: the AdamW moments' precision (host bytes and CPU update rate)
 
     def __post_init__(self) -> None:
         if self.prefetch_bytes < 0 or self.prefetch_bytes and self.num_slots != 1:

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import math
+
 from mobius.errors import ConfigError
 from mobius.layout import ChunkLayout
 from partition.schedule.zero import chunk_trace, train_program
@@ -25,7 +27,7 @@ def rcache_benefit(hw: ZeroHardware, elem: int) -> float:
     return 1.0 / (hw.ranks * hw.c2g_Bps)
 
 
-def gpu_benefit(hw: ZeroHardware, elem: int, state_bytes: int = STATE_BYTES) -> float:
+def gpu_benefit(hw: ZeroHardware, elem: int, state_bytes: float = STATE_BYTES) -> float:
     """J: seconds per byte saved by keeping one more chunk on the GPU -- its two uploads, its fp32
     gradient download and its CPU update, less its GPU update -- over its ``16 s`` bytes (``state_bytes``
     per element: more under train.update=delayed, :attr:`Workload.state_bytes`)."""
@@ -49,8 +51,8 @@ def choose_setting(layout: ChunkLayout, hw: ZeroHardware, allowed: int, w: Workl
         raise ConfigError(f"zero.cache_blocks={cache_blocks} must be between {n_min} (the most chunks one unit "
                           f"uses with zero.chunk_size={layout.chunk_size}) and {n_max} (every chunk)")
     elem = w.elem
-    block, chunk = layout.padded * elem, layout.shard * w.state_bytes
-    fixed = sum(model_state_bytes(layout, Setting(0, 0), elem, w.delayed).values())
+    block, chunk = layout.padded * elem, math.ceil(layout.shard * w.state_bytes)
+    fixed = sum(model_state_bytes(layout, Setting(0, 0), elem, w.delayed, w.states).values())
     start = cache_blocks or n_min
     window = prefetch_window(layout)
     if not cache_blocks and w.prefetch and fixed + window * block <= allowed:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mobius.layout import ChunkLayout
-from partition.costs import PRECISION_BYTES, STATE_BYTES, ModelProfile, host_bytes_per_param
+from partition.costs import PRECISION_BYTES, STATE_BYTES, ModelProfile, host_bytes_per_param, moment_savings
 
 GiB = 2**30
 GB = 1e9
@@ -69,21 +69,23 @@ class Workload:
     barrier: bool  # updates wait for the global norm (clipping, fp16 loss scaling)
     prefetch: bool = True
     delayed: bool = False  # train.update: delayed (a compute copy of every trainable shard)
+    states: str = "fp32"  # train.optimizer_states: the AdamW moments' precision
 
     @property
     def elem(self) -> int:
         return PRECISION_BYTES[self.precision]
 
     @property
-    def state_bytes(self) -> int:
+    def state_bytes(self) -> float:
         """GPU bytes of one element of a trainable chunk's shard kept on the GPU: :func:`gpu_state_bytes`."""
-        return gpu_state_bytes(self.elem, self.delayed)
+        return gpu_state_bytes(self.elem, self.delayed, self.states)
 
 
-def gpu_state_bytes(elem: int, delayed: bool = False) -> int:
-    """GPU bytes of one element of a trainable chunk's shard kept on the GPU: fp32 master, AdamW m and v,
-    fp32 gradient (STATE_BYTES) and, ``delayed``, the compute copy in the training dtype (``elem``)."""
-    return STATE_BYTES + (elem if delayed else 0)
+def gpu_state_bytes(elem: int, delayed: bool = False, states: str = "fp32") -> float:
+    """GPU bytes of one element of a trainable chunk's shard kept on the GPU: fp32 master, AdamW m and v (in
+    ``states``' precision), fp32 gradient (STATE_BYTES with fp32 moments) and, ``delayed``, the compute copy in the
+    training dtype (``elem``)."""
+    return STATE_BYTES - moment_savings(states) + (elem if delayed else 0)
 
 
 @dataclass(frozen=True)
@@ -112,21 +114,23 @@ def usable_bytes(capacity: int, activations: int) -> int:
     return int(F_ALLOC * (capacity - F_FRAG * activations))
 
 
-def model_state_bytes(layout: ChunkLayout, s: Setting, elem: int, delayed: bool = False) -> dict[str, int]:
+def model_state_bytes(layout: ChunkLayout, s: Setting, elem: int, delayed: bool = False,
+                      states: str = "fp32") -> dict[str, int]:
     """GPU bytes per rank of rCache, gradient buffers, staging and the GPU chunks' shards (``delayed``:
-    with their compute copies)."""
-    state = gpu_state_bytes(elem, delayed)
+    with their compute copies; ``states``: their moments' precision)."""
+    state = gpu_state_bytes(elem, delayed, states)
     return {"rcache": s.cache_blocks * layout.padded * elem,
             "grad_buffers": (layout.min_blocks + 1) * layout.padded * GRAD_BYTES,
             "staging": 2 * layout.shard * GRAD_BYTES,
-            "gpu_shards": sum(state if layout.trains(c) else elem
-                              for c in range(min(s.gpu_chunks, layout.num_chunks))) * layout.shard}
+            "gpu_shards": round(sum(state if layout.trains(c) else elem
+                                    for c in range(min(s.gpu_chunks, layout.num_chunks))) * layout.shard)}
 
 
-def host_bytes(layout: ChunkLayout, s: Setting, precision: str, delayed: bool = False) -> int:
-    """Host bytes per rank of the offloaded chunks' shards: fp32 master, AdamW moments, fp32 gradient
-    and (bf16/fp16) the pinned half copy -- as a swapped pipeline stage's with fp32 downloads (``delayed``:
-    the half copy holds the compute weights, a separate fp32 copy in fp32 training)."""
-    per = host_bytes_per_param(precision, half_grads=False, delayed=delayed)
+def host_bytes(layout: ChunkLayout, s: Setting, precision: str, delayed: bool = False, states: str = "fp32") -> int:
+    """Host bytes per rank of the offloaded chunks' shards: fp32 master, AdamW moments (in ``states``' precision),
+    fp32 gradient and (bf16/fp16) the pinned half copy -- as a swapped pipeline stage's with fp32 downloads
+    (``delayed``: the half copy holds the compute weights, a separate fp32 copy in fp32 training)."""
+    per = host_bytes_per_param(precision, half_grads=False, delayed=delayed, states=states)
     frozen = PRECISION_BYTES[precision]  # LoRA's base weights: one copy in the training dtype
-    return sum(per if layout.trains(c) else frozen for c in range(s.gpu_chunks, layout.num_chunks)) * layout.shard
+    return round(sum(per if layout.trains(c) else frozen for c in range(s.gpu_chunks, layout.num_chunks))
+                 * layout.shard)

@@ -40,6 +40,7 @@ class ZeroPlan:
     alternatives: dict[str, dict | None]  # rcache-min, rcache-max, all-offload: setting and prediction
     candidates: list[dict] = field(default_factory=list)  # the chunk-size search
     delayed: bool = False  # train.update: delayed (the memory figures count the compute copies)
+    states: str = "fp32"  # train.optimizer_states (the moments' bytes on the GPU and on the host)
     decided: dict[str, str] = field(default_factory=dict)  # key -> "search" or "config"
     param_count: int = 0
     waste: float = 0.0

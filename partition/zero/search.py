@@ -41,7 +41,7 @@ def _evaluate(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, w: Work
     pred = predict(layout, prof, hw, s, w)
     if spread:
         pred = with_spread(pred, layout, prof, hw, s, w)
-    peak = sum(model_state_bytes(layout, s, w.elem, w.delayed).values()) + act
+    peak = sum(model_state_bytes(layout, s, w.elem, w.delayed, w.states).values()) + act
     return {"cache_blocks": s.cache_blocks, "gpu_chunks": s.gpu_chunks, "step_s": pred.step_s, "peak_bytes": peak,
             "replaced_bytes": pred.traffic["replaced_bytes"], "prediction": pred}
 
@@ -52,7 +52,7 @@ def alternatives(layout: ChunkLayout, prof: ModelProfile, hw: ZeroHardware, w: W
     spreads drawn, as the plan's)."""
     out: dict[str, dict | None] = {}
     block = layout.padded * w.elem
-    fixed = sum(model_state_bytes(layout, Setting(0, 0), w.elem, w.delayed).values())
+    fixed = sum(model_state_bytes(layout, Setting(0, 0), w.elem, w.delayed, w.states).values())
     fill = {"rcache-min": layout.min_blocks, "rcache-max": layout.num_chunks}
     for name, n in fill.items():
         s = choose_setting(layout, hw, allowed, w, cache_blocks=n) if fixed + n * block <= allowed else None
@@ -116,7 +116,7 @@ def replay(zplan: ZeroPlan, params: list[ParamInfo], num_units: int, prof: Model
     run's compute with."""
     layout = build_layout(params, num_units, zplan.chunk_size, hw.ranks, zplan.align)
     w = Workload(zplan.micro_batches // hw.ranks, zplan.precision, zplan.checkpointing, zplan.barrier, zplan.prefetch,
-                 zplan.delayed)
+                 zplan.delayed, zplan.states)
     s = Setting(zplan.cache_blocks, zplan.gpu_chunks)
     return with_spread(predict(layout, prof, hw, s, w), layout, prof, hw, s, w)
 
@@ -144,7 +144,8 @@ def _table(rows: list[dict]) -> list[dict]:
 
 
 def _too_small(rows: list[dict], hw: ZeroHardware, act: int, allowed: int, w: Workload) -> str:
-    need = min(sum(model_state_bytes(r["layout"], Setting(r["layout"].min_blocks, 0), w.elem, w.delayed).values())
+    need = min(sum(model_state_bytes(r["layout"], Setting(r["layout"].min_blocks, 0), w.elem, w.delayed,
+                                     w.states).values())
                for r in rows)
     return (f"zero mode does not fit in {size_text(hw.memory_bytes)} per rank (partition.gpu_memory_gib, or the "
             f"device's memory): activations take {size_text(act)} (x{F_FRAG} for fragmentation), leaving "
@@ -155,20 +156,26 @@ def _too_small(rows: list[dict], hw: ZeroHardware, act: int, allowed: int, w: Wo
 
 def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHardware, *, micro_batches: int,
          checkpointing: bool, barrier: bool, prefetch: bool = True, chunk_size: int = 0, cache_blocks: int = 0,
-         gpu_chunks: int = -1, align: int = ALIGN, delayed: bool = False) -> ZeroPlan:
+         gpu_chunks: int = -1, align: int = ALIGN, delayed: bool = False, states: str = "fp32") -> ZeroPlan:
     """The zero plan: search (or take the configured values), predict, and compare the alternatives;
-    ``delayed`` (train.update=delayed): the memory of the compute copies counted."""
+    ``delayed`` (train.update=delayed): the memory of the compute copies counted; ``states``: the moments'
+    precision (train.optimizer_states)."""
     if micro_batches % hw.ranks:
         raise ConfigError(f"train.micro_batches={micro_batches} must be a multiple of the {hw.ranks} zero ranks")
-    w = Workload(micro_batches // hw.ranks, prof.precision, checkpointing, barrier, prefetch, delayed)
+    if states == "int8" and chunk_size % ALIGN:
+        raise ConfigError(f"zero.chunk_size={chunk_size:,} must be a multiple of {ALIGN} with "
+                          f"train.optimizer_states=int8 (a parameter larger than a chunk continues in the next one, "
+                          f"and its blocks of {ALIGN} must not be cut); set zero.chunk_size="
+                          f"{-(-chunk_size // ALIGN) * ALIGN:,}")
+    w = Workload(micro_batches // hw.ranks, prof.precision, checkpointing, barrier, prefetch, delayed, states)
     layout, s, ev, table = search(params, num_units, prof, hw, w, chunk_size=chunk_size, cache_blocks=cache_blocks,
                                   gpu_chunks=gpu_chunks, align=align)  # (compared at the means)
     act = activation_bytes(prof, w)
     allowed = usable_bytes(hw.memory_bytes, act)
     pred = with_spread(ev["prediction"], layout, prof, hw, s, w)
-    states = model_state_bytes(layout, s, w.elem, delayed)
-    memory = {**states, "activations": act, "usable": allowed, "capacity": hw.memory_bytes,
-              "host": host_bytes(layout, s, w.precision, delayed)}
+    held = model_state_bytes(layout, s, w.elem, delayed, states)
+    memory = {**held, "activations": act, "usable": allowed, "capacity": hw.memory_bytes,
+              "host": host_bytes(layout, s, w.precision, delayed, states)}
     decided = {"chunk_size": "config" if chunk_size else "search",
                "cache_blocks": "config" if cache_blocks else "search",
                "gpu_chunks": "config" if gpu_chunks >= 0 else "search"}
@@ -177,9 +184,9 @@ def plan(params: list[ParamInfo], num_units: int, prof: ModelProfile, hw: ZeroHa
         num_chunks=layout.num_chunks, cache_blocks=s.cache_blocks, min_blocks=layout.min_blocks,
         gpu_chunks=s.gpu_chunks, micro_batches=micro_batches, micro_batch_size=prof.micro_batch_size,
         seq_len=prof.seq_len, precision=prof.precision, checkpointing=checkpointing, prefetch=prefetch,
-        barrier=barrier, delayed=delayed, predicted_step_s=pred.step_s, spread_s=pred.spread_s,
+        barrier=barrier, delayed=delayed, states=states, predicted_step_s=pred.step_s, spread_s=pred.spread_s,
         compute_s=pred.compute_s,
-        stall_s=pred.stall_s, cpu_adam_s=pred.cpu_adam_s, fits=sum(states.values()) <= allowed, memory=memory,
+        stall_s=pred.stall_s, cpu_adam_s=pred.cpu_adam_s, fits=sum(held.values()) <= allowed, memory=memory,
         traffic=pred.traffic,
         benefits={"I_s_per_GiB": rcache_benefit(hw, w.elem) * GiB,
                   "J_s_per_GiB": gpu_benefit(hw, w.elem, w.state_bytes) * GiB},

@@ -43,6 +43,7 @@ from mobius.models import ModelConfig, dropout_active, unit_prefix, unit_specs
 from mobius.models.base import bind_parameters, lm_loss_sum, run_units
 from mobius.models.params import build_units, model_params
 from mobius.optim import UpdateRule
+from mobius.states import Moments
 from mobius.parallel import ParallelSettings
 from mobius.layout import build_layout
 from partition.costs import host_bytes_per_param
@@ -102,6 +103,9 @@ class ZeroEngine:
         if self.delayed != (cfg.train.update == "delayed"):
             raise MobiusError(f"the zero plan was made for train.update={'delayed' if plan.delayed else 'sync'}, but "
                               f"the run has train.update={cfg.train.update}; plan again for this configuration")
+        if plan.states != cfg.train.optimizer_states:
+            raise MobiusError(f"the zero plan was made for train.optimizer_states={plan.states}, but the run has "
+                              f"{cfg.train.optimizer_states}; plan again for this configuration")
         self.comm = ProcessGroup()
         self.rank, self.world = self.comm.rank, self.comm.world
         self.is_main = self.rank == 0
@@ -145,9 +149,10 @@ class ZeroEngine:
         n, g = lay.num_chunks, min(plan.gpu_chunks, lay.num_chunks)
         trainable = [c for c in range(n) if lay.trains(c)]
         offloaded = [c for c in range(g, n) if lay.trains(c)]
-        per = host_bytes_per_param(self.cfg.train.precision, False, self.delayed)  # as a swapped pipeline stage's
+        per = host_bytes_per_param(self.cfg.train.precision, False, self.delayed,  # as a swapped pipeline stage's
+                                   self.cfg.train.optimizer_states)
         frozen_host = sum(1 for c in range(g, n) if not lay.trains(c)) * s * self.dtype.itemsize
-        check_host_memory(len(offloaded) * s * per + frozen_host, f"zero rank {self.rank}'s offloaded chunks")
+        check_host_memory(round(len(offloaded) * s * per) + frozen_host, f"zero rank {self.rank}'s offloaded chunks")
         self.gpu = Shards(lay, [c for c in trainable if c < g], self.rank, device, self.cfg.train,
                           compute=self.dtype if self.delayed else None)
         pin = device.type == "cuda"
@@ -462,42 +467,43 @@ class ZeroEngine:
 
     def rank_state(self, with_moments: bool, frozen: bool = True) -> RankState:
         """This rank's share of complete fp32 weights (the newest; ``frozen``: also those that do not train)
-        and, ``with_moments`` (a resumable checkpoint), AdamW moments and under train.update=delayed the
-        compute weights, by parameter name; every queued update has ended first."""
+        and, ``with_moments`` (a resumable checkpoint), AdamW moments (in the rule's storage) and under
+        train.update=delayed the compute weights, by parameter name; every queued update has ended first."""
         self.sync()
         owner = self._owners()
         mine = [i for i, r in enumerate(owner) if r == self.rank and (frozen or self.layout.params[i].trains)]
         moments = with_moments and self.rule.optimizer_step > 0
         compute = with_moments and self.delayed
-        parts = 1 + 2 * moments + compute  # master, m, v, compute copy
+        parts = 1 + compute  # master, compute copy
         full = {i: torch.zeros(parts, self.layout.params[i].numel) for i in mine}  # [parts, numel]
+        pieces: dict[int, list[tuple[int, Moments]]] = {i: [] for i in mine}  # param -> (start, moments) in order
         for c in range(self.layout.num_chunks):
             if c in self.frozen and not frozen:  # LoRA's base weights (the same chunks on every rank)
                 continue
-            chunk = self._gather_state(c, moments, compute)  # [parts, P]
+            chunk = self._gather_state(c, compute)  # [parts, P]
+            held = self._gather_moments(c) if moments and c not in self.frozen else None
             for seg in self.layout.chunks[c].segments:
                 if owner[seg.param] == self.rank:
                     full[seg.param][:, seg.start:seg.start + seg.numel] = chunk[:, seg.offset:seg.offset + seg.numel]
-        weights, mom, held = {}, {}, {}
+                    if held is not None:
+                        pieces[seg.param].append((seg.start, held.part(seg.offset, seg.numel)))
+        weights, mom, kept = {}, {}, {}
         for i in mine:
             p = self.layout.params[i]
             for name in p.names:
                 weights[name] = full[i][0].view(p.shape)
                 if compute and p.trains:
-                    held[name] = full[i][parts - 1].view(p.shape)
+                    kept[name] = full[i][parts - 1].view(p.shape)
             if moments and p.trains:
-                mom[p.names[0]] = (full[i][1].view(p.shape), full[i][2].view(p.shape))
-        return RankState(weights, mom, *self.rule.state(), compute=held if compute else None)
+                mom[p.names[0]] = Moments.cat([m for _, m in sorted(pieces[i], key=lambda x: x[0])]).to("cpu", p.shape)
+        return RankState(weights, mom, *self.rule.state(), compute=kept if compute else None)
 
-    def _gather_state(self, chunk: int, moments: bool, compute: bool = False) -> torch.Tensor:
-        """A whole chunk's fp32 master (and m, v; and ``compute``, its compute copy) on every rank, on the
-        CPU: [parts, P] (a frozen chunk: its weights, and zeros for the rest)."""
+    def _gather_state(self, chunk: int, compute: bool = False) -> torch.Tensor:
+        """A whole chunk's fp32 master (and ``compute``, its compute copy) on every rank, on the CPU: [parts, P]
+        (a frozen chunk: its weights, and zeros for the rest)."""
         frozen = self.frozen.get(chunk)
         shards = self._shards_of(chunk) if frozen is None else None
         rows = [shards.master_of(chunk) if frozen is None else frozen]
-        if moments:
-            mv = shards.moments_of(chunk) if shards is not None else None
-            rows += list(mv) if mv is not None else [torch.zeros(rows[0].shape)] * 2
         if compute:
             rows.append(shards.compute_of(chunk) if shards is not None else torch.zeros(rows[0].shape))
         mine = torch.stack([r.detach().float().cpu() for r in rows])  # [parts, s]
@@ -507,13 +513,29 @@ class ZeroEngine:
         all_gather_flat(out, mine)
         return out.view(self.world, -1, mine.shape[1]).permute(1, 0, 2).reshape(mine.shape[0], -1)
 
+    def _gather_moments(self, chunk: int) -> Moments:
+        """A trainable chunk's AdamW moments on every rank, on the CPU, in the rule's storage: the ranks' shards
+        gathered as bytes and joined."""
+        mine = self._shards_of(chunk).moments_of(chunk).to("cpu")
+        if self.world == 1:
+            return mine
+        names = list(mine.tensors())
+        sizes = [t.numel() * t.element_size() for t in mine.tensors().values()]
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in mine.tensors().values()])  # [bytes]
+        out = torch.empty(self.world * flat.numel(), dtype=torch.uint8)
+        all_gather_flat(out, flat)
+        shards = []
+        for part in out.view(self.world, -1):
+            got = dict(zip(names, (b.view(t.dtype) for b, t in zip(part.split(sizes), mine.tensors().values()))))
+            shards.append(Moments.from_tensors(got))
+        return Moments.cat(shards)
+
     def load_state(self, resume: ResumeState) -> None:
-        """AdamW moments by parameter name (from any mode's checkpoint), step count, loss scale and, under
-        train.update=delayed, the compute weights (a sync checkpoint has none: the first step computes
-        with its newest weights, which the compute copies hold)."""
+        """AdamW moments by parameter name (from any mode's checkpoint, another rule's converted), step count, loss
+        scale and, under train.update=delayed, the compute weights (a sync checkpoint has none: the first step
+        computes with its newest weights, which the compute copies hold)."""
         self.sync()
         self.rule.load(resume.optimizer_step, resume.scaler)
-        s = self.layout.shard
         for c in range(self.layout.num_chunks):
             if c in self.frozen:
                 continue
@@ -522,12 +544,9 @@ class ZeroEngine:
             moments = resume.moments(names, self.model_cfg) if names else {}
             if not moments:
                 continue
-            m, v = torch.zeros(s), torch.zeros(s)
             for p, start, at, n in segs:
-                pm, pv = moments[self.layout.params[p].names[0]]
-                m[at:at + n] = pm.reshape(-1)[start:start + n]
-                v[at:at + n] = pv.reshape(-1)[start:start + n]
-            self._shards_of(c).load_moments_of(c, m, v, resume.optimizer_step)
+                got = moments[self.layout.params[p].names[0]].part(start, n)
+                self._shards_of(c).load_moments_of(c, got, resume.optimizer_step, at)
         self._load_compute(resume)
 
     def _load_compute(self, resume: ResumeState) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from mobius.config import TrainSection
 from mobius.optim import FlatAdamW
+from mobius.states import Moments
 from mobius.layout import ChunkLayout
 from partition.costs import compute_copy_work
 from scheduler.pinned import host_zeros
@@ -54,7 +55,19 @@ class Shards:
         self.compute = None if compute is None else self._buffer(len(chunks) * s, device, pin_compute,
                                                                  compute)  # [chunks * s]
         runs = [(self.base[c] + lo, self.base[c] + hi, d) for c in chunks for lo, hi, d in layout.shard_runs(c, rank)]
-        self.optimizer = FlatAdamW(self.master, half, runs, cfg, compute=self.compute)
+        self.optimizer = FlatAdamW(self.master, half, runs, cfg, compute=self.compute,
+                                   origins=[o for c in chunks for o in self._origins(c)])
+
+    def _origins(self, chunk: int) -> list[tuple[int, int]]:
+        """(index in these buffers, position in its parameter) of each parameter's first element in this rank's shard
+        of ``chunk`` (where a parameter starts in it, or continues from the shard or chunk before)."""
+        s, base = self.layout.shard, self.rank * self.layout.shard
+        out = []
+        for seg in self.layout.chunks[chunk].segments:
+            a = max(seg.offset, base)
+            if a < min(seg.offset + seg.numel, base + s):
+                out.append((self.base[chunk] + a - base, seg.start + a - seg.offset))
+        return out
 
     def _buffer(self, numel: int, device: torch.device, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Zeros on ``device``; in host memory page-locked at the exact size when ``pin``."""
@@ -95,16 +108,16 @@ class Shards:
         """:meth:`FlatAdamW.update` of the shard (no chunks: the compute copy only)."""
         self.optimizer.update(self.grad, lr, factor, skip or not self.chunks, copied)
 
-    def moments_of(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """AdamW (m, v) of a chunk's shard as two flat vectors; None before the first update."""
+    def moments_of(self, chunk: int) -> Moments | None:
+        """AdamW's moments of a chunk's shard (a view, in the rule's storage); None before the first update."""
         if self.optimizer.steps == 0:
             return None
-        b, s = self.base[chunk], self.layout.shard
-        return self.optimizer.m[b:b + s], self.optimizer.v[b:b + s]
+        return self.optimizer.moments.part(self.base[chunk], self.layout.shard)
 
-    def load_moments_of(self, chunk: int, m: torch.Tensor, v: torch.Tensor, step: int) -> None:
-        """Set the AdamW state of a chunk's shard from two flat vectors (``step`` updates taken)."""
-        self.optimizer.load(m.to(self.master.device), v.to(self.master.device), step, self.base[chunk])
+    def load_moments_of(self, chunk: int, moments: Moments, step: int, at: int = 0) -> None:
+        """Set the AdamW state of elements ``[at, at + moments.numel)`` of a chunk's shard (``step`` updates
+        taken)."""
+        self.optimizer.load(moments, step, self.base[chunk] + at)
 
 
 class HostChunk:
