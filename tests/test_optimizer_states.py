@@ -6,6 +6,7 @@ engine's per-parameter loop, the moments' storage, conversions and the fallback 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,12 +178,14 @@ def _special(n: int, g: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.parametrize("rule", ["bf16", "int8"])
 @pytest.mark.parametrize("grad_dtype, half_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-                                                    (torch.float32, None), (torch.float16, torch.float16)])
+                                                    (torch.float32, None), (torch.float16, torch.float16),
+                                                    (torch.float32, torch.float32)])
 def test_the_host_kernel_and_the_torch_ops_agree_to_the_bit(rule: str, grad_dtype: torch.dtype,
                                                           half_dtype: torch.dtype | None) -> None:
     """The same runs (a parameter continued past a cut, a gap, a short last block) through the compiled kernel and
     through the torch-op version (a GPU's, and the host's without a compiler): master, half copy and moments
-    bitwise equal after five steps, in every gradient and half-copy dtype."""
+    bitwise equal after five steps, in every gradient and half-copy dtype (fp32: the round-robin's compute copy in
+    fp32 training)."""
     n, runs = 5000, [(0, 1000, True), (1024, 2500, False), (2560, 4999, True)]
     origins = [(0, 0), (1024, 0), (1600, 576), (2560, 0)]
     out = []
@@ -266,3 +269,111 @@ def test_without_a_compiler_the_rules_run_as_torch_ops(monkeypatch: pytest.Monke
     for opt in (slow, fast):
         opt.step(grad, 1e-2, 0.5)
     assert torch.equal(slow.master, fast.master) and torch.equal(slow.moments.m, fast.moments.m)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------
+def _run_cfg(tmp: Path, corpus: Path, out: str, states: str, steps: int = 4, **sections: dict):
+    """A 4-step single-mode run of GPT-2 tiny on the CPU (lr changing every step, clipping), with ``states``."""
+    from mobius.config import config_from_dict
+
+    raw = {"model": {"preset": "gpt2-tiny", "dropout": 0.0},
+           "data": {"path": str(corpus), "seq_len": 32, "cache_dir": str(tmp / "cache")},
+           "train": {"max_steps": steps, "micro_batch_size": 2, "micro_batches": 2, "lr": 3e-3, "warmup_steps": steps,
+                     "weight_decay": 0.1, "grad_clip": 0.05, "eval_every": 0, "eval_batches": 1, "seed": 7,
+                     "optimizer_states": states},
+           "parallel": {"mode": "single", "device": "cpu"}, "output": {"dir": str(tmp / out), "plot": False}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return config_from_dict(raw, "test.yaml")
+
+
+def _optimizer_file(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(next(checkpoint.glob("optimizer-*.safetensors"))))
+
+
+def _resume(tmp: Path, run: str, step: int, into: str) -> None:
+    import shutil
+
+    name = f"step-{step:06d}"
+    (tmp / into / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp / run / "checkpoints" / name, tmp / into / "checkpoints" / name)
+
+
+@pytest.mark.parametrize("rule", ["bf16", "int8"])
+def test_a_checkpoint_keeps_the_moments_in_their_precision_and_resumes_exactly(tmp_path: Path, corpus: Path,
+                                                                              rule: str) -> None:
+    """4 steps straight == 2 steps, a checkpoint, --resume, 2 more: bit-identical losses and weights (the moments
+    come back as stored, and the stochastic rounding's numbers are the step's); the checkpoint holds them as bf16,
+    or as uint8 codes with an fp32 scale per block of 64."""
+    from mobius.app.run import train
+    from mobius.models.hf import read_state_dict
+
+    straight = train(_run_cfg(tmp_path, corpus, "straight", rule))
+    first = train(_run_cfg(tmp_path, corpus, "first", rule, output={"save_every": 2, "keep_last": 1}))
+    saved = _optimizer_file(tmp_path / "first" / "checkpoints" / "step-000002")
+    a = read_state_dict(straight.final_dir)
+    m, shape = saved["embed.wte.weight.exp_avg"], a["transformer.wte.weight"].shape  # (Hugging Face names)
+    if rule == "bf16":
+        assert m.dtype == torch.bfloat16 and m.shape == shape and "embed.wte.weight.exp_avg.scale" not in saved
+    else:
+        scale = saved["embed.wte.weight.exp_avg_sq.scale"]
+        assert m.dtype == torch.uint8 and m.shape == shape and scale.shape == (m.numel() // BLOCK,)
+    _resume(tmp_path, "first", 2, "second")
+    resumed = train(_run_cfg(tmp_path, corpus, "second", rule), resume="auto")
+    assert first.losses == straight.losses and resumed.losses == straight.losses
+    b = read_state_dict(resumed.final_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resuming_with_other_moments_converts_them_and_says_so(tmp_path: Path, corpus: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """An fp32 run's checkpoint resumed with bf16 moments, and that run's resumed with fp32 ones: each says in one
+    line that it converts (how: :meth:`Moments.as_rule`, tested above) and writes its checkpoints in its own
+    precision."""
+    from mobius.app.run import train
+
+    sections = {"output": {"save_every": 2, "keep_last": 2}}
+    train(_run_cfg(tmp_path, corpus, "fp32", "fp32", 3, **sections))
+    said = {}
+    for run, source, states, steps in (("to-bf16", "fp32", "bf16", 5), ("to-fp32", "to-bf16", "fp32", 7)):
+        _resume(tmp_path, source, steps - 3, run)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mobius.assemble"):
+            train(_run_cfg(tmp_path, corpus, run, states, steps, **sections), resume="auto")
+        said[run] = [r.getMessage() for r in caplog.records if "optimizer_states" in r.getMessage()]
+    assert said == {"to-bf16": ["train.optimizer_states=bf16: the checkpoint's AdamW moments are fp32; converted as "
+                                "they load (rounded once to bf16)"],
+                    "to-fp32": ["train.optimizer_states=fp32: the checkpoint's AdamW moments are bf16; converted as "
+                                "they load (exactly)"]}
+    before = _optimizer_file(tmp_path / "fp32" / "checkpoints" / "step-000002")
+    after = _optimizer_file(tmp_path / "to-bf16" / "checkpoints" / "step-000004")
+    assert before["blocks.0.attn.qkv.weight.exp_avg"].dtype == torch.float32
+    assert after["blocks.0.attn.qkv.weight.exp_avg"].dtype == torch.bfloat16
+    assert _optimizer_file(tmp_path / "to-fp32" / "checkpoints" / "step-000006")[
+        "blocks.0.attn.qkv.weight.exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, rule", [("pipeline", "int8"), ("zero", "bf16"), ("round_robin", "int8")])
+def test_a_checkpoint_of_any_mode_resumes_in_single_mode(tmp_path: Path, corpus: Path, mode: str, rule: str) -> None:
+    """2 steps on 2 CPU workers (the swapped pipeline, zero, the round-robin schedule), a checkpoint, 2 more in
+    single mode == 4 in single mode (as the matrices hold modes with these moments to single mode:
+    :func:`spawned.assert_weights_close`): each mode writes its moments by parameter name, in the rule's storage,
+    from its own flat buffers."""
+    from mobius.app.run import train
+    from mobius.models.hf import read_state_dict
+    from spawned import assert_weights_close
+
+    parallel = {"pipeline": {"mode": "pipeline", "devices": 2, "stages": 4},
+                "zero": {"mode": "zero", "devices": 2},
+                "round_robin": {"mode": "pipeline", "devices": 2, "schedule": "round_robin"}}[mode]
+    part = {"partition": {"cache_dir": str(tmp_path / "plans")}}
+    straight = train(_run_cfg(tmp_path, corpus, "straight", rule))
+    train(_run_cfg(tmp_path, corpus, "workers", rule, parallel=parallel, output={"save_every": 2}, **part))
+    _resume(tmp_path, "workers", 2, "single")
+    resumed = train(_run_cfg(tmp_path, corpus, "single", rule, **part), resume="auto")
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(straight.losses), rtol=0, atol=1e-5)
+    assert_weights_close(read_state_dict(resumed.final_dir), read_state_dict(straight.final_dir), 1e-5, mode, rule,
+                         3e-3, 4)

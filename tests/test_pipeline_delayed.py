@@ -42,6 +42,11 @@ CASES = {
     "bf16-resident": ("deep", {"stages": 5, "resident_stages": [1], "kept_stages": [], "grad_download": "fp32"},
                       {"precision": "bf16"}, "delayed", 3e-2),
     "sync-swapped-2x6": ("deep", {"stages": 6, **SWAPPED}, {}, "sync", 1e-5),  # what delayed must differ from
+    # train.optimizer_states: bf16 moments in swapped, kept and resident stages (the host kernel's and the device
+    # AdamW's), sync; int8 with the tied weight's two ends on one worker, delayed
+    "states-bf16-resident-sync": ("deep", {"stages": 6, "resident_stages": [3], "kept_stages": [0, 2, 3]},
+                                  {"optimizer_states": "bf16"}, "sync", 1e-5),
+    "states-int8-tied-one-worker": ("deep", {"stages": 5, **SWAPPED}, {"optimizer_states": "int8"}, "delayed", 1e-5),
 }
 OVERFLOW_STEP = 1  # the fp16 case's step whose loss scale overflows
 
@@ -124,7 +129,8 @@ def test_pipeline_delayed_equals_single_delayed(tmp_path: Path, deep_checkpoint:
     for case in cases:
         ranks, where, atol = results[case["name"]], case["name"], case["atol"]
         check_against_reference(ranks, _reference(case, tmp_path), where, STEPS, atol, case["update"],
-                                case["model_cfg"], weights=case["train"].get("precision") != "bf16")
+                                case["model_cfg"], weights=case["train"].get("precision") != "bf16",
+                                states=case["train"].get("optimizer_states", "fp32"), lr=case["train"].get("lr", 1e-2))
     delayed, sync = results["swapped-2x6-clipped"][0]["losses"], results["sync-swapped-2x6"][0]["losses"]
     assert delayed[0] == pytest.approx(sync[0], abs=1e-6) and all(abs(a - b) > 1e-4 for a, b in zip(delayed[1:],
                                                                                                      sync[1:]))

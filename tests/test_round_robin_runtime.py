@@ -31,6 +31,10 @@ CASES = {
     "lora-delayed-clipped": ("llama", ((0, 6, 10), (0, 3, 10)), {"update": "delayed", "lr": 1e-3}),
     # every gradient download held 50 ms, as a GPU's fp32 sums take to come down over PCIe (see _slow_downloads)
     "tied-sync-slow-downloads": ("deep", ((0, 4, 8), (0, 2, 5, 8)), {"update": "sync"}),
+    # train.optimizer_states: moments in the shared host memory in bf16 (delayed) and int8 (LoRA, sync)
+    "states-bf16-tied-delayed": ("deep", ((0, 4, 8), (0, 2, 5, 8)), {"update": "delayed", "optimizer_states": "bf16"}),
+    "states-int8-lora-sync": ("llama", ((0, 5, 10), (0, 4, 7, 10)), {"update": "sync", "optimizer_states": "int8",
+                                                                     "lr": 1e-3}),
 }
 SLOW_DOWNLOAD_S = 0.05
 SLOW_RELOAD_S = 0.04
@@ -137,7 +141,8 @@ def _case(name: str, cks: dict[str, Path]) -> dict:
 
 def _check(case: dict, ranks: list[dict], ref: dict) -> None:
     check_against_reference(ranks, ref, case["name"], STEPS, 1e-5, case["train"]["update"], case["model_cfg"],
-                            behind=False)
+                            behind=False, states=case["train"].get("optimizer_states", "fp32"),
+                            lr=case["train"].get("lr", 1e-2))
 
 
 @pytest.mark.slow

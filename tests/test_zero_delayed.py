@@ -22,6 +22,7 @@ from spawned import resumed_equals_straight, to_numpy
 
 STEPS, MICRO = 4, 4
 CHUNK = 4999  # as tests/test_zero.py: no world divides it; the token embedding spans two chunks
+CHUNK_INT8 = 78 * 64  # int8 moments: a multiple of their blocks of 64 (the token embedding still spans two chunks)
 OVERFLOW_STEP = 1  # the fp16 case's step whose loss scale overflows
 
 # name -> checkpoint fixture, engine settings (activation checkpointing, rCache, offloaded chunks), train
@@ -41,6 +42,12 @@ CASES = {
     "bf16-mix": ("deep", {"ac": True, "cache": "mid", "offload": "mix"}, {"precision": "bf16"}, "delayed", 3e-2),
     "sync-mix-clipped": ("deep", {"ac": True, "cache": "mid", "offload": "mix"}, {"grad_clip": 0.5}, "sync",
                          1e-5),  # what delayed must differ from
+    # train.optimizer_states: bf16 (sync) and int8 (delayed) moments in GPU chunks and offloaded ones, the
+    # token embedding cut across two chunks and both ranks
+    "states-bf16-mix-sync": ("deep", {"ac": True, "cache": "mid", "offload": "mix"}, {"optimizer_states": "bf16"},
+                             "sync", 1e-5),
+    "states-int8-mix": ("deep", {"ac": False, "cache": "min", "offload": "mix"}, {"optimizer_states": "int8"},
+                        "delayed", 1e-5),
 }
 
 
@@ -64,7 +71,8 @@ def _plan(case: dict, cfg, mc, world: int = 2):
     from partition.zero import ZeroHardware, plan
 
     units = len(unit_specs(mc))
-    layout = build_layout(model_params(mc), units, CHUNK, world)
+    chunk = CHUNK_INT8 if cfg.train.optimizer_states == "int8" else CHUNK
+    layout = build_layout(model_params(mc), units, chunk, world)
     n, lo, e = layout.num_chunks, layout.min_blocks, case["engine"]
     trained = sum(layout.trains(c) for c in range(n))  # they come first (LoRA: the frozen chunks after them)
     blocks = {"min": lo, "mid": (lo + n) // 2, "max": n}[e["cache"]]
@@ -72,8 +80,8 @@ def _plan(case: dict, cfg, mc, world: int = 2):
     prof = estimate_units(unit_specs(mc), 2, 16, cfg.train.precision, "h100")
     hw = ZeroHardware(world, 2**30, 5e9, 5e9, 2e9, 5e9, 1e9, 1e9, name="CPU workers")
     return plan(model_params(mc), units, prof, hw, micro_batches=MICRO, checkpointing=e["ac"],
-                barrier=cfg.train.barrier, chunk_size=CHUNK, cache_blocks=blocks, gpu_chunks=gpu,
-                delayed=cfg.train.update == "delayed")
+                barrier=cfg.train.barrier, chunk_size=chunk, cache_blocks=blocks, gpu_chunks=gpu,
+                delayed=cfg.train.update == "delayed", states=cfg.train.optimizer_states)
 
 
 def _train(engine, cfg, overflow: bool = False) -> dict:
@@ -143,7 +151,8 @@ def test_zero_delayed_equals_single_delayed(deep_checkpoint: Path, llama_checkpo
         assert placement[case["engine"]["offload"]], (where, ranks[0]["gpu_chunks"], ranks[0]["offloaded"])
         check_against_reference(ranks, _reference(case), where, STEPS, atol, case["update"],
                                 adapted_model(case, _cfg(case, zero=False)),
-                                weights=case["train"].get("precision") != "bf16", each_once=True)
+                                weights=case["train"].get("precision") != "bf16", each_once=True,
+                                states=case["train"].get("optimizer_states", "fp32"), lr=case["train"].get("lr", 1e-2))
     delayed, sync = results["mix-clipped"][0]["losses"], results["sync-mix-clipped"][0]["losses"]
     assert delayed[0] == pytest.approx(sync[0], abs=1e-6) and all(abs(a - b) > 1e-4 for a, b in zip(delayed[1:],
                                                                                                      sync[1:]))

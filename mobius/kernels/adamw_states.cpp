@@ -43,6 +43,7 @@ inline vf vsqrt(vf x) {
 struct F32 {
   using T = float;
   static vf get(const T* p) { return load<vf>(p); }
+  static void put(T* p, vf x) { store(p, x); }
 };
 struct BF16 {
   using T = uint16_t;
@@ -280,7 +281,8 @@ void run(const Call& c, int64_t* next) {
 
 template <class G>
 void run_half(const Call& c, int half_dtype, int64_t* next) {
-  if (half_dtype == 1) run<G, BF16>(c, next);
+  if (half_dtype == 0) run<G, F32>(c, next);
+  else if (half_dtype == 1) run<G, BF16>(c, next);
   else if (half_dtype == 2) run<G, F16>(c, next);
   else run<G, NoHalf>(c, next);
 }
@@ -288,7 +290,8 @@ void run_half(const Call& c, int half_dtype, int64_t* next) {
 }  // namespace
 
 // One worker's share of a step: tasks taken from *next (shared by every thread of the step) until none is left.
-// dtypes: 0 fp32, 1 bf16, 2 fp16 (half_dtype -1: no half copy). Returns 0, or -1 for an unknown rule or dtype.
+// dtypes: 0 fp32, 1 bf16, 2 fp16 (half_dtype: the compute copy's, -1 for none). Returns 0, or -1 for an unknown rule
+// or dtype.
 extern "C" int mobius_adamw_states(int rule, int grad_dtype, int half_dtype, int64_t* next, const float* scalars,
                                    float* master, const void* grad, void* half, void* m, void* v, float* m_scale,
                                    float* v_scale, const int64_t* tasks, int64_t ntasks, uint32_t seed) {
