@@ -9,6 +9,9 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -33,6 +36,32 @@ inline vf as_f(vu u) { vf f; std::memcpy(&f, &u, sizeof f); return f; }
 inline vu as_u(vf f) { vu u; std::memcpy(&u, &f, sizeof u); return u; }
 inline vf splat(float x) { return vf{} + x; }
 
+// widening 8 and 16-bit lanes to 32 bits: GCC 12 lowers __builtin_convertvector of these to scalar code, so an
+// AVX-512 host gets the one instruction that does it
+inline vu widen8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vu>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(__builtin_convertvector(load<vb>(p), vh), vu);
+#endif
+}
+
+inline vu widen16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vu>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  return __builtin_convertvector(load<vh>(p), vu);
+#endif
+}
+
+inline vh narrow16(vu x) {  // the low 16 bits of each lane
+#if defined(__AVX512F__)
+  return reinterpret_cast<vh>(_mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(x)));
+#else
+  return __builtin_convertvector(x, vh);
+#endif
+}
+
 inline vf vsqrt(vf x) {
   vf out;
   for (int l = 0; l < LANES; ++l) out[l] = std::sqrt(x[l]);
@@ -47,12 +76,12 @@ struct F32 {
 };
 struct BF16 {
   using T = uint16_t;
-  static vf get(const T* p) { return as_f(__builtin_convertvector(load<vh>(p), vu) << 16); }
+  static vf get(const T* p) { return as_f(widen16(p) << 16); }
   static void put(T* p, vf x) {  // round to nearest even, NaN to 0x7FC0: torch's float -> bfloat16
     vu u = as_u(x);
     vu r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
     r = x != x ? vu{} + 0x7FC0u : r;
-    store(p, __builtin_convertvector(r, vh));
+    store(p, narrow16(r));
   }
 };
 struct F16 {
@@ -101,7 +130,7 @@ inline vu mix(vu pos, uint32_t seed) {  // lowbias32 of each element's position 
 }
 
 inline vh round_bf16(vf x, vu random16) {  // add 16 random bits below bf16's last, keep the top 16 bits
-  return __builtin_convertvector((as_u(x) + random16) >> 16, vh);
+  return narrow16((as_u(x) + random16) >> 16);
 }
 
 template <class G, class H, bool DECAY>
@@ -116,12 +145,23 @@ INLINE void bf16_lanes(const Scalars& k, float* master, const typename G::T* gra
 }
 
 // ---- int8: float8 codes (m: e4m3fn, v: e5m2) of each block's values over its scale ----------------------------------
-INLINE vf e4m3_value(vb codes) {  // float8_e4m3fn -> fp32 (exact)
-  vu c = __builtin_convertvector(codes, vu), sign = (c & 0x80u) << 24, e = c & 0x78u;
+#if defined(__AVX512F__)
+// float8 codes as fp16 bits (e5m2 is an fp16's top byte; e4m3fn's bits shifted by 7 are an fp16 of 1/256 its value,
+// subnormals included), widened to fp32 by one instruction: exact
+INLINE vf e4m3_value(const uint8_t* codes) {  // float8_e4m3fn -> fp32 (exact)
+  __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
+                              _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7F)), 7));
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(h)) * 256.0f;
+}
+#else
+INLINE vf e4m3_value(const uint8_t* codes) {  // float8_e4m3fn -> fp32 (exact)
+  vu c = widen8(codes), sign = (c & 0x80u) << 24, e = c & 0x78u;
   vf normal = as_f(sign | (((c & 0x7Fu) + (120u << 3)) << 20));
   vf sub = as_f(as_u(__builtin_convertvector(c & 7u, vf) * (1.0f / 512.0f)) | sign);
   return e == 0u ? sub : normal;
 }
+#endif
 
 INLINE vb e4m3_code(vf x) {  // fp32 (|x| <= 448) -> float8_e4m3fn, round to nearest even: torch's conversion
   vu bits = as_u(x), sign = bits & 0x80000000u;
@@ -132,11 +172,16 @@ INLINE vb e4m3_code(vf x) {  // fp32 (|x| <= 448) -> float8_e4m3fn, round to nea
   return __builtin_convertvector((r & 0xFFu) | (sign >> 24), vb);
 }
 
-INLINE vf e5m2_value(vb codes) {  // float8_e5m2 -> fp32 (exact)
-  vu c = __builtin_convertvector(codes, vu);
+INLINE vf e5m2_value(const uint8_t* codes) {  // float8_e5m2 -> fp32 (exact)
+#if defined(__AVX512F__)
+  __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_slli_epi16(c, 8)));
+#else
+  vu c = widen8(codes);
   vf normal = as_f((c + (112u << 2)) << 21);
   vf sub = __builtin_convertvector(c, vf) * (1.0f / 65536.0f);
   return c < 4u ? sub : normal;
+#endif
 }
 
 INLINE vb e5m2_code(vf x) {  // fp32 (0 <= x <= 57344) -> float8_e5m2, round to nearest even: torch's conversion
@@ -156,9 +201,13 @@ INLINE float absmax(const vf* x) {  // the largest magnitude of a block (exact i
     vf a = x[q] < 0.0f ? -x[q] : x[q];
     acc = acc > a ? acc : a;
   }
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(acc));
+#else
   float out = 0.0f;
   for (int l = 0; l < LANES; ++l) out = out > acc[l] ? out : acc[l];
   return out;
+#endif
 }
 
 constexpr int64_t CHUNK = 16 * BLOCK;  // elements updated in one pass before their blocks are encoded (8 KiB)
@@ -171,8 +220,8 @@ INLINE void int8_chunk(const Scalars& k, float* master, const typename G::T* gra
   alignas(64) vf nm[CHUNK / LANES], nv[CHUNK / LANES];
   for (int64_t q = 0; q < n / LANES; ++q) {
     int64_t i = q * LANES, blk = i / BLOCK;
-    Step s = adamw<DECAY>(k, load<vf>(master + i), G::get(grad + i), e4m3_value(load<vb>(m + i)) * m_scale[blk],
-                          e5m2_value(load<vb>(v + i)) * v_scale[blk]);
+    Step s = adamw<DECAY>(k, load<vf>(master + i), G::get(grad + i), e4m3_value(m + i) * m_scale[blk],
+                          e5m2_value(v + i) * v_scale[blk]);
     store(master + i, s.p);
     H::put(at(half, i), s.p);
     nm[q] = s.m;
