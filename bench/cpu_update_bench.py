@@ -123,7 +123,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--workers", type=int, default=1, help="also measure each rule on this many workers at once")
     p.add_argument("--out", default=OUT)
+    p.add_argument("--smoke", action="store_true", help="1M parameters, 3 rounds (checks the script)")
     args = p.parse_args()
+    if args.smoke:
+        args.numel, args.reps = 1 << 20, 3
     torch.set_num_threads(args.threads)
     times = interleaved(variants(args.numel), args.reps, args.numel)
     rows = table(times, args.numel)

@@ -42,6 +42,11 @@ omp        OPT-2.7B's pipeline at 24 GiB, sync and delayed, each with OpenMP's t
            work (its default) and sleeping (``OMP_WAIT_POLICY=PASSIVE``): do the CPU AdamW's 14 waiting threads take
            the cores of the thread that launches the kernels? On 2 CPU cores two processes side by side ran 8x
            slower with spinning threads (about 8 min)
+states     ``train.optimizer_states``: the tests marked ``gpu`` run their GPU half (tests/test_optimizer_states_gpu.py);
+           here the host's CPU update of the three rules beside torch's fused AdamW on the GPU box's cores
+           (bench/cpu_update_bench.py, 128M parameters: is the update bound by the memory there, and int8 then
+           faster than bf16?) and OPT-2.7B's pipeline at 24 GiB with bf16 and with int8 moments (its step, its host
+           memory against fp32's 18 bytes per parameter); not run on a GPU yet (about 6 min)
 train-lora the same for Llama-3.1-8B LoRA (rank 16, all linear layers), single and pipeline (2 min)
 pipeline   1.42B, all-in-GPU and the pipeline as planned and all swapped, without and with clipping
 zero       1.42B zero mode as planned and its rCache-min / rCache-max / all-offload alternatives; clipped
@@ -118,6 +123,10 @@ PARTS: dict[str, list[tuple[str, list[str], int]]] = {
                                 ("delayed-spin", ["--set=--train.update=delayed"]),
                                 ("delayed-passive", ["--set=--train.update=delayed",
                                                      "--env=OMP_WAIT_POLICY=PASSIVE"]))],
+    "states": [("states-cpu-update", ["bench/cpu_update_bench.py", "--numel", str(1 << 27), "--reps", "7"], 150),
+               *[(f"states-opt-2.7b-{rule}", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "pipeline",
+                                              f"--set=--train.optimizer_states={rule}"], 150)
+                 for rule in ("bf16", "int8")]],
     "train-lora": [("train-lora-llama-3.1-8b", ["bench/train_bench.py", "--presets", "llama-3.1-8b", "--lora-rank",
                                                 "16"], 480)],
     "pipeline": [("pipeline-1.4b", _pipe("--what", "ref,mobius", "--variants", "plain", *CLIPS, "--steps", "5"), 480)],

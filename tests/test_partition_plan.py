@@ -107,10 +107,10 @@ def test_pipeline_options_serialise_by_field_name() -> None:
     from partition import PipelineOptions
 
     opts = PipelineOptions(num_slots=1, offload_inputs=True, barrier=True, resident=frozenset({3, 0}),
-                           kept=frozenset({1}), grad_dtype="half", prefetch_bytes=1 << 20, delayed=True)
+                           kept=frozenset({1}), grad_dtype="half", prefetch_bytes=1 << 20, delayed=True, states="int8")
     data = json.loads(json.dumps(opts.to_json()))
     assert data == {"num_slots": 1, "offload_inputs": True, "barrier": True, "resident": [0, 3], "kept": [1],
-                    "grad_dtype": "half", "prefetch_bytes": 1 << 20, "delayed": True}
+                    "grad_dtype": "half", "prefetch_bytes": 1 << 20, "delayed": True, "states": "int8"}
     assert PipelineOptions.from_json({**data, "boundaries": [0, 4]}) == opts  # other keys ignored
     assert PipelineOptions.from_json({"barrier": True}) == PipelineOptions(barrier=True)  # the rest: defaults
 
