@@ -103,7 +103,8 @@ def tracking(n: int = 64 * 1024, steps: int = 2000) -> list[dict]:
                     err.append(((uq - u32).abs().mean() / u32.abs().mean()).item())
                 vq = store(vq, t)
             rows.append({"beta2": beta2, "storage": name, "v_ratio": (vq / v32).mean().item(),
-                         "v_rel_err": ((vq / v32) - 1).abs().mean().item(), "v_zero_share": (vq == 0).float().mean().item(),
+                         "v_rel_err": ((vq / v32) - 1).abs().mean().item(),
+                         "v_zero_share": (vq == 0).float().mean().item(),
                          "update_rel_err": sum(err) / len(err)})
     return rows
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from partition.costs import PRECISION_BYTES, STATE_BYTES, ModelProfile
+from partition.costs import PRECISION_BYTES, STATE_BYTES, ModelProfile, moment_savings
 from partition.zero.memory import Workload, activation_bytes, usable_bytes
 
 GiB = 2**30
@@ -42,6 +42,7 @@ class SinglePlan:
     checkpointing: bool
     device_name: str = ""
     profile_source: str = ""
+    states: str = "fp32"  # train.optimizer_states: the moments' precision
 
     @property
     def peak_bytes(self) -> int:
@@ -64,7 +65,8 @@ class SinglePlan:
             f"AdamW on the device",
             f"predicted step time: {self.predicted_step_s:.3f} s (forward and backward {self.compute_s:.3f} s, "
             f"AdamW {self.update_s:.3f} s)",
-            f"memory: {m['states'] / GiB:.2f} GiB of model states ({STATE_BYTES} bytes x "
+            f"memory: {m['states'] / GiB:.2f} GiB of model states ({STATE_BYTES - moment_savings(self.states):g} bytes "
+            f"x "
             f"{(self.param_count - self.frozen_count) / 1e6:.1f}M parameters"
             + (f" + {PRECISION_BYTES[self.precision]} x {self.frozen_count / 1e6:.1f}M frozen"
                if self.frozen_count else "")
@@ -81,20 +83,22 @@ def micro_batch_seconds(prof: ModelProfile, checkpointing: bool) -> float:
 
 
 def plan_single(prof: ModelProfile, memory_bytes: int, *, micro_batches: int, checkpointing: bool,
-                adam_params_per_s: float) -> SinglePlan:
+                adam_params_per_s: float, states: str = "fp32") -> SinglePlan:
     """Predict a step of plain training with ``memory_bytes`` of device memory (context excluded) and
-    an AdamW pass at ``adam_params_per_s`` parameters per second on the device."""
+    an AdamW pass at ``adam_params_per_s`` parameters per second on the device; ``states``: the moments'
+    precision (train.optimizer_states)."""
     params = prof.param_count() - prof.tied_params
     frozen = sum(u.frozen_count for u in prof.units)
     activations = activation_bytes(prof, Workload(1, prof.precision, checkpointing, barrier=False))
-    states = STATE_BYTES * (params - frozen) + PRECISION_BYTES[prof.precision] * frozen  # a frozen one: its weight
+    held = (STATE_BYTES - moment_savings(states)) * (params - frozen) + PRECISION_BYTES[prof.precision] * frozen  # a
+    # frozen one: its weight
     usable = usable_bytes(memory_bytes, activations)
     compute = micro_batches * micro_batch_seconds(prof, checkpointing)
     update = (params - frozen) / adam_params_per_s
-    return SinglePlan(predicted_step_s=compute + update, compute_s=compute, update_s=update, fits=states <= usable,
-                      memory={"states": states, "activations": activations, "usable": max(usable, 0),
+    return SinglePlan(predicted_step_s=compute + update, compute_s=compute, update_s=update, fits=held <= usable,
+                      memory={"states": round(held), "activations": activations, "usable": max(usable, 0),
                               "capacity": memory_bytes},
                       param_count=params, frozen_count=frozen, micro_batches=micro_batches,
                       micro_batch_size=prof.micro_batch_size,
                       seq_len=prof.seq_len, precision=prof.precision, checkpointing=checkpointing,
-                      device_name=prof.device_name, profile_source=prof.source)
+                      device_name=prof.device_name, profile_source=prof.source, states=states)

@@ -181,7 +181,8 @@ class UnitStores:
         """Unit ``u``'s AdamW moments by the first name of each parameter its AdamW updates, copies in the rule's
         storage."""
         whole = Moments.of(self.host.buffers, self.states, 0, self.goff[-1])
-        return {name: whole.part(s.start, s.stop - s.start).to("cpu", shape) for name, s, shape in self.trained(u, True)}
+        return {name: whole.part(s.start, s.stop - s.start).to("cpu", shape)
+                for name, s, shape in self.trained(u, True)}
 
     def load_moments(self, u: int, moments: dict[str, Moments]) -> None:
         """Unit ``u``'s moments from a checkpoint's by name (every parameter of the unit; another rule's converted)."""

@@ -113,8 +113,10 @@ def test_the_hosts_rate_is_measured_with_the_workers_together_and_cached(tmp_pat
     rate = cpu_rate.measure_host_update(2, 1, "bf16", numel=1 << 18, reps=1)
     assert 1e6 < rate < 1e12
     calls: list[tuple] = []
-    monkeypatch.setattr(cpu_rate, "measure_cpu_update", lambda t, p, half_grads=False, states="fp32": calls.append(("one", t)) or 2e9)
-    monkeypatch.setattr(cpu_rate, "measure_host_update", lambda n, t, p, half_grads=False, states="fp32": calls.append((n, t)) or 3e9)
+    monkeypatch.setattr(cpu_rate, "measure_cpu_update", lambda t, p, half_grads=False, states="fp32":
+                        calls.append(("one", t)) or 2e9)
+    monkeypatch.setattr(cpu_rate, "measure_host_update", lambda n, t, p, half_grads=False, states="fp32":
+                        calls.append((n, t)) or 3e9)
     alone, total, source = cpu_rate.host_update_rates_in_step(4, 2, "bf16", tmp_path, "cuda")
     assert (alone, total) == pytest.approx((CPU_UPDATE_IN_STEP * 2e9, CPU_UPDATE_IN_STEP * 3e9))
     assert calls == [("one", 2), (4, 2)] and "4 at once" in source

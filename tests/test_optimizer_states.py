@@ -135,9 +135,9 @@ def _layout() -> tuple[int, list[tuple[int, int, bool]], list[tuple[int, int]], 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_a_flat_buffer_equals_the_per_parameter_loop(rule: str, grad_dtype: torch.dtype) -> None:
     """The runtimes' FlatAdamW over every parameter in one buffer, cut into blocks of 1000 elements (the update's
-    blocks cut runs anywhere; int8's round up to whole blocks of its moments), writing a bf16 half copy, from fp32 or bf16 gradients:
-    weights and moments equal to ParamAdamW's per parameter, the half copy the weights rounded, the alignment gaps
-    untouched."""
+    blocks cut runs anywhere; int8's round up to whole blocks of its moments), writing a bf16 half copy, from fp32
+    or bf16 gradients: weights and moments equal to ParamAdamW's per parameter, the half copy the weights rounded,
+    the alignment gaps untouched."""
     n, runs, origins, offsets = _layout()
     g = torch.Generator().manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]

@@ -341,9 +341,12 @@ def plan_single(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings,
     GPU's memory bandwidth, or the CPU update rate measured here)."""
     hw = hardware(cfg, settings, machine, bandwidth_file)
     prof = profile(cfg, model_cfg, settings, machine, hw)
+    # (a GPU's update with bf16 or int8 moments is a chain of torch ops, not faster than the fused fp32 one: planned
+    # at its rate until the GPU suite's states part measures it)
     adam = hw.cpu_adam_params_per_s if settings.device == "cpu" else device_Bps(cfg, hw) / ADAM_BYTES
     plan = single_plan(prof, settings.memory_bytes, micro_batches=cfg.train.micro_batches,
-                       checkpointing=cfg.model.activation_checkpointing, adam_params_per_s=adam)
+                       checkpointing=cfg.model.activation_checkpointing, adam_params_per_s=adam,
+                       states=cfg.train.optimizer_states)
     return plan, prof, hw
 
 

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -62,6 +62,22 @@ inline vh narrow16(vu x) {  // the low 16 bits of each lane
 #endif
 }
 
+// the half copy is written and not read again here (the GPU's upload reads it): where a vector's address allows, a
+// streaming store, which skips reading the line first (2 of a bf16 rule's 24 bytes of traffic per element)
+template <class V>
+inline void store_out(void* p, V v) {
+#if defined(__AVX__)
+  static_assert(sizeof(V) == 32, "a half copy's vector is 32 bytes");
+  if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) {
+    __m256i x;
+    std::memcpy(&x, &v, 32);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x);
+    return;
+  }
+#endif
+  store(p, v);
+}
+
 inline vf vsqrt(vf x) {
   vf out;
   for (int l = 0; l < LANES; ++l) out[l] = std::sqrt(x[l]);
@@ -81,13 +97,13 @@ struct BF16 {
     vu u = as_u(x);
     vu r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
     r = x != x ? vu{} + 0x7FC0u : r;
-    store(p, narrow16(r));
+    store_out(p, narrow16(r));
   }
 };
 struct F16 {
   using T = _Float16;
   static vf get(const T* p) { return __builtin_convertvector(load<vhf>(p), vf); }
-  static void put(T* p, vf x) { store(p, __builtin_convertvector(x, vhf)); }
+  static void put(T* p, vf x) { store_out(p, __builtin_convertvector(x, vhf)); }
 };
 struct NoHalf {
   using T = void;
@@ -350,5 +366,8 @@ extern "C" int mobius_adamw_states(int rule, int grad_dtype, int half_dtype, int
   if (grad_dtype == 0) run_half<F32>(c, half_dtype, next);
   else if (grad_dtype == 1) run_half<BF16>(c, half_dtype, next);
   else run_half<F16>(c, half_dtype, next);
+#if defined(__AVX__)
+  _mm_sfence();  // the streaming stores reach memory before whoever reads the half copy next
+#endif
   return 0;
 }
