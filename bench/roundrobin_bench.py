@@ -15,6 +15,8 @@ default's CPU AdamW rate.
 
     python bench/roundrobin_bench.py                 # the three models, clipping off and at 1.0 (about 8 min)
     python bench/roundrobin_bench.py --models llama-3.1-8b --json out.json
+    python bench/roundrobin_bench.py --models qwen3-32b --clips 1.0 --no-host --set=--train.update=delayed \
+        --set=--partition.host_memory_gib=768 --set=--train.optimizer_states=bf16   # a host of 768 GiB
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ TOKENS = 16 * 4 * 2048
 MEASURED_MICRO_BATCHES = {"llama-3.1-8b": 64}  # RoundPipe's measured runs: 524,288 tokens per step (its paper)
 HOST_RATES = (16.0,)  # partition.cpu_update_rate (G parameters/s, measured alone) beside the default host's 4.0
 FREE = 1e13  # "free": a link (bytes/s) or a CPU update rate (parameters/s) that takes no time at these sizes
+EXTRA: list[str] = []  # --set: config overrides for every plan (e.g. the host's memory, the optimizer states)
 
 
 def _plan(model: str, clip: float, profile_file: Path, micro_batches: int = 16, cpu_rate: float | None = None,
@@ -70,6 +73,7 @@ def _plan(model: str, clip: float, profile_file: Path, micro_batches: int = 16, 
                  "--partition.gpu=rtx4090", f"--parallel.schedule={schedule}", f"--train.grad_clip={clip}"]
     if cpu_rate is not None:
         overrides.append(f"--partition.cpu_update_rate={cpu_rate}")
+    overrides += EXTRA
     cfg = load_config(str(ROOT / "configs/finetune-llama-3.1-8b.yaml"), overrides)
     machine = Machine.saved(topology.load_topology(str(TOPOLOGY)))
     settings = resolve(cfg, machine, "pipeline", "")
@@ -186,11 +190,12 @@ def run(models: list[str], clips: list[float], host: bool = True) -> list[dict]:
 def _line(r: dict) -> str:
     rr = r["round_robin"]
     if "error" in rr:
-        robin = f"round-robin: {rr['error'][:60]}"
+        robin = f"round-robin: {rr['error']}"
     else:
         sync, delayed = _sync_delayed(rr)
         robin = (f"round-robin sync {TOKENS / sync:>8,.0f}  delayed {TOKENS / delayed:>8,.0f}  (its compute alone: "
-                 f"{TOKENS / compute_s(rr):,.0f})")
+                 f"{TOKENS / compute_s(rr):,.0f}; host stores {rr['host_bytes'] / 2**30:.1f} GiB; "
+                 f"{'runs' if rr.get('runs') else 'not run'})")
         if "delayed_no_fp32_sums_s" in r:
             robin += (f"  (delayed without fp32 sums {TOKENS / r['delayed_no_fp32_sums_s']:,.0f}, and fast links "
                       f"{TOKENS / r['delayed_no_fp32_sums_fast_links_s']:,.0f})")
@@ -236,7 +241,10 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--no-host", action="store_true", help="skip the third table (RoundPipe's measured batch, a "
                                                             "faster host: about 2 min)")
+    ap.add_argument("--set", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                    help="a config override for every plan (e.g. --set=--partition.host_memory_gib=768)")
     a = ap.parse_args()
+    EXTRA.extend(a.set)
     print("tokens/s per step of 16 x 4 x 2048 tokens, predicted by mobius's simulator (8 x RTX 4090 times, two root "
           "complexes, no P2P)")
     rows = run(a.models.split(","), [float(c) for c in a.clips.split(",")], not a.no_host)

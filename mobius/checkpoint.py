@@ -153,16 +153,19 @@ def save(path: str | os.PathLike, model_cfg: ModelConfig, dtype: torch.dtype, st
     return path
 
 
-def checkpoint_bytes(model_cfg: ModelConfig, dtype: torch.dtype, resumable: bool, delayed: bool = False) -> int:
+def checkpoint_bytes(model_cfg: ModelConfig, dtype: torch.dtype, resumable: bool, delayed: bool = False,
+                     states: str = "fp32") -> int:
     """About how many bytes one checkpoint of this model takes: the weights in ``dtype`` (under LoRA
-    only what trains) and, when ``resumable``, two fp32 AdamW moments of what trains (and, ``delayed``,
-    its fp32 compute weights)."""
+    only what trains) and, when ``resumable``, the AdamW moments of what trains in ``states``' precision (and,
+    ``delayed``, its fp32 compute weights)."""
     from mobius.models.params import model_params
+    from mobius.states import moment_bytes
 
     params = model_params(model_cfg)
     trains = sum(p.numel for p in params if p.trains)
     saved = trains if model_cfg.lora is not None else sum(p.numel for p in params)
-    return saved * dtype.itemsize + ((12 if delayed else 8) * trains if resumable else 0)
+    return round(saved * dtype.itemsize + ((moment_bytes(states) + (4 if delayed else 0)) * trains if resumable
+                                           else 0))
 
 
 def save_model(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch.float32,

@@ -54,6 +54,12 @@ def blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
+def moment_bytes(rule: str) -> float:
+    """Bytes of both moments per element in ``rule``'s storage (int8: the codes and their scales); what
+    :data:`partition.costs.MOMENT_BYTES` plans with."""
+    return 2 * MOMENT_DTYPES[rule].itemsize + (2 * 4 / BLOCK if rule == "int8" else 0.0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Moments in a rule's storage
 # ---------------------------------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ def test_bytes_per_parameter_by_rule() -> None:
     """fp32 moments 8 bytes, bf16 4, int8 two codes and two fp32 scales per 64 (2.125): a bf16-trained swapped
     parameter with half-precision gradient downloads 14 / 10 / 8.125 bytes of host memory; the CPU update moves 30 /
     22 / 18.25 bytes per parameter; the sums the runtime's stores allocate (tests/test_pipeline.py's host check)."""
-    assert MOMENT_BYTES == {"fp32": 8.0, "bf16": 4.0, "int8": 2.125}
+    from mobius.states import moment_bytes
+
+    assert MOMENT_BYTES == {"fp32": 8.0, "bf16": 4.0, "int8": 2.125} == {r: moment_bytes(r) for r in MOMENT_BYTES}
     assert [host_bytes_per_param("bf16", True, False, r) for r in MOMENT_BYTES] == [14, 10, 8.125]
     assert [host_bytes_per_param("fp32", False, True, r) for r in MOMENT_BYTES] == [20, 16, 14.125]
     assert [update_bytes(r) for r in MOMENT_BYTES] == [30, 22, 18.25]

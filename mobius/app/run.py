@@ -142,11 +142,12 @@ def _zero_too_big(plan: ZeroPlan) -> str:
 
 def check_disk(out: Path, cfg: Config, model_cfg: ModelConfig, save_dtype: torch.dtype) -> None:
     """``output.dir``'s disk holds the largest checkpoint the run writes (estimated from the model)."""
-    delayed = cfg.train.update == "delayed"
-    sizes = {"the final checkpoint": checkpoint_bytes(model_cfg, save_dtype, save_dtype == torch.float32, delayed)}
+    delayed, states = cfg.train.update == "delayed", cfg.train.optimizer_states
+    sizes = {"the final checkpoint": checkpoint_bytes(model_cfg, save_dtype, save_dtype == torch.float32, delayed,
+                                                      states)}
     if cfg.output.save_every and cfg.output.save_every < cfg.train.max_steps:
         sizes["a step checkpoint (fp32 weights and AdamW moments)"] = checkpoint_bytes(model_cfg, torch.float32,
-                                                                                       True, delayed)
+                                                                                       True, delayed, states)
     if model_cfg.lora is not None and cfg.output.save_merged:
         sizes["the merged model"] = checkpoint_bytes(dataclasses.replace(model_cfg, lora=None), save_dtype, False)
     what, need = max(sizes.items(), key=lambda kv: kv[1])
