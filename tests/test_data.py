@@ -79,9 +79,14 @@ def test_cache_is_reused_and_blocks_pack(text_file: Path, tmp_path: Path) -> Non
     assert files[0].stat().st_mtime_ns == mtime and np.array_equal(a, b)
     assert a[-1] == tok.eos_id and len(a) == len(text_file.read_bytes()) + 1
     data = build_data(a, seq_len=32, val_fraction=0.1, seed=0)
-    x, y = data.next_batch(3)
-    assert x.shape == (3, 32) and y.shape == (3, 32)
+    batch = data.next_batch(3)
+    x, y = batch.inputs, batch.targets
+    assert x.shape == (3, 32) and y.shape == (3, 32) and batch.docs is None
     assert np.array_equal(x[:, 1:].numpy(), y[:, :-1].numpy())  # targets are inputs shifted by one
+    flat = np.asarray(a)  # every block is seq_len + 1 consecutive tokens of the cache, every token a target
+    assert any(np.array_equal(np.append(x[0].numpy(), y[0, -1].numpy()), flat[i * 32:i * 32 + 33])
+               for i in range(len(data.train)))
+    assert batch.target_count == 3 * 32
 
 
 def test_shuffle_is_seeded_and_resumable(text_file: Path, tmp_path: Path) -> None:
@@ -89,24 +94,24 @@ def test_shuffle_is_seeded_and_resumable(text_file: Path, tmp_path: Path) -> Non
     one = build_data(tokens, 16, 0.05, seed=1)
     two = build_data(tokens, 16, 0.05, seed=1)
     other = build_data(tokens, 16, 0.05, seed=2)
-    seq_one = [one.next_batch(4)[0] for _ in range(5)]
-    seq_two = [two.next_batch(4)[0] for _ in range(5)]
+    seq_one = [one.next_batch(4).inputs for _ in range(5)]
+    seq_two = [two.next_batch(4).inputs for _ in range(5)]
     assert all(np.array_equal(a, b) for a, b in zip(seq_one, seq_two))
-    assert not np.array_equal(seq_one[0], other.next_batch(4)[0])
+    assert not np.array_equal(seq_one[0], other.next_batch(4).inputs)
     resumed = build_data(tokens, 16, 0.05, seed=1)
     resumed.load_state_dict(two.state_dict())
-    assert np.array_equal(resumed.next_batch(4)[0], two.next_batch(4)[0])
+    assert np.array_equal(resumed.next_batch(4).inputs, two.next_batch(4).inputs)
     # peeking at the next step's batches (an engine that starts it early) draws nothing
     at = two.position
     peeked = two.peek_batches(4, 3)
-    assert two.position == at and all(np.array_equal(p[0], two.next_batch(4)[0]) for p in peeked)
+    assert two.position == at and all(np.array_equal(p.inputs, two.next_batch(4).inputs) for p in peeked)
     # an epoch visits every training block once
     full = build_data(tokens, 16, 0.05, seed=3)
     seen = sorted(full._index(i) for i in range(len(full.train)))
     assert seen == list(range(len(full.train)))
     # held-out blocks are disjoint from training blocks and fixed
-    ev1 = [x for x, _ in full.eval_batches(2, 3)]
-    ev2 = [x for x, _ in full.eval_batches(2, 3)]
+    ev1 = [b.inputs for b in full.eval_batches(2, 3)]
+    ev2 = [b.inputs for b in full.eval_batches(2, 3)]
     assert all(np.array_equal(a, b) for a, b in zip(ev1, ev2)) and len(ev1) >= 1
 
 
