@@ -232,12 +232,10 @@ def _write_chat(conversations: Iterator[tuple[Where, list[dict]]], template: Cha
     dtype, digest = _dtype(tokenizer), hashlib.sha256()
     writer = _ChatWriter(dtype, digest)
     with _temporary(cache, files["tokens"]) as tokens_out, _temporary(cache, files["targets"]) as targets_out:
-        for batch in _batches(conversations, BATCH):
-            texts, spans = zip(*(render_with_targets(template, messages, where, train_on) for where, messages in batch))
-            enc = encode(tokenizer, list(texts), list(spans))
+        for wheres, chars, enc in _encoded(conversations, template, train_on, tokenizer):
             if writer.tokens == 0 and total_bytes:
-                _check_space(cache, len(enc.ids) / max(sum(map(len, texts)), 1) * total_bytes, dtype, per_token=1)
-            writer.add(enc, [where for where, _ in batch], tokens_out, targets_out)
+                _check_space(cache, len(enc.ids) / max(chars, 1) * total_bytes, dtype, per_token=1)
+            writer.add(enc, wheres, tokens_out, targets_out)
         with _temporary(cache, files["index.npz"]) as index_out:
             np.savez(index_out, starts=np.array(writer.starts, dtype=np.int64), hits=np.array(writer.hits, np.int64),
                      origins=np.array(writer.origins, dtype=np.int64).reshape(-1, 2))
@@ -245,6 +243,27 @@ def _write_chat(conversations: Iterator[tuple[Where, list[dict]]], template: Cha
             "records": writer.records, "no_target": writer.no_target, "no_target_at": writer.no_target_at,
             "sources": [list(s) for s in writer.sources], "tokenizer": tokenizer.name, "template": template.origin,
             "train_on": train_on}
+
+
+def _encoded(conversations: Iterator[tuple[Where, list[dict]]], template: ChatTemplate, train_on: TrainOn,
+             tokenizer: TextTokenizer) -> Iterator[tuple[list[Where], int, Encoded]]:
+    """Batches of conversations rendered (here) and tokenized (in a thread: the tokenizer leaves Python's lock
+    while it works, so the next batch renders meanwhile): (where each was read, rendered characters, tokens)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    def rendered(batch: list[tuple[Where, list[dict]]]) -> tuple[list[Where], list[str], list]:
+        texts, spans = zip(*(render_with_targets(template, messages, where, train_on) for where, messages in batch))
+        return [where for where, _ in batch], list(texts), list(spans)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+        pending: tuple[list[Where], int, Future] | None = None
+        for batch in _batches(conversations, BATCH):
+            wheres, texts, spans = rendered(batch)
+            if pending is not None:
+                yield pending[0], pending[1], pending[2].result()
+            pending = wheres, sum(map(len, texts)), pool.submit(encode, tokenizer, texts, spans)
+        if pending is not None:
+            yield pending[0], pending[1], pending[2].result()
 
 
 class _ChatWriter:

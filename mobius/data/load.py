@@ -24,7 +24,7 @@ from mobius.data.records import conversation, form_names, record_form
 from mobius.data.sampler import DataStats, TrainData, build_data
 from mobius.data.sources import BUILTIN_STDLIB, BUILTIN_STDLIB_CHAT, Where, records, source_files
 from mobius.data.tokenizer import TextTokenizer
-from mobius.errors import ConfigError, DataError, MobiusError
+from mobius.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from mobius.config import DataSection
@@ -108,8 +108,8 @@ def build_chat_data(cache: ChatCache, data: "DataSection", seed: int, pad_id: in
     n_val = max(1, int(len(index) * data.val_fraction)) if data.val_fraction > 0 else 0
     if len(index) - n_val < 1:
         why = "".join(f"; {count} left out: {reason}" for reason, (count, _) in left_out.items())
-        raise MobiusError(f"data.path {data.path}: {len(index)} conversation(s) fit data.seq_len={data.seq_len}, too "
-                          f"few for training and {n_val} held out{why}; raise data.seq_len or add conversations")
+        raise DataError(f"data.path {data.path}: {len(index)} conversation(s) fit data.seq_len={data.seq_len}, too "
+                        f"few for training and {n_val} held out{why}; raise data.seq_len or add conversations")
     held = np.zeros(len(index), dtype=bool)
     held[np.random.default_rng(HELD_OUT_SEED).permutation(len(index))[:n_val]] = True
     blocks = [ChatBlocks.build(cache, index[part], kept[index[part]], data.seq_len, pad_id, data.packing)

@@ -101,6 +101,5 @@ def build_data(tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int,
                           f"{seq_len + 1} tokens plus {n_val} held-out blocks; lower data.seq_len or add text")
     train = TextBlocks(tokens, seq_len, 0, total - n_val)
     val = TextBlocks(tokens, seq_len, total - n_val, n_val)
-    used = total * seq_len + 1
-    stats = DataStats("text", records, used, used - 1, seq_len, len(train), len(val), 1.0)
+    stats = DataStats("text", records, len(tokens), total * seq_len, seq_len, len(train), len(val), 1.0)
     return TrainData(train, val, seed, fingerprint=fingerprint, stats=stats)
