@@ -13,7 +13,8 @@ on them, with ChatML's special tokens and a ChatML (Qwen-style) template. Timed:
   ``return_assistant_tokens_mask=True`` on the template with ``{% generation %}`` tags;
 * transformers, batched: the same calls on lists of ``--batch`` conversations.
 
-The first 500 conversations' ids and targets are checked equal to transformers' before any figure is printed.
+1,000 conversations spread over all of them are checked equal to transformers' ids and assistant mask before any
+figure is printed.
 
     python bench/data_bench.py                       # 100,000 conversations
     python bench/data_bench.py --records 2000        # a quick look
@@ -136,9 +137,11 @@ def time_stages(tok, convs: list[list[dict]]) -> dict[str, float]:
 
 
 def check_equal(d: Path, data, convs: list[list[dict]], count: int) -> None:
-    """Our cache's first ``count`` conversations against transformers' ids and assistant masks."""
+    """``count`` of our cache's conversations (spread over all of it) against transformers' ids and assistant
+    masks."""
     tok, cache = hf_tokenizer(d), data.train.cache
-    for r in range(count):
+    assert len(cache) == len(convs)
+    for r in np.linspace(0, len(convs) - 1, count).astype(int):
         want = tok.apply_chat_template(convs[r], chat_template=tagged(), tokenize=True, return_dict=True,
                                        return_assistant_tokens_mask=True)
         s, e = cache.starts[r], cache.starts[r + 1]
@@ -172,7 +175,7 @@ def main() -> None:
             times.update(time_stages(tok, convs))
             times.update(time_transformers(hf, convs, args.batch))
             best = {k: min(v, best.get(k, v)) for k, v in times.items()}
-        check_equal(d, data, convs, min(500, len(convs)))
+        check_equal(d, data, convs, min(1000, len(convs)))
         packing = {}
         for seq_len in (512, 1024, 2048, 4096):
             start = time.perf_counter()

@@ -251,10 +251,13 @@ def _rows(blocks, T: int) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.mark.parametrize("seq_len", [128, 256])
-def test_packed_blocks_hold_whole_conversations_with_transformers_targets(tmp_path: Path, seq_len: int) -> None:
+def test_packed_blocks_hold_whole_conversations_with_transformers_targets(tmp_path: Path, seq_len: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Every conversation that fits is in exactly one block, whole: its inputs ids[:-1], its targets ids[1:] where
     transformers' mask marks them, else IGNORE; documents sum to T; the tail is one padding document that trains
-    nothing; longer conversations are counted as dropped; the packing efficiency is what the rows hold."""
+    nothing; longer conversations are counted as dropped; the packing efficiency is what the rows hold. (Batches
+    of 7 conversations: several are rendered while others are tokenized.)"""
+    monkeypatch.setattr("mobius.data.cache.BATCH", 7)
     d = make_tokenizer(tmp_path / "tok", "chatml")
     f = _many(tmp_path)
     tok = load_tokenizer(str(d), None)
@@ -449,6 +452,22 @@ def test_mobius_data_prints_records_with_targets_and_the_totals(tmp_path: Path, 
     assert main(["data", str(cfg)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"mobius: error: {f}:1: messages[0].content: not a string (a int)"]
+
+
+def test_mobius_data_on_text(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from mobius.cli import main
+
+    (tmp_path / "t.txt").write_text("plain text, every token a target. " * 20)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model:\n  preset: gpt2-tiny\ndata:\n  path: {tmp_path / 't.txt'}\n  seq_len: 64\n"
+                   f"  val_fraction: 0.2\n  cache_dir: {tmp_path / 'cache'}\n")
+    assert main(["data", str(cfg), "--show=1", "--color=never"]) == 0
+    out = capsys.readouterr().out
+    assert "── training block 0: 64 tokens, every one a target\n⟦" in out
+    assert "records             1\n" in out and "tokens              681\n" in out  # 680 bytes and the end of text
+    assert "blocks              8 training + 2 held out, of 64 positions, running across documents" in out
+    assert main(["data", str(cfg), "--data.packing=false"]) == 2
+    assert "data.packing=false pads one conversation per row" in capsys.readouterr().err
 
 
 def test_stdlib_conversations_ask_what_a_definition_does() -> None:
