@@ -181,15 +181,9 @@ def main() -> None:
             start = time.perf_counter()
             packed = build_chat_data(data.train.cache, DataSection(path=str(f), seq_len=seq_len, val_fraction=0.0),
                                      0, tok.pad_id)
-            bound = fewest_blocks(packed.train.kept - 1, seq_len)
+            bound = packed.stats.fewest_blocks
             packing[seq_len] = (time.perf_counter() - start, packed.stats, bound)
     report(args, convs, data.stats, best, packing)
-
-
-def fewest_blocks(sizes: np.ndarray, capacity: int) -> int:
-    """A lower bound on the blocks any packing needs: the positions over the capacity, and one block for each
-    conversation longer than half of it."""
-    return max(int(np.ceil(sizes.sum() / capacity)), int((sizes > capacity // 2).sum()))
 
 
 def report(args: argparse.Namespace, convs: list[list[dict]], stats, best: dict[str, float], packing: dict) -> None:

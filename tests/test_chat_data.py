@@ -281,6 +281,7 @@ def test_packed_blocks_hold_whole_conversations_with_transformers_targets(tmp_pa
     assert stats.efficiency == pytest.approx(used / ((len(data.train) + len(data.val)) * seq_len))
     assert stats.target_tokens == sum(sum(t != IGNORE for t in doc[1]) for doc in real)
     assert len(data.val) >= 1 and stats.train_blocks == len(data.train)
+    assert 0 < stats.fewest_blocks <= len(data.train) + len(data.val)
 
 
 def test_unpacked_rows_and_truncation(tmp_path: Path) -> None:

@@ -117,7 +117,8 @@ def build_chat_data(cache: ChatCache, data: "DataSection", seed: int, pad_id: in
     positions = sum(b.positions for b in blocks)
     stats = DataStats("chat", cache.records, int(kept[index].sum()), int(hits[index].sum()), data.seq_len,
                       len(blocks[0]), len(blocks[1]), positions / max(1, data.seq_len * sum(map(len, blocks))),
-                      len(index), left_out, truncated, train_on=data.train_on, packing=data.packing)
+                      len(index), sum(b.fewest for b in blocks), left_out, truncated, train_on=data.train_on,
+                      packing=data.packing)
     fingerprint = hashlib.sha256(f"{cache.fingerprint}|packing={data.packing}|truncation={data.truncation}".encode())
     for why, (count, first) in left_out.items():
         log.warning("data: %d record(s) left out: %s (the first: %s)", count, why, first)

@@ -106,6 +106,14 @@ class ChatBlocks:
         """Positions the conversations fill (the rest is padding)."""
         return int((self.kept - 1).sum())
 
+    @property
+    def fewest(self) -> int:
+        """A lower bound on the blocks any packing of these conversations takes: their positions over a block's,
+        and one block for each conversation of more than half a block (no two of them share one)."""
+        sizes = self.kept - 1
+        return max(-(-int(sizes.sum()) // self.seq_len), int((sizes > self.seq_len // 2).sum())) if self.packed \
+            else len(self)
+
     def get(self, indices: np.ndarray) -> MicroBatch:
         """Blocks by index -> inputs [B, T], targets [B, T] (IGNORE off the targets and on padding), int64, and
         docs [B, D] int32 (each row's document lengths, summing to T, then zeros; None unpacked)."""

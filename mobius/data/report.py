@@ -61,7 +61,8 @@ def totals(stats: DataStats, source: str) -> str:
                   f"  tokens              {stats.tokens:,}",
                   f"  target tokens       {stats.target_tokens:,} ({100 * share:.1f}%)",
                   f"  blocks              {blocks}, {packing}",
-                  f"  packing efficiency  {100 * stats.efficiency:.1f}% (conversation positions / blocks x seq_len)"]
+                  f"  packing efficiency  {100 * stats.efficiency:.1f}% (conversation positions / blocks x seq_len; "
+                  f"no packing takes fewer than {stats.fewest_blocks:,} blocks)"]
     else:
         lines += [f"  tokens              {stats.tokens:,}",
                   f"  target tokens       {stats.target_tokens:,} (every token of the blocks)",

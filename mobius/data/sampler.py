@@ -35,6 +35,7 @@ class DataStats:
     val_blocks: int
     efficiency: float  # positions filled by data / (blocks x seq_len)
     conversations: int = 0  # conversations in blocks
+    fewest_blocks: int = 0  # conversations: a lower bound on the blocks any packing of them takes
     left_out: dict[str, tuple[int, str]] = field(default_factory=dict)  # why -> (records, where the first was read)
     truncated: tuple[int, str] | None = None  # (conversations cut to seq_len + 1 tokens, where the first was read)
     template: str | None = None  # where the chat template came from
