@@ -427,6 +427,14 @@ def test_cache_is_reused_and_keyed_by_template_and_train_on(tmp_path: Path) -> N
     assert len(list(cache.glob("chat-*.json"))) == 3  # (packing is not in the cache's key)
     assert all_tokens.stats.target_tokens > one.stats.target_tokens
     assert tok.save(tmp_path / "saved")["chat_template.jinja"].read_text() == tok.template_file  # trained with it
+    from mobius.assemble import _check_same_data
+    from mobius.config import config_from_dict
+    from mobius.errors import CheckpointError
+
+    cfg = config_from_dict({"model": {"preset": "gpt2-tiny"}, "data": {"path": str(f)}})
+    _check_same_data(cfg, one.state_dict(), again, tmp_path)  # (a resume on the same data goes on)
+    with pytest.raises(CheckpointError, match=r"differs from what it trained on \(or, for conversations, the chat "):
+        _check_same_data(cfg, one.state_dict(), templated, tmp_path)
 
 
 # ---- mobius data and the built-in source ------------------------------------------------------------------------
