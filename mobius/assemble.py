@@ -16,8 +16,7 @@ import torch
 from mobius.checkpoint import ResumeState
 from mobius.config import PLACEHOLDER, Config
 from mobius.engine import DTYPES
-from mobius.data import (BUILTIN_STDLIB, TextTokenizer, TrainData, build_data, load_tokenizer, source_files,
-                         token_cache)
+from mobius.data import BUILTINS, TextTokenizer, TrainData, load_data, load_tokenizer, source_files
 from mobius.errors import CheckpointError, ConfigError
 from mobius.models import CausalLM, ModelConfig, build_model, get_preset, initial_weights
 from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _normalise_key, from_hf, read_config
@@ -38,7 +37,7 @@ def check_inputs(cfg: Config) -> None:
         if not path.is_dir():
             raise CheckpointError(f"model.checkpoint {ck}: no such directory")
         check_weight_shapes(path, read_config(path))  # config.json of a supported family; weights readable
-    if cfg.data.path != BUILTIN_STDLIB:
+    if cfg.data.path not in BUILTINS:
         source_files(cfg.data.path)
     tok = cfg.data.tokenizer
     if tok and not Path(tok).exists():
@@ -103,11 +102,10 @@ class Prepared:
 
 
 def prepare_data(cfg: Config) -> tuple[TextTokenizer, TrainData]:
-    """The run's tokenizer and its packed, split, cached data (with its content fingerprint)."""
-    tokenizer = run_tokenizer(cfg)
-    tokens, fingerprint = token_cache(cfg.data.path, cfg.data.text_field, tokenizer, cfg.data.cache_dir)
-    data = build_data(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed, fingerprint=fingerprint)
-    log.debug("data: %s tokens, %d training blocks of %d, %d held out", f"{len(tokens):,}", len(data.train),
+    """The run's tokenizer (with the chat template conversations are rendered with) and its packed, split,
+    cached data (with its fingerprint)."""
+    tokenizer, data = load_data(cfg.data, run_tokenizer(cfg), cfg.train.seed)
+    log.debug("data: %s tokens, %d training blocks of %d, %d held out", f"{data.stats.tokens:,}", len(data.train),
               cfg.data.seq_len, len(data.val))
     return tokenizer, data
 
@@ -166,7 +164,8 @@ def _check_same_adapters(lora: LoraSpec | None, trained: object, where: Path) ->
 def _check_same_data(cfg: Config, saved: dict, data: TrainData, where: Path) -> None:
     then = saved.get("fingerprint")
     if then is not None and then != data.fingerprint:
-        change = (f"the content of data.path {cfg.data.path} differs from what it trained on (fingerprint "
+        change = (f"the content of data.path {cfg.data.path} differs from what it trained on (or, for conversations, "
+                  f"the chat template, data.train_on, data.packing or data.truncation; fingerprint "
                   f"{data.fingerprint[:12]} now, {then[:12]} then)")
     elif saved["train_blocks"] != len(data.train):
         change = (f"data.path {cfg.data.path} gives {len(data.train)} training blocks of data.seq_len="
