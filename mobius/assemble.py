@@ -16,7 +16,7 @@ import torch
 from mobius.checkpoint import ResumeState
 from mobius.config import PLACEHOLDER, Config
 from mobius.engine import DTYPES
-from mobius.data import BUILTINS, TextTokenizer, TrainData, load_data, load_tokenizer, source_files
+from mobius.data import BUILTINS, TextTokenizer, TrainData, data_format, load_data, load_tokenizer, source_files
 from mobius.errors import CheckpointError, ConfigError
 from mobius.models import CausalLM, ModelConfig, build_model, get_preset, initial_weights
 from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _normalise_key, from_hf, read_config
@@ -108,6 +108,40 @@ def prepare_data(cfg: Config) -> tuple[TextTokenizer, TrainData]:
     log.debug("data: %s tokens, %d training blocks of %d, %d held out", f"{data.stats.tokens:,}", len(data.train),
               cfg.data.seq_len, len(data.val))
     return tokenizer, data
+
+
+def document_tokens(data: TrainData) -> int | None:
+    """Positions per document in the data's rows when they are packed conversations (a conversation of L tokens
+    takes L - 1), on average; None for text and for one conversation per row."""
+    s = data.stats
+    if s is None or s.format != "chat" or not s.packing or not s.conversations:
+        return None
+    return max(1, round(s.tokens / s.conversations) - 1)
+
+
+def with_document_tokens(cfg: Config, data: TrainData) -> Config:
+    """``cfg`` with ``partition.document_tokens`` taken from ``data`` when the config leaves it null: the plan
+    then profiles attention within documents of that length (:mod:`mobius.models.packing`)."""
+    if cfg.partition.document_tokens is not None:
+        return cfg
+    doc = document_tokens(data)
+    if doc is None:
+        return cfg
+    return dataclasses.replace(cfg, partition=dataclasses.replace(cfg.partition, document_tokens=doc))
+
+
+def planned_document_tokens(cfg: Config) -> Config:
+    """For ``mobius plan``: ``cfg`` with the documents' length of data that is packed conversations and at hand
+    (prepared as ``mobius train`` prepares it: from its cache, or tokenized now), so that the plan shown is the
+    plan run; data not at hand (a path still to fill in, or missing) leaves one sequence per row."""
+    path = cfg.data.path
+    if cfg.partition.document_tokens is not None or not cfg.data.packing or PLACEHOLDER in path:
+        return cfg
+    if path not in BUILTINS and not Path(path).exists():
+        return cfg
+    if data_format(path, cfg.data.format, cfg.data.text_field) != "chat":
+        return cfg
+    return with_document_tokens(cfg, prepare_data(cfg)[1])
 
 
 def check_resume(cfg: Config, resume_from: Path, tokenizer: TextTokenizer, data: TrainData,

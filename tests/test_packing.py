@@ -183,3 +183,19 @@ def test_the_plan_counts_attention_within_packed_documents(tmp_path: Path) -> No
     tiny = unit_specs(get_preset("llama-tiny"))
     measured = get_profile(tiny, 1, 256, "fp32", "measured", device="cpu", cache_dir=tmp_path, doc_tokens=32)
     assert measured.doc_tokens == 32 and len(list((tmp_path / "profiles").glob("*.json"))) == 1
+
+
+def test_mobius_plan_profiles_the_chat_demo_within_its_documents(tmp_path: Path) -> None:
+    """``mobius plan`` on packed conversations takes their mean length from the data, as ``mobius train`` does, and
+    says so; ``partition.document_tokens`` overrides it; text plans one sequence per row."""
+    from in_process import mobius
+
+    common = [f"--data.cache_dir={tmp_path}", f"--partition.cache_dir={tmp_path}"]
+    out = mobius(["plan", "configs/chat-demo.yaml", *common])
+    assert out.returncode == 0, out.stderr
+    doc = int(out.stdout.split("attention within documents of ")[1].split()[0])
+    assert 100 < doc < 256
+    out = mobius(["plan", "configs/chat-demo.yaml", *common, "--partition.document_tokens=64"])
+    assert "attention within documents of 64 tokens" in out.stdout
+    out = mobius(["plan", "configs/demo.yaml", *common])
+    assert out.returncode == 0 and "attention within documents" not in out.stdout

@@ -18,7 +18,8 @@ predicted step, whether it fits, the choice and why -- then the chosen mode's pl
 ``mobius train`` would run.
 
 Config keys used: model.checkpoint / model.preset, model.activation_checkpointing, data.seq_len,
-data.tokenizer, train.micro_batch_size, train.micro_batches, train.precision, train.grad_clip,
+data.tokenizer, data.path / format / packing / chat_template / train_on (packed conversations: the plan profiles
+attention within documents of their mean length, unless partition.document_tokens says it), train.micro_batch_size, train.micro_batches, train.precision, train.grad_clip,
 parallel.mode / devices / device / mapping / prefetch / p2p / offload_inputs / stages / resident_stages /
 kept_stages / grad_download, partition.*, zero.* and topology.file / topology.bandwidth_file.
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 from mobius.app.planning import ModeChoice, plan_run, profile_line
 from mobius.app.settings import Machine
-from mobius.assemble import planned_architecture
+from mobius.assemble import planned_architecture, planned_document_tokens
 from mobius.config import Config, load_config
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import preset_names
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"parallel.devices is {cfg.parallel.devices} but the topology has {machine.gpu_count} GPU(s)"
                           + (f" per node ({args.nodes} nodes)" if args.nodes > 1 else ""))
     model_cfg = planned_architecture(cfg)
+    cfg = planned_document_tokens(cfg)
     choice = plan_run(cfg, model_cfg, machine, args.bandwidth, plan_single=True)
     chosen = choice.chosen
     if args.trace and choice.mode != "pipeline" or args.timeline and choice.mode == "single":
