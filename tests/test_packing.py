@@ -199,3 +199,25 @@ def test_mobius_plan_profiles_the_chat_demo_within_its_documents(tmp_path: Path)
     assert "attention within documents of 64 tokens" in out.stdout
     out = mobius(["plan", "configs/demo.yaml", *common])
     assert out.returncode == 0 and "attention within documents" not in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("groups", [1, 4])
+def test_on_cuda_every_kernel_attends_within_documents(groups: int) -> None:
+    """bf16 on the GPU: the kernel pick_kernel takes there (varlen where torch has it), the dense mask and one call
+    per document agree, forward and backward, within bf16's rounding."""
+    from mobius.models.packing import pick_kernel
+
+    assert pick_kernel(torch.device("cuda"), torch.bfloat16, 0.0) in ("varlen", "per_doc")
+    g = torch.Generator().manual_seed(0)
+    make = lambda h: torch.randn(2, h, 24, 64, generator=g).cuda().bfloat16().requires_grad_()  # noqa: E731
+    q, k, v = make(8), make(8 // groups), make(8 // groups)
+    outs, grads = {}, {}
+    for kernel in ("per_doc", "dense", pick_kernel(q.device, q.dtype, 0.0)):
+        y = Documents(_docs(), "cuda", kernel).attend(q, k, v, 0.0, None, groups)
+        (dq,) = torch.autograd.grad(y.float().square().sum(), q)
+        outs[kernel], grads[kernel] = y.float(), dq.float()
+    for kernel in outs:
+        torch.testing.assert_close(outs[kernel], outs["per_doc"], atol=2e-2, rtol=2e-2, msg=kernel)
+        torch.testing.assert_close(grads[kernel], grads["per_doc"], atol=5e-2, rtol=5e-2, msg=kernel)
