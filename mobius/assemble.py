@@ -20,7 +20,7 @@ from mobius.data import (BUILTIN_STDLIB, TextTokenizer, TrainData, build_data, l
                          token_cache)
 from mobius.errors import CheckpointError, ConfigError
 from mobius.models import CausalLM, ModelConfig, build_model, get_preset, initial_weights
-from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _normalise_key, from_hf, read_config
+from mobius.models.hf import KEY_MAPS, TRANSFORMS, LazyCheckpoint, _normalise_key, from_hf, read_config
 from mobius.models.params import model_params
 from mobius.models.lora import ADAPTER, LoraSpec, block_targets
 from mobius.models.peft import read_adapter
@@ -57,14 +57,15 @@ def check_weight_shapes(path: Path, mc: ModelConfig) -> None:
     lazy = LazyCheckpoint(path)
     present = {_normalise_key(k, km): k for k in lazy}
     for rule in km.rules:
-        if rule.hf not in present or rule.ours not in expected:
+        if any(key not in present for key in rule.keys) or rule.ours not in expected:
             continue  # a missing key is named when the weights load
-        want = expected[rule.ours][::-1] if rule.transform == "conv1d_to_linear" else expected[rule.ours]
-        got = lazy.shape(present[rule.hf])
-        if tuple(got) != tuple(want):
-            vocab = f" (config.json's vocab_size is {base.vocab_size})" if base.vocab_size in want else ""
-            raise CheckpointError(f"{path}: weight {present[rule.hf]} has shape {tuple(got)}, but config.json "
-                                  f"describes {tuple(want)}{vocab}; the checkpoint's weights and config disagree")
+        pieces = TRANSFORMS[rule.transform][1](torch.empty(expected[rule.ours], device="meta"))  # the hf shapes
+        for key, piece in zip(rule.keys, [pieces] if isinstance(rule.hf, str) else pieces, strict=True):
+            want, got = tuple(piece.shape), tuple(lazy.shape(present[key]))
+            if got != want:
+                vocab = f" (config.json's vocab_size is {base.vocab_size})" if base.vocab_size in want else ""
+                raise CheckpointError(f"{path}: weight {present[key]} has shape {got}, but config.json describes "
+                                      f"{want}{vocab}; the checkpoint's weights and config disagree")
 
 
 def resume_dir(cfg: Config, resume: str | None) -> Path | None:

@@ -30,7 +30,7 @@ PREFIX = "base_model.model."
 def _module_names(cfg: ModelConfig) -> dict[str, str]:
     """Our module path -> its Hugging Face path, for every layer whose weight the key map names."""
     return {r.ours[:-len(".weight")]: r.hf[:-len(".weight")] for r in KEY_MAPS[cfg.family](cfg).rules
-            if r.ours.endswith(".weight")}
+            if r.ours.endswith(".weight") and isinstance(r.hf, str)}
 
 
 def to_peft(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -60,7 +60,7 @@ def from_peft(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
 
     ours_of = {hf: ours for ours, hf in _module_names(cfg).items()}
     km = KEY_MAPS[cfg.family](cfg)
-    rules = {r.hf: r for r in km.rules}
+    rules = {r.hf: r for r in km.rules if isinstance(r.hf, str)}
     out: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
         if not key.startswith(PREFIX):
