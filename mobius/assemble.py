@@ -236,7 +236,19 @@ def _fresh_model_config(cfg: Config, tokenizer: TextTokenizer) -> ModelConfig:
             mc.bos_token_id = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
     if cfg.model.dropout is not None:
         mc.set_dropout(cfg.model.dropout)
+    _set_aux_coef(mc, cfg)
     return mc
+
+
+def _set_aux_coef(mc: ModelConfig, cfg: Config) -> None:
+    """``model.router_aux_loss_coef`` into an MoE architecture (a dense one has no router to balance)."""
+    coef = cfg.model.router_aux_loss_coef
+    if coef is None:
+        return
+    if not getattr(mc, "moe_layers", ()):
+        raise ConfigError(f"{cfg.source}: model.router_aux_loss_coef is set, but a {mc.family} model has no "
+                          f"experts to balance; remove it")
+    mc.router_aux_loss_coef = coef
 
 
 def run_model_config(cfg: Config, tokenizer: TextTokenizer,
@@ -246,6 +258,7 @@ def run_model_config(cfg: Config, tokenizer: TextTokenizer,
         mc = read_config(resume_from)
         if cfg.model.dropout is not None:
             mc.set_dropout(cfg.model.dropout)
+        _set_aux_coef(mc, cfg)
     else:
         mc = _fresh_model_config(cfg, tokenizer)
     mc.check_sequence(cfg.data.seq_len)

@@ -76,6 +76,12 @@ class ModelSection(_Section):
                                ge=0, lt=1)
     activation_checkpointing: bool = _f(False, "Recompute each unit's activations in backward (single and zero "
                                         "modes; the pipeline decides per stage: parallel.kept_stages).")
+    router_aux_loss_coef: float | None = _f(None, "Mixture-of-experts models: the weight of the router's "
+                                            "load-balancing loss (transformers' aux_loss, over every MoE layer) in "
+                                            "the training loss, beside the mean next-token loss; each step adds it "
+                                            "times the mean of its micro-batches' aux losses. null: the "
+                                            "checkpoint's router_aux_loss_coef (mobius adds it whatever the "
+                                            "checkpoint's output_router_logits says); 0: none.", ge=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()

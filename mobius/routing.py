@@ -34,46 +34,79 @@ def aux_weight(balance: Balance, scale: float, micro_batches: int) -> float:
 
 
 def aux_root(balance: Balance, log: RouterLog, counts: torch.Tensor, weight: float
-             ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """What a forward's backward adds for the aux: (its layers' probability sums Q [E], their gradient
-    ``weight * norm * C`` [E], its share of the micro-batch's aux value) given the choices ``counts`` C of every
-    layer of the micro-batch; None when it ran no MoE layer. Q takes part in the backward when it requires grad."""
+    ``weight * norm * C`` [E], its share of the micro-batch's aux value, a 0-dim tensor on Q's device) given the
+    choices ``counts`` C of every layer of the micro-batch; None when it ran no MoE layer. Q takes part in the
+    backward when it requires grad."""
     if log.empty:
         return None
     q = log.prob_sum()
     norm = balance.norm(log.tokens)
     c = counts.to(q.device, q.dtype)
-    return q, c * (weight * norm), norm * float(torch.dot(c, q.detach()))
+    return q, c * (weight * norm), norm * torch.dot(c, q.detach())
+
+
+def backward_roots(roots: list[torch.Tensor], grads: list[torch.Tensor | None], balance: Balance | None,
+                   log: RouterLog | None, counts: torch.Tensor | None, weight: float,
+                   step: "StepRouting | None") -> None:
+    """Add a forward's aux term to a backward's roots and gradients (in place; nothing for a dense model or a
+    forward without MoE layers), and its value to the step's."""
+    if balance is None or log is None:
+        return
+    term = aux_root(balance, log, counts, weight)
+    if term is None:
+        return
+    q, gq, value = term
+    if step is not None:
+        step.add_aux(value)
+    if q.requires_grad:
+        roots.append(q)
+        grads.append(gq)
+
+
+def own_counts(log: RouterLog, experts: int, device: torch.device) -> torch.Tensor:
+    """[E] fp32 the top-k choices of a forward's layers (zeros when it ran none)."""
+    return log.count_sum() if not log.empty else torch.zeros(experts, device=device)
 
 
 @dataclass
 class StepRouting:
-    """One worker's routing over a step: the aux values of the micro-batches (its shares, on a stage) and the
-    top-k choices per layer and expert, as statistics every engine sums over its workers (:meth:`stats`)."""
+    """One worker's routing over a step: its shares of the micro-batches' aux values and the top-k choices per
+    layer and expert, kept on the device until :meth:`stats` (every worker names every MoE layer ``layers``, so
+    the statistics sum over workers)."""
 
     balance: Balance
-    aux: float = 0.0
+    layers: tuple[int, ...]
+    aux: torch.Tensor | float = 0.0
     counts: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def add(self, log: RouterLog, aux: float = 0.0) -> None:
-        """A forward's log (its layers' choices) and its share of its micro-batch's aux value."""
-        self.aux += aux
+    def add(self, log: RouterLog) -> None:
+        """A training forward's choices, per layer (a recomputation is not added again)."""
         for layer, c in log.counts.items():
-            c = c.detach().double().cpu()
-            self.counts[layer] = self.counts[layer] + c if layer in self.counts else c
+            self.counts[layer] = self.counts[layer] + c if layer in self.counts else c.detach().clone()
+
+    def add_aux(self, value: torch.Tensor) -> None:
+        self.aux = self.aux + value.detach()
 
     def stats(self) -> dict[str, float]:
-        """Flat statistics, summable over workers."""
-        out = {AUX: self.aux}
-        for layer, c in self.counts.items():
-            out.update({f"{COUNT}.{layer}.{e}": float(v) for e, v in enumerate(c.tolist())})
+        """Flat statistics, summable over workers (one read from the device)."""
+        E = self.balance.experts
+        grid = torch.zeros(len(self.layers), E, dtype=torch.float64)
+        if self.counts:
+            rows = torch.stack([self.counts.get(layer, torch.zeros(E, device=next(iter(self.counts.values())).device))
+                                for layer in self.layers]).double().cpu()
+            grid.copy_(rows)
+        out = {AUX: float(self.aux)}
+        for i, layer in enumerate(self.layers):
+            out.update({f"{COUNT}.{layer}.{e}": v for e, v in enumerate(grid[i].tolist())})
         return out
 
 
 def metrics(total: dict[str, float], balance: Balance | None, layers: tuple[int, ...],
             micro_batches: int) -> dict:
     """``aux_loss``, ``expert_share_max`` and ``expert_share_min`` for metrics.jsonl from the step's summed
-    statistics ({} for a dense model, or an evaluation)."""
+    statistics ({} for a dense model)."""
     if balance is None or AUX not in total:
         return {}
     out: dict = {"aux_loss": round(total[AUX] / max(micro_batches, 1), 6)}
@@ -85,8 +118,3 @@ def metrics(total: dict[str, float], balance: Balance | None, layers: tuple[int,
         least.append(round(lo, 4))
     out.update(expert_share_max=most, expert_share_min=least)
     return out
-
-
-def strip(total: dict[str, float]) -> dict[str, float]:
-    """The summed statistics without the routing's (what the rest of an engine's accounting reads)."""
-    return {k: v for k, v in total.items() if not k.startswith((AUX, COUNT))}

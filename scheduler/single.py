@@ -148,19 +148,16 @@ class SingleEngine:
         targets = max(step_targets(batches), 1)
         factor = self.rule.loss_factor() / targets  # the loss is the mean over the step's target tokens
         total = torch.zeros((), device=self.device)
-        routed = routing.StepRouting(self.balance) if self.balance else None
+        routed = routing.StepRouting(self.balance, self.model.config.moe_layers) if self.balance else None
+        weight = routing.aux_weight(self.balance, self.rule.loss_factor(), len(batches)) if self.balance else 0.0
         for m, b in enumerate(batches):
             seed = (self.cfg.train.seed, step, m) if self.dropout else None
             with recording() as log:
                 loss = self._forward_loss(b, seed)
             roots, grads = [loss * factor], [None]
             if routed is not None:  # the whole model ran: this forward's choices are the micro-batch's
-                weight = routing.aux_weight(self.balance, self.rule.loss_factor(), len(batches))
-                q, gq, aux = routing.aux_root(self.balance, log, log.count_sum(), weight)
-                routed.add(log, aux)
-                if q.requires_grad:
-                    roots.append(q)
-                    grads.append(gq)
+                routed.add(log)
+                routing.backward_roots(roots, grads, self.balance, log, log.count_sum(), weight, routed)
             torch.autograd.backward(roots, grads)
             total += loss.detach()
         grads = [p.grad for p in self.params if p.grad is not None]

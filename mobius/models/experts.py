@@ -46,23 +46,26 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Routing:
-    """Each token's k experts and their weights. weights [N, k], experts [N, k] int64."""
+    """Each token's k experts and their weights, weights [N, k] and experts [N, k] int64; and ``probs`` [N, E], the
+    fp32 softmax over every expert that the load-balancing loss reads (computed in every forward alike, so that a
+    recomputation saves what the forward saved)."""
 
     weights: torch.Tensor
     experts: torch.Tensor
+    probs: torch.Tensor
 
 
 def route(logits: torch.Tensor, top_k: int, kind: RouterKind, norm_topk: bool, float_weights: bool) -> Routing:
     """The experts of each token from the router's logits [N, E] (``float_weights``: the weights stay fp32, as
     Mixtral's; else they take the logits' dtype)."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
     if kind == "topk_softmax":  # GPT-OSS: softmax over the top-k logits
         top, experts = torch.topk(logits, top_k, dim=-1)  # [N, k]
-        return Routing(F.softmax(top, dim=1, dtype=top.dtype), experts)
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
+        return Routing(F.softmax(top, dim=1, dtype=top.dtype), experts, probs)
     top, experts = torch.topk(probs, top_k, dim=-1)  # [N, k]
     if norm_topk:
         top = top / top.sum(dim=-1, keepdim=True)
-    return Routing(top if float_weights else top.to(logits.dtype), experts)
+    return Routing(top if float_weights else top.to(logits.dtype), experts, probs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,16 +259,16 @@ def recording() -> Iterator[RouterLog]:
         log.open = False
 
 
-def note(layer: int, logits: torch.Tensor, routing: Routing) -> None:
-    """Add one MoE layer's routing (logits [N, E]) to the open log, if any: its choices per expert, and the sum
-    over tokens of the softmax over every expert (in fp32)."""
+def note(layer: int, routing: Routing) -> None:
+    """Add one MoE layer's routing to the open log, if any: its choices per expert, and the sum over tokens of the
+    softmax over every expert (fp32; the sum saves no tensor for its backward, so a recomputation outside any log
+    saves what the forward saved)."""
     log = _LOG.get()
     if log is None or not log.open:
         return
-    E = logits.shape[-1]
+    N, E = routing.probs.shape
     counts = torch.bincount(routing.experts.reshape(-1), minlength=E).float()  # [E]
-    probs = F.softmax(logits.float(), dim=-1).sum(0)  # [E]
-    log.add(layer, counts, probs, logits.shape[0])
+    log.add(layer, counts, routing.probs.sum(0), N)
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ class SparseMoe(nn.Module):
         flat = x.reshape(B * T, H)
         logits = self.gate(flat)  # [N, E]
         routing = moe.route(logits, self.top_k, "softmax_topk", self.norm_topk, self.float_weights)
-        moe.note(self.layer, logits, routing)
+        moe.note(self.layer, routing)
         return self.experts(flat, routing).view(B, T, H)
 
 
