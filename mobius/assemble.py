@@ -22,7 +22,7 @@ from mobius.errors import CheckpointError, ConfigError
 from mobius.models import CausalLM, ModelConfig, build_model, get_preset, initial_weights
 from mobius.models.hf import KEY_MAPS, TRANSFORMS, LazyCheckpoint, _normalise_key, from_hf, read_config
 from mobius.models.params import model_params
-from mobius.models.lora import ADAPTER, LoraSpec, block_targets
+from mobius.models.lora import ADAPTER, LoraSpec, check_targets, expert_targets
 from mobius.models.peft import read_adapter
 from mobius.trainer import step_checkpoints
 
@@ -337,5 +337,9 @@ def with_adapters(mc: ModelConfig, cfg: Config) -> ModelConfig:
     """The architecture with the run's adapters attached (checked against its layers)."""
     mc.lora = adapters(cfg)
     if mc.lora is not None:
-        block_targets(mc, mc.lora)
+        check_targets(mc, mc.lora)
+        if getattr(mc, "moe_layers", ()) and not expert_targets(mc, mc.lora):
+            log.warning("lora.targets %s reach no expert of this %s model: its experts stay frozen and only the "
+                        "other layers train; name the experts' projections (mobius train --help, lora.targets) to "
+                        "adapt them", ", ".join(mc.lora.targets), mc.family)
     return mc

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import make_hf_moe
+from spawned import EXACT_EPS
 from test_models import _logits
 from mobius.checkpoint import save_model
 from mobius.errors import CheckpointError
@@ -195,8 +196,176 @@ def test_grouped_kernel_equals_the_loop_over_experts(monkeypatch: pytest.MonkeyP
         x = torch.randn(24, 32)
         chosen = torch.randint(0, 3, (24, 2))  # expert 3 gets no token
         chosen[:, 1] = (chosen[:, 0] + 1) % 3
-        routing = Routing(torch.rand(24, 2), chosen)
+        routing = Routing(torch.rand(24, 2), chosen, torch.rand(24, 4))
         monkeypatch.setattr(moe_experts, "KERNEL", "loop")
         loop = experts(x, routing)
         monkeypatch.setattr(moe_experts, "KERNEL", "grouped")
         torch.testing.assert_close(experts(x, routing), loop, atol=1e-5, rtol=1e-5)
+
+
+# ---- LoRA on the experts, against PEFT ----------------------------------------------------------------------
+LORA_STEPS, LORA_MICRO = 4, 2
+LORA_CASES = {  # checkpoint, lora.targets, lora.train
+    "qwen3_moe-all-linear": ("qwen3_moe", ["all-linear"], []),  # experts (gate_up at rank 2r), router adapter
+    "mixtral-experts-router-trained": ("mixtral", ["q_proj", "w1", "w3", "w2"], ["router"]),
+    "qwen3_moe-down-and-gate": ("qwen3_moe", ["down_proj", "gate"], ["norms"]),
+}
+
+
+def _lora_batches(step: int) -> list:
+    from mobius.batch import MicroBatch
+
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = [torch.randint(0, 300, (2, 17), generator=g) for _ in range(LORA_MICRO)]
+    return [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _peft_moe(ck: Path, start: dict, mc, targets: list[str], train: list[str]):
+    """transformers' model under PEFT's LoRA as a user would ask for it (target_modules by transformers 4 name,
+    which PEFT converts; the routers in modules_to_save), its adapters set to mobius's initial ones."""
+    import peft
+    import transformers
+
+    from mobius.models.peft import to_peft
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ck)
+    saved = {"router": ["gate"], "norms": ["input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
+                                           "norm"]}
+    config = peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0,
+                             target_modules=targets[0] if targets == ["all-linear"] else targets,
+                             modules_to_save=[m for t in train for m in saved[t]] or None)
+    model = peft.get_peft_model(hf, config)
+    params = dict(model.named_parameters())
+    for key, value in to_peft(start, mc).items():
+        if ".lora_" in key:
+            name = key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+        else:
+            module, leaf = key.rsplit(".", 1)
+            name = f"{module}.modules_to_save.default.{leaf}"
+        params[name].data.copy_(value)
+    return model
+
+
+def _train_peft_moe(model, cfg, coef: float) -> list[float]:
+    """PEFT's model with transformers' aux loss (output_router_logits; coef x its mean over the micro-batches),
+    torch AdamW, torch's clipping and mobius's schedule."""
+    from mobius.models.base import lm_loss
+    from mobius.optim import lr_at
+
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    t = cfg.train
+    groups = [{"params": [p for _, p in trainable if p.dim() >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for _, p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    losses = []
+    for step in range(LORA_STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for b in _lora_batches(step):
+            out = model(b.inputs, output_router_logits=True)
+            loss = lm_loss(out.logits, b.targets)
+            ((loss + coef * out.aux_loss) / LORA_MICRO).backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_([p for _, p in trainable], t.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, t)
+        opt.step()
+        losses.append(total / LORA_MICRO)
+    return losses
+
+
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_lora_on_experts_trains_like_peft(tmp_path: Path, case: str) -> None:
+    """Per-expert adapters (PEFT's target_parameters on the fused experts), the router's adapter or the router
+    trained whole, the aux loss in both objectives: 4 steps' losses and everything that trains within 1e-5 of
+    PEFT's, every frozen weight bit-identical to the checkpoint's (AdamW's eps as the exactness matrices': PEFT
+    adds B A to each expert's weight where mobius adds B (A x), and an adapter of an expert few tokens reach has
+    gradients near eps); the adapter mobius writes loads in PEFT with mobius's logits, and PEFT's own saved
+    adapter reads back into mobius with PEFT's."""
+    import peft
+
+    from mobius.assemble import adapters, initial_model
+    from mobius.config import config_from_dict
+    from mobius.models.hf import read_config
+    from mobius.models.lora import trains
+    from mobius.models.peft import read_adapter, to_peft, write_adapter
+    from mobius.optim import lr_at
+    from scheduler.single import SingleEngine
+
+    model_type, targets, train = LORA_CASES[case]
+    ck = tmp_path / "ck"
+    make_hf_moe(model_type, router_aux_loss_coef=0.3).save_pretrained(ck)
+    cfg = config_from_dict({"model": {"checkpoint": str(ck)}, "data": {"seq_len": 16},
+                            "train": {"max_steps": LORA_STEPS, "micro_batch_size": 2, "micro_batches": LORA_MICRO,
+                                      "lr": 1e-2, "warmup_steps": 1, "weight_decay": 0.1, "grad_clip": 0.5, "seed": 3,
+                                      "eps": EXACT_EPS},
+                            "parallel": {"mode": "single", "device": "cpu"},
+                            "lora": {"rank": 4, "alpha": 8.0, "targets": targets, "train": train},
+                            "output": {"dir": str(tmp_path / "run")}}, "test.yaml")
+    mc = read_config(ck)
+    mc.lora = adapters(cfg)
+    model = initial_model(cfg, mc, None)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = SingleEngine(model, cfg, torch.device("cpu"))
+    ours = [engine.train_step(s, _lora_batches(s), lr_at(s, cfg.train)).loss for s in range(LORA_STEPS)]
+    peft_model = _peft_moe(ck, start, mc, targets, train)
+    theirs = _train_peft_moe(peft_model, cfg, 0.3)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=1e-5)
+    now = {k: v for k, v in model.state_dict().items()}
+    trained = {k: v for k, v in now.items() if trains(mc, k)}
+    assert any(".experts.adapters.lora_B." in k for k in trained) == ("all-linear" in targets or "w2" in targets
+                                                                       or "down_proj" in targets)
+    for name, value in now.items():
+        if name not in trained:
+            assert torch.equal(value, start[name]), f"frozen {name} changed"
+    theirs_now = {k.replace(".default", ""): v.detach() for k, v in peft_model.named_parameters() if v.requires_grad}
+    theirs_now = {k.replace(".modules_to_save", ""): v for k, v in theirs_now.items()}
+    for key, value in to_peft(trained, mc).items():
+        torch.testing.assert_close(value, theirs_now[key], rtol=0, atol=1e-5, msg=key)
+    # mobius's adapter in PEFT, PEFT's adapter in mobius
+    import transformers
+
+    (tmp_path / "ours").mkdir()
+    write_adapter(tmp_path / "ours", mc, trained, torch.float32, str(ck))
+    base = transformers.AutoModelForCausalLM.from_pretrained(ck).eval()
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "ours").eval()
+    ids = torch.randint(0, 300, (2, 16))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids), rtol=0, atol=1e-5)
+        peft_model.save_pretrained(tmp_path / "theirs")
+        again = read_adapter(tmp_path / "theirs", mc)
+        assert set(again) == set(trained)
+        model.load_state_dict({**now, **again})
+        torch.testing.assert_close(model(ids), peft_model.eval()(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_lora_settings_for_experts_are_checked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Half of a fused pair, dropout on PEFT's parameter wrappers: one-line errors; targets that reach no expert
+    say so at start-up (the experts would silently stay frozen)."""
+    import logging
+
+    from mobius.assemble import with_adapters
+    from mobius.config import config_from_dict
+    from mobius.errors import ConfigError
+    from mobius.models.hf import read_config
+
+    ck = tmp_path / "ck"
+    make_hf_moe("qwen3_moe").save_pretrained(ck)
+
+    def check(**lora):
+        cfg = config_from_dict({"model": {"checkpoint": str(ck)}, "lora": {"rank": 4, **lora}}, "t.yaml")
+        return with_adapters(read_config(ck), cfg)
+
+    with pytest.raises(ConfigError, match="gate_proj, up_proj are one fused parameter .* name gate_proj and up_proj"):
+        check(targets=["gate_proj", "down_proj"])
+    with pytest.raises(ConfigError, match=r"lora.dropout is 0.1, but lora.targets reach mlp.experts.gate_up_proj"):
+        check(targets=["gate_proj", "up_proj"], dropout=0.1)
+    check(targets=["q_proj", "v_proj"], dropout=0.1)  # attention alone may take dropout
+    with caplog.at_level(logging.WARNING):
+        check(targets=["q_proj", "v_proj"])
+    assert "reach no expert of this qwen3_moe model: its experts stay frozen" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check(targets=["all-linear"])
+    assert "reach no expert" not in caplog.text

@@ -38,6 +38,13 @@ CASES = {
     # zero: unit-major, each rank's micro-batches through every unit
     "zero-checkpointing-delayed": ("qwen", "zero", {"ac": True}, {"update": "delayed"}),
     "zero-kept-graphs": ("mixtral", "zero", {"ac": False}, {"grad_clip": 0.0}),
+    # LoRA (all-linear: every expert's adapters, the router's, attention's; norms trained; frozen weights in the
+    # training dtype behind what trains); lr 1e-3 as the dense LoRA matrices
+    "pipeline-lora-resident-kept": ("qwen", "pipeline", {"stages": 4, "resident_stages": [1], "kept_stages": [0, 2]},
+                                    {"lr": 1e-3}),
+    "round-robin-lora-delayed": ("mixtral", "round_robin", {"cuts": ((0, 3, 5), (0, 2, 4, 5))},
+                                 {"update": "delayed", "lr": 1e-3}),
+    "zero-lora": ("qwen", "zero", {"ac": True}, {"lr": 1e-3}),
 }
 
 
@@ -163,8 +170,8 @@ def _reference(case: dict, tmp: Path) -> dict:
 
 def _case(name: str, cks: dict[str, Path], **extra) -> dict:
     ck, mode, par, train = CASES[name]
-    return {"name": name, "ck": cks[ck], "mode": mode, "parallel": par, "train": train,
-            "lora": extra.pop("lora", False), **extra}
+    return {"name": name, "ck": cks[ck], "mode": mode, "parallel": par, "train": train, "lora": "lora" in name,
+            **extra}
 
 
 def _check_routing(ranks: list[dict], ref: dict, where: str) -> None:
@@ -188,6 +195,8 @@ def test_every_mode_trains_an_moe_like_the_reference(tmp_path: Path, moe_checkpo
                                 case["model_cfg"], behind=False)
         _check_routing(ranks, ref, case["name"])
         assert len(ref["routing"][0]["expert_share_max"]) == len(case["model_cfg"].moe_layers)
+        if case["lora"]:
+            assert any(".experts.adapters.lora_B." in n for r in ranks for n in r["trained"]), case["name"]
 
 
 def test_a_worker_that_leaves_the_aux_out_is_seen(tmp_path: Path, moe_checkpoints: dict[str, Path]) -> None:

@@ -88,6 +88,8 @@ class KeyMap:
     prefix: str  # the base-model prefix a checkpoint of the bare model lacks ("transformer.", "model.")
     tied: tuple[str, str] | None  # (hf key of the head's weight, our key of the embedding) when tied
     ignored_suffixes: tuple[str, ...] = ()  # legacy buffers found in old checkpoints
+    modules: dict[str, str] | None = None  # our module -> its name in transformers' model in memory, where no one
+    # checkpoint key gives it (fused experts) or the checkpoint's differs (Mixtral's block_sparse_moe): PEFT's names
 
 
 def gpt2_key_map(cfg: gpt2.GPT2Config) -> KeyMap:
@@ -163,6 +165,7 @@ def moe_key_map(cfg: moe.MoeConfig) -> KeyMap:
     (Mixtral), fused into ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up) and ``down_proj``."""
     dense = llama_key_map(cfg)
     rules = [r for r in dense.rules if ".mlp." not in r.ours]
+    modules: dict[str, str] = {}
     mixtral = cfg.model_type == "mixtral"
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for i in range(cfg.num_hidden_layers):
@@ -174,7 +177,8 @@ def moe_key_map(cfg: moe.MoeConfig) -> KeyMap:
         rules += [KeyRule(f"{h}gate.weight", f"{b}gate.weight"),
                   KeyRule(each(gate) + each(up), f"{b}experts.gate_up_proj", "stack_gate_up"),
                   KeyRule(each(down), f"{b}experts.down_proj", "stack_experts")]
-    return KeyMap(rules, dense.prefix, dense.tied, dense.ignored_suffixes)
+        modules.update({f"{b}gate": f"model.layers.{i}.mlp.gate", f"{b}experts": f"model.layers.{i}.mlp.experts"})
+    return KeyMap(rules, dense.prefix, dense.tied, dense.ignored_suffixes, modules)
 
 
 KEY_MAPS: dict[str, Callable[..., KeyMap]] = {"gpt2": gpt2_key_map, "opt": opt_key_map,
