@@ -338,6 +338,15 @@ def test_lora_on_experts_trains_like_peft(tmp_path: Path, case: str) -> None:
         assert set(again) == set(trained)
         model.load_state_dict({**now, **again})
         torch.testing.assert_close(model(ids), peft_model.eval()(ids).logits, rtol=0, atol=1e-5)
+        # output.save_merged: every adapter, the experts' included, folded into a plain model
+        import dataclasses
+
+        from mobius.models import build_model
+        from mobius.models.lora import merge
+
+        merged = merge({k: v.clone() for k, v in model.state_dict().items()}, mc, torch.float32)
+        plain = build_model(dataclasses.replace(mc, lora=None), given=merged).eval()
+        torch.testing.assert_close(plain(ids), model(ids), rtol=0, atol=1e-5)
 
 
 def test_lora_settings_for_experts_are_checked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
