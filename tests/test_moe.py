@@ -20,7 +20,7 @@ from mobius.models import experts as moe_experts
 from mobius.models.base import lm_loss_sum
 from mobius.models.experts import balance_of, recording
 from mobius.models.hf import config_from_hf, from_hf, load_checkpoint, to_hf
-from mobius.models.moe import PUBLISHED, active_params
+from mobius.models import gpt_oss, moe
 
 VARIANTS = {
     "qwen3_moe": ("qwen3_moe", {}),
@@ -30,6 +30,10 @@ VARIANTS = {
                                                       "tie_word_embeddings": True, "attention_bias": True}),
     "mixtral": ("mixtral", {}),
     "mixtral-top1": ("mixtral", {"num_experts_per_tok": 1}),
+    # sinks, YaRN, a 4-token window in every other layer (24-token rows), the clamped SwiGLU, biases everywhere
+    "gpt_oss": ("gpt_oss", {"num_hidden_layers": 3}),
+    "gpt_oss-full-attention-tied-top1": ("gpt_oss", {"layer_types": ["full_attention"] * 2, "num_experts_per_tok": 1,
+                                                      "tie_word_embeddings": True}),
 }
 
 
@@ -47,7 +51,8 @@ def test_logits_and_key_map_match_transformers(variant: str, tmp_path: Path) -> 
     from mobius.models.hf import read_state_dict
 
     sd = read_state_dict(tmp_path / "ck")
-    assert any(".experts.1." in k for k in sd), "transformers wrote fused experts; the test expects the Hub's layout"
+    per_expert = any(".experts.1." in k for k in sd)  # the Hub's layout (GPT-OSS's Hub checkpoints are fused)
+    assert per_expert == (model_type != "gpt_oss"), "transformers' layout changed"
     cfg = config_from_hf(hf.config.to_dict())
     back = to_hf(from_hf(sd, cfg), cfg)
     if cfg.tie_word_embeddings:
@@ -57,7 +62,7 @@ def test_logits_and_key_map_match_transformers(variant: str, tmp_path: Path) -> 
         assert torch.equal(back[k], sd[k]), k
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_saved_checkpoint_loads_in_transformers(model_type: str, tmp_path: Path) -> None:
     """mobius's writer: config.json transformers reads, the Hub's per-expert keys in sharded safetensors."""
     import transformers
@@ -66,15 +71,16 @@ def test_saved_checkpoint_loads_in_transformers(model_type: str, tmp_path: Path)
     ours = load_checkpoint(tmp_path / "in")
     save_model(ours, tmp_path / "out", max_shard_bytes=40_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert len(set(index.values())) > 1 and any(".experts.3." in k for k in index)
+    assert len(set(index.values())) > 1 and any(".experts." in k for k in index)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(again).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[model_type]
+    assert type(again).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                                    "gpt_oss": "GptOssForCausalLM"}[model_type]
     ids = torch.randint(0, 300, (1, 40))
     torch.testing.assert_close(_logits(again, ids), _logits(ours, ids), atol=1e-5, rtol=0)
     assert load_checkpoint(tmp_path / "out").config == ours.config
 
 
-@pytest.mark.parametrize("variant", ["qwen3_moe-unnormed-dense-layer", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3_moe-unnormed-dense-layer", "mixtral", "gpt_oss"])
 def test_aux_loss_and_its_gradients_equal_transformers(variant: str, tmp_path: Path) -> None:
     """transformers' loss with output_router_logits (the next-token loss + coef * load-balancing loss over every
     MoE layer's logits together) and mobius's (the router log of one forward, Balance) give the same value and
@@ -111,14 +117,15 @@ def in_memory_name(ours: str) -> str:
     return "model.layers." + ours.removeprefix("blocks.")
 
 
-@pytest.mark.parametrize("name", list(PUBLISHED))
+@pytest.mark.parametrize("name", [*moe.PUBLISHED, *gpt_oss.PUBLISHED])
 def test_preset_sizes_are_the_published_ones(name: str) -> None:
-    """Total parameters within 0.5% of the model card's, active ones (k of E experts, embedding and head whole)
-    within 2% (the cards round to two or three digits)."""
+    """Total parameters within 0.5% of the model card's, active ones (k of E experts; Qwen and Mistral count the
+    embedding and head, OpenAI the head) within 2% (the cards round to two or three digits)."""
+    family = moe if name in moe.PUBLISHED else gpt_oss
     cfg = get_preset(name)
-    total, active = PUBLISHED[name]
+    total, active = family.PUBLISHED[name]
     assert param_count(cfg) == pytest.approx(total, rel=5e-3)
-    assert active_params(cfg) == pytest.approx(active, rel=2e-2)
+    assert family.active_params(cfg) == pytest.approx(active, rel=2e-2)
 
 
 def test_unit_specs_count_what_the_modules_hold() -> None:
@@ -142,6 +149,11 @@ def test_unit_specs_count_what_the_modules_hold() -> None:
     ({"num_experts_per_tok": 9}, "num_experts_per_tok \\(9\\) exceeds num_experts"),
     ({"mlp_only_layers": [5]}, "mlp_only_layers entry 5 is not a layer"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config=.* is not supported"),
+    ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}},
+     "quant_method='mxfp4' is not supported; mobius trains floating-point experts: .*Mxfp4Config\\(dequantize=True\\)"),
+    ({"model_type": "gpt_oss", "layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must name"),
+    ({"model_type": "gpt_oss", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     "rope_scaling must be YaRN's"),
 ])
 def test_unsupported_config_fields_are_one_line_errors(edit: dict, message: str) -> None:
     model_type = edit.pop("model_type", "qwen3_moe")
@@ -209,6 +221,7 @@ LORA_CASES = {  # checkpoint, lora.targets, lora.train
     "qwen3_moe-all-linear": ("qwen3_moe", ["all-linear"], []),  # experts (gate_up at rank 2r), router adapter
     "mixtral-experts-router-trained": ("mixtral", ["q_proj", "w1", "w3", "w2"], ["router"]),
     "qwen3_moe-down-and-gate": ("qwen3_moe", ["down_proj", "gate"], ["norms"]),
+    "gpt_oss-experts-router-trained": ("gpt_oss", ["q_proj", "v_proj", "gate_up_proj", "down_proj"], ["router"]),
 }
 
 
@@ -229,10 +242,14 @@ def _peft_moe(ck: Path, start: dict, mc, targets: list[str], train: list[str]):
     from mobius.models.peft import to_peft
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(ck)
-    saved = {"router": ["gate"], "norms": ["input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
+    router = "router" if mc.family == "gpt_oss" else "gate"
+    saved = {"router": [router], "norms": ["input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
                                            "norm"]}
+    fused = {"gate_up_proj", "down_proj"} if mc.family == "gpt_oss" else set()  # GPT-OSS's were always parameters
     config = peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0,
-                             target_modules=targets[0] if targets == ["all-linear"] else targets,
+                             target_modules=targets[0] if targets == ["all-linear"] else
+                             [t for t in targets if t not in fused],
+                             target_parameters=[f"mlp.experts.{t}" for t in targets if t in fused] or None,
                              modules_to_save=[m for t in train for m in saved[t]] or None)
     model = peft.get_peft_model(hf, config)
     params = dict(model.named_parameters())
@@ -315,6 +332,7 @@ def test_lora_on_experts_trains_like_peft(tmp_path: Path, case: str) -> None:
     trained = {k: v for k, v in now.items() if trains(mc, k)}
     assert any(".experts.adapters.lora_B." in k for k in trained) == ("all-linear" in targets or "w2" in targets
                                                                        or "down_proj" in targets)
+    assert any(".router.weight" in k or ".gate.weight" in k for k in trained) == ("router" in train)
     for name, value in now.items():
         if name not in trained:
             assert torch.equal(value, start[name]), f"frozen {name} changed"

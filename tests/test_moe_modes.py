@@ -45,17 +45,23 @@ CASES = {
     "round-robin-lora-delayed": ("mixtral", "round_robin", {"cuts": ((0, 3, 5), (0, 2, 4, 5))},
                                  {"update": "delayed", "lr": 1e-3}),
     "zero-lora": ("qwen", "zero", {"ac": True}, {"lr": 1e-3}),
+    # GPT-OSS: sinks, a 4-token window in every other layer, biased experts; LoRA on its experts by parameter name
+    "pipeline-gpt-oss-kept": ("gpt_oss", "pipeline", {"stages": 4, "resident_stages": [], "kept_stages": [1]}, {}),
+    "zero-gpt-oss-lora-delayed": ("gpt_oss", "zero", {"ac": False}, {"update": "delayed", "lr": 1e-3}),
 }
+LORA_TARGETS = {"gpt_oss": ["q_proj", "o_proj", "gate_up_proj", "down_proj"]}  # (else all-linear)
 
 
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny Qwen3-MoE (6 layers, the second dense) and a Mixtral (6 layers), router_aux_loss_coef 0.5."""
+    """A tiny Qwen3-MoE (6 layers, the second dense), a Mixtral and a GPT-OSS (6 layers each),
+    router_aux_loss_coef 0.5."""
     from mobius.data import byte_tokenizer
 
     root = tmp_path_factory.mktemp("moe")
     out = {}
-    for name, model_type, kw in (("qwen", "qwen3_moe", {"mlp_only_layers": [1]}), ("mixtral", "mixtral", {})):
+    for name, model_type, kw in (("qwen", "qwen3_moe", {"mlp_only_layers": [1]}), ("mixtral", "mixtral", {}),
+                                 ("gpt_oss", "gpt_oss", {})):
         out[name] = root / name
         make_hf_moe(model_type, num_hidden_layers=6, router_aux_loss_coef=AUX_COEF, **kw).save_pretrained(out[name])
         byte_tokenizer().save(out[name])
@@ -72,8 +78,11 @@ def _cfg(case: dict, world: int, tmp: Path):
         parallel = {"mode": "pipeline", "device": "cpu", "devices": world,
                     **({"stages": 4, **SWAPPED} if mode == "round_robin" else par)}
     model = {"activation_checkpointing": par["ac"]} if mode == "zero" else None
-    return exact_config(case, case["name"], STEPS, MICRO, case["train"], parallel, tmp / "out", model=model,
-                        partition={"cache_dir": str(tmp / "cache")})
+    cfg = exact_config(case, case["name"], STEPS, MICRO, case["train"], parallel, tmp / "out", model=model,
+                       partition={"cache_dir": str(tmp / "cache")})
+    if case["lora"] and case["ck"].name in LORA_TARGETS:
+        cfg.lora.targets = LORA_TARGETS[case["ck"].name]
+    return cfg
 
 
 def _batches(step: int, count: int = MICRO) -> list:

@@ -16,13 +16,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mobius.errors import CheckpointError, ConfigError
-from mobius.models import gpt2, llama, lora, moe, opt
+from mobius.models import gpt2, gpt_oss, llama, lora, moe, opt
 from mobius.models.base import CausalLM, UnitSpec, lm_loss
 from mobius.parallel import usable_cores
 
 log = logging.getLogger(__name__)
 
-ModelConfig = gpt2.GPT2Config | opt.OPTConfig | llama.LlamaConfig | moe.MoeConfig
+ModelConfig = gpt2.GPT2Config | opt.OPTConfig | llama.LlamaConfig | moe.MoeConfig | gpt_oss.GptOssConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ FAMILIES: dict[str, Family] = {  # by Hugging Face model_type; the Llama file se
                  {k: v for k, v in llama.PRESETS.items() if v.model_type == t}) for t in llama.MODEL_TYPES},
     **{t: Family(t, moe.MoeConfig, moe.MoeLM, moe.unit_specs,
                  {k: v for k, v in moe.PRESETS.items() if v.model_type == t}) for t in moe.MOE_TYPES},
+    "gpt_oss": Family("gpt_oss", gpt_oss.GptOssConfig, gpt_oss.GptOss, gpt_oss.unit_specs, gpt_oss.PRESETS),
 }
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from mobius.errors import CheckpointError, ConfigError
-from mobius.models import FAMILIES, ModelConfig, build_model, gpt2, llama, moe, opt
+from mobius.models import FAMILIES, ModelConfig, build_model, gpt2, gpt_oss, llama, moe, opt
 from mobius.models.base import CausalLM
 
 log = logging.getLogger(__name__)
@@ -181,12 +181,32 @@ def moe_key_map(cfg: moe.MoeConfig) -> KeyMap:
     return KeyMap(rules, dense.prefix, dense.tied, dense.ignored_suffixes, modules)
 
 
+def gpt_oss_key_map(cfg: gpt_oss.GptOssConfig) -> KeyMap:
+    """GptOssForCausalLM <-> mobius GptOss: the same names below ``model.layers.{i}`` (bf16 weights: the Hub's
+    fused experts, [E, H, 2I] and [E, I, H], as transformers holds them)."""
+    rules = [KeyRule("model.embed_tokens.weight", "embed.embed_tokens.weight")]
+    modules = {}
+    for i in range(cfg.num_hidden_layers):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.sinks",
+                 *[f"self_attn.{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "o_proj") for w in ("weight", "bias")],
+                 "mlp.router.weight", "mlp.router.bias", "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
+                 "mlp.experts.down_proj", "mlp.experts.down_proj_bias"]
+        rules += [KeyRule(h + n, b + n) for n in names]
+        modules[f"{b}mlp.experts"] = f"{h}mlp.experts"
+    rules.append(KeyRule("model.norm.weight", "head.norm.weight"))
+    tied = ("lm_head.weight", "embed.embed_tokens.weight") if cfg.tie_word_embeddings else None
+    if not cfg.tie_word_embeddings:
+        rules.append(KeyRule("lm_head.weight", "head.lm_head.weight"))
+    return KeyMap(rules, "model.", tied, modules=modules)
+
+
 KEY_MAPS: dict[str, Callable[..., KeyMap]] = {"gpt2": gpt2_key_map, "opt": opt_key_map,
                                               **{t: llama_key_map for t in llama.MODEL_TYPES},
-                                              **{t: moe_key_map for t in moe.MOE_TYPES}}
+                                              **{t: moe_key_map for t in moe.MOE_TYPES}, "gpt_oss": gpt_oss_key_map}
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "llama": "LlamaForCausalLM",
                     "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +284,10 @@ UNSUPPORTED = {  # HF config fields whose non-default values this implementation
     "opt": {"_remove_final_layer_norm": False, "layerdrop": 0.0},
     **{t: {"pretraining_tp": 1, "partial_rotary_factor": 1.0, "quantization_config": None,
            "is_encoder_decoder": False, "add_cross_attention": False} for t in (*llama.MODEL_TYPES, *moe.MOE_TYPES)},
+    "gpt_oss": {"pretraining_tp": 1, "partial_rotary_factor": 1.0, "is_encoder_decoder": False},
 }
+MXFP4_ADVICE = ("mobius trains floating-point experts: load it in transformers with "
+                "quantization_config=Mxfp4Config(dequantize=True) and save_pretrained it in bf16, or use a bf16 copy")
 NOT_IN_FAMILY = {  # fields a family's own config has no such thing as: present and set, they are errors
     "mistral": ("attention_bias", "mlp_bias", "use_sliding_window", "max_window_layers"),
     "qwen2": ("attention_bias", "mlp_bias"),
@@ -289,6 +312,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
             raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported (only {default!r})")
     if model_type in (*llama.MODEL_TYPES, *moe.MOE_TYPES):
         return _llama_config_from_hf(hf, model_type, source)
+    if model_type == "gpt_oss":
+        return _gpt_oss_config_from_hf(hf, source)
     cls = FAMILIES[model_type].config_cls
     aliases = {"n_ctx": "n_positions"} if model_type == "gpt2" else {}
     kwargs = {}
@@ -336,6 +361,27 @@ def _llama_config_from_hf(hf: dict, model_type: str, source: str) -> llama.Llama
         kwargs.update(use_sliding_window=True, max_window_layers=layer_types.index("sliding_attention"))
     try:
         return cls(**kwargs)
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def _gpt_oss_config_from_hf(hf: dict, source: str) -> gpt_oss.GptOssConfig:
+    """GPT-OSS's config.json (rope_theta and YaRN's rope_scaling, or transformers 5's rope_parameters); an MXFP4
+    checkpoint is refused (:data:`MXFP4_ADVICE`)."""
+    quant = hf.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise CheckpointError(f"{source}: quantization_config quant_method={method!r} is not supported; "
+                              f"{MXFP4_ADVICE}")
+    kwargs = {f.name: hf[f.name] for f in fields(gpt_oss.GptOssConfig) if hf.get(f.name) is not None}
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling")
+    if rope is not None:
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope.pop("rope_theta")
+        kwargs["rope_scaling"] = rope
+    try:
+        return gpt_oss.GptOssConfig(**kwargs)
     except ConfigError as e:
         raise CheckpointError(f"{source}: {e}") from None
 

@@ -201,7 +201,7 @@ def _merge_experts(weights: dict[str, torch.Tensor], cfg: object, dtype: torch.d
         a, b = weights.pop(name), weights.pop(f"{experts}.adapters{ADAPTER}B.{proj}")
         w = weights.pop(f"{experts}.{proj}")
         delta = spec.scaling * torch.bmm(b.float(), a.float())  # [E, out, in]
-        if w.shape != delta.shape:  # transposed storage
+        if cfg.expert_shape.transposed:  # stored [E, in, out]
             delta = delta.transpose(1, 2)
         weights[f"{experts}.{proj}"] = (w.float() + delta).to(dtype)
 
