@@ -396,3 +396,71 @@ def test_lora_settings_for_experts_are_checked(tmp_path: Path, caplog: pytest.Lo
     with caplog.at_level(logging.WARNING):
         check(targets=["all-linear"])
     assert "reach no expert" not in caplog.text
+
+
+# ---- the planner's picture of an MoE ---------------------------------------------------------------------------
+def _tiny_planned(family: str):
+    from mobius.models.gpt_oss import GptOssConfig
+    from mobius.models.moe import MoeConfig
+
+    if family == "gpt_oss":
+        return GptOssConfig(vocab_size=16384, hidden_size=256, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_local_experts=8,
+                            num_experts_per_tok=2, sliding_window=16)
+    return MoeConfig(model_type=family, vocab_size=16384, hidden_size=256, intermediate_size=128 if family == "mixtral"
+                     else 688, moe_intermediate_size=None if family == "mixtral" else 128, num_hidden_layers=1,
+                     num_attention_heads=8, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_estimated_activation_memory_matches_autograd(family: str) -> None:
+    """The estimate's saved bytes of an MoE block (the routing, each chosen expert's rows; GPT-OSS's widened heads
+    and mask) against what autograd saves on the CPU with a random router (the input counted as the memory model
+    counts it)."""
+    from partition.estimate import estimate_units
+    from partition.measure import profile_units
+
+    specs = unit_specs(_tiny_planned(family))
+    for precision, tol in (("fp32", 0.03), ("bf16", 0.07)):
+        measured = profile_units(specs, 2, 64, precision, "cpu", reps=1, warmup=0).units
+        estimated = estimate_units(specs, 2, 64, precision, "h100").units
+        for m, e in zip(measured[1:], estimated[1:]):
+            assert e.saved_bytes == pytest.approx(m.saved_bytes + m.in_bytes, rel=tol), (precision, m.kind)
+
+
+def test_an_moe_block_weighs_every_expert_and_computes_k() -> None:
+    """Qwen3-30B-A3B on an RTX 3090's datasheet: a block's bytes are its 128 experts' (1.25 GB in bf16), its
+    forward the FLOPs of 8 experts per token; routing every token to all 128 experts would cost 16x the experts'
+    FLOPs at the same bytes."""
+    import dataclasses
+
+    from partition.estimate import estimate_units
+
+    cfg = get_preset("qwen3-30b-a3b")
+    block = estimate_units(unit_specs(cfg)[:2], 1, 2048, "bf16", "rtx3090").units[1]
+    assert block.param_bytes == pytest.approx(2 * (moe.moe_param_count(cfg, 0)), rel=1e-9)
+    assert block.param_bytes == pytest.approx(1.246e9, rel=1e-3)
+    dense = estimate_units(unit_specs(dataclasses.replace(cfg, num_experts_per_tok=128))[:2], 1, 2048, "bf16",
+                           "rtx3090").units[1]
+    assert dense.param_bytes == block.param_bytes and dense.fwd_s > 5 * block.fwd_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,frozen", [("finetune-qwen3-30b-a3b-lora", 30.53e9), ("finetune-gpt-oss-20b-lora",
+                                                                                       20.91e9)])
+def test_the_moe_lora_configs_fit_the_4x3090_box(config: str, frozen: float, capsys: pytest.CaptureFixture) -> None:
+    """The shipped MoE LoRA configs on 4 x RTX 3090 (PCIe 2+2): a plan that fits 22.5 GiB per GPU, whose swapped
+    stages take at most 2.1 host bytes per frozen parameter (every expert's in bf16), adapters on the experts, and
+    the plan's line saying what it assumes of the routing."""
+    from test_partition_plan import _run_plan
+
+    root = Path(__file__).resolve().parents[1]
+    argv = [str(root / "configs" / f"{config}.yaml"), "--topology",
+            str(root / "tests" / "fixtures" / "topology" / "topo2x2_sys.txt")]
+    assert _run_plan(argv) == 0
+    text = capsys.readouterr().out
+    assert "experts: " in text and "spread evenly" in text and "predicted step time" in text
+    assert _run_plan([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["num_gpus"] == 4 and max(plan["peak_bytes"]) <= plan["gpu_memory_bytes"]
+    assert plan["host_bytes"] <= 2.1 * frozen

@@ -363,16 +363,21 @@ def block_flops(cfg: GptOssConfig, layer: int, batch: int, seq: int, doc: int | 
 
 
 def block_memory(cfg: GptOssConfig, batch: int, seq: int, elem: int) -> tuple[int, int]:
-    """(saved, working) bytes of one layer's forward: the norms' fp32 inputs and outputs, q, k, v and the
-    attention output (the sink's extra dimension and key), the routing and per chosen expert the gathered input,
-    gate_up, the clamped SwiGLU's pieces and the down output; the mask [T, T+1] is shared."""
+    """(saved, working) bytes of one layer's forward: the norms' fp32 inputs, fp32 products (the gain applies before
+    the cast) and outputs; attention's q, k, v and
+    output in the sink's widened head dimension (a multiple of 8 above head_dim + 1), the output projection's
+    input, the softmax's fp32 log-sum-exp, the mask [T, T + 1] (one per row of packed documents); the router's fp32
+    softmax and top-k; per chosen expert the gathered input, gate_up, the clamped SwiGLU's four pieces, the down
+    projection's input and output and one more [H], and the gathered weight. (Checked against autograd's saved
+    tensors on the CPU.)"""
     H, I_, k, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts_per_tok, cfg.num_local_experts
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    wide = hd + 1 + (-(hd + 1)) % 8
     tokens = batch * seq
-    per_token = 2 * (4 * H + 2 * elem * H) + elem * (2 * q + 2 * kv) + elem * 2 * (q + kv) // 8 \
-        + k * elem * (2 * H + 7 * I_) + E * (elem + 8) + k * 16
-    work = tokens * max(k * elem * (2 * H + 4 * I_), 2 * elem * (q + 2 * kv)) + batch * seq * (seq + 1)
-    return tokens * per_token, work
+    per_token = 2 * (8 * H + elem * H) + elem * (2 * nh * wide + 2 * nkv * wide + nh * hd) + 4 * nh \
+        + k * elem * (3 * H + 7 * I_ + 1) + 4 * E + 24 * k
+    work = tokens * max(k * elem * (2 * H + 4 * I_), 2 * elem * (nh + 2 * nkv) * wide)
+    return tokens * per_token + batch * seq * (seq + 1) * elem, work
 
 
 def unit_specs(cfg: GptOssConfig) -> list[UnitSpec]:
@@ -400,8 +405,9 @@ def unit_specs(cfg: GptOssConfig) -> list[UnitSpec]:
 # Presets (bf16 weights; the Hub's MXFP4 checkpoints are refused, see the module docstring)
 # ---------------------------------------------------------------------------------------------
 def _gpt_oss(layers: int, experts: int) -> GptOssConfig:
-    return GptOssConfig(num_hidden_layers=layers, num_local_experts=experts, bos_token_id=199998,
-                        eos_token_id=200002, pad_token_id=199999)
+    """OpenAI's config.json (router_aux_loss_coef 0.9 there; transformers' default is 0.001)."""
+    return GptOssConfig(num_hidden_layers=layers, num_local_experts=experts, router_aux_loss_coef=0.9,
+                        bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)
 
 
 PRESETS: dict[str, GptOssConfig] = {"gpt-oss-20b": _gpt_oss(24, 32), "gpt-oss-120b": _gpt_oss(36, 128)}

@@ -200,15 +200,16 @@ def moe_flops(cfg: MoeConfig, layer: int, batch: int, seq: int, doc: int | None 
 
 
 def moe_memory(cfg: MoeConfig, layer: int, batch: int, seq: int, elem: int) -> tuple[int, int]:
-    """(saved, working) bytes of block ``layer``'s forward: Llama's attention and norms; per token and chosen
-    expert, the gathered input, the gate_up output, the SwiGLU's product and the down output (with their weights);
-    per token the router's logits and fp32 softmax."""
+    """(saved, working) bytes of block ``layer``'s forward: Llama's attention and norms; per token the router's fp32
+    softmax [E], its top-k (indices, fp32 values, their sum) and the sort's indices; per chosen expert the gathered
+    input, the gate_up output, the SiLU's output, the down projection's input and output and one more [H] (the
+    weighted output's factors), and the gathered weight. (Checked against autograd's saved tensors on the CPU.)"""
     saved, work = block_memory(cfg, batch, seq, elem)
     if layer not in cfg.moe_layers:
         return saved, work
     H, I_, k, E, tokens = cfg.hidden_size, cfg.expert_size, cfg.num_experts_per_tok, cfg.num_experts, batch * seq
     saved -= tokens * elem * 4 * cfg.intermediate_size  # Llama's dense SwiGLU
-    saved += tokens * (k * elem * (2 * H + 5 * I_) + E * (elem + 8) + k * 16)
+    saved += tokens * (k * elem * (3 * H + 4 * I_ + 1) + 4 * E + 28 * k + 4)
     work = max(work, tokens * k * elem * (2 * H + 4 * I_))
     return saved, work
 
