@@ -464,3 +464,29 @@ def test_the_moe_lora_configs_fit_the_4x3090_box(config: str, frozen: float, cap
     plan = json.loads(capsys.readouterr().out)
     assert plan["num_gpus"] == 4 and max(plan["peak_bytes"]) <= plan["gpu_memory_bytes"]
     assert plan["host_bytes"] <= 2.1 * frozen
+
+
+def test_frozen_experts_take_two_host_bytes_under_lora(tmp_path: Path) -> None:
+    """A swapped stage of an MoE under LoRA in bf16: every expert's weights (frozen) in its one bf16 copy, the
+    adapters (experts', router's, attention's) with fp32 masters and moments: the store allocates what
+    ``host_bytes`` plans, 2 bytes per frozen parameter and host_bytes_per_param per trained one."""
+    from mobius.config import TrainSection
+    from mobius.models.hf import read_config
+    from mobius.models.lora import LoraSpec
+    from partition.costs import host_bytes_per_param
+    from scheduler.stages import stage_layouts
+    from scheduler.store import StageStore, host_bytes
+
+    make_hf_moe("qwen3_moe", num_hidden_layers=2).save_pretrained(tmp_path)
+    mc = read_config(tmp_path)
+    mc.lora = LoraSpec(4, 8.0, 0.0, ("all-linear",), ())
+    lay = stage_layouts(mc, [0, 1, 3, 4])[1]  # the two blocks
+    experts = 2 * mc.num_experts * 3 * mc.hidden_size * mc.expert_size
+    frozen = lay.numel - lay.trainable_numel
+    assert frozen >= experts
+    store = StageStore(lay, torch.bfloat16, TrainSection())
+    allocated = sum(t.numel() * t.element_size() for t in (store.half, store.master, store.grad,
+                                                            store.optimizer.m, store.optimizer.v) if t is not None)
+    assert allocated == host_bytes([lay], torch.bfloat16)
+    assert host_bytes([lay], torch.bfloat16) == 2 * frozen + host_bytes_per_param("half", False, False) * \
+        lay.trainable_numel
