@@ -490,3 +490,61 @@ def test_frozen_experts_take_two_host_bytes_under_lora(tmp_path: Path) -> None:
     assert allocated == host_bytes([lay], torch.bfloat16)
     assert host_bytes([lay], torch.bfloat16) == 2 * frozen + host_bytes_per_param("half", False, False) * \
         lay.trainable_numel
+
+
+# ---- on a GPU (skipped without one) -----------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_experts_on_cuda_match_the_loop(transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's path (torch._grouped_mm, bf16, an expert without tokens, LoRA's adapters) against a matmul per
+    expert: outputs and every gradient within bf16's rounding."""
+    from mobius.models.experts import ExpertAdapters, ExpertShape, Experts, Routing, _kernel
+
+    torch.manual_seed(0)
+    shape = ExpertShape(8, 64, 32, transposed=transposed, bias=transposed,
+                        activation="clamped_swiglu" if transposed else "silu")
+    experts = Experts(shape)
+    experts.adapters = ExpertAdapters(shape, {"gate_up_proj": 16, "down_proj": 8}, {"gate_up_proj": 1.0,
+                                                                                   "down_proj": 2.0})
+    experts = experts.cuda().to(torch.bfloat16)
+    for p in experts.parameters():
+        p.data.normal_(0, 0.1)
+    x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+    chosen = torch.randint(0, 7, (256, 2), device="cuda")  # expert 7 gets no token
+    chosen[:, 1] = (chosen[:, 0] + 1) % 7
+    routing = Routing(torch.rand(256, 2, device="cuda", dtype=torch.bfloat16), chosen, torch.rand(256, 8))
+    assert _kernel(x) == "grouped"
+    results = {}
+    for kernel in ("grouped", "loop"):
+        monkeypatch.setattr(moe_experts, "KERNEL", kernel)
+        xg = x.clone().requires_grad_()
+        y = experts(xg, routing)
+        y.float().square().mean().backward()
+        results[kernel] = (y.float(), xg.grad.float(), {n: p.grad.float().clone() for n, p in experts.named_parameters()})
+        experts.zero_grad()
+    (y1, g1, p1), (y2, g2, p2) = results["grouped"], results["loop"]
+    torch.testing.assert_close(y1, y2, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(g1, g2, atol=2e-2, rtol=2e-2)
+    for n in p1:
+        torch.testing.assert_close(p1[n], p2[n], atol=2e-2, rtol=2e-2, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_moe_pipeline_on_cuda_matches_the_gpu_reference(tmp_path: Path, corpus: Path) -> None:
+    """A Qwen3-MoE (grouped experts, its aux loss's counts in the messages between two workers sharing the GPU)
+    in bf16 against the single-GPU run."""
+    from mobius.app.run import train
+    from mobius.data import byte_tokenizer
+    from test_zero import _run_cfg
+
+    ck = tmp_path / "ck"
+    make_hf_moe("qwen3_moe", num_hidden_layers=6, router_aux_loss_coef=0.5).save_pretrained(ck)
+    byte_tokenizer().save(ck)
+    dev, tr = {"device": "cuda"}, {"precision": "bf16", "max_steps": 3, "micro_batches": 4, "eval_every": 0}
+    ref = train(_run_cfg(tmp_path, ck, corpus, "ref", parallel=dev, train=tr))
+    pipe = train(_run_cfg(tmp_path, ck, corpus, "pipe", train=tr, partition={"gpu_memory_gib": 4.0},
+                          parallel={**dev, "mode": "pipeline", "devices": 2, "stages": 4, "resident_stages": [1],
+                                    "kept_stages": [0]}))
+    torch.testing.assert_close(torch.tensor(pipe.losses), torch.tensor(ref.losses), rtol=0, atol=3e-2)
