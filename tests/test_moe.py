@@ -548,3 +548,49 @@ def test_an_moe_pipeline_on_cuda_matches_the_gpu_reference(tmp_path: Path, corpu
                           parallel={**dev, "mode": "pipeline", "devices": 2, "stages": 4, "resident_stages": [1],
                                     "kept_stages": [0]}))
     torch.testing.assert_close(torch.tensor(pipe.losses), torch.tensor(ref.losses), rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_an_adapter_per_expert_module_reads_as_peft_converts_it(model_type: str, tmp_path: Path) -> None:
+    """What PEFT wrote for these models with transformers 4 (an adapter per expert module, the Mixtral's under
+    block_sparse_moe): mobius reads it into its fused adapters (gate's and up's A stacked, B block-diagonal) and
+    gives the logits PEFT gives it on transformers 5."""
+    import peft
+    import transformers
+    from safetensors.torch import save_file
+
+    from mobius.models.hf import read_config
+    from mobius.models.lora import LoraSpec
+    from mobius.models.peft import read_adapter
+
+    make_hf_moe(model_type).save_pretrained(tmp_path / "ck")
+    mc = read_config(tmp_path / "ck")
+    gate, up, down = ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    where = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+    H, I_, r = mc.hidden_size, mc.expert_size, 4
+    g = torch.Generator().manual_seed(5)
+    tensors = {}
+    for i in range(mc.num_hidden_layers):
+        tensors[f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight"] = torch.randn(r, H, generator=g)
+        tensors[f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight"] = torch.randn(H, r, generator=g)
+        for e in range(mc.num_experts):
+            for proj, (fan_in, fan_out) in ((gate, (H, I_)), (up, (H, I_)), (down, (I_, H))):
+                key = f"base_model.model.model.layers.{i}.{where}.experts.{e}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) * 0.3
+                tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * 0.3
+    (tmp_path / "ad").mkdir()
+    save_file(tensors, str(tmp_path / "ad" / "adapter_model.safetensors"))
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 8, "lora_dropout": 0.0,
+         "target_modules": ["q_proj", gate, up, down], "bias": "none", "base_model_name_or_path": str(tmp_path / "ck")}))
+    mc.lora = LoraSpec(r, 8.0, 0.0, ("q_proj", gate, up, down), ())
+    ours = load_checkpoint(tmp_path / "ck", mc)
+    ours.load_state_dict({**ours.state_dict(), **read_adapter(tmp_path / "ad", mc)})
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ck").eval()
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "ad").eval()
+    ids = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        adapted = theirs(ids).logits
+        torch.testing.assert_close(_logits(ours.eval(), ids), adapted, atol=1e-5, rtol=0)
+        with theirs.disable_adapter():
+            assert (theirs(ids).logits - adapted).abs().max() > 1e-2  # (the adapters do something)

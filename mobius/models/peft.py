@@ -16,11 +16,15 @@ transformers' model in memory (``target_parameters``, its ``ParamWrapper``): per
 (``gate_up_proj``) inside: its keys have ``experts.base_layer.lora_A``, the outer one's ``experts.lora_A``.
 ``gate_proj`` and ``up_proj`` (Mixtral's ``w1`` and ``w3``) fused into ``gate_up_proj`` are said with a
 ``rank_pattern`` and ``alpha_pattern`` of twice the rank and alpha (PEFT's conversion of such targets).
+:func:`read_adapter` also reads what PEFT wrote with transformers 4, an adapter per expert module
+(``mlp.experts.{e}.gate_proj.lora_A.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1``), as PEFT converts it
+on loading: the gate's and up's A stacked (rank 2r) and their B block-diagonal.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -35,6 +39,38 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 EXPERT_ADAPTER = f".adapters{ADAPTER}"  # "blocks.0.mlp.experts" + ".adapters.lora_" + "A.gate_up_proj"
+
+
+PER_EXPERT = re.compile(r"^(model\.layers\.(\d+))\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.lora_([AB])\.weight$")
+
+
+def _per_expert(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor],
+                                                                               dict[str, torch.Tensor]]:
+    """(mobius's fused expert adapters, the other tensors) of an adapter whose experts PEFT wrapped one module
+    each (transformers 4): per layer, gate and up joined as PEFT joins them (A stacked, B block-diagonal)."""
+    fused = getattr(cfg, "LORA_FUSED", {}).get("mlp.experts.gate_up_proj")
+    if not fused:
+        return {}, tensors
+    down = next(t for t in cfg.LORA_TARGETS if cfg.LORA_TARGETS[t] == ("mlp.experts.down_proj",))
+    found: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
+    rest = {}
+    for key, t in tensors.items():
+        m = PER_EXPERT.match(key.removeprefix(PREFIX))
+        if m is None or m.group(4) not in (*fused, down):
+            rest[key] = t
+            continue
+        found.setdefault((int(m.group(2)), m.group(4), m.group(5)), {})[int(m.group(3))] = t
+    out: dict[str, torch.Tensor] = {}
+    for layer in sorted({k[0] for k in found}):
+        each = lambda proj, which: torch.stack([found[(layer, proj, which)][e] for e in range(cfg.num_experts)])  # noqa: E731
+        base = f"blocks.{layer}.mlp.experts{EXPERT_ADAPTER}"
+        if (layer, fused[0], "A") in found:
+            out[f"{base}A.gate_up_proj"] = torch.cat([each(p, "A") for p in fused], dim=1)  # [E, 2r, H]
+            out[f"{base}B.gate_up_proj"] = torch.stack([torch.block_diag(*[found[(layer, p, "B")][e] for p in fused])
+                                                        for e in range(cfg.num_experts)])  # [E, 2I, 2r]
+        if (layer, down, "A") in found:
+            out[f"{base}A.down_proj"], out[f"{base}B.down_proj"] = each(down, "A"), each(down, "B")
+    return out, rest
 
 
 def _module_names(cfg: ModelConfig) -> dict[str, str]:
@@ -106,11 +142,12 @@ def from_peft(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     """The inverse of :func:`to_peft`: mobius names (a tied head under its own name too)."""
     from mobius.models.hf import TRANSFORMS
 
-    ours_of = {hf: ours for ours, hf in _module_names(cfg).items()}
     km = KEY_MAPS[cfg.family](cfg)
     rules = {r.hf: r for r in km.rules if isinstance(r.hf, str)}
+    ours_of = {r.hf[:-len(".weight")]: r.ours[:-len(".weight")] for r in rules.values() if r.ours.endswith(".weight")}
+    ours_of.update({hf: ours for ours, hf in _module_names(cfg).items()})  # (an MoE's: transformers' own names too)
     adapted = _adapted_projections(cfg) if getattr(cfg, "moe_layers", ()) else ()
-    out: dict[str, torch.Tensor] = {}
+    out, tensors = _per_expert(tensors, cfg)
     for key, t in tensors.items():
         if not key.startswith(PREFIX):
             raise CheckpointError(f"adapter key {key!r} does not start with {PREFIX!r}")
