@@ -180,11 +180,10 @@ def active_param_count(cfg: MoeConfig, layer: int) -> int:
 
 
 def active_params(cfg: MoeConfig) -> int:
-    """Parameters one token computes with in the whole model (embedding and head included, as model cards count)."""
-    from mobius.models import param_count
-
-    return param_count(cfg) - sum(moe_param_count(cfg, i) - active_param_count(cfg, i)
-                                  for i in range(cfg.num_hidden_layers))
+    """Parameters one token computes with in the whole model (embedding and head included, as Qwen's and Mistral's
+    model cards count them; a tied embedding once)."""
+    embed_head = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    return embed_head + sum(active_param_count(cfg, i) for i in range(cfg.num_hidden_layers))
 
 
 def moe_flops(cfg: MoeConfig, layer: int, batch: int, seq: int, doc: int | None = None) -> float:
