@@ -59,7 +59,8 @@ def transformers_experts(layer: Layer, ours: moe.Experts, implementation: str | 
     """transformers' experts module of the layer's family, with mobius's weights (None: not in this version)."""
     import transformers
 
-    config = {"qwen3_moe": lambda: transformers.Qwen3MoeConfig(hidden_size=layer.hidden, moe_intermediate_size=layer.inter,
+    config = {"qwen3_moe": lambda: transformers.Qwen3MoeConfig(hidden_size=layer.hidden,
+                                                                moe_intermediate_size=layer.inter,
                                                                 num_experts=layer.experts),
               "mixtral": lambda: transformers.MixtralConfig(hidden_size=layer.hidden, intermediate_size=layer.inter,
                                                             num_local_experts=layer.experts),

@@ -521,7 +521,8 @@ def test_grouped_experts_on_cuda_match_the_loop(transposed: bool, monkeypatch: p
         xg = x.clone().requires_grad_()
         y = experts(xg, routing)
         y.float().square().mean().backward()
-        results[kernel] = (y.float(), xg.grad.float(), {n: p.grad.float().clone() for n, p in experts.named_parameters()})
+        grads = {n: p.grad.float().clone() for n, p in experts.named_parameters()}
+        results[kernel] = (y.float(), xg.grad.float(), grads)
         experts.zero_grad()
     (y1, g1, p1), (y2, g2, p2) = results["grouped"], results["loop"]
     torch.testing.assert_close(y1, y2, atol=2e-2, rtol=2e-2)
@@ -582,7 +583,8 @@ def test_an_adapter_per_expert_module_reads_as_peft_converts_it(model_type: str,
     save_file(tensors, str(tmp_path / "ad" / "adapter_model.safetensors"))
     (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 8, "lora_dropout": 0.0,
-         "target_modules": ["q_proj", gate, up, down], "bias": "none", "base_model_name_or_path": str(tmp_path / "ck")}))
+         "target_modules": ["q_proj", gate, up, down], "bias": "none",
+         "base_model_name_or_path": str(tmp_path / "ck")}))
     mc.lora = LoraSpec(r, 8.0, 0.0, ("q_proj", gate, up, down), ())
     ours = load_checkpoint(tmp_path / "ck", mc)
     ours.load_state_dict({**ours.state_dict(), **read_adapter(tmp_path / "ad", mc)})

@@ -102,9 +102,10 @@ def _zero_plan(cfg, mc, world: int):
     trained = sum(layout.trains(c) for c in range(layout.num_chunks))
     prof = estimate_units(unit_specs(mc), 2, 16, cfg.train.precision, "h100")
     hw = ZeroHardware(world, 2**30, 5e9, 5e9, 2e9, 5e9, 1e9, 1e9, name="CPU workers")
-    return plan(model_params(mc), units, prof, hw, micro_batches=MICRO, checkpointing=cfg.model.activation_checkpointing,
-                barrier=cfg.train.barrier, chunk_size=chunk, cache_blocks=(layout.min_blocks + layout.num_chunks) // 2,
-                gpu_chunks=trained // 2, delayed=cfg.train.update == "delayed")
+    blocks = (layout.min_blocks + layout.num_chunks) // 2
+    return plan(model_params(mc), units, prof, hw, micro_batches=MICRO,
+                checkpointing=cfg.model.activation_checkpointing, barrier=cfg.train.barrier, chunk_size=chunk,
+                cache_blocks=blocks, gpu_chunks=trained // 2, delayed=cfg.train.update == "delayed")
 
 
 def _planned(case: dict, world: int, tmp: Path) -> dict:

@@ -41,7 +41,8 @@ PREFIX = "base_model.model."
 EXPERT_ADAPTER = f".adapters{ADAPTER}"  # "blocks.0.mlp.experts" + ".adapters.lora_" + "A.gate_up_proj"
 
 
-PER_EXPERT = re.compile(r"^(model\.layers\.(\d+))\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.lora_([AB])\.weight$")
+PER_EXPERT = re.compile(r"^(model\.layers\.(\d+))\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)"
+                        r"\.lora_([AB])\.weight$")
 
 
 def _per_expert(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor],
@@ -62,7 +63,9 @@ def _per_expert(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dic
         found.setdefault((int(m.group(2)), m.group(4), m.group(5)), {})[int(m.group(3))] = t
     out: dict[str, torch.Tensor] = {}
     for layer in sorted({k[0] for k in found}):
-        each = lambda proj, which: torch.stack([found[(layer, proj, which)][e] for e in range(cfg.num_experts)])  # noqa: E731
+        def each(proj: str, which: str, layer: int = layer) -> torch.Tensor:  # [E, ...]
+            return torch.stack([found[(layer, proj, which)][e] for e in range(cfg.num_experts)])
+
         base = f"blocks.{layer}.mlp.experts{EXPERT_ADAPTER}"
         if (layer, fused[0], "A") in found:
             out[f"{base}A.gate_up_proj"] = torch.cat([each(p, "A") for p in fused], dim=1)  # [E, 2r, H]

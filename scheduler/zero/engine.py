@@ -329,7 +329,8 @@ class ZeroEngine:
             return run_units([self.units[unit]], x, unit, dropout_seed=seed, docs=st.docs[m]), log
 
     def _routed(self, m: int, log: RouterLog, st: _Pass) -> None:
-        """A training forward's routing: its choices towards micro-batch m's (every layer's, this rank runs them all)."""
+        """A training forward's routing: its choices towards micro-batch m's (every layer's: this rank runs them
+        all)."""
         if st.routed is None or log.empty:
             return
         st.routed.add(log)
