@@ -596,3 +596,18 @@ def test_an_adapter_per_expert_module_reads_as_peft_converts_it(model_type: str,
         torch.testing.assert_close(_logits(ours.eval(), ids), adapted, atol=1e-5, rtol=0)
         with theirs.disable_adapter():
             assert (theirs(ids).logits - adapted).abs().max() > 1e-2  # (the adapters do something)
+
+
+def test_zero_modes_search_plans_an_moe(capsys: pytest.CaptureFixture) -> None:
+    """Zero mode's search (chunk size, rCache blocks, GPU chunks) on Qwen3-30B-A3B LoRA over 8 NVLink A100s: every
+    expert in the chunks (31.5B parameters with the adapters), a plan that fits."""
+    from test_partition_plan import _run_plan
+
+    root = Path(__file__).resolve().parents[1]
+    argv = [str(root / "configs" / "finetune-qwen3-30b-a3b-lora.yaml"), "--topology",
+            str(root / "tests" / "fixtures" / "topology" / "dgx_a100_nv12.txt"), "--parallel.mode=zero",
+            "--parallel.devices=8", "--partition.gpu=a100-80gb", "--json"]
+    assert _run_plan(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mode"]["chosen"] == "zero" and plan["fits"] and plan["world"] == 8
+    assert plan["param_count"] == pytest.approx(param_count(get_preset("qwen3-30b-a3b")) + 0.997e9, rel=1e-3)
