@@ -19,9 +19,9 @@ from mobius.engine import DTYPES
 from mobius.data import BUILTINS, TextTokenizer, TrainData, data_format, load_data, load_tokenizer, source_files
 from mobius.errors import CheckpointError, ConfigError
 from mobius.models import CausalLM, ModelConfig, build_model, get_preset, initial_weights
-from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _normalise_key, from_hf, read_config
+from mobius.models.hf import KEY_MAPS, TRANSFORMS, LazyCheckpoint, _normalise_key, from_hf, read_config
 from mobius.models.params import model_params
-from mobius.models.lora import ADAPTER, LoraSpec, block_targets
+from mobius.models.lora import ADAPTER, LoraSpec, check_targets, expert_targets
 from mobius.models.peft import read_adapter
 from mobius.trainer import step_checkpoints
 
@@ -56,14 +56,15 @@ def check_weight_shapes(path: Path, mc: ModelConfig) -> None:
     lazy = LazyCheckpoint(path)
     present = {_normalise_key(k, km): k for k in lazy}
     for rule in km.rules:
-        if rule.hf not in present or rule.ours not in expected:
+        if any(key not in present for key in rule.keys) or rule.ours not in expected:
             continue  # a missing key is named when the weights load
-        want = expected[rule.ours][::-1] if rule.transform == "conv1d_to_linear" else expected[rule.ours]
-        got = lazy.shape(present[rule.hf])
-        if tuple(got) != tuple(want):
-            vocab = f" (config.json's vocab_size is {base.vocab_size})" if base.vocab_size in want else ""
-            raise CheckpointError(f"{path}: weight {present[rule.hf]} has shape {tuple(got)}, but config.json "
-                                  f"describes {tuple(want)}{vocab}; the checkpoint's weights and config disagree")
+        pieces = TRANSFORMS[rule.transform][1](torch.empty(expected[rule.ours], device="meta"))  # the hf shapes
+        for key, piece in zip(rule.keys, [pieces] if isinstance(rule.hf, str) else pieces, strict=True):
+            want, got = tuple(piece.shape), tuple(lazy.shape(present[key]))
+            if got != want:
+                vocab = f" (config.json's vocab_size is {base.vocab_size})" if base.vocab_size in want else ""
+                raise CheckpointError(f"{path}: weight {present[key]} has shape {got}, but config.json describes "
+                                      f"{want}{vocab}; the checkpoint's weights and config disagree")
 
 
 def resume_dir(cfg: Config, resume: str | None) -> Path | None:
@@ -268,7 +269,19 @@ def _fresh_model_config(cfg: Config, tokenizer: TextTokenizer) -> ModelConfig:
             mc.bos_token_id = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
     if cfg.model.dropout is not None:
         mc.set_dropout(cfg.model.dropout)
+    _set_aux_coef(mc, cfg)
     return mc
+
+
+def _set_aux_coef(mc: ModelConfig, cfg: Config) -> None:
+    """``model.router_aux_loss_coef`` into an MoE architecture (a dense one has no router to balance)."""
+    coef = cfg.model.router_aux_loss_coef
+    if coef is None:
+        return
+    if not getattr(mc, "moe_layers", ()):
+        raise ConfigError(f"{cfg.source}: model.router_aux_loss_coef is set, but a {mc.family} model has no "
+                          f"experts to balance; remove it")
+    mc.router_aux_loss_coef = coef
 
 
 def run_model_config(cfg: Config, tokenizer: TextTokenizer,
@@ -278,6 +291,7 @@ def run_model_config(cfg: Config, tokenizer: TextTokenizer,
         mc = read_config(resume_from)
         if cfg.model.dropout is not None:
             mc.set_dropout(cfg.model.dropout)
+        _set_aux_coef(mc, cfg)
     else:
         mc = _fresh_model_config(cfg, tokenizer)
     mc.check_sequence(cfg.data.seq_len)
@@ -356,5 +370,9 @@ def with_adapters(mc: ModelConfig, cfg: Config) -> ModelConfig:
     """The architecture with the run's adapters attached (checked against its layers)."""
     mc.lora = adapters(cfg)
     if mc.lora is not None:
-        block_targets(mc, mc.lora)
+        check_targets(mc, mc.lora)
+        if getattr(mc, "moe_layers", ()) and not expert_targets(mc, mc.lora):
+            log.warning("lora.targets %s reach no expert of this %s model: its experts stay frozen and only the "
+                        "other layers train; name the experts' projections (mobius train --help, lora.targets) to "
+                        "adapt them", ", ".join(mc.lora.targets), mc.family)
     return mc

@@ -76,6 +76,12 @@ class ModelSection(_Section):
                                ge=0, lt=1)
     activation_checkpointing: bool = _f(False, "Recompute each unit's activations in backward (single and zero "
                                         "modes; the pipeline decides per stage: parallel.kept_stages).")
+    router_aux_loss_coef: float | None = _f(None, "Mixture-of-experts models: the weight of the router's "
+                                            "load-balancing loss (transformers' aux_loss, over every MoE layer) in "
+                                            "the training loss, beside the mean next-token loss; each step adds it "
+                                            "times the mean of its micro-batches' aux losses. null: the "
+                                            "checkpoint's router_aux_loss_coef (mobius adds it whatever the "
+                                            "checkpoint's output_router_logits says); 0: none.", ge=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -268,7 +274,7 @@ class ZeroSection(_Section):
                          ge=-1)
 
 
-LORA_TRAINABLE = ("embeddings", "norms", "head")  # what lora.train may name besides the adapters
+LORA_TRAINABLE = ("embeddings", "norms", "head", "router")  # what lora.train may name besides the adapters
 
 
 @dataclass
@@ -282,9 +288,13 @@ class LoraSection(_Section):
     targets: list[str] = _f(["all-linear"], "Layers that get adapters, by their Hugging Face names: q_proj k_proj "
                             "v_proj o_proj gate_proj up_proj down_proj (Llama, Mistral, Qwen), q_proj k_proj v_proj "
                             "out_proj fc1 fc2 (OPT), c_attn c_proj c_fc (GPT-2); or all-linear (every linear layer "
-                            "of the blocks).")
-    train: list[str] = _f([], "What trains fully besides the adapters: any of embeddings, norms, head "
-                          "(PEFT's modules_to_save).")
+                            "of the blocks, as PEFT resolves it). Mixtures of experts: the experts' projections "
+                            "(every expert gets its own adapter; PEFT's target_parameters) gate_proj up_proj "
+                            "down_proj (Qwen3-MoE: gate and up together) or w1 w3 w2 (Mixtral: w1 and w3 together), "
+                            "gate_up_proj down_proj (GPT-OSS; and the fused parameter by name, at rank r), the "
+                            "router gate (Qwen3-MoE, Mixtral); a run whose targets reach no expert says so.")
+    train: list[str] = _f([], "What trains fully besides the adapters: any of embeddings, norms, head, router (a "
+                          "mixture of experts' routers; PEFT's modules_to_save).")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_hf_llama, make_hf_model
+from conftest import make_hf_llama, make_hf_model, make_hf_moe
 from mobius.batch import IGNORE, MicroBatch, step_targets
 from mobius.models.hf import load_checkpoint
 from mobius.models.packing import Documents
 
 FAMILIES = {"llama-gqa": lambda: make_hf_llama("llama"), "qwen3": lambda: make_hf_llama("qwen3"),
-            "gpt2": lambda: make_hf_model("gpt2"), "opt": lambda: make_hf_model("opt")}
+            "gpt2": lambda: make_hf_model("gpt2"), "opt": lambda: make_hf_model("opt"),
+            "qwen3_moe": lambda: make_hf_moe("qwen3_moe"),
+            "gpt_oss": lambda: make_hf_moe("gpt_oss")}  # sinks, and a 4-token window inside 9-token documents
 LENGTHS = [[5, 9, 1, 9], [24, 0, 0, 0]]  # two rows of 24 positions: four documents (one of a single token), one
 
 
@@ -90,13 +92,14 @@ def test_packed_rows_equal_each_document_alone_logits_and_gradients(family: str,
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_packed_logits_equal_transformers_packed_sequences(family: str, tmp_path: Path) -> None:
     """transformers reads packed sequences from position ids that restart (block-diagonal causal masks), but for
-    OPT, whose masks ignore them: there each document goes through transformers alone."""
+    OPT and GPT-OSS, whose masks ignore them (GPT-OSS's eager attention with sinks and windows): there each
+    document goes through transformers alone."""
     hf = FAMILIES[family]()
     hf.save_pretrained(tmp_path / "ck")
     ours = load_checkpoint(tmp_path / "ck")
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        if family == "opt":
+        if family in ("opt", "gpt_oss"):
             ends = [torch.tensor([n for n in row if n]).cumsum(0).tolist() for row in LENGTHS]
             theirs = torch.stack([torch.cat([hf(ids[b:b + 1, s:e]).logits[0] for s, e in zip([0, *cuts], cuts)])
                                   for b, cuts in enumerate(ends)])
