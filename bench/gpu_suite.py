@@ -14,6 +14,11 @@ packing    attention over packed documents on the GPU (bench/packed_attention_be
            one SDPA call per document, a dense block-diagonal mask and compiled flex attention, forward and
            backward at 512-8192 tokens of about 400-token documents, Llama-3.1-8B's heads (32 / 8 of 128), bf16;
            which kernel ``mobius.models.packing.pick_kernel`` should pick on CUDA (varlen until measured; 1 min)
+moe        one MoE layer's expert compute (bench/moe_experts_bench.py): mobius's grouped matmuls (tokens sorted by
+           expert, ``torch._grouped_mm`` per projection) against its loop over experts and against transformers' experts
+           modules (its loop and its grouped_mm), Qwen3-30B-A3B / GPT-OSS-20B / Mixtral-8x7B widths, 2048 and 8192
+           tokens, routed evenly and skewed, bf16, forward and forward + backward; which kernel
+           ``mobius.models.experts`` should pick on CUDA (grouped until measured; not yet run: about 3 min)
 calls      what the host pays per CUDA call the pipeline's dispatch thread makes (bench/cuda_calls.py): timing
            events, reading them, reading a device scalar, a synchronize, a launch; on 2026-11-27 the end of an
            OPT-2.7B pipeline step took about 0.15 s after its last gradient was down (10 s)
@@ -96,6 +101,7 @@ def _zero(*extra: str) -> list[str]:
 PARTS: dict[str, list[tuple[str, list[str], int]]] = {
     "tests": [("gpu-tests", ["bench/gpu_tests.py"], 300)],
     "packing": [("packed-attention", ["bench/packed_attention_bench.py"], 120)],
+    "moe": [("moe-experts", ["bench/moe_experts_bench.py"], 300)],
     "calls": [("cuda-calls", ["bench/cuda_calls.py"], 60)],
     "delayed": [("opt-2.7b-sync", ["bench/train_bench.py", "--presets", "opt-2.7b", "--modes", "single,pipeline,zero"],
                  300),

@@ -16,13 +16,12 @@ import torch
 from mobius.checkpoint import ResumeState
 from mobius.config import PLACEHOLDER, Config
 from mobius.engine import DTYPES
-from mobius.data import (BUILTIN_STDLIB, TextTokenizer, TrainData, build_data, load_tokenizer, source_files,
-                         token_cache)
+from mobius.data import BUILTINS, TextTokenizer, TrainData, data_format, load_data, load_tokenizer, source_files
 from mobius.errors import CheckpointError, ConfigError
 from mobius.models import CausalLM, ModelConfig, build_model, get_preset, initial_weights
-from mobius.models.hf import KEY_MAPS, LazyCheckpoint, _normalise_key, from_hf, read_config
+from mobius.models.hf import KEY_MAPS, TRANSFORMS, LazyCheckpoint, _normalise_key, from_hf, read_config
 from mobius.models.params import model_params
-from mobius.models.lora import ADAPTER, LoraSpec, block_targets
+from mobius.models.lora import ADAPTER, LoraSpec, check_targets, expert_targets
 from mobius.models.peft import read_adapter
 from mobius.trainer import step_checkpoints
 
@@ -38,7 +37,7 @@ def check_inputs(cfg: Config) -> None:
         if not path.is_dir():
             raise CheckpointError(f"model.checkpoint {ck}: no such directory")
         check_weight_shapes(path, read_config(path))  # config.json of a supported family; weights readable
-    if cfg.data.path != BUILTIN_STDLIB:
+    if cfg.data.path not in BUILTINS:
         source_files(cfg.data.path)
     tok = cfg.data.tokenizer
     if tok and not Path(tok).exists():
@@ -57,14 +56,15 @@ def check_weight_shapes(path: Path, mc: ModelConfig) -> None:
     lazy = LazyCheckpoint(path)
     present = {_normalise_key(k, km): k for k in lazy}
     for rule in km.rules:
-        if rule.hf not in present or rule.ours not in expected:
+        if any(key not in present for key in rule.keys) or rule.ours not in expected:
             continue  # a missing key is named when the weights load
-        want = expected[rule.ours][::-1] if rule.transform == "conv1d_to_linear" else expected[rule.ours]
-        got = lazy.shape(present[rule.hf])
-        if tuple(got) != tuple(want):
-            vocab = f" (config.json's vocab_size is {base.vocab_size})" if base.vocab_size in want else ""
-            raise CheckpointError(f"{path}: weight {present[rule.hf]} has shape {tuple(got)}, but config.json "
-                                  f"describes {tuple(want)}{vocab}; the checkpoint's weights and config disagree")
+        pieces = TRANSFORMS[rule.transform][1](torch.empty(expected[rule.ours], device="meta"))  # the hf shapes
+        for key, piece in zip(rule.keys, [pieces] if isinstance(rule.hf, str) else pieces, strict=True):
+            want, got = tuple(piece.shape), tuple(lazy.shape(present[key]))
+            if got != want:
+                vocab = f" (config.json's vocab_size is {base.vocab_size})" if base.vocab_size in want else ""
+                raise CheckpointError(f"{path}: weight {present[key]} has shape {got}, but config.json describes "
+                                      f"{want}{vocab}; the checkpoint's weights and config disagree")
 
 
 def resume_dir(cfg: Config, resume: str | None) -> Path | None:
@@ -103,13 +103,46 @@ class Prepared:
 
 
 def prepare_data(cfg: Config) -> tuple[TextTokenizer, TrainData]:
-    """The run's tokenizer and its packed, split, cached data (with its content fingerprint)."""
-    tokenizer = run_tokenizer(cfg)
-    tokens, fingerprint = token_cache(cfg.data.path, cfg.data.text_field, tokenizer, cfg.data.cache_dir)
-    data = build_data(tokens, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed, fingerprint=fingerprint)
-    log.debug("data: %s tokens, %d training blocks of %d, %d held out", f"{len(tokens):,}", len(data.train),
+    """The run's tokenizer (with the chat template conversations are rendered with) and its packed, split,
+    cached data (with its fingerprint)."""
+    tokenizer, data = load_data(cfg.data, run_tokenizer(cfg), cfg.train.seed)
+    log.debug("data: %s tokens, %d training blocks of %d, %d held out", f"{data.stats.tokens:,}", len(data.train),
               cfg.data.seq_len, len(data.val))
     return tokenizer, data
+
+
+def document_tokens(data: TrainData) -> int | None:
+    """Positions per document in the data's rows when they are packed conversations (a conversation of L tokens
+    takes L - 1), on average; None for text and for one conversation per row."""
+    s = data.stats
+    if s is None or s.format != "chat" or not s.packing or not s.conversations:
+        return None
+    return max(1, round(s.tokens / s.conversations) - 1)
+
+
+def with_document_tokens(cfg: Config, data: TrainData) -> Config:
+    """``cfg`` with ``partition.document_tokens`` taken from ``data`` when the config leaves it null: the plan
+    then profiles attention within documents of that length (:mod:`mobius.models.packing`)."""
+    if cfg.partition.document_tokens is not None:
+        return cfg
+    doc = document_tokens(data)
+    if doc is None:
+        return cfg
+    return dataclasses.replace(cfg, partition=dataclasses.replace(cfg.partition, document_tokens=doc))
+
+
+def planned_document_tokens(cfg: Config) -> Config:
+    """For ``mobius plan``: ``cfg`` with the documents' length of data that is packed conversations and at hand
+    (prepared as ``mobius train`` prepares it: from its cache, or tokenized now), so that the plan shown is the
+    plan run; data not at hand (a path still to fill in, or missing) leaves one sequence per row."""
+    path = cfg.data.path
+    if cfg.partition.document_tokens is not None or not cfg.data.packing or PLACEHOLDER in path:
+        return cfg
+    if path not in BUILTINS and not Path(path).exists():
+        return cfg
+    if data_format(path, cfg.data.format, cfg.data.text_field) != "chat":
+        return cfg
+    return with_document_tokens(cfg, prepare_data(cfg)[1])
 
 
 def check_resume(cfg: Config, resume_from: Path, tokenizer: TextTokenizer, data: TrainData,
@@ -170,7 +203,8 @@ def _check_same_adapters(lora: LoraSpec | None, trained: object, where: Path) ->
 def _check_same_data(cfg: Config, saved: dict, data: TrainData, where: Path) -> None:
     then = saved.get("fingerprint")
     if then is not None and then != data.fingerprint:
-        change = (f"the content of data.path {cfg.data.path} differs from what it trained on (fingerprint "
+        change = (f"the content of data.path {cfg.data.path} differs from what it trained on (or, for conversations, "
+                  f"the chat template, data.train_on, data.packing or data.truncation; fingerprint "
                   f"{data.fingerprint[:12]} now, {then[:12]} then)")
     elif saved["train_blocks"] != len(data.train):
         change = (f"data.path {cfg.data.path} gives {len(data.train)} training blocks of data.seq_len="
@@ -239,7 +273,19 @@ def _fresh_model_config(cfg: Config, tokenizer: TextTokenizer) -> ModelConfig:
             mc.bos_token_id = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
     if cfg.model.dropout is not None:
         mc.set_dropout(cfg.model.dropout)
+    _set_aux_coef(mc, cfg)
     return mc
+
+
+def _set_aux_coef(mc: ModelConfig, cfg: Config) -> None:
+    """``model.router_aux_loss_coef`` into an MoE architecture (a dense one has no router to balance)."""
+    coef = cfg.model.router_aux_loss_coef
+    if coef is None:
+        return
+    if not getattr(mc, "moe_layers", ()):
+        raise ConfigError(f"{cfg.source}: model.router_aux_loss_coef is set, but a {mc.family} model has no "
+                          f"experts to balance; remove it")
+    mc.router_aux_loss_coef = coef
 
 
 def run_model_config(cfg: Config, tokenizer: TextTokenizer,
@@ -249,6 +295,7 @@ def run_model_config(cfg: Config, tokenizer: TextTokenizer,
         mc = read_config(resume_from)
         if cfg.model.dropout is not None:
             mc.set_dropout(cfg.model.dropout)
+        _set_aux_coef(mc, cfg)
     else:
         mc = _fresh_model_config(cfg, tokenizer)
     mc.check_sequence(cfg.data.seq_len)
@@ -327,5 +374,9 @@ def with_adapters(mc: ModelConfig, cfg: Config) -> ModelConfig:
     """The architecture with the run's adapters attached (checked against its layers)."""
     mc.lora = adapters(cfg)
     if mc.lora is not None:
-        block_targets(mc, mc.lora)
+        check_targets(mc, mc.lora)
+        if getattr(mc, "moe_layers", ()) and not expert_targets(mc, mc.lora):
+            log.warning("lora.targets %s reach no expert of this %s model: its experts stay frozen and only the "
+                        "other layers train; name the experts' projections (mobius train --help, lora.targets) to "
+                        "adapt them", ", ".join(mc.lora.targets), mc.family)
     return mc

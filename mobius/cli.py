@@ -35,6 +35,8 @@ COMMANDS = {
                                      "predicted step time"),
     "topo": ("mobius.commands.topo", "show, map and benchmark the GPU topology"),
     "profile": ("mobius.commands.profile", "measure the run's units here and write them as a profile file"),
+    "data": ("mobius.commands.data", "show what a run trains on: records as rendered with their targets marked, and "
+                                     "the totals"),
 }
 
 

@@ -76,6 +76,12 @@ class ModelSection(_Section):
                                ge=0, lt=1)
     activation_checkpointing: bool = _f(False, "Recompute each unit's activations in backward (single and zero "
                                         "modes; the pipeline decides per stage: parallel.kept_stages).")
+    router_aux_loss_coef: float | None = _f(None, "Mixture-of-experts models: the weight of the router's "
+                                            "load-balancing loss (transformers' aux_loss, over every MoE layer) in "
+                                            "the training loss, beside the mean next-token loss; each step adds it "
+                                            "times the mean of its micro-batches' aux losses. null: the "
+                                            "checkpoint's router_aux_loss_coef (mobius adds it whatever the "
+                                            "checkpoint's output_router_logits says); 0: none.", ge=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,13 +92,32 @@ class ModelSection(_Section):
 @dataclass
 class DataSection(_Section):
     _name = "data"
-    path: str = _f("builtin:stdlib-docs", "A .txt or .jsonl file, or a directory of them. 'builtin:stdlib-docs' "
-                   "gathers the docstrings of Python's standard library (the CPU demo).")
-    text_field: str = _f("text", "Field holding the text in .jsonl records.")
-    seq_len: int = _f(512, "Tokens per training sequence (documents are packed into blocks of this length).", ge=2)
+    path: str = _f("builtin:stdlib-docs", "A .txt, .jsonl, .json (a list of records) or .parquet file, or a directory "
+                   "of them. 'builtin:stdlib-docs' gathers the docstrings of Python's standard library (the CPU demo); "
+                   "'builtin:stdlib-chat' makes conversations of them (the chat demo).")
+    format: Literal["auto", "text", "chat"] = _f("auto", "text: documents (a .txt file, or data.text_field of each "
+                                                  "record); chat: conversations (records with messages, ShareGPT "
+                                                  "conversations, Alpaca instruction/input/output, or prompt/"
+                                                  "completion); auto: per file, by its first record.")
+    text_field: str = _f("text", "Field holding the text in records (data.format text).")
+    chat_template: str | None = _f(None, "Conversations: a Jinja chat template file, or builtin:NAME for one shipped "
+                                   "with mobius (builtin:demo-chat); null: the tokenizer's own (chat_template.jinja "
+                                   "beside it, or chat_template in its tokenizer_config.json).")
+    train_on: Literal["assistant", "all"] = _f("assistant", "Conversations: the tokens that take a loss: assistant "
+                                               "(each answer and the end-of-turn text the template writes after it; "
+                                               "not the prompts nor the headers) or all.")
+    packing: bool = _f(True, "Conversations: pack several whole conversations into each sequence of data.seq_len "
+                       "positions (attention and positions restart at each; none is split); false: one conversation "
+                       "per sequence, padded. Text is always read as blocks running across documents.")
+    truncation: Literal["drop", "truncate"] = _f("drop", "Conversations longer than data.seq_len + 1 tokens: drop "
+                                                 "them, or truncate them to their first data.seq_len + 1 (left out "
+                                                 "if no target is left); counted and reported either way.")
+    seq_len: int = _f(512, "Positions per training sequence (text documents run across blocks of this length; "
+                      "conversations are packed whole into them).", ge=2)
     tokenizer: str | None = _f(None, "A tokenizer.json file or a directory holding one; null uses the checkpoint's "
                                "own, or byte-level tokens when training from scratch.")
-    val_fraction: float = _f(0.02, "Fraction of the blocks held out for evaluation.", ge=0, lt=0.5)
+    val_fraction: float = _f(0.02, "Fraction of the blocks (text) or conversations held out for evaluation.", ge=0,
+                             lt=0.5)
     cache_dir: str = _f(".mobius_cache", "Where tokenized data is cached as memory-mapped arrays.")
     accept_new_data: bool = _f(False, "--resume on data whose content differs from what the checkpoint trained on "
                                "(files edited, added or removed; a content fingerprint is stored with every "
@@ -258,7 +283,7 @@ class ZeroSection(_Section):
                          ge=-1)
 
 
-LORA_TRAINABLE = ("embeddings", "norms", "head")  # what lora.train may name besides the adapters
+LORA_TRAINABLE = ("embeddings", "norms", "head", "router")  # what lora.train may name besides the adapters
 
 
 @dataclass
@@ -272,9 +297,13 @@ class LoraSection(_Section):
     targets: list[str] = _f(["all-linear"], "Layers that get adapters, by their Hugging Face names: q_proj k_proj "
                             "v_proj o_proj gate_proj up_proj down_proj (Llama, Mistral, Qwen), q_proj k_proj v_proj "
                             "out_proj fc1 fc2 (OPT), c_attn c_proj c_fc (GPT-2); or all-linear (every linear layer "
-                            "of the blocks).")
-    train: list[str] = _f([], "What trains fully besides the adapters: any of embeddings, norms, head "
-                          "(PEFT's modules_to_save).")
+                            "of the blocks, as PEFT resolves it). Mixtures of experts: the experts' projections "
+                            "(every expert gets its own adapter; PEFT's target_parameters) gate_proj up_proj "
+                            "down_proj (Qwen3-MoE: gate and up together) or w1 w3 w2 (Mixtral: w1 and w3 together), "
+                            "gate_up_proj down_proj (GPT-OSS; and the fused parameter by name, at rank r), the "
+                            "router gate (Qwen3-MoE, Mixtral); a run whose targets reach no expert says so.")
+    train: list[str] = _f([], "What trains fully besides the adapters: any of embeddings, norms, head, router (a "
+                          "mixture of experts' routers; PEFT's modules_to_save).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -327,7 +356,7 @@ class Config:
     def check_ready(self) -> None:
         """Reject placeholder paths that the user has to fill in before running."""
         for section, key in (("model", "checkpoint"), ("data", "path"), ("data", "tokenizer"),
-                             ("topology", "file"), ("topology", "bandwidth_file")):
+                             ("data", "chat_template"), ("topology", "file"), ("topology", "bandwidth_file")):
             value = getattr(getattr(self, section), key)
             if isinstance(value, str) and value.startswith(PLACEHOLDER):
                 raise ConfigError(f"{self.source}: {section}.{key} is still a placeholder ({value}); set it in the file "

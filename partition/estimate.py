@@ -60,7 +60,7 @@ def _estimate_unit(s: Any, mbs: int, seq: int, precision: str, gpu: GPUSpec, tfl
                    loss_bytes: float, doc_tokens: int | None = None) -> UnitCost:
     elem = precision_bytes(precision)
     tokens = mbs * seq
-    flops = float(s.fwd_flops(mbs, seq, doc_tokens))
+    flops = float(s.fwd_flops(mbs, seq) if doc_tokens is None else s.fwd_flops(mbs, seq, doc_tokens))
     param_bytes = s.param_count * elem
     in_bytes = tokens * 8 if s.kind == "embed" else tokens * s.hidden_size * elem
     act_bytes = int(s.out_numel(mbs, seq)) * elem

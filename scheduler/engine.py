@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from mobius import routing
 from mobius.assemble import WeightSource
 from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
@@ -28,6 +29,7 @@ from mobius.batch import MicroBatch, step_targets
 from mobius.engine import DTYPES, StepStats
 from mobius.errors import CheckpointError, MobiusError
 from mobius.models import ModelConfig, dropout_active, hidden_size, unit_prefix
+from mobius.models.experts import balance_of
 from mobius.optim import UpdateRule
 from mobius.states import Moments
 from mobius.parallel import ParallelSettings
@@ -37,6 +39,7 @@ from scheduler.arbiter import UploadArbiter, arbiter_name, remove_stale
 from scheduler.counters import Counters
 from scheduler.links import link_to, mailboxes_for
 from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
+from scheduler.messages import trailer_numel
 from scheduler.stages import stage_layouts, tied_places
 from scheduler.store import StageStore, TiedEnd, check_host_memory, host_bytes
 from scheduler.trace import HeldTrace, StepTrace, by_worker, write_step_trace
@@ -97,14 +100,15 @@ class PipelineEngine:
         self.eval_scheds: dict[int, Schedule] = {}
         options = ExecutorOptions(plan.options, cfg.train.precision, self.dtype,
                                   (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg)),
-                                  tied, skip_updates)
+                                  tied, skip_updates, trailer_numel(model_cfg, self.dtype))
         hosts = {j: s for j, s in self.stores.items() if j not in plan.options.resident}
         resident = {j: s for j, s in self.stores.items() if j in plan.options.resident}
-        links = self._links(options.activation_shape)
+        links = self._links(options.messages.shape)
         self.traced = HeldTrace(cfg.train.max_steps)  # parallel.trace_step's trace, until the next step has run
         self.ex = Executor(self.rank, device, model_cfg, self.layouts, hosts, links, self.arbiter,
                            self.counters, Collectives(sum_over_ranks, self._exchange), self.rule, options, resident)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
+        self.balance = balance_of(model_cfg)  # an MoE's load-balancing loss
         self.param_bytes = sum(lay.param_count for lay in self.layouts) * self.dtype.itemsize
         self._update_rate = [0, 0.0, 0.0]  # steps seen, CPU AdamW seconds and parameters (see update_rate)
 
@@ -150,7 +154,7 @@ class PipelineEngine:
         arb.unlink()
         return arb
 
-    def _links(self, act_shape: tuple[int, int, int]) -> dict:
+    def _links(self, act_shape: tuple[int, ...]) -> dict:
         S = self.plan.num_stages
         peers = {self.gpu_of[j + d] for j in self.stores for d in (-1, 1) if 0 <= j + d < S}
         nccl = dist.new_group(backend="nccl") if self.settings.p2p else None
@@ -178,7 +182,9 @@ class PipelineEngine:
     # ---- a step ---------------------------------------------------------------------------------
     def train_step(self, step: int, batches: list[MicroBatch], lr: float,
                    upcoming: tuple[list[MicroBatch], float] | None = None) -> StepStats:
-        io = StepIO(batches, step, self.rule.loss_factor() / max(step_targets(batches), 1), self.dropout_seed, lr)
+        io = StepIO(batches, step, self.rule.loss_factor() / max(step_targets(batches), 1), self.dropout_seed, lr,
+                    aux_weight=routing.aux_weight(self.balance, self.rule.loss_factor(), len(batches))
+                    if self.balance else 0.0)
         trace = StepTrace(self.device) if self.cfg.parallel.trace_step == step + 1 else None
         out = self.ex.run(self.train_sched, io, trace)
         waited = self.traced.step_ran(trace, step, self._write_trace)
@@ -196,6 +202,7 @@ class PipelineEngine:
                  "reduce_wait_s": round(s["reduce_wait_s"] / n, 4), **by_worker(s, n)}
         if waited:
             extra["traced"] = True  # it waited for its CPU updates (and the step before's trace): not a steady step
+        extra.update(routing.metrics(s, self.balance, getattr(self.model_cfg, "moe_layers", ()), len(batches)))
         return StepStats(out.loss, out.grad_norm, out.skipped, self.rule.loss_scale, extra)
 
     def _count_update_rate(self, stats: dict[str, float]) -> None:

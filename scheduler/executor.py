@@ -39,15 +39,18 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mobius import routing
 from mobius.batch import MicroBatch
 from mobius.engine import autocast
 from mobius.models import ModelConfig
 from mobius.models.base import lm_loss_sum, run_units
+from mobius.models.experts import RouterLog, balance_of, recording
 from mobius.optim import UpdateRule
 from partition.schedule import COMPUTE, Action, Kind, PipelineOptions, Schedule
 from scheduler.arbiter import UploadArbiter
 from scheduler.counters import Counters
 from scheduler.links import post_early
+from scheduler.messages import Messages
 from scheduler.shared import WAIT_TIMEOUT_S
 from mobius.models.params import build_units
 from scheduler.stages import StageLayout, add_gradients, add_tied, bind
@@ -71,6 +74,11 @@ class ExecutorOptions:
     activation_shape: tuple[int, int, int]  # [B, T, H] of a boundary activation
     tied: tuple[tuple[int, int, int], ...] = ()  # (stage, offset, numel) of a tied weight's ends on two stages
     skip_updates: bool = False  # benchmark ablation: no AdamW (the GPU side alone)
+    trailer: int = 0  # elements after the activation in each message: an MoE's router choices (scheduler/messages)
+
+    @property
+    def messages(self) -> Messages:
+        return Messages(self.activation_shape, self.dtype, self.trailer)
 
     @property
     def half_grads(self) -> bool:
@@ -92,6 +100,7 @@ class StepIO:
     dropout_seed: int | None  # the run's seed when dropout is active
     lr: float = 0.0
     training: bool = True  # False: an evaluation (dropout off)
+    aux_weight: float = 0.0  # an MoE's load-balancing loss: its factor on each micro-batch's (mobius.routing)
 
 
 @dataclass
@@ -121,6 +130,7 @@ class Graph:
     x: torch.Tensor
     y: torch.Tensor
     params: tuple[torch.Tensor, ...] = ()
+    log: RouterLog | None = None  # an MoE's routing in that forward (its probabilities' graph too)
 
 
 @dataclass(frozen=True)
@@ -221,6 +231,9 @@ class StepState:
     factor: float = 1.0  # gradient multiplier of this step's updates (clipping / loss scale)
     skipped: bool = False
     outcome: StepOutcome | None = None
+    routed: routing.StepRouting | None = None  # an MoE's routing over the step (training)
+    choices: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # ("a" | "g", stage, micro)
+    # -> the router choices a received message carried (so far, or all of the micro-batch's)
 
 
 class _UpdateEnd:
@@ -265,6 +278,9 @@ class Executor:
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="upload")
         self.updater = CpuUpdater()
         self.tied = {j: (o, n) for j, o, n in options.tied if j in hosts}
+        self.balance = balance_of(model_cfg)  # an MoE's load-balancing loss (None: dense)
+        self.moe_layers = getattr(model_cfg, "moe_layers", ())
+        self.msg = options.messages
         self.slot_of: dict[int, DeviceSlot] = {}
         for j, store in self.resident.items():  # permanent slots
             slot = DeviceSlot(layouts[j].numel, layouts[j].trainable_numel, options.dtype, device, acc, params=store.half)
@@ -291,6 +307,8 @@ class Executor:
             units.train(io.training)
         self.st = StepState(io, sched, self._stage_batches(sched, io), trace, self._runs * ORDER_STRIDE,
                             computed=ComputeSpans(self.device))
+        if self.balance is not None and sched.train:
+            self.st.routed = routing.StepRouting(self.balance, self.moe_layers)
         self.st.clock = DispatchTime(self.st.computed)
         post_early(sched.actions[self.rank], self.links, self._recv)
         try:
@@ -550,16 +568,37 @@ class Executor:
         return slot
 
     # ---- compute --------------------------------------------------------------------------------
-    def _run(self, j: int, x: torch.Tensor, m: int) -> torch.Tensor:
+    def _run(self, j: int, x: torch.Tensor, m: int) -> tuple[torch.Tensor, RouterLog]:
+        """Stage j's units on micro-batch m's input x; the output and what its MoE layers routed."""
         io = self.st.io
         seed = (io.dropout_seed, io.step, m) if io.dropout_seed is not None else None
-        return run_units(list(self.units[j]), x, self.layouts[j].first_unit, dropout_seed=seed,
-                         docs=self.st.io.batches[m].docs)
+        with recording() as log:
+            y = run_units(list(self.units[j]), x, self.layouts[j].first_unit, dropout_seed=seed,
+                          docs=self.st.io.batches[m].docs)
+        return y, log
 
     def _input(self, j: int, m: int) -> torch.Tensor:
         if j == 0:
             return self.st.batches["inputs"][m]
-        return self.st.clock.take(self.st.waiting, ("a", j, m))
+        return self._take("a", j, m)
+
+    def _take(self, kind: str, j: int, m: int) -> torch.Tensor:
+        """A received message's activation (or gradient); its router choices go to ``choices``."""
+        t, counts = self.msg.unpack(self.st.clock.take(self.st.waiting, (kind, j, m)))
+        if counts is not None:
+            self.st.choices[(kind, j, m)] = counts
+        return t
+
+    def _so_far(self, j: int, m: int, log: RouterLog, device: torch.device) -> torch.Tensor | None:
+        """Micro-batch m's router choices up to stage j's end: those it received and its own (an MoE)."""
+        if self.balance is None:
+            return None
+        own = routing.own_counts(log, self.balance.experts, device)
+        return own + self.st.choices.pop(("a", j, m)).to(device) if j > 0 else own
+
+    def _aux(self, roots: list, grads: list, log: RouterLog | None, counts: torch.Tensor | None) -> None:
+        """The aux loss's term of a stage's backward (an MoE), given all the micro-batch's choices."""
+        routing.backward_roots(roots, grads, self.balance, log, counts, self.st.io.aux_weight, self.st.routed)
 
     def _forward(self, a: Action) -> None:
         j, m, st = a.stage, a.micro, self.st
@@ -569,13 +608,15 @@ class Executor:
         x = self._input(j, m)
         start = self.st.computed.mark()
         with torch.no_grad(), autocast(self.device, self.opt.precision):
-            y = self._run(j, x, m)
+            y, log = self._run(j, x, m)
             if j == st.sched.num_stages - 1:  # evaluation: the last stage's forward ends in the loss
                 self._count_loss(lm_loss_sum(y, st.batches["targets"][m]), m)
                 return
         if st.sched.train:
             st.saved[(j, m)] = x  # an OFFLOAD that follows moves it to host memory
-        st.outputs[("a", j, m)] = y.to(self.opt.dtype)
+            if st.routed is not None:
+                st.routed.add(log)
+        st.outputs[("a", j, m)] = self.msg.pack(y, self._so_far(j, m, log, y.device))
         self.st.computed.add("forward", start, "F", j)
 
     def _forward_kept(self, j: int, m: int) -> None:
@@ -590,10 +631,12 @@ class Executor:
             x = x.detach().requires_grad_()
         with self._weights_by_position(j) if swapped else contextlib.nullcontext():
             with autocast(self.device, self.opt.precision):
-                y = self._run(j, x, m)
+                y, log = self._run(j, x, m)
         params = tuple(self.units[j].parameters()) if swapped else ()
-        self.st.saved[(j, m)] = Graph(x, y, params)
-        self.st.outputs[("a", j, m)] = y.detach().to(self.opt.dtype)
+        self.st.saved[(j, m)] = Graph(x, y, params, log)
+        if self.st.routed is not None:
+            self.st.routed.add(log)
+        self.st.outputs[("a", j, m)] = self.msg.pack(y.detach(), self._so_far(j, m, log, y.device))
         self.st.computed.add("forward", start, "F", j)
 
     def _weights_by_position(self, j: int) -> torch.autograd.graph.saved_tensors_hooks:
@@ -625,12 +668,18 @@ class Executor:
         if x.is_floating_point():
             x = x.detach().requires_grad_()
         with autocast(self.device, self.opt.precision):
-            loss = lm_loss_sum(self._run(j, x, m), st.batches["targets"][m])
-        (loss * st.io.loss_factor).backward()
+            y, log = self._run(j, x, m)
+            loss = lm_loss_sum(y, st.batches["targets"][m])
+        everything = self._so_far(j, m, log, loss.device)  # the micro-batch's router choices, all known now
+        if st.routed is not None:
+            st.routed.add(log)
+        roots, grads = [loss * st.io.loss_factor], [None]
+        self._aux(roots, grads, log, everything)
+        torch.autograd.backward(roots, grads)
         self._count_loss(loss.detach(), m)
         add_gradients(slot.pairs)
         if j > 0:
-            st.outputs[("g", j, m)] = x.grad
+            st.outputs[("g", j, m)] = self.msg.pack(x.grad, everything)
         self.st.computed.add("backward", start, "FB", j)
 
     def _backward(self, a: Action) -> None:
@@ -639,11 +688,12 @@ class Executor:
         slot = self._on_device(j, grads=True)
         self._inputs_back(j)
         saved = st.saved.pop((j, m))
-        g = st.clock.take(st.waiting, ("g", j, m))
+        g = self._take("g", j, m)
+        everything = st.choices.pop(("g", j, m), None)  # an MoE's router choices of all the micro-batch's layers
         start = self.st.computed.mark()
         pairs = slot.pairs
         if isinstance(saved, Graph):
-            x, y = saved.x, saved.y
+            x, y, log = saved.x, saved.y, saved.log
             if saved.params:  # swapped: the graph accumulates into its forward's parameters -> this slot's buffers
                 sums, pairs = {id(p): total for p, total in slot.pairs}, []
                 for old, new in zip(saved.params, self.units[j].parameters(), strict=True):
@@ -653,12 +703,15 @@ class Executor:
         else:
             x = saved.detach().requires_grad_() if saved.is_floating_point() else saved
             with autocast(self.device, self.opt.precision):
-                y = self._run(j, x, m)
-        if y.requires_grad:  # a stage of frozen weights over token ids (LoRA's embedding) has nothing to do
-            torch.autograd.backward(y, g.to(y.dtype))
+                y, log = self._run(j, x, m)
+        roots, grads = ([y], [g.to(y.dtype)]) if y.requires_grad else ([], [])  # (a stage of frozen weights over
+        # token ids, LoRA's embedding, has nothing to do)
+        self._aux(roots, grads, log, everything)
+        if roots:
+            torch.autograd.backward(roots, grads)
         add_gradients(pairs)
         if j > 0:
-            st.outputs[("g", j, m)] = x.grad
+            st.outputs[("g", j, m)] = self.msg.pack(x.grad, everything)
         self.st.computed.add("backward", start, "B", j)
 
     def _count_loss(self, loss: torch.Tensor, m: int) -> None:
@@ -684,7 +737,7 @@ class Executor:
             return
         sender = a.stage - 1 if kind == "a" else a.stage + 1
         self.st.waiting[(kind, a.stage, a.micro)] = self.links[a.peer].recv(
-            self.opt.activation_shape, self.opt.dtype, self._tag(kind, sender, a.micro))
+            self.msg.shape, self.opt.dtype, self._tag(kind, sender, a.micro))
 
     def _send(self, a: Action) -> None:
         kind = "a" if a.kind == Kind.SEND_ACT else "g"
@@ -817,7 +870,8 @@ class Executor:
         moved = self.counters.take()
         update_s, update_params = self.updater.take()
         sumsq = (float(torch.stack(st.sumsq).double().sum()) if st.sumsq else 0.0) + st.tied_sumsq  # one read
-        return {"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "stall_s": st.stall_s,
+        return {**(st.routed.stats() if st.routed is not None else {}),
+                "loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": sumsq, "stall_s": st.stall_s,
                 "upload_wait_s": st.wait_s, "cpu_adam_s": update_s, "cpu_adam_params": float(update_params),
                 **st.computed.stats(self.rank, len(st.sched.actions)), "dispatch_s": st.dispatch_s,
                 "reduce_wait_s": st.reduce_wait_s,

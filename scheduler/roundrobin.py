@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from mobius import routing
 from mobius.assemble import WeightSource
 from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
@@ -48,6 +49,7 @@ from mobius.engine import DTYPES, StepStats, autocast
 from mobius.errors import CheckpointError, ConfigError, MobiusError
 from mobius.models import ModelConfig, dropout_active, hidden_size, unit_prefix
 from mobius.models.base import lm_loss_sum, run_units
+from mobius.models.experts import RouterLog, balance_of, recording
 from mobius.models.params import build_units
 from mobius.optim import UpdateRule
 from mobius.states import Moments
@@ -59,6 +61,7 @@ from partition.schedule.roundrobin import RoundRobinSchedule, build_round_robin,
 from scheduler.counters import Counters
 from scheduler.executor import DeviceSlot, batches_on
 from scheduler.links import link_to, mailboxes_for, post_early
+from scheduler.messages import Messages, trailer_numel
 from scheduler.shared import Span, UnitStores, wait_for
 from scheduler.stages import add_gradients, add_tied, bind
 from scheduler.trace import ComputeSpans, DispatchTime, HeldTrace, StepTrace, by_worker, write_step_trace
@@ -105,6 +108,11 @@ class _Step:
     loss_factor: float  # loss scale / the step's target tokens
     lr: float
     adam_step: int  # the AdamW step this step's update is (when not skipped)
+    aux_weight: float = 0.0  # an MoE's load-balancing loss: its factor on each micro-batch's (mobius.routing)
+    routed: routing.StepRouting | None = None  # an MoE's routing over the step on this worker
+    choices: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # ("a" | "g", op, micro) ->
+    # the router choices a received message carried (so far, or all of the micro-batch's)
+    logs: dict[tuple[int, int], RouterLog] = field(default_factory=dict)  # (op, micro) -> its recompute's routing
     kept: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (micro, unit) -> input, until OFFLOAD
     reloads: dict[tuple[int, int], list[Action]] = field(default_factory=dict)  # (op, round) -> its RELOADs,
     # until its UPLOAD starts them
@@ -155,6 +163,8 @@ class RoundRobinEngine:
         self.options = round_robin_options(plan.options)
         M, (B, T, H) = cfg.train.micro_batches, (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg))
         self.act_shape = (B, T, H)
+        self.balance = balance_of(model_cfg)  # an MoE's load-balancing loss (None: dense)
+        self.msg = Messages(self.act_shape, self.dtype, trailer_numel(model_cfg, self.dtype))
         self.kept_cuts = list(self.cuts.backward[1:-1])  # units whose inputs wait in the stash
         self.stores = UnitStores(model_cfg, self.dtype, cfg.train, self.delayed, self.cuts.num_ops,
                                  (M * len(self.kept_cuts), B * T * H), device.type == "cuda")
@@ -241,6 +251,7 @@ class RoundRobinEngine:
                  **by_worker(total, n)}
         if waited:
             extra["traced"] = True  # it waited for the updates (and the step before's trace): not a steady step
+        extra.update(routing.metrics(total, self.balance, getattr(self.model_cfg, "moe_layers", ()), len(batches)))
         return StepStats(total["loss_sum"] / max(total["losses"], 1), norm, skipped, self.rule.loss_scale, extra,
                          seconds=st.seconds if self.looks_ahead else None)
 
@@ -250,6 +261,9 @@ class RoundRobinEngine:
         adam_step = self.adam_base + index + 1 if self.looks_ahead else self.rule.optimizer_step + 1
         st = _Step(self.schedule(index), index, step, batches,
                    self.rule.loss_factor() / max(step_targets(batches), 1), lr, adam_step)
+        if self.balance is not None:
+            st.aux_weight = routing.aux_weight(self.balance, self.rule.loss_factor(), len(batches))
+            st.routed = routing.StepRouting(self.balance, self.model_cfg.moe_layers)
         if self.cfg.parallel.trace_step == step + 1:
             st.trace = StepTrace(self.device)
         t0 = time.perf_counter()
@@ -369,7 +383,7 @@ class _Dispatch:
         mailboxes sized for the first steps' rotations (page-locked on GPUs; the runs of one machine only)."""
         e = self.e
         lists = (e.schedule(i).actions for i in range(e.world))
-        boxes = mailboxes_for(self.device.type, 1, e.world, lists, e.act_shape, e.dtype)
+        boxes = mailboxes_for(self.device.type, 1, e.world, lists, e.msg.shape, e.dtype)
         return {p: link_to(p, e.rank, self.device, self.counters, boxes=boxes)
                 for p in sorted({(e.rank - 1) % e.world, (e.rank + 1) % e.world})}
 
@@ -556,7 +570,25 @@ class _Dispatch:
     def _input(self, k: int, m: int) -> torch.Tensor:
         if k == 0:
             return self.st.batches[0][m]
-        return self.st.clock.take(self.st.waiting, ("a", k, m))
+        return self._take("a", k, m)
+
+    def _take(self, kind: str, k: int, m: int) -> torch.Tensor:
+        """A received message's activation (or gradient); its router choices go to ``choices``."""
+        t, counts = self.e.msg.unpack(self.st.clock.take(self.st.waiting, (kind, k, m)))
+        if counts is not None:
+            self.st.choices[(kind, k, m)] = counts
+        return t
+
+    def _so_far(self, k: int, m: int, log: RouterLog, device: torch.device) -> torch.Tensor | None:
+        """Micro-batch m's router choices up to op k's end: those it received and its own (an MoE)."""
+        if self.e.balance is None:
+            return None
+        own = routing.own_counts(log, self.e.balance.experts, device)
+        return own + self.st.choices.pop(("a", k, m)).to(device) if k > 0 else own
+
+    def _aux(self, roots: list, grads: list, log: RouterLog | None, counts: torch.Tensor | None) -> None:
+        """The aux loss's term of an op's backward (an MoE), given all the micro-batch's choices."""
+        routing.backward_roots(roots, grads, self.e.balance, log, counts, self.st.aux_weight, self.st.routed)
 
     def _forward(self, a: Action) -> None:
         """A forward op over one micro-batch (no autograd); the inputs of units where backward ops start are
@@ -567,14 +599,16 @@ class _Dispatch:
         x = self._input(k, m)
         start = self.st.computed.mark()
         keep = [c for c in self.e.kept_cuts if first < c <= end]
-        with torch.no_grad(), autocast(self.device, self.e.cfg.train.precision):
+        with torch.no_grad(), autocast(self.device, self.e.cfg.train.precision), recording() as log:
             lo = first
             for u in [c for c in keep if c < end] + [end]:  # [B, T, H] at each cut
                 x = self._run(lo, u, x, m).to(self.e.dtype)
                 lo = u
                 if u in keep:
                     st.kept[(m, u)] = x
-        st.outputs[("a", k, m)] = x
+        if st.routed is not None:
+            st.routed.add(log)
+        st.outputs[("a", k, m)] = self.e.msg.pack(x, self._so_far(k, m, log, x.device))
         self.st.computed.add("forward", start, "F", k)
 
     def _entry(self, m: int, unit: int) -> int:
@@ -694,21 +728,27 @@ class _Dispatch:
         start = self.st.computed.mark()
         if x.is_floating_point():
             x = x.detach().requires_grad_()
-        with autocast(self.device, self.e.cfg.train.precision):
+        with autocast(self.device, self.e.cfg.train.precision), recording() as log:
             self.st.graphs[(k, m)] = (x, self._run(first, end, x, m))
+        self.st.logs[(k, m)] = log
         self.st.computed.add("backward", start, "C", k)
 
     def _backward(self, a: Action) -> None:
         k, m, st = a.stage, a.micro, self.st
         slot = self._on_device(k, self._round(m), grads=True)
         x, y = st.graphs.pop((k, m))
-        g = st.clock.take(st.waiting, ("g", k, m))
+        log = st.logs.pop((k, m))
+        g = self._take("g", k, m)
+        everything = st.choices.pop(("g", k, m), None)  # an MoE's router choices of all the micro-batch's layers
         start = self.st.computed.mark()
-        if y.requires_grad:  # frozen units over token ids (LoRA's embedding) have nothing to do
-            torch.autograd.backward(y, g.to(y.dtype))
+        roots, grads = ([y], [g.to(y.dtype)]) if y.requires_grad else ([], [])  # (frozen units over token ids,
+        # LoRA's embedding, have nothing to do)
+        self._aux(roots, grads, log, everything)
+        if roots:
+            torch.autograd.backward(roots, grads)
         add_gradients(slot.pairs)
         if self.cuts.units(k)[0] > 0:
-            st.outputs[("g", k, m)] = x.grad
+            st.outputs[("g", k, m)] = self.e.msg.pack(x.grad, everything)
         self.st.computed.add("backward", start, "B", k)
 
     def _fb(self, a: Action) -> None:
@@ -718,13 +758,18 @@ class _Dispatch:
         first, end = self.cuts.units(k)
         x = self._input(k, m).detach().requires_grad_()
         start = self.st.computed.mark()
-        with autocast(self.device, self.e.cfg.train.precision):
+        with autocast(self.device, self.e.cfg.train.precision), recording() as log:
             loss = lm_loss_sum(self._run(first, end, x, m), st.batches[1][m])
-        (loss * st.loss_factor).backward()
+        everything = self._so_far(k, m, log, loss.device)  # the micro-batch's router choices, all known now
+        if st.routed is not None:
+            st.routed.add(log)
+        roots, grads = [loss * st.loss_factor], [None]
+        self._aux(roots, grads, log, everything)
+        torch.autograd.backward(roots, grads)
         st.loss_sum = st.loss_sum + loss.detach().float()
         st.losses += st.micro[m].target_count
         add_gradients(slot.pairs)
-        st.outputs[("g", k, m)] = x.grad
+        st.outputs[("g", k, m)] = self.e.msg.pack(x.grad, everything)
         self.st.computed.add("backward", start, "FB", k)
 
     # ---- activations ----------------------------------------------------------------------------
@@ -735,7 +780,7 @@ class _Dispatch:
         kind = "a" if a.kind == Kind.RECV_ACT else "g"
         if (kind, a.stage, a.micro) in self.st.waiting:  # posted when the step began
             return
-        self.st.waiting[(kind, a.stage, a.micro)] = self.links[a.peer].recv(self.e.act_shape, self.e.dtype,
+        self.st.waiting[(kind, a.stage, a.micro)] = self.links[a.peer].recv(self.e.msg.shape, self.e.dtype,
                                                                             self._tag(kind, a.stage - 1, a.micro))
 
     def _send(self, a: Action) -> None:
@@ -878,7 +923,8 @@ class _Dispatch:
             st.sumsq += self._tied_sumsq()
         adam_s, adam_params = self.updater.take()
         moved = self.counters.take()
-        st.reduce = _Reduce({"loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": st.sumsq,
+        st.reduce = _Reduce({**(st.routed.stats() if st.routed is not None else {}),
+                             "loss_sum": float(st.loss_sum), "losses": float(st.losses), "sumsq": st.sumsq,
                              "upload_wait_s": st.wait_s, "cpu_adam_s": adam_s, "cpu_adam_params": adam_params,
                              **st.computed.stats(self.e.rank, self.e.world), "dispatch_s": st.dispatch_s,
                              **{f"{kind}_bytes": float(n) for kind, n in moved.items()}},

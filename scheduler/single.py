@@ -20,8 +20,10 @@ from mobius.checkpoint import RankState, ResumeState, SingleProcess
 from mobius.config import Config
 from mobius.batch import MicroBatch, step_targets
 from mobius.engine import DTYPES, StepStats, autocast
+from mobius import routing
 from mobius.models import ModelConfig, dropout_active
 from mobius.models.base import CausalLM, lm_loss_sum, run_units
+from mobius.models.experts import balance_of, recording
 from mobius.models.lora import trains
 from mobius.optim import UpdateRule, make_adamw
 
@@ -131,6 +133,7 @@ class SingleEngine:
         self.optimizer = make_adamw(self.weights.named, cfg.train, fused=device.type == "cuda")
         self.rule = UpdateRule(cfg.train)
         self.dropout = dropout_active(model.config)
+        self.balance = balance_of(model.config)  # MoE: the router's load-balancing loss
 
     def _forward_loss(self, b: MicroBatch, seed: tuple[int, int, int] | None) -> torch.Tensor:
         """The micro-batch's summed loss over its targets."""
@@ -145,10 +148,17 @@ class SingleEngine:
         targets = max(step_targets(batches), 1)
         factor = self.rule.loss_factor() / targets  # the loss is the mean over the step's target tokens
         total = torch.zeros((), device=self.device)
+        routed = routing.StepRouting(self.balance, self.model.config.moe_layers) if self.balance else None
+        weight = routing.aux_weight(self.balance, self.rule.loss_factor(), len(batches)) if self.balance else 0.0
         for m, b in enumerate(batches):
             seed = (self.cfg.train.seed, step, m) if self.dropout else None
-            loss = self._forward_loss(b, seed)
-            (loss * factor).backward()
+            with recording() as log:
+                loss = self._forward_loss(b, seed)
+            roots, grads = [loss * factor], [None]
+            if routed is not None:  # the whole model ran: this forward's choices are the micro-batch's
+                routed.add(log)
+                routing.backward_roots(roots, grads, self.balance, log, log.count_sum(), weight, routed)
+            torch.autograd.backward(roots, grads)
             total += loss.detach()
         grads = [p.grad for p in self.params if p.grad is not None]
         norm, skipped, coef = self.rule.end(sum_of_squares(grads))
@@ -158,7 +168,9 @@ class SingleEngine:
                 torch._foreach_mul_(grads, coef)
             self.optimizer.step(lr)
         self.optimizer.zero_grad()
-        return StepStats(float(total) / targets, norm, skipped, self.rule.loss_scale)
+        extra = routing.metrics(routed.stats(), self.balance, self.model.config.moe_layers, len(batches)) \
+            if routed is not None else None
+        return StepStats(float(total) / targets, norm, skipped, self.rule.loss_scale, extra)
 
     @torch.no_grad()
     def evaluate(self, batches: list[MicroBatch]) -> float:

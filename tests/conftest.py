@@ -229,3 +229,43 @@ def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                   eos_token_id=257).save_pretrained(d)
     save_special_tokenizer(d, "<|begin_of_text|>", "<|end_of_text|>")
     return d
+
+
+def tiny_moe_config(model_type: str = "qwen3_moe", **kw):
+    """A tiny transformers config of a mixture-of-experts family: 4 query heads on 2 KV heads, 4 experts of
+    which each token takes 2, widths that are multiples of 8 (a GPU's grouped matmul takes them)."""
+    import transformers
+
+    base = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2,
+                tie_word_embeddings=False)
+    if model_type == "qwen3_moe":
+        base.update(intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=4, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeConfig
+    elif model_type == "mixtral":
+        base.update(intermediate_size=16, num_local_experts=4)
+        cls = transformers.MixtralConfig
+    else:
+        base.update(intermediate_size=16, head_dim=8, num_local_experts=4, sliding_window=4,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 16,
+                                     "rope_theta": 150000.0})
+        cls = transformers.GptOssConfig
+    base.update(kw)
+    return cls(**base)
+
+
+def make_hf_moe(model_type: str = "qwen3_moe", seed: int = 0, **kw):
+    """A tiny randomly initialised transformers MoE model, norm gains, biases and sinks drawn at random too, the
+    router's weights wide enough that the tokens do not all choose alike."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config(model_type, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("_bias"):
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+            if name.endswith(("mlp.gate.weight", "router.weight")):
+                p.normal_(0.0, 0.5)
+    return model.eval()

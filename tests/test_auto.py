@@ -149,7 +149,7 @@ def _on_a_local_h100(monkeypatch: pytest.MonkeyPatch, *overrides: str):
 
     measured = []
 
-    def measure(specs, mbs, seq, precision, device, cache_dir, threads):
+    def measure(specs, mbs, seq, precision, device, cache_dir, threads, doc_tokens=None):
         measured.append(device)
         prof = estimate_units(specs, mbs, seq, precision, "h100")
         return dataclasses.replace(prof, source="measured", device_name=H100, profile_s=2.5, notes={})

@@ -28,7 +28,8 @@ def test_every_config_loads(path: Path) -> None:
     assert isinstance(cfg, Config)
     from mobius.assemble import architecture
 
-    assert architecture(cfg).family in ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3")
+    assert architecture(cfg).family in ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+                                        "gpt_oss")
 
 
 def test_placeholders_are_rejected_before_running() -> None:

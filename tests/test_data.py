@@ -79,11 +79,14 @@ def test_cache_is_reused_and_blocks_pack(text_file: Path, tmp_path: Path) -> Non
     assert files[0].stat().st_mtime_ns == mtime and np.array_equal(a, b)
     assert a[-1] == tok.eos_id and len(a) == len(text_file.read_bytes()) + 1
     data = build_data(a, seq_len=32, val_fraction=0.1, seed=0)
-    b = data.next_batch(3)
-    x, y = b.inputs, b.targets
-    assert b.docs is None and b.target_count == 3 * 32
-    assert x.shape == (3, 32) and y.shape == (3, 32)
+    batch = data.next_batch(3)
+    x, y = batch.inputs, batch.targets
+    assert x.shape == (3, 32) and y.shape == (3, 32) and batch.docs is None
     assert np.array_equal(x[:, 1:].numpy(), y[:, :-1].numpy())  # targets are inputs shifted by one
+    flat = np.asarray(a)  # every block is seq_len + 1 consecutive tokens of the cache, every token a target
+    assert any(np.array_equal(np.append(x[0].numpy(), y[0, -1].numpy()), flat[i * 32:i * 32 + 33])
+               for i in range(len(data.train)))
+    assert batch.target_count == 3 * 32
 
 
 def test_shuffle_is_seeded_and_resumable(text_file: Path, tmp_path: Path) -> None:

@@ -44,9 +44,9 @@ def _latin1(tmp_path: Path, name: str) -> Path:
 
 
 def _unsupported_family(tmp_path: Path) -> Path:
-    d = tmp_path / "mixtral"
+    d = tmp_path / "falcon"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64}))
+    (d / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 64}))
     return d
 
 
@@ -59,7 +59,7 @@ CASES = {  # name -> (extra CLI arguments given the tmp dir, the message expecte
     "override not YAML": (lambda t: ["--train.lr=[1, 2"], "override --train.lr: '[1, 2' is not a valid YAML value"),
     "missing checkpoint": (lambda t: [f"--model.checkpoint={t / 'nowhere'}"], "no such directory"),
     "unsupported family": (lambda t: [f"--model.checkpoint={_unsupported_family(t)}"],
-                           "model_type 'mixtral' is not supported"),
+                           "model_type 'falcon' is not supported"),
     "binary .jsonl": (lambda t: [f"--data.path={_binary(t, 'x.jsonl')}"], "not a text file (a NUL byte at byte offset 0)"),
     "binary .txt": (lambda t: [f"--data.path={_binary(t, 'x.txt')}"], "not a text file (a NUL byte at byte offset 0)"),
     "latin-1 text": (lambda t: [f"--data.path={_latin1(t, 'x.txt')}"], "not UTF-8 text (800 invalid byte(s)"),

@@ -123,8 +123,9 @@ UNSUPPORTED = [
     ("mistral", {"attention_bias": True}, r"attention_bias=True is not supported for model_type 'mistral'"),
     ("qwen2", {"attention_bias": True}, r"attention_bias=True is not supported for model_type 'qwen2'"),
     ("qwen3", {"mlp_bias": True}, r"mlp_bias=True is not supported for model_type 'qwen3'"),
-    ("qwen2", {"num_experts": 8}, r"num_experts=8 is not supported \(mixture-of-experts"),
-    ("mistral", {"num_local_experts": 8}, r"num_local_experts=8 is not supported \(mixture-of-experts"),
+    ("qwen2", {"num_experts": 8}, r"num_experts=8 is not supported for model_type 'qwen2' \(its mixture-of-experts"),
+    ("mistral", {"num_local_experts": 8}, r"num_local_experts=8 is not supported for model_type 'mistral' \(its "
+                                          r"mixture-of-experts families are .*mixtral"),
     ("qwen3", {"layer_types": ["chunked_attention", "full_attention"]}, r"layer_types entry 'chunked_attention'"),
     ("llama", {"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
 ]

@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_hf_llama, make_hf_model
+from conftest import make_hf_llama, make_hf_model, make_hf_moe
 from mobius.batch import IGNORE, MicroBatch, step_targets
 from mobius.models.hf import load_checkpoint
 from mobius.models.packing import Documents
 
 FAMILIES = {"llama-gqa": lambda: make_hf_llama("llama"), "qwen3": lambda: make_hf_llama("qwen3"),
-            "gpt2": lambda: make_hf_model("gpt2"), "opt": lambda: make_hf_model("opt")}
+            "gpt2": lambda: make_hf_model("gpt2"), "opt": lambda: make_hf_model("opt"),
+            "qwen3_moe": lambda: make_hf_moe("qwen3_moe"),
+            "gpt_oss": lambda: make_hf_moe("gpt_oss")}  # sinks, and a 4-token window inside 9-token documents
 LENGTHS = [[5, 9, 1, 9], [24, 0, 0, 0]]  # two rows of 24 positions: four documents (one of a single token), one
 
 
@@ -90,13 +92,14 @@ def test_packed_rows_equal_each_document_alone_logits_and_gradients(family: str,
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_packed_logits_equal_transformers_packed_sequences(family: str, tmp_path: Path) -> None:
     """transformers reads packed sequences from position ids that restart (block-diagonal causal masks), but for
-    OPT, whose masks ignore them: there each document goes through transformers alone."""
+    OPT and GPT-OSS, whose masks ignore them (GPT-OSS's eager attention with sinks and windows): there each
+    document goes through transformers alone."""
     hf = FAMILIES[family]()
     hf.save_pretrained(tmp_path / "ck")
     ours = load_checkpoint(tmp_path / "ck")
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        if family == "opt":
+        if family in ("opt", "gpt_oss"):
             ends = [torch.tensor([n for n in row if n]).cumsum(0).tolist() for row in LENGTHS]
             theirs = torch.stack([torch.cat([hf(ids[b:b + 1, s:e]).logits[0] for s, e in zip([0, *cuts], cuts)])
                                   for b, cuts in enumerate(ends)])
@@ -183,3 +186,41 @@ def test_the_plan_counts_attention_within_packed_documents(tmp_path: Path) -> No
     tiny = unit_specs(get_preset("llama-tiny"))
     measured = get_profile(tiny, 1, 256, "fp32", "measured", device="cpu", cache_dir=tmp_path, doc_tokens=32)
     assert measured.doc_tokens == 32 and len(list((tmp_path / "profiles").glob("*.json"))) == 1
+
+
+def test_mobius_plan_profiles_the_chat_demo_within_its_documents(tmp_path: Path) -> None:
+    """``mobius plan`` on packed conversations takes their mean length from the data, as ``mobius train`` does, and
+    says so; ``partition.document_tokens`` overrides it; text plans one sequence per row."""
+    from in_process import mobius
+
+    common = [f"--data.cache_dir={tmp_path}", f"--partition.cache_dir={tmp_path}"]
+    out = mobius(["plan", "configs/chat-demo.yaml", *common])
+    assert out.returncode == 0, out.stderr
+    doc = int(out.stdout.split("attention within documents of ")[1].split()[0])
+    assert 100 < doc < 256
+    out = mobius(["plan", "configs/chat-demo.yaml", *common, "--partition.document_tokens=64"])
+    assert "attention within documents of 64 tokens" in out.stdout
+    out = mobius(["plan", "configs/demo.yaml", *common])
+    assert out.returncode == 0 and "attention within documents" not in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("groups", [1, 4])
+def test_on_cuda_every_kernel_attends_within_documents(groups: int) -> None:
+    """bf16 on the GPU: the kernel pick_kernel takes there (varlen where torch has it), the dense mask and one call
+    per document agree, forward and backward, within bf16's rounding."""
+    from mobius.models.packing import pick_kernel
+
+    assert pick_kernel(torch.device("cuda"), torch.bfloat16, 0.0) in ("varlen", "per_doc")
+    g = torch.Generator().manual_seed(0)
+    make = lambda h: torch.randn(2, h, 24, 64, generator=g).cuda().bfloat16().requires_grad_()  # noqa: E731
+    q, k, v = make(8), make(8 // groups), make(8 // groups)
+    outs, grads = {}, {}
+    for kernel in ("per_doc", "dense", pick_kernel(q.device, q.dtype, 0.0)):
+        y = Documents(_docs(), "cuda", kernel).attend(q, k, v, 0.0, None, groups)
+        (dq,) = torch.autograd.grad(y.float().square().sum(), q)
+        outs[kernel], grads[kernel] = y.float(), dq.float()
+    for kernel in outs:
+        torch.testing.assert_close(outs[kernel], outs["per_doc"], atol=2e-2, rtol=2e-2, msg=kernel)
+        torch.testing.assert_close(grads[kernel], grads["per_doc"], atol=5e-2, rtol=5e-2, msg=kernel)

@@ -21,15 +21,20 @@ from mobius.app.launch import free_port
 from mobius.app.run import train
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
+from spawned import EXACT_EPS
 from test_supervision import _group, ended_within, shm_files
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the run's processes through /proc")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _raw(tmp: Path, ck: Path, corpus: Path, out: str, mode: str, **train_keys: object) -> dict:
+CHAT = {"chat_template": "builtin:demo-chat", "seq_len": 32, "val_fraction": 0.1}  # conversations' data keys (and
+# EXACT_EPS: masked targets make near-zero gradients whose float noise AdamW at eps 1e-8 would amplify)
+
+
+def _raw(tmp: Path, ck: Path, corpus: Path, out: str, mode: str, data: dict | None = None, **train_keys: object) -> dict:
     return {"model": {"checkpoint": str(ck)},
-            "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp / "cache")},
+            "data": {"path": str(corpus), "seq_len": 16, "cache_dir": str(tmp / "cache"), **(data or {})},
             "train": {"max_steps": 4, "micro_batch_size": 2, "micro_batches": 4, "lr": 1e-2, "warmup_steps": 1,
                       "weight_decay": 0.1, "eval_every": 0, "eval_batches": 2, "seed": 3, **train_keys},
             "parallel": {"mode": mode, "device": "cpu"},
@@ -71,12 +76,24 @@ def _losses(run_dir: Path) -> torch.Tensor:
     return torch.tensor([json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
 
 
+def _short_chats(tmp: Path) -> Path:
+    """200 short conversations (one or two exchanges) that a row of 16 positions holds about half of."""
+    f = tmp / "chats.jsonl"
+    turns = lambda i: [{"role": "user", "content": f"q{i % 10}"}, {"role": "assistant", "content": "ab"[i % 2]}]  # noqa: E731
+    f.write_text("".join(json.dumps({"messages": turns(i) + (turns(i + 1) if i % 5 == 0 else [])}) + "\n"
+                         for i in range(200)))
+    return f
+
+
 @pytest.mark.slow
-def test_two_nodes_train_like_one_device_and_their_checkpoint_resumes_on_one(tmp_path: Path, deep_checkpoint: Path,
-                                                                            corpus: Path) -> None:
-    ref = train(config_from_dict(_raw(tmp_path, deep_checkpoint, corpus, "ref", "single"), "ref.yaml"))
+def test_two_nodes_train_like_one_device_and_their_checkpoint_resumes_on_one(tmp_path: Path,
+                                                                            deep_checkpoint: Path) -> None:
+    """Conversations, packed and masked (each node prepares its data: the same blocks and targets)."""
+    chats = _short_chats(tmp_path)
+    raw = lambda out, mode: _raw(tmp_path, deep_checkpoint, chats, out, mode, data=CHAT, eps=EXACT_EPS)  # noqa: E731
+    ref = train(config_from_dict(raw("ref", "single"), "ref.yaml"))
     run_file = tmp_path / "run.yaml"
-    run_file.write_text(json.dumps(_raw(tmp_path, deep_checkpoint, corpus, "two", "zero")))
+    run_file.write_text(json.dumps(raw("two", "zero")))
     nodes = _two_nodes(run_file)
     outs = [p.communicate(timeout=300) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in outs)
@@ -89,7 +106,7 @@ def test_two_nodes_train_like_one_device_and_their_checkpoint_resumes_on_one(tmp
     for k in expected:  # one Hugging Face checkpoint, every rank's part in it
         torch.testing.assert_close(weights[k], expected[k], rtol=0, atol=1e-5, msg=k)
     # the 4-rank step checkpoint resumes on one process and goes on as the reference did
-    resumed = train(config_from_dict(_raw(tmp_path, deep_checkpoint, corpus, "resumed", "single"), "resumed.yaml"),
+    resumed = train(config_from_dict(raw("resumed", "single"), "resumed.yaml"),
                     resume=str(two / "checkpoints" / "step-000002"))
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(ref.losses), rtol=0, atol=1e-5)
 

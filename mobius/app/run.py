@@ -26,9 +26,10 @@ from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, local_cpu_workers, mode_options, resolve, static_mode
 from mobius.app.supervise import end_when_orphaned, helpers_settled, start_helpers_early
 from mobius.assemble import (Prepared, check_inputs, check_resume, initial_model, prepare_data, resume_dir,
-                             run_model_config)
+                             run_model_config, with_document_tokens)
 from mobius.checkpoint import checkpoint_bytes
 from mobius.config import Config
+from mobius.data import TrainData
 from mobius.errors import ConfigError, size_text
 from mobius.files import write_failure, write_text_atomic
 from mobius.models import ModelConfig, param_count
@@ -66,6 +67,7 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
     try:
         with startup.phase("data"):
             ready = prepare(cfg, resume)
+        cfg = with_document_tokens(cfg, ready.data)  # the plan profiles attention as the data is packed
         check_prepared(cfg, ready)
         if workers_ahead:
             with startup.phase("workers"):
@@ -116,9 +118,21 @@ def warn_oversubscribed(cfg: Config, machine: Machine) -> None:
 def check_prepared(cfg: Config, ready: Prepared) -> None:
     """The checks that need the prepared model and nothing measured (before the plan): the disk holds the
     largest checkpoint the run writes."""
-    log.info("data: %d training blocks of %d tokens, %d held out; model: %s, %.1fM parameters", len(ready.data.train),
-             cfg.data.seq_len, len(ready.data.val), ready.model_cfg.family, param_count(ready.model_cfg) / 1e6)
+    log.info("data: %d training blocks of %d tokens, %d held out%s; model: %s, %.1fM parameters", len(ready.data.train),
+             cfg.data.seq_len, len(ready.data.val), _targets_per_step(cfg, ready.data), ready.model_cfg.family,
+             param_count(ready.model_cfg) / 1e6)
     check_disk(Path(cfg.output.dir), cfg, ready.model_cfg, save_dtype_for(cfg, ready.ck_dtype))
+
+
+def _targets_per_step(cfg: Config, data: TrainData) -> str:
+    """", about 2,960 target tokens a step (40% of its positions)" for data whose targets are not every position
+    (conversations), from the data's totals; "" for text."""
+    s = data.stats
+    if s is None or s.format == "text" or not s.train_blocks + s.val_blocks:
+        return ""
+    share = s.target_tokens / ((s.train_blocks + s.val_blocks) * s.seq_len)
+    per_step = share * cfg.train.micro_batch_size * cfg.train.micro_batches * s.seq_len
+    return f", about {per_step:,.0f} target tokens a step ({100 * share:.0f}% of its positions)"
 
 
 def check_plan(choice: ModeChoice) -> None:
@@ -224,6 +238,7 @@ def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | 
     torchrun.check_shared_dir(Path(cfg.output.dir), run)
     with startup.phase("data"):
         ready = torchrun.prepare_per_node(lambda: prepare(cfg, resume), run)
+    cfg = with_document_tokens(cfg, ready.data)  # the plan profiles attention as the data is packed
     chosen: list[Planned] = []  # rank 0's plan, for what its run measured
     with startup.phase("plan"):
         mode, reason, plan = torchrun.from_rank0(lambda: _plan_and_announce(cfg, ready, machine, rundir, chosen))

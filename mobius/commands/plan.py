@@ -18,7 +18,8 @@ predicted step, whether it fits, the choice and why -- then the chosen mode's pl
 ``mobius train`` would run.
 
 Config keys used: model.checkpoint / model.preset, model.activation_checkpointing, data.seq_len,
-data.tokenizer, train.micro_batch_size, train.micro_batches, train.precision, train.grad_clip,
+data.tokenizer, data.path / format / packing / chat_template / train_on (packed conversations: the plan profiles
+attention within documents of their mean length, unless partition.document_tokens says it), train.micro_batch_size, train.micro_batches, train.precision, train.grad_clip,
 parallel.mode / devices / device / mapping / prefetch / p2p / offload_inputs / stages / resident_stages /
 kept_stages / grad_download, partition.*, zero.* and topology.file / topology.bandwidth_file.
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 from mobius.app.planning import ModeChoice, plan_run, profile_line
 from mobius.app.settings import Machine
-from mobius.assemble import planned_architecture
+from mobius.assemble import planned_architecture, planned_document_tokens
 from mobius.config import Config, load_config
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import preset_names
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"parallel.devices is {cfg.parallel.devices} but the topology has {machine.gpu_count} GPU(s)"
                           + (f" per node ({args.nodes} nodes)" if args.nodes > 1 else ""))
     model_cfg = planned_architecture(cfg)
+    cfg = planned_document_tokens(cfg)
     choice = plan_run(cfg, model_cfg, machine, args.bandwidth, plan_single=True)
     chosen = choice.chosen
     if args.trace and choice.mode != "pipeline" or args.timeline and choice.mode == "single":
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
                    host=chosen.host_resources())
         print(json.dumps(out))
     else:
-        print(_report(cfg, model_cfg.lora, choice))
+        print(_report(cfg, model_cfg, choice))
         if args.timeline:
             print(sim.to_ascii(110) if sim is not None else _zero_program(chosen.plan, model_cfg))
         if args.trace:
@@ -185,7 +187,25 @@ def _lora_part(lora: LoraSpec | None, prof: ModelProfile) -> str:
             f"({100 * (total - frozen) / total:.2f}%), {_amount(frozen)} frozen")
 
 
-def _report(cfg: Config, lora: LoraSpec | None, choice: ModeChoice) -> str:
+def experts_line(model_cfg: Any, prof: ModelProfile) -> str | None:
+    """What a mixture of experts' plan assumes ("experts: ..."), None for a dense model."""
+    from mobius.models.experts import balance_of
+
+    balance = balance_of(model_cfg)
+    if balance is None:
+        return None
+    E, k = model_cfg.num_experts, model_cfg.num_experts_per_tok
+    tokens = prof.micro_batch_size * prof.seq_len
+    how = "timed" if prof.source == "measured" and "profile_file" not in prof.notes else "estimated"
+    return (f"experts: {balance.layers} MoE layers of {E} experts, {k} per token: a layer's bytes are all {E} "
+            f"experts', its FLOPs the {k} each token reaches; {how} with a micro-batch's {tokens * k:,} choices spread "
+            f"evenly ({tokens * k / E:,.0f} tokens per expert, as a random router spreads them; a trained router "
+            f"loads some experts more: metrics.jsonl's expert_share_max), one grouped matmul per projection; the "
+            f"load-balancing loss at router_aux_loss_coef {model_cfg.router_aux_loss_coef:g}")
+
+
+def _report(cfg: Config, model_cfg: Any, choice: ModeChoice) -> str:
+    lora = model_cfg.lora
     chosen = choice.chosen
     prof, hw, plan = chosen.profile, chosen.hardware, chosen.plan
     head = [plan.headline()] if isinstance(plan, Plan) else []
@@ -201,4 +221,5 @@ def _report(cfg: Config, lora: LoraSpec | None, choice: ModeChoice) -> str:
         lines.append(f"  {u.kind:<6} x{n:<3} fwd {u.fwd_s * 1e3:8.2f} ms  bwd {u.bwd_s * 1e3:8.2f} ms  params "
                      f"{u.param_bytes / GB:6.3f} GB  output {u.act_bytes / 1e6:8.2f} MB  saved "
                      f"{u.saved_bytes / 1e6:8.1f} MB")
-    return "\n".join(lines + [plan.summary()])
+    experts = experts_line(model_cfg, prof)
+    return "\n".join(lines + ([experts] if experts else []) + [plan.summary()])

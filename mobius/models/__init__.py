@@ -1,5 +1,5 @@
-"""Model families (GPT-2, OPT, and the Llama architecture: Llama, Mistral, Qwen2, Qwen3): configs,
-presets, builders and unit descriptions."""
+"""Model families (GPT-2, OPT, the Llama architecture: Llama, Mistral, Qwen2, Qwen3, and its mixtures of experts:
+Qwen3-MoE, Mixtral; GPT-OSS): configs, presets, builders and unit descriptions."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mobius.errors import CheckpointError, ConfigError
-from mobius.models import gpt2, llama, lora, opt
+from mobius.models import gpt2, gpt_oss, llama, lora, moe, opt
 from mobius.models.base import CausalLM, UnitSpec, lm_loss
 from mobius.parallel import usable_cores
 
 log = logging.getLogger(__name__)
 
-ModelConfig = gpt2.GPT2Config | opt.OPTConfig | llama.LlamaConfig
+ModelConfig = gpt2.GPT2Config | opt.OPTConfig | llama.LlamaConfig | moe.MoeConfig | gpt_oss.GptOssConfig
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,14 @@ class Family:
     presets: dict
 
 
-FAMILIES: dict[str, Family] = {  # by Hugging Face model_type; the Llama file serves four of them
+FAMILIES: dict[str, Family] = {  # by Hugging Face model_type; the Llama file serves four of them, moe.py two
     "gpt2": Family("gpt2", gpt2.GPT2Config, gpt2.GPT2, gpt2.unit_specs, gpt2.PRESETS),
     "opt": Family("opt", opt.OPTConfig, opt.OPT, opt.unit_specs, opt.PRESETS),
     **{t: Family(t, llama.LlamaConfig, llama.Llama, llama.unit_specs,
                  {k: v for k, v in llama.PRESETS.items() if v.model_type == t}) for t in llama.MODEL_TYPES},
+    **{t: Family(t, moe.MoeConfig, moe.MoeLM, moe.unit_specs,
+                 {k: v for k, v in moe.PRESETS.items() if v.model_type == t}) for t in moe.MOE_TYPES},
+    "gpt_oss": Family("gpt_oss", gpt_oss.GptOssConfig, gpt_oss.GptOss, gpt_oss.unit_specs, gpt_oss.PRESETS),
 }
 
 

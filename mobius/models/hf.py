@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from mobius.errors import CheckpointError, ConfigError
-from mobius.models import FAMILIES, ModelConfig, build_model, gpt2, llama, opt
+from mobius.models import FAMILIES, ModelConfig, build_model, gpt2, gpt_oss, llama, moe, opt
 from mobius.models.base import CausalLM
 
 log = logging.getLogger(__name__)
@@ -39,18 +39,47 @@ def _transpose(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous()
 
 
-TRANSFORMS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(ts)  # E x [out, in] -> [E, out, in]
+
+
+def _unstack(t: torch.Tensor) -> list[torch.Tensor]:
+    return list(t.unbind(0))  # views
+
+
+def _stack_gate_up(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Each expert's gate, then each expert's up projection [I, H] -> gate_up [E, 2I, H] (gate rows first)."""
+    half = len(ts) // 2
+    return torch.cat((torch.stack(ts[:half]), torch.stack(ts[half:])), dim=1)
+
+
+def _unstack_gate_up(t: torch.Tensor) -> list[torch.Tensor]:
+    gate, up = t.chunk(2, dim=1)  # [E, I, H] each (views)
+    return [*gate.unbind(0), *up.unbind(0)]
+
+
+Transform = Callable[..., "torch.Tensor | list[torch.Tensor]"]
+TRANSFORMS: dict[str, tuple[Transform, Transform]] = {  # (hf -> mobius, mobius -> hf)
     "identity": (_identity, _identity),
     # GPT-2's Conv1D stores [in, out]; nn.Linear stores [out, in]
     "conv1d_to_linear": (_transpose, _transpose),
+    # the Hub's one tensor per expert <-> one fused tensor (a rule whose ``hf`` names several keys)
+    "stack_experts": (_stack, _unstack),
+    "stack_gate_up": (_stack_gate_up, _unstack_gate_up),
 }
 
 
 @dataclass(frozen=True)
 class KeyRule:
-    hf: str
+    """One mobius tensor and the Hugging Face key it comes from (or keys, in order: a fused tensor of several)."""
+
+    hf: str | tuple[str, ...]
     ours: str
     transform: str = "identity"
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.hf,) if isinstance(self.hf, str) else self.hf
 
 
 @dataclass(frozen=True)
@@ -59,6 +88,8 @@ class KeyMap:
     prefix: str  # the base-model prefix a checkpoint of the bare model lacks ("transformer.", "model.")
     tied: tuple[str, str] | None  # (hf key of the head's weight, our key of the embedding) when tied
     ignored_suffixes: tuple[str, ...] = ()  # legacy buffers found in old checkpoints
+    modules: dict[str, str] | None = None  # our module -> its name in transformers' model in memory, where no one
+    # checkpoint key gives it (fused experts) or the checkpoint's differs (Mixtral's block_sparse_moe): PEFT's names
 
 
 def gpt2_key_map(cfg: gpt2.GPT2Config) -> KeyMap:
@@ -127,10 +158,55 @@ def llama_key_map(cfg: llama.LlamaConfig) -> KeyMap:
     return KeyMap(rules, "model.", tied, ignored_suffixes=(".rotary_emb.inv_freq",))
 
 
+def moe_key_map(cfg: moe.MoeConfig) -> KeyMap:
+    """Qwen3MoeForCausalLM, MixtralForCausalLM <-> mobius MoeLM: attention and norms as Llama's; the router and
+    each expert's projections in the Hub's per-expert layout (what transformers' ``save_pretrained`` writes):
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (Qwen3-MoE), ``block_sparse_moe.experts.{e}.w{1,3,2}.weight``
+    (Mixtral), fused into ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up) and ``down_proj``."""
+    dense = llama_key_map(cfg)
+    rules = [r for r in dense.rules if ".mlp." not in r.ours]
+    modules: dict[str, str] = {}
+    mixtral = cfg.model_type == "mixtral"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for i in range(cfg.num_hidden_layers):
+        h, b = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}.", f"blocks.{i}.mlp."
+        if i not in cfg.moe_layers:
+            rules += [KeyRule(f"{h}{p}.weight", f"{b}{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")]
+            continue
+        each = lambda proj: tuple(f"{h}experts.{e}.{proj}.weight" for e in range(cfg.num_experts))  # noqa: E731
+        rules += [KeyRule(f"{h}gate.weight", f"{b}gate.weight"),
+                  KeyRule(each(gate) + each(up), f"{b}experts.gate_up_proj", "stack_gate_up"),
+                  KeyRule(each(down), f"{b}experts.down_proj", "stack_experts")]
+        modules.update({f"{b}gate": f"model.layers.{i}.mlp.gate", f"{b}experts": f"model.layers.{i}.mlp.experts"})
+    return KeyMap(rules, dense.prefix, dense.tied, dense.ignored_suffixes, modules)
+
+
+def gpt_oss_key_map(cfg: gpt_oss.GptOssConfig) -> KeyMap:
+    """GptOssForCausalLM <-> mobius GptOss: the same names below ``model.layers.{i}`` (bf16 weights: the Hub's
+    fused experts, [E, H, 2I] and [E, I, H], as transformers holds them)."""
+    rules = [KeyRule("model.embed_tokens.weight", "embed.embed_tokens.weight")]
+    modules = {}
+    for i in range(cfg.num_hidden_layers):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.sinks",
+                 *[f"self_attn.{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "o_proj") for w in ("weight", "bias")],
+                 "mlp.router.weight", "mlp.router.bias", "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
+                 "mlp.experts.down_proj", "mlp.experts.down_proj_bias"]
+        rules += [KeyRule(h + n, b + n) for n in names]
+        modules[f"{b}mlp.experts"] = f"{h}mlp.experts"
+    rules.append(KeyRule("model.norm.weight", "head.norm.weight"))
+    tied = ("lm_head.weight", "embed.embed_tokens.weight") if cfg.tie_word_embeddings else None
+    if not cfg.tie_word_embeddings:
+        rules.append(KeyRule("lm_head.weight", "head.lm_head.weight"))
+    return KeyMap(rules, "model.", tied, modules=modules)
+
+
 KEY_MAPS: dict[str, Callable[..., KeyMap]] = {"gpt2": gpt2_key_map, "opt": opt_key_map,
-                                              **{t: llama_key_map for t in llama.MODEL_TYPES}}
+                                              **{t: llama_key_map for t in llama.MODEL_TYPES},
+                                              **{t: moe_key_map for t in moe.MOE_TYPES}, "gpt_oss": gpt_oss_key_map}
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "llama": "LlamaForCausalLM",
-                    "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                    "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,11 +230,13 @@ def from_hf(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig,
     names = {_normalise_key(k, km): k for k in hf_state.keys()}
     out: dict[str, torch.Tensor] = {}
     for rule in km.rules:
-        if rule.hf not in names:
-            raise CheckpointError(f"checkpoint is missing key {rule.hf!r} (needed for {rule.ours})")
+        for key in rule.keys:
+            if key not in names:
+                raise CheckpointError(f"checkpoint is missing key {key!r} (needed for {rule.ours})")
         if only is None or only(rule.ours) or (km.tied and rule.ours == km.tied[1] and only("head.lm_head.weight")):
-            out[rule.ours] = TRANSFORMS[rule.transform][0](hf_state[names[rule.hf]])
-    used = {r.hf for r in km.rules}
+            tensors = [hf_state[names[key]] for key in rule.keys]
+            out[rule.ours] = TRANSFORMS[rule.transform][0](tensors[0] if isinstance(rule.hf, str) else tensors)
+    used = {key for r in km.rules for key in r.keys}
     if km.tied is not None:
         head_key, embed_key = km.tied
         if embed_key in out:
@@ -187,7 +265,8 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, partial: bool = Fals
             if partial:
                 continue
             raise CheckpointError(f"model state is missing {rule.ours!r}")
-        out[rule.hf] = TRANSFORMS[rule.transform][1](state[rule.ours])
+        converted = TRANSFORMS[rule.transform][1](state[rule.ours])
+        out.update({rule.hf: converted} if isinstance(rule.hf, str) else zip(rule.hf, converted, strict=True))
     if km.tied is not None:
         embed_hf = next(r.hf for r in km.rules if r.ours == km.tied[1])
         if embed_hf in out:
@@ -204,15 +283,22 @@ UNSUPPORTED = {  # HF config fields whose non-default values this implementation
     "gpt2": {"add_cross_attention": False, "scale_attn_weights": True},
     "opt": {"_remove_final_layer_norm": False, "layerdrop": 0.0},
     **{t: {"pretraining_tp": 1, "partial_rotary_factor": 1.0, "quantization_config": None,
-           "is_encoder_decoder": False, "add_cross_attention": False} for t in llama.MODEL_TYPES},
+           "is_encoder_decoder": False, "add_cross_attention": False} for t in (*llama.MODEL_TYPES, *moe.MOE_TYPES)},
+    "gpt_oss": {"pretraining_tp": 1, "partial_rotary_factor": 1.0, "is_encoder_decoder": False},
 }
+MXFP4_ADVICE = ("mobius trains floating-point experts: load it in transformers with "
+                "quantization_config=Mxfp4Config(dequantize=True) and save_pretrained it in bf16, or use a bf16 copy")
 NOT_IN_FAMILY = {  # fields a family's own config has no such thing as: present and set, they are errors
     "mistral": ("attention_bias", "mlp_bias", "use_sliding_window", "max_window_layers"),
     "qwen2": ("attention_bias", "mlp_bias"),
     "qwen3": ("mlp_bias",),
     "llama": ("use_sliding_window", "sliding_window", "max_window_layers"),
+    "qwen3_moe": ("mlp_bias",),
+    "mixtral": ("attention_bias", "mlp_bias", "use_sliding_window", "max_window_layers", "moe_intermediate_size",
+                "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
 }
 MOE_MARKS = ("expert", "moe", "router", "decoder_sparse_step", "mlp_only_layers")  # mixture-of-experts fields
+MOE_RUNTIME_FIELDS = ("output_router_logits",)  # transformers' switch to return router logits: not architecture
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
@@ -224,8 +310,10 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     for key, default in UNSUPPORTED[model_type].items():
         if hf.get(key) is not None and hf[key] != default:
             raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported (only {default!r})")
-    if model_type in llama.MODEL_TYPES:
+    if model_type in (*llama.MODEL_TYPES, *moe.MOE_TYPES):
         return _llama_config_from_hf(hf, model_type, source)
+    if model_type == "gpt_oss":
+        return _gpt_oss_config_from_hf(hf, source)
     cls = FAMILIES[model_type].config_cls
     aliases = {"n_ctx": "n_positions"} if model_type == "gpt2" else {}
     kwargs = {}
@@ -238,15 +326,21 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
 
 
 def _llama_config_from_hf(hf: dict, model_type: str, source: str) -> llama.LlamaConfig:
-    """Llama-family config.json (transformers 4's rope_theta / rope_scaling or 5's rope_parameters)."""
-    for key, value in hf.items():
-        if any(mark in key for mark in MOE_MARKS) and value not in (None, 0, False, [], {}):
-            raise CheckpointError(f"{source}: {key}={value!r} is not supported (mixture-of-experts models are not)")
+    """Llama-architecture config.json, dense or with experts (transformers 4's rope_theta / rope_scaling or 5's
+    rope_parameters; an MoE's expert count as ``num_experts`` or ``num_local_experts``)."""
+    cls = FAMILIES[model_type].config_cls
+    if cls is llama.LlamaConfig:
+        for key, value in hf.items():
+            if any(mark in key for mark in MOE_MARKS) and value not in (None, 0, False, [], {}):
+                raise CheckpointError(f"{source}: {key}={value!r} is not supported for model_type {model_type!r} "
+                                      f"(its mixture-of-experts families are {', '.join(moe.MOE_TYPES)})")
     for key in NOT_IN_FAMILY[model_type]:
         if hf.get(key) not in (None, False):
             raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported for model_type {model_type!r}")
-    kwargs = {f.name: hf[f.name] for f in fields(llama.LlamaConfig) if hf.get(f.name) is not None}
+    kwargs = {f.name: hf[f.name] for f in fields(cls) if hf.get(f.name) is not None}
     kwargs["model_type"] = model_type
+    if cls is moe.MoeConfig and hf.get("num_local_experts") is not None:
+        kwargs["num_experts"] = hf["num_local_experts"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling")
     if rope is not None:
         if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
@@ -266,7 +360,28 @@ def _llama_config_from_hf(hf: dict, model_type: str, source: str) -> llama.Llama
     if "sliding_attention" in layer_types and hf.get("sliding_window") is not None and model_type != "mistral":
         kwargs.update(use_sliding_window=True, max_window_layers=layer_types.index("sliding_attention"))
     try:
-        return llama.LlamaConfig(**kwargs)
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def _gpt_oss_config_from_hf(hf: dict, source: str) -> gpt_oss.GptOssConfig:
+    """GPT-OSS's config.json (rope_theta and YaRN's rope_scaling, or transformers 5's rope_parameters); an MXFP4
+    checkpoint is refused (:data:`MXFP4_ADVICE`)."""
+    quant = hf.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise CheckpointError(f"{source}: quantization_config quant_method={method!r} is not supported; "
+                              f"{MXFP4_ADVICE}")
+    kwargs = {f.name: hf[f.name] for f in fields(gpt_oss.GptOssConfig) if hf.get(f.name) is not None}
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling")
+    if rope is not None:
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope.pop("rope_theta")
+        kwargs["rope_scaling"] = rope
+    try:
+        return gpt_oss.GptOssConfig(**kwargs)
     except ConfigError as e:
         raise CheckpointError(f"{source}: {e}") from None
 
@@ -279,9 +394,13 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     d.pop("lora")  # adapters are not part of the architecture (they are saved in PEFT's format)
     if cfg.family == "gpt2":
         d.update(n_ctx=cfg.n_positions, n_inner=cfg.n_inner)
-    if cfg.family in llama.MODEL_TYPES:
+    if cfg.family in (*llama.MODEL_TYPES, *moe.MOE_TYPES):
         for key in NOT_IN_FAMILY[cfg.family]:
             d.pop(key, None)
+    if cfg.family == "mixtral":
+        d["num_local_experts"] = d.pop("num_experts")
+    if cfg.family in moe.MOE_TYPES:
+        d["output_router_logits"] = False
     return d
 
 

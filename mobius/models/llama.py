@@ -26,6 +26,7 @@ import functools
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +72,9 @@ class LlamaConfig(ArchConfig):
 
     def __post_init__(self) -> None:
         where = f"{self.model_type} config"
-        if self.model_type not in MODEL_TYPES:
-            raise ConfigError(f"llama config: model_type {self.model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+        if self.model_type not in self.TYPES:
+            raise ConfigError(f"{type(self).__name__}: model_type {self.model_type!r} is not one of "
+                              f"{', '.join(self.TYPES)}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and self.num_attention_heads > 0:
@@ -97,6 +99,7 @@ class LlamaConfig(ArchConfig):
             raise ConfigError(f"{where}: sliding_window must be positive or null, got {self.sliding_window}")
 
     family = property(lambda self: self.model_type)
+    TYPES: ClassVar[tuple[str, ...]] = MODEL_TYPES  # the model_type values this config class serves
     LORA_TARGETS = {**{p: (f"self_attn.{p}",) for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
                     **{p: (f"mlp.{p}",) for p in ("gate_proj", "up_proj", "down_proj")}}  # HF names -> our modules
     FIELDS = {"layers": "num_hidden_layers", "width": "hidden_size", "embedding": "hidden_size",

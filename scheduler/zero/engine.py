@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from mobius import routing
 from mobius.assemble import WeightSource
 from mobius.checkpoint import ProcessGroup, RankState, ResumeState
 from mobius.config import Config
@@ -41,6 +42,7 @@ from mobius.engine import DTYPES, StepStats, autocast
 from mobius.errors import CheckpointError, MobiusError
 from mobius.models import ModelConfig, dropout_active, unit_prefix, unit_specs
 from mobius.models.base import bind_parameters, lm_loss_sum, run_units
+from mobius.models.experts import RouterLog, balance_of, recording
 from mobius.models.params import build_units, model_params
 from mobius.optim import UpdateRule
 from mobius.states import Moments
@@ -88,6 +90,10 @@ class _Pass:
     computed: ComputeSpans | None = None  # each operator's compute, from after its gathers to its end
     gather_wait_s: float = 0.0  # the dispatch thread's time making the operators' chunks resident (waits, fills)
     reduce_scatter_s: float = 0.0  # its time issuing (on CPU workers: running) the gradients' reduce-scatters
+    aux_weight: float = 0.0  # an MoE's load-balancing loss: its factor on each micro-batch's (mobius.routing)
+    routed: routing.StepRouting | None = None  # an MoE's routing over the step on this rank
+    choices: dict[int, torch.Tensor] = field(default_factory=dict)  # micro -> its router choices, every layer's
+    logs: dict[tuple[int, int], RouterLog] = field(default_factory=dict)  # (unit, micro) -> its kept graph's routing
 
 
 class ZeroEngine:
@@ -136,6 +142,7 @@ class ZeroEngine:
         self.updated: torch.cuda.Event | None = None  # the last GPU update (gathers of the next pass wait)
         self.rule = UpdateRule(cfg.train)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
+        self.balance = balance_of(model_cfg)  # an MoE's load-balancing loss (None: dense)
         log.debug("zero rank %d: %d chunks of %d (%d on %s, %d offloaded), %d rCache blocks", self.rank,
                   self.layout.num_chunks, self.layout.padded, len(self.gpu.chunks), device, len(self.hosts),
                   plan.cache_blocks)
@@ -261,10 +268,14 @@ class ZeroEngine:
         targets = max(step_targets(batches), 1)  # every rank's: the loss is the mean over the step's target tokens
         st = self._begin(True, step, batches, self.rule.loss_factor() / targets)
         st.lr = lr
+        if self.balance is not None:  # the mean of the step's micro-batches' aux losses (every rank's)
+            st.aux_weight = routing.aux_weight(self.balance, self.rule.loss_factor(), M)
+            st.routed = routing.StepRouting(self.balance, self.model_cfg.moe_layers)
         self._run(st)
         gathers = list(self.cache.gathered)
         computed = st.computed.stats(self.rank, self.world)  # (waits for the compute on a GPU)
-        total = sum_over_ranks({"loss_sum": float(st.loss_sum), "sumsq": self.grads.take_sumsq(), **computed})
+        total = sum_over_ranks({"loss_sum": float(st.loss_sum), "sumsq": self.grads.take_sumsq(), **computed,
+                                **(st.routed.stats() if st.routed is not None else {})})
         norm, skipped, factor = self.rule.end(total["sumsq"])
         self.updated = self._update_gpu(lr, factor, skipped)
         if self.plan.barrier:  # the updates waited for the global norm: in forward order, where the next step's
@@ -277,7 +288,8 @@ class ZeroEngine:
                          {**self._counters(gathers), **mine, **by_worker(total, self.world),
                           "compute_spread": round(total["compute_spread"] / self.world, 4),
                           "gather_wait_s": round(st.gather_wait_s, 4),
-                          "reduce_scatter_s": round(st.reduce_scatter_s, 4)})
+                          "reduce_scatter_s": round(st.reduce_scatter_s, 4),
+                          **routing.metrics(total, self.balance, getattr(self.model_cfg, "moe_layers", ()), M)})
 
     def _update_gpu(self, lr: float, factor: float, skip: bool) -> "torch.cuda.Event | None":
         """The GPU chunks' update on the compute stream (``skip``: an fp16 overflow, no AdamW). Returns
@@ -313,9 +325,22 @@ class ZeroEngine:
         return [(self.index[n], p) for n, p in bind_parameters(self.units[unit], prefix, tensor_of, wants)]
 
     def _call(self, unit: int, x: torch.Tensor, m: int, st: _Pass) -> torch.Tensor:
+        return self._call_logged(unit, x, m, st)[0]
+
+    def _call_logged(self, unit: int, x: torch.Tensor, m: int, st: _Pass) -> tuple[torch.Tensor, RouterLog]:
+        """Unit ``unit`` on micro-batch m's input; its output and what its MoE layers routed."""
         seed = (self.dropout_seed, st.step, m) if self.dropout_seed is not None else None
-        with autocast(self.device, self.cfg.train.precision):
-            return run_units([self.units[unit]], x, unit, dropout_seed=seed, docs=st.docs[m])
+        with autocast(self.device, self.cfg.train.precision), recording() as log:
+            return run_units([self.units[unit]], x, unit, dropout_seed=seed, docs=st.docs[m]), log
+
+    def _routed(self, m: int, log: RouterLog, st: _Pass) -> None:
+        """A training forward's routing: its choices towards micro-batch m's (every layer's: this rank runs them
+        all)."""
+        if st.routed is None or log.empty:
+            return
+        st.routed.add(log)
+        own = log.count_sum()
+        st.choices[m] = st.choices[m] + own if m in st.choices else own
 
     def _forward(self, unit: int, st: _Pass) -> None:
         keep = st.train and not self.cfg.model.activation_checkpointing  # graphs wait for the backward
@@ -325,13 +350,16 @@ class ZeroEngine:
             if keep:
                 x = x.detach().requires_grad_() if x.is_floating_point() else x
                 with torch.autograd.graph.saved_tensors_hooks(self.cache.pack, self.cache.unpack):
-                    y = self._call(unit, x, m, st)
+                    y, log = self._call_logged(unit, x, m, st)
                 st.graphs[(unit, m)] = (x, y)
+                st.logs[(unit, m)] = log
             else:
                 with torch.no_grad():
-                    y = self._call(unit, x, m, st)
+                    y, log = self._call_logged(unit, x, m, st)
                 if not st.train:
                     st.acts.pop((unit, m), None)
+            if st.train:
+                self._routed(m, log, st)
             st.acts[(unit + 1, m)] = y
         if keep:
             st.bound[unit] = bound
@@ -360,11 +388,15 @@ class ZeroEngine:
             if ac:  # recompute the unit's forward from its saved input
                 x = st.acts.pop((unit, m)) if unit else st.inputs[m]
                 x = x.detach().requires_grad_() if x.is_floating_point() else x
-                y = self._call(unit, x, m, st)
+                y, log = self._call_logged(unit, x, m, st)
             else:
                 x, y = st.graphs.pop((unit, m))
-            if y.requires_grad:  # frozen weights over token ids (LoRA's embedding): nothing to compute
-                torch.autograd.backward(y, dy.to(y.dtype))
+                log = st.logs.pop((unit, m))
+            roots, grads = ([y], [dy.to(y.dtype)]) if y.requires_grad else ([], [])  # (frozen weights over token
+            # ids, LoRA's embedding: nothing to compute)
+            routing.backward_roots(roots, grads, self.balance, log, st.choices.get(m), st.aux_weight, st.routed)
+            if roots:
+                torch.autograd.backward(roots, grads)
             self._fold(bound)
             if unit > 0:
                 st.dys[m] = x.grad
