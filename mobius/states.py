@@ -5,7 +5,7 @@
   step's update use the fp32 moments) and rounds the new moments back *stochastically*: 16 bits of a hash of the
   element's position in its parameter and the step count are added below bf16's last bit (unbiased; the same
   numbers in every mode and partition). Round to nearest would not do: with ``beta2`` 0.999 a v whose
-  gradients shrink 10x stays 4.9x too large (``python bench/optimizer_states_quality.py``, docs/optimizer-states.md).
+  gradients shrink 10x stays 2.8x too large (``python bench/optimizer_states_quality.py``, docs/optimizer-states.md).
 * ``int8``: m and v as 8-bit float codes with one fp32 scale per block of :data:`BLOCK` elements of a parameter
   (2.125 bytes): the blockwise-scaled float8 states of torchao's ``AdamWFp8`` (m in ``float8_e4m3fn`` with scale
   absmax/448), but v in ``float8_e5m2`` (scale absmax/57344): its 32 octaves keep a block's small second moments

@@ -66,17 +66,17 @@ def adamw_states() -> ctypes.CDLL | None:
         log.warning("no C++ compiler (%s): the bf16/int8 optimizer states update on the CPU with torch ops, "
                     "several times slower than their kernel", os.environ.get("CXX", "g++"))
         return None
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu()]).encode()).hexdigest()[:16]
-    lib = kernel_dir() / f"adamw_states-{key}.so"
     try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu()]).encode()).hexdigest()[:16]
+        lib = kernel_dir() / f"adamw_states-{key}.so"
         if not lib.is_file():
             _build(cxx, lib)
         return _bind(ctypes.CDLL(str(lib)))
     except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
+        detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
         log.warning("the AdamW states kernel did not build with %s (%s): the bf16/int8 optimizer states update on "
-                    "the CPU with torch ops, several times slower", cxx, detail.strip().splitlines()[-1:] or e)
+                    "the CPU with torch ops, several times slower", cxx, detail[-1] if detail else type(e).__name__)
         return None
 
 
