@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import OUT  # noqa: E402
 from mobius.config import TrainSection  # noqa: E402
 from mobius.optim import FlatAdamW  # noqa: E402
-from mobius.states import Moments  # noqa: E402
 from partition.costs import update_bytes  # noqa: E402
 
 RULES = ("fp32", "bf16", "int8")

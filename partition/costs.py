@@ -66,7 +66,7 @@ def states_advice(need: dict[str, int], states: str, host_memory: int) -> str:
     if not smaller:
         return ""
     if not fits:
-        return (f"; neither would fewer bytes of optimizer states ("
+        return ("; neither would fewer bytes of optimizer states ("
                 + ", ".join(f"{r}: {need[r] / 2**30:.1f} GiB" for r in smaller) + ")")
     return "; it fits with " + " or ".join(f"train.optimizer_states={r} ({need[r] / 2**30:.1f} GiB)" for r in fits)
 
