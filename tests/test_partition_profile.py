@@ -156,8 +156,8 @@ def test_the_cpu_update_rate_is_measured_once_and_cached(tmp_path, monkeypatch: 
 
     calls = []
     real = cpu_rate.measure_cpu_update
-    monkeypatch.setattr(cpu_rate, "measure_cpu_update", lambda t, p, half_grads=False: calls.append((t, p, half_grads))
-                        or real(t, p, 1 << 20, 2, half_grads))
+    monkeypatch.setattr(cpu_rate, "measure_cpu_update", lambda t, p, half_grads=False, states="fp32":
+                        calls.append((t, p, half_grads)) or real(t, p, 1 << 20, 2, half_grads, states))
     rate = cpu_rate.cpu_update_rate(1, "bf16", tmp_path)
     assert rate > 1e6 and calls == [(1, "bf16", False)]
     assert cpu_rate.cpu_update_rate(1, "bf16", tmp_path) == rate and len(calls) == 1  # from the cache
