@@ -47,31 +47,33 @@ TOPOLOGY = ROOT / "tests/fixtures/topology"
 # ---- the simulator's entry ------------------------------------------------------------------------------------------
 def run_inputs(inputs: tuple) -> Any:
     """One simulation of ``inputs`` (profile, costs, hardware, worker_gpus, sched, sharing, record, draw, steps)."""
-    sim = __import__("partition.simulate", fromlist=["_Sim"])
-    profile, costs, hw, gpus, sched, sharing, record, draw, steps = inputs
-    return sim._Sim(profile, costs, hw, gpus, sched, sharing, record, draw).run(steps)
+    from partition.sim.event_loop import run_schedule
+
+    return run_schedule(*inputs)
 
 
 @contextlib.contextmanager
 def hooked(seen: Callable[[tuple, Any], None]) -> Iterator[None]:
     """While open, every simulation's inputs and result go to ``seen`` (the inputs pickled before it runs)."""
-    sim = __import__("partition.simulate", fromlist=["_Sim"])
-    init, run = sim._Sim.__init__, sim._Sim.run
+    import partition.roundrobin
+    import partition.simulate
 
-    def init_(self, profile, costs, hw, gpus, sched, sharing, record, draw=-1):
-        self._captured = pickle.dumps((profile, costs, hw, list(gpus), sched, sharing, record, draw))
-        init(self, profile, costs, hw, gpus, sched, sharing, record, draw)
+    modules = (partition.simulate, partition.roundrobin)
+    real = partition.simulate.run_schedule
 
-    def run_(self, steps):
-        res = run(self, steps)
-        seen((*pickle.loads(self._captured), steps), res)
+    def run(profile, costs, hw, gpus, sched, sharing, record, draw, steps):
+        inputs = pickle.loads(pickle.dumps((profile, costs, hw, list(gpus), sched, sharing, record, draw, steps)))
+        res = real(profile, costs, hw, gpus, sched, sharing, record, draw, steps)
+        seen(inputs, res)
         return res
 
-    sim._Sim.__init__, sim._Sim.run = init_, run_
+    for m in modules:
+        m.run_schedule = run
     try:
         yield
     finally:
-        sim._Sim.__init__, sim._Sim.run = init, run
+        for m in modules:
+            m.run_schedule = real
 
 
 def outcome(res: Any) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import re
 import statistics
@@ -60,21 +59,21 @@ def gap_residuals(traced: list[Span], simulated: dict[tuple, tuple[float, float]
 def traced_durations(durations: dict[tuple[str, int, int], float], micro_batches: int) -> Iterator[None]:
     """While open, the simulator takes each compute's duration from ``durations`` (key: :func:`compute_key`'s)
     where it has one."""
-    sim = importlib.import_module("partition.simulate")
     from partition.schedule.pipeline import Kind
+    from partition.sim.compute_streams import ComputeTimes
 
     letter = {Kind.FORWARD: "F", Kind.RECOMPUTE: "C", Kind.BACKWARD: "B", Kind.FB: "FB"}
-    modelled = sim._Sim._duration
+    modelled = ComputeTimes.duration
 
-    def duration(self, task, gpu: int) -> float:
+    def duration(self, task, gpu: int, step: int) -> float:
         key = (letter.get(task.kind), task.stage, task.micro % micro_batches)
-        return durations.get(key, modelled(self, task, gpu)) if key[0] else modelled(self, task, gpu)
+        return durations.get(key, modelled(self, task, gpu, step)) if key[0] else modelled(self, task, gpu, step)
 
-    sim._Sim._duration = duration
+    ComputeTimes.duration = duration
     try:
         yield
     finally:
-        sim._Sim._duration = modelled
+        ComputeTimes.duration = modelled
 
 
 def _config(out: Path, variant: str):

@@ -9,7 +9,8 @@ Numbers in, plans out. The pieces, in the order a plan is made:
 * :mod:`partition.timing` -- the step's timing and memory model, written once: evaluated with numbers
   (:mod:`partition.evaluate`) and emitted as the MIP's rows (:mod:`partition.mip`, gurobipy, or HiGHS
   when the free licence refuses), seeded by :mod:`partition.heuristic`.
-* :mod:`partition.simulate` -- discrete-event simulation of the schedule's action lists with contention.
+* :mod:`partition.simulate` -- discrete-event simulation of the schedule's action lists with contention
+  (its mechanisms: :mod:`partition.sim`).
 * :mod:`partition.baselines` -- minimum-stage, maximum-stage, time-balanced; exhaustive search.
 * :mod:`partition.plan` -- :func:`plan_model`, the one entry point, and :class:`Plan`; what it is asked
   for is a :class:`PlanRequest` (:mod:`partition.request`).
@@ -35,7 +36,8 @@ from partition.measure import profile_units
 from partition.profile import get_profile
 from partition.request import PlanRequest
 from partition.schedule import PipelineOptions
-from partition.simulate import SimResult, simulate
+from partition.sim.result import SimResult
+from partition.simulate import simulate
 
 __all__ = [
     "BASELINES", "GPU_CATALOGUE", "GPUSpec", "Hardware", "MipResult", "ModelEvaluator", "ModelProfile", "Plan",

@@ -38,7 +38,8 @@ from partition.mapping import GpusFor, as_gpus_function
 from partition.mip import MipResult, StageCountResult, explain_infeasible, given_partition, solve_partition
 from partition.request import PlanRequest
 from partition.roundrobin import plan_round_robin, round_robin_options, simulate_round_robin
-from partition.simulate import SimResult, simulate, with_spread
+from partition.sim.result import SimResult
+from partition.simulate import simulate, with_spread
 from partition.timing import Numbers, Shape, worker_needs
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from mobius.errors import ConfigError
 from partition.lp import SolverName
 from partition.mapping import GpusFor, MappingKind
 from partition.mip import DEFAULT_REL_GAP, BandwidthView
-from partition.simulate import Sharing
+from partition.sim.flows import Sharing
 
 CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
 

@@ -24,7 +24,10 @@ from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
 from partition.schedule.pipeline import Kind
 from partition.schedule.roundrobin import Cuts, build_round_robin
-from partition.simulate import SimResult, Sharing, _Sim, with_spread
+from partition.sim.event_loop import run_schedule
+from partition.sim.flows import Sharing
+from partition.sim.result import SimResult
+from partition.simulate import with_spread
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def simulate_round_robin(profile: ModelProfile, cuts: Cuts, hardware: Hardware, 
     worker_gpus = list(range(hardware.num_gpus)) if worker_gpus is None else list(worker_gpus)
     tied = profile.tied_params > 0
     sched = build_round_robin(cuts, len(worker_gpus), micro_batches, steps, options, tied)
-    res = _Sim(profile, op_costs(profile, cuts), hardware, worker_gpus, sched, sharing, record, draw).run(steps)
+    res = run_schedule(profile, op_costs(profile, cuts), hardware, worker_gpus, sched, sharing, record, draw, steps)
     peak = int(round_robin_peaks(profile, cuts, len(worker_gpus), options.num_slots) * GB)
     res.peak_bytes = [peak if g in worker_gpus else 0 for g in range(hardware.num_gpus)]
     return res

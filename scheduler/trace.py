@@ -15,7 +15,7 @@ import torch
 
 from mobius.files import write_text_atomic
 
-from partition.simulate import TRACKS
+from partition.sim.timeline import TRACKS
 
 log = logging.getLogger(__name__)
 
