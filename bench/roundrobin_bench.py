@@ -158,15 +158,22 @@ def _host(model: str, profile_file: Path) -> list[dict]:
     return out
 
 
+def write_profile(model: str, folder: Path) -> Path:
+    """RoundPipe's unit times of ``model`` (:data:`UNITS`) as a profile file (``partition.profile_file``) in
+    ``folder``."""
+    bf, bb, hf, hb = UNITS[model]
+    path = folder / f"{model}.json"
+    path.write_text(json.dumps({"gpu": "rtx4090", "micro_batch_size": 4, "seq_len": 2048, "precision": "bf16",
+                                "units": {"block": {"forward_ms": bf, "backward_ms": bb},
+                                          "head": {"forward_ms": hf, "backward_ms": hb}}}))
+    return path
+
+
 def run(models: list[str], clips: list[float], host: bool = True) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
-            bf, bb, hf, hb = UNITS[model]
-            path = Path(tmp) / f"{model}.json"
-            path.write_text(json.dumps({"gpu": "rtx4090", "micro_batch_size": 4, "seq_len": 2048, "precision": "bf16",
-                                        "units": {"block": {"forward_ms": bf, "backward_ms": bb},
-                                                  "head": {"forward_ms": hf, "backward_ms": hb}}}))
+            path = write_profile(model, Path(tmp))
             for clip in clips:
                 t0 = time.perf_counter()
                 plan, prof, hw = _plan(model, clip, path)

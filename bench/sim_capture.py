@@ -296,11 +296,7 @@ def roundrobin_bench_cases(models: list[str], clips: list[float], deep: bool) ->
 
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
-            bf, bb, hf, hb = rb.UNITS[model]
-            path = Path(tmp) / f"{model}.json"
-            path.write_text(json.dumps({"gpu": "rtx4090", "micro_batch_size": 4, "seq_len": 2048, "precision": "bf16",
-                                        "units": {"block": {"forward_ms": bf, "backward_ms": bb},
-                                                  "head": {"forward_ms": hf, "backward_ms": hb}}}))
+            path = rb.write_profile(model, Path(tmp))
             for clip in clips:
                 t0 = time.perf_counter()
                 rb.EXTRA[:] = [f"--partition.cache_dir={tmp}", "--partition.reuse_plan=false"]

@@ -38,7 +38,8 @@ from partition.schedule import Schedule, build_eval_schedule, build_schedule
 from scheduler.arbiter import UploadArbiter, arbiter_name, remove_stale
 from scheduler.counters import Counters
 from scheduler.links import link_to, mailboxes_for
-from scheduler.executor import Collectives, Executor, ExecutorOptions, StepIO
+from scheduler.executor import Executor
+from scheduler.executor_state import Collectives, ExecutorOptions, StepIO
 from scheduler.messages import trailer_numel
 from scheduler.stages import stage_layouts, tied_places
 from scheduler.store import StageStore, TiedEnd, check_host_memory, host_bytes

@@ -82,7 +82,7 @@ def test_a_slot_puts_back_the_parameters_it_made_for_a_stage_and_they_sum_as_fre
     dict store each, where making them costs about 40 us a parameter): after another stage and another mode used
     the slot, they are the same objects again, views of the slot's buffers, with their mode's requires_grad, and
     a micro-batch's gradients reach the fp32 sums as through a fresh binding."""
-    from scheduler.executor import DeviceSlot
+    from scheduler.device_slot import DeviceSlot
 
     cfg = GPT2Config(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0)

@@ -57,7 +57,8 @@ from scheduler.pinned import host_zeros
 from scheduler.store import check_host_memory
 from scheduler.trace import ComputeSpans, by_worker
 from scheduler.zero.cache import GradBuffers, RCache, Streams
-from scheduler.updater import CpuUpdater, sum_over_ranks
+from scheduler.dispatch_thread import Background
+from scheduler.updater import sum_over_ranks
 from scheduler.zero.store import HostChunk, Shards
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class ZeroEngine:
         self.grads = GradBuffers(self.layout, self.layout.min_blocks + 1, self.rank, self.world, group, self.streams,
                                  self.counters)
         self.units = build_units(model_cfg, 0, num_units)
-        self.updater = CpuUpdater()
+        self.bg = Background(device)  # the optimizer thread (no copy threads: the caches' streams are their own)
         self.updated: torch.cuda.Event | None = None  # the last GPU update (gathers of the next pass wait)
         self.rule = UpdateRule(cfg.train)
         self.dropout_seed = cfg.train.seed if dropout_active(model_cfg) else None
@@ -306,7 +307,7 @@ class ZeroEngine:
         """Bytes this rank moved in the step (counted where each copy and collective is issued) and
         CPU AdamW seconds."""
         moved = self.counters.take()
-        adam, _ = self.updater.take()
+        adam, _ = self.bg.updater.take()
         return {"gathers": len(gathers), "replaced_bytes": moved.get("replaced", 0),
                 "allgather_bytes": moved.get("allgather", 0), "reduce_scatter_bytes": moved.get("reduce_scatter", 0),
                 "h2d_bytes": moved["h2d"], "d2h_bytes": moved["d2h"], "cpu_adam_s": round(adam, 4)}
@@ -428,7 +429,7 @@ class ZeroEngine:
             self.counters.add(d2h=target.nbytes)
             st.arrived.append((chunk, done))
             if self.delayed:  # what the next step's gathers wait for, ahead of every AdamW (barrier or not)
-                self.updater.submit(host.to_compute, done, host.ready, first=True)
+                self.bg.updater.submit(host.to_compute, done, host.ready, first=True)
             if not self.plan.barrier:  # the factor is 1: update as soon as the gradient is down
                 self._queue_update(chunk, done, st.lr, 1.0, False)
 
@@ -442,14 +443,14 @@ class ZeroEngine:
             host.update(lr, factor, skip)
             return 0 if skip else self.layout.shard
 
-        self.updater.submit(update, done, host.consumed)
+        self.bg.updater.submit(update, done, host.consumed)
 
     def sync(self) -> None:
         """Wait for every queued CPU update (and surface a failure of one)."""
-        self.updater.sync()
+        self.bg.sync()
 
     def check(self) -> None:
-        self.updater.check()
+        self.bg.check()
 
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -605,4 +606,4 @@ class ZeroEngine:
 
     def close(self) -> None:
         self.sync()
-        self.updater.close()
+        self.bg.close()
