@@ -1,4 +1,4 @@
-"""Every GPU benchmark the README's performance section reports, in parts that each fit one sitting of
+"""Every GPU benchmark docs/perf-gpu.md reports, in parts that each fit one sitting of
 a lent GPU (about 10 minutes), and one report of all their rows.
 
     python bench/gpu_suite.py --parts all --out runs/suite           # again until done: each call stops at --budget-s

@@ -17,7 +17,7 @@ under contention) and scored by the same simulator.
 * ``regimes``: a synthetic sweep (identical blocks, one per stage, no optimizer) over how long a
   stage's upload takes against its forward, prefetch room, upload ordering and boxes.
 
-Hardware readings (see partition/README.md): ``paper`` (13.1 GB/s per GPU and per switch uplink:
+Hardware readings (see docs/perf-paper.md): ``paper`` (13.1 GB/s per GPU and per switch uplink:
 the paper's measured maximum; the host's CPU AdamW at 4 G parameters/s for all workers together),
 ``no-optimizer`` (the CPU update's time left out) and ``x8-uplink`` (the uplink is PCIe 3.0 x8,
 6.55 GB/s shared by the switch's GPUs; no optimizer).

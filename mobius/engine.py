@@ -3,8 +3,8 @@ of micro-batches, evaluates, and gives and takes its state; the loop around it (
 metrics, checkpoints) is the trainer's, shared by every mode.
 
 The engines themselves are in :mod:`scheduler` (``single``: the reference on one device;
-``engine``: the swapped pipeline; ``zero``: chunked ZeRO); each ends its steps with
-:class:`mobius.optim.UpdateRule`.
+``engine``: the swapped pipeline; ``roundrobin``: the pipeline's round-robin schedule, RoundPipe's class;
+``zero``: chunked ZeRO); each ends its steps with :class:`mobius.optim.UpdateRule`.
 """
 
 from __future__ import annotations

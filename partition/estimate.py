@@ -21,7 +21,7 @@ from partition.costs import PRECISION_BYTES, ModelProfile, UnitCost
 from partition.gpus import GPUSpec, gpu_spec
 
 COMPUTE_EFFICIENCY = 0.6  # achievable share of datasheet tensor throughput for transformer blocks: at 0.55 the
-# H100's datasheet profile predicted steps about 7% slower than its measured unit profile (README, Performance);
+# H100's datasheet profile predicted steps about 7% slower than its measured unit profile (docs/perf-gpu.md);
 # RoundPipe's RTX 4090 layer times (3.7 TFLOP in 18.5 ms at a 330 TFLOP/s datasheet rate) imply ~0.6-0.7
 MEMORY_EFFICIENCY = 0.8  # achievable share of datasheet memory bandwidth
 LAUNCH_S = 8e-6  # per kernel launch

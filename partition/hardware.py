@@ -39,7 +39,7 @@ PAPER_ADAM_PARAMS_PER_S = 4.0e9  # assumption: DeepSpeed-style CPU Adam on 2 x X
 # the fused step and the half copy it writes, as DEVICE_ADAM_BYTES counts them on a GPU)
 CPU_UPDATE_IN_STEP = 0.68  # the CPU AdamW's rate inside a training step / its rate measured alone: with uploads,
 # downloads and kernel dispatch sharing the host's memory bandwidth and cores, an H100 box (16 cores, one worker)
-# ran 0.71 (1.42B) and 0.66 (3.94B) of the isolated rate in clipped steps (README, Performance)
+# ran 0.71 (1.42B) and 0.66 (3.94B) of the isolated rate in clipped steps (docs/perf-gpu.md)
 HOST_DEFAULT_SOURCE = (f"a default for a server planned from elsewhere: the Mobius paper's host (2 x Xeon Gold 6130) "
                        f"at {PAPER_ADAM_PARAMS_PER_S / 1e9:.1f} G params/s alone x {CPU_UPDATE_IN_STEP} inside a step; "
                        f"set partition.cpu_update_rate to the server's")

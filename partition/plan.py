@@ -122,7 +122,8 @@ class Plan:
     grad_choice: str = ""  # why this gradient dtype
     time_split: dict[str, float] = field(default_factory=dict)  # SimResult.time_split of the predicted step
     round_robin: dict = field(default_factory=dict)  # the round-robin family's plan (RoundRobinPlan.to_json; {}:
-    # not asked for), for comparison: the runtime runs the swapped pipeline
+    # not asked for); where its "runs" is true the runtime runs it (mobius.app.launch starts the round-robin
+    # engine), else it is there for comparison and the swapped pipeline runs
     compute_scale: dict = field(default_factory=dict)  # the factors the profile's times were scaled by to the
     # compute earlier runs measured in their steps (partition.calibrate.ComputeScale's fields; {}: as profiled)
     other_update: dict = field(default_factory=dict)  # the same stages under the other train.update rule

@@ -17,11 +17,22 @@ whether it fits). With ``parallel.mode: auto`` it first prints auto's comparison
 predicted step, whether it fits, the choice and why -- then the chosen mode's plan, exactly what
 ``mobius train`` would run.
 
-Config keys used: model.checkpoint / model.preset, model.activation_checkpointing, data.seq_len,
-data.tokenizer, data.path / format / packing / chat_template / train_on (packed conversations: the plan profiles
-attention within documents of their mean length, unless partition.document_tokens says it), train.micro_batch_size, train.micro_batches, train.precision, train.grad_clip,
-parallel.mode / devices / device / mapping / prefetch / p2p / offload_inputs / stages / resident_stages /
-kept_stages / grad_download, partition.*, zero.* and topology.file / topology.bandwidth_file.
+Config keys read (``tests/test_docs.py`` checks that each is a key of :class:`mobius.config.Config` and that the
+plans it makes of a few runs read no other; ``*``: every key of the section):
+
+    model: checkpoint, preset, dropout, activation_checkpointing, router_aux_loss_coef
+    data: path, format, text_field, chat_template, train_on, packing, truncation, seq_len, tokenizer,
+        val_fraction, cache_dir
+    train: micro_batch_size, micro_batches, precision, grad_clip, seed, update, optimizer_states
+    parallel: mode, devices, device, mapping, prefetch, p2p, offload_inputs, schedule, stages, resident_stages,
+        kept_stages, grad_download, cpu_threads, cpu_pinning
+    partition: *
+    zero: *
+    lora: *
+    topology: *
+
+The data keys matter for packed conversations: the plan profiles attention within documents of their mean length
+(the data prepared as ``mobius train`` prepares it), unless partition.document_tokens says it.
 """
 
 from __future__ import annotations

@@ -77,7 +77,9 @@ class Documents:
         """[B, T] int64: the index of the document each position belongs to."""
         B, D = self.lengths.shape
         ids = torch.arange(D, device=self.lengths.device).expand(B, D)
-        return torch.repeat_interleave(ids.reshape(-1), self.lengths.reshape(-1)).view(B, self.seq)
+        flat = torch.repeat_interleave(ids.reshape(-1), self.lengths.reshape(-1), output_size=B * self.seq)  # (no
+        # device-to-host sync for the output's size on a GPU)
+        return flat.view(B, self.seq)
 
     @functools.cached_property
     def positions(self) -> torch.Tensor:
