@@ -53,7 +53,7 @@ from mobius.models import ModelConfig, build_model, param_count  # noqa: E402
 
 if TYPE_CHECKING:
     from partition.plan import Plan
-    from scheduler.engine import PipelineEngine
+    from scheduler.pipeline_engine import PipelineEngine
 
 
 def make_cfg(args: argparse.Namespace, mode: str) -> Config:
@@ -117,7 +117,7 @@ def timed_row(name: str, args: argparse.Namespace, mc: ModelConfig, build: Calla
 
 def run_ref(args: argparse.Namespace) -> dict:
     """Mobius's reference engine, the whole model and its AdamW states on the GPU, uncapped."""
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
 
     cfg = make_cfg(args, "single")
     mc = bench_model(args, cfg)
@@ -139,7 +139,7 @@ class PeftSteps:
     def train_step(self, step: int, micro: list, lr: float):
         from mobius.engine import StepStats
         from mobius.optim import clip_coefficient
-        from scheduler.single import sum_of_squares
+        from scheduler.single_engine import sum_of_squares
 
         total = 0.0
         for b in micro:
@@ -200,7 +200,7 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     from mobius.app.launch import free_port, open_device
     from mobius.app.planning import plan_pipeline
     from mobius.app.settings import Machine, resolve
-    from scheduler.engine import PipelineEngine
+    from scheduler.pipeline_engine import PipelineEngine
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)

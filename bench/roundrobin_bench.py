@@ -37,9 +37,9 @@ from mobius.app.settings import Machine, resolve  # noqa: E402
 from mobius.assemble import planned_architecture  # noqa: E402
 from mobius.config import load_config  # noqa: E402
 from partition.evaluate import GB  # noqa: E402
-from partition.roundrobin import search_cuts, simulate_round_robin  # noqa: E402
+from partition.roundrobin_plan import search_cuts, simulate_round_robin  # noqa: E402
 from partition.schedule import PipelineOptions  # noqa: E402
-from partition.schedule.roundrobin import Cuts  # noqa: E402
+from partition.schedule.roundrobin_actions import Cuts  # noqa: E402
 
 TOPOLOGY = ROOT / "tests/fixtures/topology/topo8_4x4_nic.txt"
 UNITS = {  # RoundPipe's pp-simulate/run.sh: ms per micro-batch of 4 x 2048 (block fwd, block bwd, head fwd, head bwd)

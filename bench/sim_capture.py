@@ -55,10 +55,10 @@ def run_inputs(inputs: tuple) -> Any:
 @contextlib.contextmanager
 def hooked(seen: Callable[[tuple, Any], None]) -> Iterator[None]:
     """While open, every simulation's inputs and result go to ``seen`` (the inputs pickled before it runs)."""
-    import partition.roundrobin
+    import partition.roundrobin_plan
     import partition.simulate
 
-    modules = (partition.simulate, partition.roundrobin)
+    modules = (partition.simulate, partition.roundrobin_plan)
     real = partition.simulate.run_schedule
 
     def run(profile, costs, hw, gpus, sched, sharing, record, draw, steps):
@@ -225,8 +225,8 @@ def direct_cases(limit: int) -> None:
     """The swapped pipeline and the round-robin over the profiles, machines and options above (a seeded sample)."""
     from partition import simulate
     from partition.plan import with_spread
-    from partition.roundrobin import simulate_round_robin
-    from partition.schedule.roundrobin import Cuts
+    from partition.roundrobin_plan import simulate_round_robin
+    from partition.schedule.roundrobin_actions import Cuts
 
     rng = random.Random(66)
     machines, profiles = _machines(), _profiles()

@@ -23,7 +23,7 @@ import yaml
 from mobius.errors import ConfigError
 
 PLACEHOLDER = "<FILL IN"
-Schedule = Literal["swapped", "round_robin", "auto"]  # parallel.schedule
+ScheduleName = Literal["swapped", "round_robin", "auto"]  # parallel.schedule
 
 
 def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
@@ -191,7 +191,7 @@ class ParallelSection(_Section):
                          "The traced step runs as any other (its CPU updates beside the next step); the next step "
                          "waits for them to write the trace: its metrics line says traced, and it is left out of the "
                          "run's measured medians (the run's last step, traced, waits for its own).", ge=0)
-    schedule: Schedule = _f(
+    schedule: ScheduleName = _f(
         "swapped", "The pipeline's schedule: swapped (Mobius: stages bound to GPUs, swapped in and out), round_robin "
         "(RoundPipe's class: every op goes to the next GPU in rotation, separate forward and backward cuts, the "
         "workers share the weights in host memory; one machine, at least 2 workers), or auto (plans both and runs the "

@@ -14,9 +14,9 @@ Numbers in, plans out. The pieces, in the order a plan is made:
 * :mod:`partition.baselines` -- minimum-stage, maximum-stage, time-balanced; exhaustive search.
 * :mod:`partition.plan` -- :func:`plan_model`, the one entry point, and :class:`Plan`; what it is asked
   for is a :class:`PlanRequest` (:mod:`partition.request`).
-* :mod:`partition.roundrobin` -- the round-robin schedule family (RoundPipe's class): its memory model,
+* :mod:`partition.roundrobin_plan` -- the round-robin schedule family (RoundPipe's class): its memory model,
   its simulation by the same simulator, its cuts and host memory; planned beside the swapped pipeline
-  (``PlanRequest.schedule``), and run by ``scheduler/roundrobin.py`` when asked for or faster predicted.
+  (``PlanRequest.schedule``), and run by ``scheduler/roundrobin_engine.py`` when asked for or faster predicted.
 
 Importing the package and planning from unit descriptions with the estimated (datasheet) profile
 import no torch; only measuring does, inside the functions that measure: :mod:`partition.measure`

@@ -50,7 +50,7 @@ def host_bytes_per_param(precision: str, half_grads: bool, delayed: bool = False
     ``delayed`` (train.update=delayed): the upload copy holds the compute weights, one update behind the
     master, so fp32 training keeps a separate pinned fp32 copy (4 more); a half-precision copy is separate
     already (and takes no gradients then: delayed downloads fp32 gradients). Zero mode's offloaded
-    chunk shards hold the same as fp32 downloads. What ``scheduler/store.py`` allocates."""
+    chunk shards hold the same as fp32 downloads. What ``scheduler/stage_store.py`` allocates."""
     if precision == "fp32":
         base = 20 if delayed else 16
     else:
@@ -94,7 +94,7 @@ def tie_copy_work(precision: str) -> float:
 
 def tied_end_held(profile: "ModelProfile", num_stages: int, num_workers: int) -> int:
     """Parameters of a trained tied weight's head end that the embedding's store updates, when one worker
-    holds both ends' stages (stage j on worker j mod N; :class:`scheduler.store.TiedEnd`): the head
+    holds both ends' stages (stage j on worker j mod N; :class:`scheduler.stage_store.TiedEnd`): the head
     stage's CPU update and host stores leave them out. 0 otherwise (both ends update)."""
     S, N = num_stages, num_workers
     return profile.tied_params if S > 1 and (S - 1) % N == 0 else 0
@@ -102,7 +102,7 @@ def tied_end_held(profile: "ModelProfile", num_stages: int, num_workers: int) ->
 
 def tied_end_bytes_per_param(precision: str, half_grads: bool) -> int:
     """Host bytes of a parameter of a tied head's end that the embedding's store updates (both ends'
-    stages on one worker, :class:`scheduler.store.TiedEnd`): its copy in the training dtype and the
+    stages on one worker, :class:`scheduler.stage_store.TiedEnd`): its copy in the training dtype and the
     pinned fp32 gradient (none with half downloads); no master or moments."""
     return (4 if precision == "fp32" else 2) + (0 if half_grads else 4)
 

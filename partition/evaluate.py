@@ -16,7 +16,7 @@ from typing import Callable
 from partition.costs import TIE_SUM_BYTES, UPDATE_BYTES, ModelProfile, StageCost, compute_copy_work, stage_cost
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
-from partition.timing import Numbers, Rates, Shape, StageExprs, StepTimes, step_model
+from partition.timing import Numbers, Rates, PipelineShape, StageExprs, StepTimes, step_model
 
 GB = 1e9
 
@@ -123,8 +123,8 @@ class ModelEvaluator:
                                        self.options.grad_dtype == "half")
         return self._rates[S]
 
-    def shape(self, S: int, options: PipelineOptions | None = None) -> Shape:
-        return Shape(S, len(self.worker_gpus(S)), self.M, options or self.options, self.profile.tied_params / GB)
+    def shape(self, S: int, options: PipelineOptions | None = None) -> PipelineShape:
+        return PipelineShape(S, len(self.worker_gpus(S)), self.M, options or self.options, self.profile.tied_params / GB)
 
     def exprs(self, boundaries: list[int]) -> list[StageExprs]:
         return [self._exprs.get((a, b)) or self._exprs.setdefault((a, b), stage_exprs(self.stage(a, b), self.half))

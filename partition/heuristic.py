@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partition.evaluate import GB, ModelEvaluator
-from partition.timing import Batch, StageExprs, step_model
+from partition.timing import VariantNumbers, StageExprs, step_model
 
 
 @dataclass
@@ -93,7 +93,7 @@ AHEAD = 16  # partitions of one stage count evaluated together (one batch costs 
 class _Scores:
     """The evaluator's step time of each partition, computed once: the climbs from several starts
     meet the same partitions, and a partition is evaluated in one batch with the next ones of its
-    stage count the climb may ask for (:class:`~partition.timing.Batch`, the same numbers). Every
+    stage count the climb may ask for (:class:`~partition.timing.VariantNumbers`, the same numbers). Every
     partition asked for counts against the evaluation budget, once per time asked, as before."""
 
     def __init__(self, ev: ModelEvaluator):
@@ -118,7 +118,7 @@ class _Scores:
         stages = [ev.exprs(b) for b in partitions]
         st = [StageExprs(**{f.name: np.array([getattr(p[j], f.name) for p in stages], dtype=float)
                             for f in dataclasses.fields(StageExprs)}) for j in range(S)]
-        alg = Batch(len(partitions))
+        alg = VariantNumbers(len(partitions))
         step = np.broadcast_to(step_model(alg, st, ev.rates(S), ev.shape(S), ev.hw.gpu_memory_bytes / GB).step,
                                alg.broken.shape)
         return [math.inf if broken else float(t) for t, broken in zip(step, alg.broken)]

@@ -34,7 +34,7 @@ from partition.schedule import PipelineOptions
 from partition.hardware import Hardware
 from partition.heuristic import find_incumbent
 from partition.lp import LinearModel, Lin, SolveResult, SolverName, solve
-from partition.timing import Rows, Shape, StageExprs, phase_needs, step_model
+from partition.timing import Rows, PipelineShape, StageExprs, phase_needs, step_model
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ def build_model(profile: ModelProfile, hw: Hardware, worker_gpus: list[int], mic
     else:
         st, decode = _cut_encoding(lm, profile, S)
     assert not options.resident and not options.kept, "residency is chosen after the partition (plan.py)"
-    shape = Shape(S, len(worker_gpus), micro_batches, options, profile.tied_params / GB)
+    shape = PipelineShape(S, len(worker_gpus), micro_batches, options, profile.tied_params / GB)
     rates = rates_for(profile, hw, worker_gpus, S, bandwidth, options.grad_dtype == "half")
     times = step_model(Rows(lm), st, rates, shape, hw.gpu_memory_bytes / GB)
     lm.objective = times.step if isinstance(times.step, Lin) else Lin(const=times.step)

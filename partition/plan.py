@@ -32,15 +32,15 @@ from partition.evaluate import ModelEvaluator, stage_exprs
 from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
-from partition.schedule.roundrobin import Cuts
+from partition.schedule.roundrobin_actions import Cuts
 from partition.spread import drawn_text
 from partition.mapping import GpusFor, as_gpus_function
 from partition.mip import MipResult, StageCountResult, explain_infeasible, given_partition, solve_partition
 from partition.request import PlanRequest
-from partition.roundrobin import plan_round_robin, round_robin_options, simulate_round_robin
+from partition.roundrobin_plan import plan_round_robin, round_robin_options, simulate_round_robin
 from partition.sim.result import SimResult
 from partition.simulate import simulate, with_spread
-from partition.timing import Numbers, Shape, worker_needs
+from partition.timing import Numbers, PipelineShape, worker_needs
 
 log = logging.getLogger(__name__)
 
@@ -924,7 +924,7 @@ def _stage_plans(ctx: PlanContext, bounds: list[int], options: PipelineOptions, 
     """Each stage of the partition: its units, GPU, costs and memory peaks under ``options``."""
     costs = stage_costs(ctx.prof, bounds)
     worker_gpus, half = ctx.gpus_for(len(bounds) - 1), ctx.prof.precision != "fp32"
-    shape = Shape(len(costs), len(worker_gpus), ctx.req.micro_batches, options,
+    shape = PipelineShape(len(costs), len(worker_gpus), ctx.req.micro_batches, options,
                   ctx.prof.tied_params / GB if len(costs) > 1 else 0.0)
     needs = {what: float(n) for per in worker_needs(Numbers(), [stage_exprs(c, half) for c in costs], shape).values()
              for what, n in per}

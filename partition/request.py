@@ -41,7 +41,7 @@ class PlanRequest:
     does not wait for its CPU updates). ``states``: the AdamW moments' precision (``train.optimizer_states``:
     "fp32", "bf16" or "int8"; the host bytes per parameter and the CPU update's rate follow it). ``schedule``:
     "swapped" (the swapped pipeline alone),
-    "round_robin" (also plan the round-robin family, :mod:`partition.roundrobin`, on the same GPUs, and run it)
+    "round_robin" (also plan the round-robin family, :mod:`partition.roundrobin_plan`, on the same GPUs, and run it)
     or "auto" (plan both, run the faster predicted one). Sequences are stored as tuples and
     frozensets."""
 

@@ -13,7 +13,7 @@ time. The plan then simulates the result (:mod:`partition.plan`).
 
 Evaluating every move is what costs; three things make a round cheap without changing its choice:
 the kept moves share one structure and are evaluated together, in one batch
-(:class:`~partition.timing.Batch`); a resident move whose worker's memory cannot take it is dropped
+(:class:`~partition.timing.VariantNumbers`); a resident move whose worker's memory cannot take it is dropped
 by that worker's memory rules alone; and the others are bounded before they are evaluated. A move
 changes one worker's stages only, so the step with that worker's uploads, downloads and CPU updates
 free (and, for moves that keep activations, all its stages kept) is a lower bound on the step of
@@ -34,7 +34,7 @@ import numpy as np
 
 from partition.evaluate import GB, ModelEvaluator
 from partition.schedule import PipelineOptions
-from partition.timing import Batch, Numbers, Shape, StageExprs, Variant, step_model, worker_needs
+from partition.timing import VariantNumbers, Numbers, PipelineShape, StageExprs, Variant, step_model, worker_needs
 
 log = logging.getLogger(__name__)
 MIN_GAIN = 1e-4  # a move must save this fraction of the step
@@ -175,8 +175,8 @@ class _Rounds:
         self.evaluations += 1
         if variants == [Variant()] and memory is None:
             return [self.ev.evaluate(self.boundaries, self.options(base)).T]
-        shape = Shape(self.S, self.N, self.ev.M, self.options(base), self.ev.profile.tied_params / GB, tuple(variants))
-        alg = Batch(len(variants))
+        shape = PipelineShape(self.S, self.N, self.ev.M, self.options(base), self.ev.profile.tied_params / GB, tuple(variants))
+        alg = VariantNumbers(len(variants))
         step = np.broadcast_to(step_model(alg, self.st, self.rates, shape, self.budget).step, alg.broken.shape)
         check = memory or [True] * len(variants)
         return [math.inf if broken and c else float(t) for t, broken, c in zip(step, alg.broken, check)]
@@ -187,7 +187,7 @@ class _Rounds:
         key = (w, move.resident & mine, move.kept & mine)
         if key not in self._fits:
             alg = Numbers()
-            shape = Shape(self.S, self.N, self.ev.M, self.options(move), self.ev.profile.tied_params / GB)
+            shape = PipelineShape(self.S, self.N, self.ev.M, self.options(move), self.ev.profile.tied_params / GB)
             for what, need in worker_needs(alg, self.st, shape, [w])[w]:
                 alg.require(need, self.budget, what)
             self._fits[key] = not alg.violations

@@ -1,7 +1,7 @@
 """The speeds that vary, drawn: each worker's from step to step (``ModelProfile.worker_spread``) and each compute's
 inside a step (``ModelProfile.compute_spread``), around their means, with the spreads the runs on the machine
 measured. The step a plan reports is the mean period of one seeded simulation of :data:`SPREAD_STEPS` steps that
-draws them (the pipeline's :func:`partition.simulate.with_spread`, zero mode's :func:`partition.zero.simulate.predict`):
+draws them (the pipeline's :func:`partition.simulate.with_spread`, zero mode's :func:`partition.zero.step_sim.predict`):
 a hand-over or a collective waits for the slower side, so the step is longer than with every compute at its mean.
 Draws are seeded by tuples of ints (which hash alike in every process), and an odd step takes the deviates of the
 even one before it, negated (antithetic pairs: their mean varies less)."""

@@ -4,7 +4,7 @@ It states, stage by stage, when every event of the runtime's schedule (:mod:`par
 can happen at the earliest: each time is the maximum of the times it waits for, plus a duration.
 With :class:`Numbers` the model evaluates one partition; with :class:`Rows` it emits the MIP's
 constraints (a variable ``>=`` each term of its maximum), so for a fixed partition the MIP's optimum
-*is* the evaluated step time. :class:`Batch` evaluates many variants of one structure at once, each
+*is* the evaluated step time. :class:`VariantNumbers` evaluates many variants of one structure at once, each
 with the numbers :class:`Numbers` gives it (partitions of one stage count; kept stages or free
 workers added, :class:`Variant`). Units: seconds, GB (10^9 bytes), G parameters (10^9).
 
@@ -89,7 +89,7 @@ class StageExprs:
 
 
 @dataclass(frozen=True)
-class Shape:
+class PipelineShape:
     """What the model assumes besides the stages: their placement (stage j on worker j mod N) and
     the runtime's settings (the one :class:`~partition.schedule.PipelineOptions` value)."""
 
@@ -98,7 +98,7 @@ class Shape:
     micro_batches: int
     options: PipelineOptions = PipelineOptions()
     tied_gp: float = 0.0  # G parameters of a weight whose two ends stage 0 and the last stage hold (0: none)
-    variants: tuple["Variant", ...] = ()  # a batch (:class:`Batch`): what each variant adds to ``options``
+    variants: tuple["Variant", ...] = ()  # a batch (:class:`VariantNumbers`): what each variant adds to ``options``
 
     tied = property(lambda self: self.tied_gp > 0)
     # one worker holds both ends: they are summed on the device, the head's end's gradient coming up with stage 0's
@@ -252,9 +252,9 @@ class Numbers:
             self.violations.append((what, need, budget))
 
 
-class Batch:
+class VariantNumbers:
     """Evaluate the model for many variants at once (partitions of one stage count, or kept
-    choices, see :attr:`Shape.variants`): every quantity is a vector over the variants and each
+    choices, see :attr:`PipelineShape.variants`): every quantity is a vector over the variants and each
     variant gets the same arithmetic :class:`Numbers` does; ``broken`` marks those that break a
     memory rule."""
 
@@ -309,7 +309,7 @@ class StepTimes:
     step: Expr = 0.0
 
 
-def step_model(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, budget: float) -> StepTimes:
+def step_model(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, budget: float) -> StepTimes:
     """State the whole step in ``alg``; returns its event times (``step`` is the objective)."""
     t = StepTimes()
     upload = _Uploads(alg, st, r, shape, t)
@@ -328,7 +328,7 @@ def step_model(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, budge
 class _Uploads:
     """Upload completion of each worker's occupancies (serial copy thread, K slots)."""
 
-    def __init__(self, alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes):
+    def __init__(self, alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, t: StepTimes):
         self.alg, self.st, self.r, self.shape, self.t = alg, st, r, shape, t
         self.order = {w: shape.occupancies(w) for w in range(shape.num_workers)}
         self.position = {occ: i for w in self.order for i, occ in enumerate(self.order[w])}
@@ -381,7 +381,7 @@ class _Uploads:
         return self.t.fwd_end[j] if kind == "F" else self.t.download_done[j]
 
 
-def _update_offsets(st: list[StageExprs], r: Rates, shape: Shape) -> dict[int, Expr]:
+def _update_offsets(st: list[StageExprs], r: Rates, shape: PipelineShape) -> dict[int, Expr]:
     """With a barrier: when (after the step starts) each swapped stage's CPU update of the previous
     step is done -- the worker updates them in ascending order from the step's start."""
     out: dict[int, Expr] = {}
@@ -393,7 +393,7 @@ def _update_offsets(st: list[StageExprs], r: Rates, shape: Shape) -> dict[int, E
     return out
 
 
-def cpu_params(st: list[StageExprs], shape: Shape, j: int) -> Expr:
+def cpu_params(st: list[StageExprs], shape: PipelineShape, j: int) -> Expr:
     """G parameters stage j's CPU update covers: all that train, but a tied head's end when one worker holds
     both ends (the embedding's store updates it: :func:`partition.costs.tied_end_held`)."""
     if j == shape.num_stages - 1 and shape.tie_in:
@@ -401,12 +401,12 @@ def cpu_params(st: list[StageExprs], shape: Shape, j: int) -> Expr:
     return st[j].params
 
 
-def _device_updates(st: list[StageExprs], r: Rates, shape: Shape, w: int) -> Expr:
+def _device_updates(st: list[StageExprs], r: Rates, shape: PipelineShape, w: int) -> Expr:
     """Seconds of the worker's resident stages' device AdamW (with a barrier: before its first forward)."""
     return sum((st[j].params * (1.0 / r.device) for j in shape.stages_of(w) if j in shape.resident), 0.0)
 
 
-def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, up: _Uploads,
+def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, t: StepTimes, up: _Uploads,
              j: int) -> None:
     """First and last micro-batch of stage j's forward (FB for the last stage)."""
     S, N, M = shape.num_stages, shape.num_workers, shape.micro_batches
@@ -432,7 +432,7 @@ def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
             t.bwd_end[j] = t.bwd_end[j] + st[j].params * (1.0 / r.device)
 
 
-def _backward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, up: _Uploads,
+def _backward(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, t: StepTimes, up: _Uploads,
               j: int) -> None:
     """First and last micro-batch of stage j's backward (recompute + backward, or kept activations)."""
     N, M = shape.num_workers, shape.micro_batches
@@ -450,7 +450,7 @@ def _backward(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Ste
         t.bwd_end[j] = t.bwd_end[j] + st[j].params * (1.0 / r.device)
 
 
-def _posts(shape: Shape, j: int, backward: bool) -> int:
+def _posts(shape: PipelineShape, j: int, backward: bool) -> int:
     """Messages stage j's dispatch thread posts per micro-batch of a phase, where the neighbour is on another
     worker: the receive of its input and the send of its output (the last stage's FB: the activations in, their
     gradients out)."""
@@ -459,7 +459,7 @@ def _posts(shape: Shape, j: int, backward: bool) -> int:
     return sum(0 <= k < S and shape.worker(k) != shape.worker(j) for k in ends)
 
 
-def _download(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes, j: int) -> None:
+def _download(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, t: StepTimes, j: int) -> None:
     """Gradients down after the stage's last backward, one download at a time per worker."""
     after = [t.bwd_end[j]]
     later = [i for i in shape.swapped(shape.worker(j)) if i > j]
@@ -469,7 +469,7 @@ def _download(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Ste
     t.download_done[j] = either(shape.frees(shape.worker(j)), lambda free: t.bwd_end[j] if free else done)
 
 
-def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: StepTimes) -> None:
+def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, t: StepTimes) -> None:
     """CPU updates per worker and the step's end (REDUCE)."""
     S = shape.num_stages
     ends = {0, S - 1} if shape.tied and S > 1 else set()
@@ -497,7 +497,7 @@ def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: Shape, t: Step
     t.step = alg.max(("T", 0), done)
 
 
-def _delayed_cpu_bounds(st: list[StageExprs], r: Rates, shape: Shape) -> list[Expr]:
+def _delayed_cpu_bounds(st: list[StageExprs], r: Rates, shape: PipelineShape) -> list[Expr]:
     """Under a delayed update the CPU updates and compute copies run beside the next step, so a step lasts at
     least each worker's CPU work (at its share of the host while all update, as the simulator runs them when
     every worker is behind). (The uploads' wait for the copies, two steps back, is left out.)"""
@@ -520,7 +520,7 @@ def phase_needs(s: StageExprs, base: Expr, kept: Expr, M: int, keep_out: bool = 
     return fwd, bwd
 
 
-def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape,
+def worker_needs(alg: Algebra, st: list[StageExprs], shape: PipelineShape,
                  workers: list[int] | None = None) -> dict[int, list[tuple[str, Expr]]]:
     """Per worker (all, or ``workers``), the device memory each of its phases needs: K slots of its
     largest swapped stage, its resident stages' states, what its pending backwards keep (boundary
@@ -547,13 +547,13 @@ def worker_needs(alg: Algebra, st: list[StageExprs], shape: Shape,
     return out
 
 
-def _memory(alg: Algebra, st: list[StageExprs], shape: Shape, budget: float) -> None:
+def _memory(alg: Algebra, st: list[StageExprs], shape: PipelineShape, budget: float) -> None:
     for needs in worker_needs(alg, st, shape).values():
         for what, need in needs:
             alg.require(need, budget, what)
 
 
-def memory_peaks(st: list[StageExprs], shape: Shape) -> list[float]:
+def memory_peaks(st: list[StageExprs], shape: PipelineShape) -> list[float]:
     """Each worker's largest need (GB) under the memory model."""
     needs = worker_needs(Numbers(), st, shape)
     return [max((float(n) for _, n in needs.get(w, [])), default=0.0) for w in range(shape.num_workers)]

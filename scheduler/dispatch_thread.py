@@ -1,5 +1,5 @@
 """What both pipeline dispatchers (the swapped :class:`~scheduler.executor.Executor`, the round-robin's
-``scheduler.roundrobin._Dispatch``) share around their dispatch thread, and zero mode's engine where it does the
+``scheduler.roundrobin_engine._Dispatch``) share around their dispatch thread, and zero mode's engine where it does the
 same: each action run timed and traced (:func:`dispatch_action`); the background threads and copy streams beside
 the dispatch thread, whose first failure it raises, and the optimizer thread it waits for (:class:`Background`);
 copies between host and device on a stream of their own (:func:`copy_after`, :func:`event_now`,

@@ -13,7 +13,7 @@ Threads and streams (see scheduler/README.md for who owns which buffer and event
 * the **optimizer thread** runs each stage's CPU AdamW (``UPDATE``) once its gradients are down
   (``train.update: delayed``: the copy of the master into the upload copy, which is all the next
   step's uploads wait for, is queued by the step's last upload of the stage, ahead of every AdamW
-  once the stage's earlier AdamWs have run; :class:`~scheduler.store.StageStore`).
+  once the stage's earlier AdamWs have run; :class:`~scheduler.stage_store.StageStore`).
 
 Device memory holds ``num_slots`` *slots* (the running stage and the prefetched one), each with
 the stage's half-precision parameters, their gradients and an fp32 gradient sum -- or, with one
@@ -49,7 +49,7 @@ from scheduler.stage_compute import StageCompute
 from scheduler.stage_swaps import StageSwaps
 from scheduler.stage_updates import StageUpdates
 from scheduler.stages import StageLayout
-from scheduler.store import StageStore
+from scheduler.stage_store import StageStore
 from scheduler.trace import ComputeSpans, DispatchTime, StepTrace
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ from partition.schedule import Action, Kind
 from mobius.errors import MobiusError
 from mobius.parallel import mailboxes_work_here
 from scheduler.counters import Counters
-from scheduler.shared import WAIT_TIMEOUT_S, SharedHost, wait_for
-from scheduler.store import check_host_memory
+from scheduler.roundrobin_host import WAIT_TIMEOUT_S, SharedHost, wait_for
+from scheduler.stage_store import check_host_memory
 
 Waiter = Callable[[], torch.Tensor]
 MAILBOX_BYTES = 64 << 20  # payload slots per ordered pair of workers, at most (host memory every worker maps)
@@ -101,7 +101,7 @@ def _received(work: dist.Work, buf: torch.Tensor) -> torch.Tensor:
 
 class Mailboxes:
     """One mailbox per ordered pair of workers that exchange messages, in host memory every worker maps
-    (:class:`~scheduler.shared.SharedHost`; page-locked for GPUs). A mailbox is a ring of ``RECORDS`` records (tag, payload slot) and
+    (:class:`~scheduler.roundrobin_host.SharedHost`; page-locked for GPUs). A mailbox is a ring of ``RECORDS`` records (tag, payload slot) and
     a ring of payload slots of one message each (two steps of the pair's messages, within ``MAILBOX_BYTES``);
     its sender alone advances what was sent, its receiver alone what was taken, so neither waits on a lock.
     A message is in host memory the moment its send returns, and the receiver copies it out when it needs it:

@@ -14,7 +14,7 @@ from mobius.engine import autocast
 from mobius.models.base import lm_loss_sum, run_units
 from mobius.models.experts import recording
 from partition.schedule import Action
-from partition.schedule.roundrobin import Cuts
+from partition.schedule.roundrobin_actions import Cuts
 from scheduler.device_slot import DeviceSlot
 from scheduler.messages import StageMessages
 from scheduler.roundrobin_step import RoundRobinStep

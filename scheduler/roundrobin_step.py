@@ -15,7 +15,7 @@ from mobius.batch import MicroBatch
 from mobius.models.experts import RouterLog
 from mobius.optim import UpdateRule
 from partition.schedule import Action
-from partition.schedule.roundrobin import RoundRobinSchedule
+from partition.schedule.roundrobin_actions import RoundRobinSchedule
 from scheduler.trace import ComputeSpans, DispatchTime, StepTrace
 
 

@@ -19,7 +19,7 @@ from scheduler.counters import Counters
 from scheduler.device_slot import DeviceSlot
 from scheduler.dispatch_thread import Background, event_now
 from scheduler.roundrobin_step import RoundRobinStep, StepReduce, ready_version
-from scheduler.shared import Span, UnitStores, wait_for
+from scheduler.roundrobin_host import Span, UnitStores, wait_for
 from scheduler.stages import add_tied
 from scheduler.trace import StepTrace
 from scheduler.updater import Events

@@ -20,9 +20,9 @@ from scheduler.counters import Counters
 from scheduler.device_slot import DeviceSlot
 from scheduler.dispatch_thread import Background, copy_after, event_now, traced
 from scheduler.executor_state import ExecutorOptions, StepState
-from scheduler.shared import WAIT_TIMEOUT_S
+from scheduler.roundrobin_host import WAIT_TIMEOUT_S
 from scheduler.stages import StageLayout, bind
-from scheduler.store import StageStore
+from scheduler.stage_store import StageStore
 
 UPLOAD_CHUNK = 64 << 20  # bytes per arbitrated upload chunk
 

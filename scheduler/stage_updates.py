@@ -16,7 +16,7 @@ from scheduler.dispatch_thread import Background, copy_after, event_now
 from scheduler.executor_state import Collectives, ExecutorOptions, StepOutcome, StepState
 from scheduler.stage_swaps import StageSwaps
 from scheduler.stages import StageLayout, add_tied
-from scheduler.store import StageStore
+from scheduler.stage_store import StageStore
 
 
 class _UpdateEnd:

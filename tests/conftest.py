@@ -163,14 +163,14 @@ def round_robin_cuts_with_kept_inputs(monkeypatch: pytest.MonkeyPatch, workers: 
     """Plans of this test choose round-robin cuts among those with at least two backward ops (inputs kept in host
     memory and reloaded) and more ops than ``workers`` (each worker runs several): a loaded machine's profile can
     make others the fastest."""
-    from partition import roundrobin
+    from partition import roundrobin_plan
 
     def wanted(shape: tuple[int, int, int]) -> bool:  # (the fused op's first unit, forward ops, backward ops)
         return shape[2] >= 2 and shape[1] + 1 + shape[2] > workers
 
     for name in ("candidate_shapes", "neighbours"):
-        found = getattr(roundrobin, name)
-        monkeypatch.setattr(roundrobin, name, lambda *a, found=found: [s for s in found(*a) if wanted(s)])
+        found = getattr(roundrobin_plan, name)
+        monkeypatch.setattr(roundrobin_plan, name, lambda *a, found=found: [s for s in found(*a) if wanted(s)])
 
 
 def tiny_llama_config(model_type: str = "llama", **kw):

@@ -184,7 +184,7 @@ def test_fp16_overflow_skips_the_update_and_still_hands_over(tmp_path: Path, cor
     """fp16 on the CPU: an overflowing step 2 makes no update (w_2 == w_1, one optimizer step, the loss
     scale halved) and the model then computes with w_1 (the master); step 3 updates again."""
     from mobius.optim import lr_at
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
 
     cfg = _cfg(tmp_path, corpus, "fp16", train={"precision": "fp16"})
     tokenizer, data = prepare_data(cfg)

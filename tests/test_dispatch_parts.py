@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from partition.schedule import Action, Kind, PipelineOptions, build_schedule
-from partition.schedule.roundrobin import Cuts, build_round_robin
+from partition.schedule.roundrobin_actions import Cuts, build_round_robin
 from scheduler.dispatch_thread import Background, copy_after, dispatch_action, event_now, traced
 from scheduler.links import LocalLink
 from scheduler.messages import Messages, StageMessages
@@ -145,7 +145,7 @@ def _swapped_worker(options: PipelineOptions = PipelineOptions()):
     from scheduler.stage_swaps import StageSwaps
     from scheduler.stage_updates import StageUpdates
     from scheduler.stages import stage_layouts
-    from scheduler.store import StageStore
+    from scheduler.stage_store import StageStore
     from mobius.optim import UpdateRule
 
     cfg = GPT2Config(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=2)
@@ -227,7 +227,7 @@ def test_a_steps_rounds_sum_into_the_host_sum_in_order_a_middle_one_through_the_
     rounds up), straight into the host sum, whose share of the norm it counts. Each frees its slot once read."""
     from scheduler.counters import Counters
     from scheduler.roundrobin_updates import OpUpdates
-    from scheduler.shared import Span
+    from scheduler.roundrobin_host import Span
 
     n, host_sum = 5, torch.zeros(5)
     stores = SimpleNamespace(grad=lambda index: host_sum, version=torch.zeros(1, dtype=torch.int64),

@@ -20,7 +20,7 @@ from partition.estimate import estimate_units
 from partition.evaluate import rates_for
 from partition.hardware import CPU_UPDATE_IN_STEP, PAPER_ADAM_PARAMS_PER_S
 from partition.zero.memory import Setting, Workload, ZeroHardware
-from partition.zero.simulate import predict
+from partition.zero.step_sim import predict
 
 GiB = 1 << 30
 TOPO_2X2 = Path(__file__).parent / "fixtures" / "topology" / "topo2x2_sys.txt"

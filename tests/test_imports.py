@@ -80,7 +80,7 @@ def test_no_package_imports_itself_in_a_circle() -> None:
 
 def test_the_walker_sees_imports_inside_functions(tmp_path: Path) -> None:
     """The checker itself: an upward import hidden in a function body is found."""
-    known = {"mobius.x": tmp_path / "x.py", "scheduler.engine": tmp_path / "e.py"}
-    known["mobius.x"].write_text("def f():\n    from scheduler.engine import PipelineEngine\n")
-    assert imports_of(known["mobius.x"], "mobius.x", known) == {"scheduler.engine"}
+    known = {"mobius.x": tmp_path / "x.py", "scheduler.pipeline_engine": tmp_path / "e.py"}
+    known["mobius.x"].write_text("def f():\n    from scheduler.pipeline_engine import PipelineEngine\n")
+    assert imports_of(known["mobius.x"], "mobius.x", known) == {"scheduler.pipeline_engine"}
     assert layer("mobius.x") == "core" and layer("mobius.app.run") == "app" and layer("mobius.cli") == "app"

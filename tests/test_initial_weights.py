@@ -18,7 +18,7 @@ from conftest import make_hf_llama, tiny_llama_config
 from mobius.batch import MicroBatch
 from mobius.assemble import initial_model, weights_source, with_adapters
 from mobius.config import config_from_dict
-from scheduler.single import SingleEngine
+from scheduler.single_engine import SingleEngine
 from mobius.models import build_model, family_of, get_preset, initial_weights, unit_prefix, unit_specs
 from mobius.models.base import lm_loss, unit_seed
 from mobius.models.hf import from_hf, read_config, read_state_dict

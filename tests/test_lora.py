@@ -16,7 +16,7 @@ from in_process import mobius
 from mobius.assemble import adapters, initial_model
 from mobius.batch import MicroBatch
 from mobius.config import config_from_dict
-from scheduler.single import SingleEngine
+from scheduler.single_engine import SingleEngine
 from mobius.models.base import lm_loss
 from mobius.models import unit_specs
 from mobius.models.hf import read_config
@@ -247,7 +247,7 @@ from mobius.app.settings import Machine, resolve
 from mobius.assemble import with_adapters
 from mobius.config import config_from_dict
 from mobius.models import get_preset, unit_specs
-from scheduler.engine import PipelineEngine
+from scheduler.pipeline_engine import PipelineEngine
 
 def rss():
     # what the process holds, not what it freed and the allocator kept: collected and trimmed first

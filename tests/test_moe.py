@@ -307,7 +307,7 @@ def test_lora_on_experts_trains_like_peft(tmp_path: Path, case: str) -> None:
     from mobius.models.lora import trains
     from mobius.models.peft import read_adapter, to_peft, write_adapter
     from mobius.optim import lr_at
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
 
     model_type, targets, train = LORA_CASES[case]
     ck = tmp_path / "ck"
@@ -475,7 +475,7 @@ def test_frozen_experts_take_two_host_bytes_under_lora(tmp_path: Path) -> None:
     from mobius.models.lora import LoraSpec
     from partition.costs import host_bytes_per_param
     from scheduler.stages import stage_layouts
-    from scheduler.store import StageStore, host_bytes
+    from scheduler.stage_store import StageStore, host_bytes
 
     make_hf_moe("qwen3_moe", num_hidden_layers=2).save_pretrained(tmp_path)
     mc = read_config(tmp_path)

@@ -109,7 +109,7 @@ def _zero_plan(cfg, mc, world: int):
 
 
 def _planned(case: dict, world: int, tmp: Path) -> dict:
-    from partition.schedule.roundrobin import Cuts
+    from partition.schedule.roundrobin_actions import Cuts
 
     cfg = _cfg(case, world, tmp)
     mc = adapted_model(case, cfg)
@@ -166,7 +166,7 @@ def _run_case(case: dict, world: int) -> dict:
 
 def _reference(case: dict, tmp: Path) -> dict:
     from mobius.assemble import initial_model
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
 
     cfg = _cfg(case, 0, tmp)
     threads = torch.get_num_threads()

@@ -30,13 +30,13 @@ def test_bytes_per_parameter_by_rule() -> None:
 
 
 def test_store_host_bytes_are_what_the_stores_allocate() -> None:
-    """scheduler.store.host_bytes with each rule equals the bytes of a stage store's buffers and its moments."""
+    """scheduler.stage_store.host_bytes with each rule equals the bytes of a stage store's buffers and its moments."""
     import torch
 
     from mobius.config import TrainSection
     from mobius.models import get_preset
     from scheduler.stages import stage_layouts
-    from scheduler.store import StageStore, host_bytes
+    from scheduler.stage_store import StageStore, host_bytes
 
     layout = stage_layouts(get_preset("gpt2-tiny"), [0, 3])[0]
     for rule in MOMENT_BYTES:
@@ -79,8 +79,8 @@ def test_qwen_14b_fits_the_3090_box_with_bf16_or_int8_moments(tmp_path: Path) ->
 def test_round_robin_stores_count_the_rule() -> None:
     """The round-robin runtime's shared stores take 4 (bf16) or 5.875 (int8) bytes fewer per trained parameter."""
     from partition.estimate import estimate_units
-    from partition.roundrobin import round_robin_host_bytes
-    from partition.schedule.roundrobin import Cuts
+    from partition.roundrobin_plan import round_robin_host_bytes
+    from partition.schedule.roundrobin_actions import Cuts
     from mobius.models import get_preset, unit_specs
 
     prof = estimate_units(unit_specs(get_preset("llama-3.2-1b")), 1, 256, "bf16", "rtx4090")

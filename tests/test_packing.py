@@ -126,7 +126,7 @@ def test_single_engine_loss_and_gradients_equal_transformers_with_num_items_in_b
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     from mobius.config import config_from_dict
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
 
     hf = make_hf_llama("llama").float()
     hf.save_pretrained(tmp_path / "ck")

@@ -16,7 +16,7 @@ from partition.baselines import all_partitions, is_valid
 from partition.evaluate import GB
 from partition.mip import fewest_stages
 from partition.residency import MIN_GAIN, Move, _bytes, _moves
-from partition.timing import Batch, Numbers, Shape, Variant, step_model
+from partition.timing import VariantNumbers, Numbers, PipelineShape, Variant, step_model
 
 OPTIONS = [PipelineOptions(), PipelineOptions(barrier=True), PipelineOptions(offload_inputs=True),
            PipelineOptions(num_slots=1), PipelineOptions(offload_inputs=True, barrier=True)]
@@ -50,8 +50,8 @@ def test_a_batch_gives_every_variant_the_numbers_of_its_own_evaluation() -> None
         base = _random_choice(rng, S, prof.tied_params > 0, options)
         trials = [j for j in range(S - 1) if j not in base.kept] + [-1]
         variants = tuple(Variant(kept=frozenset([j]) if j >= 0 else frozenset()) for j in trials)
-        alg = Batch(len(variants))
-        shape = Shape(S, N, M, base, prof.tied_params / 1e9, variants)
+        alg = VariantNumbers(len(variants))
+        shape = PipelineShape(S, N, M, base, prof.tied_params / 1e9, variants)
         step = np.broadcast_to(step_model(alg, ev.exprs(bounds), ev.rates(S), shape, hw.gpu_memory_bytes / GB).step,
                                (len(variants),))
         for b, j in enumerate(trials):
@@ -77,7 +77,7 @@ def test_a_free_worker_bounds_every_resident_or_kept_move_on_it() -> None:
                     continue
                 keeps = frozenset(range(w, S - 1, N)) - base.kept if add_kept else frozenset()
                 low = step_model(Numbers(), ev.exprs(bounds), ev.rates(S),
-                                 Shape(S, N, M, base, prof.tied_params / 1e9, (Variant(keeps, frozenset([w])),)),
+                                 PipelineShape(S, N, M, base, prof.tied_params / 1e9, (Variant(keeps, frozenset([w])),)),
                                  1e9).step
                 move = dataclasses.replace(base, resident=base.resident | add_res, kept=base.kept | add_kept)
                 assert ev.evaluate(bounds, move).T >= float(np.asarray(low).item()) * (1 - 1e-12)

@@ -14,8 +14,8 @@ from partition import Hardware, ModelEvaluator, PipelineOptions, simulate
 from partition.evaluate import tie_seconds
 from partition.baselines import is_valid
 from partition.costs import TIE_SUM_BYTES, UPDATE_BYTES, stage_costs
-from partition.roundrobin import simulate_round_robin
-from partition.schedule.roundrobin import Cuts
+from partition.roundrobin_plan import simulate_round_robin
+from partition.schedule.roundrobin_actions import Cuts
 
 GiB = 1 << 30
 

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent('''
     sys.meta_path.insert(0, NoTorch())
 
     import partition
-    import partition.single
+    import partition.single_plan
     import partition.zero
     from mobius.layout import ParamInfo
     from partition import Hardware, Plan, PlanRequest, estimate_units, plan_model

@@ -13,7 +13,7 @@ from mobius.config import TrainSection
 from mobius.models.gpt2 import GPT2Config
 from scheduler import pinned
 from scheduler.stages import stage_layouts
-from scheduler.store import StageStore, host_bytes
+from scheduler.stage_store import StageStore, host_bytes
 
 
 class FakeCudart:
@@ -127,7 +127,7 @@ def test_a_tied_head_end_has_no_master_or_moments_and_uploads_the_embeddings_cop
     end is the last thing that trains there), so its master and moments stop there; its half copy and
     gradient keep the end (the gradient comes down for the two ends' sum). The host memory check counts
     exactly that, the upload reads the end from the embedding's copy, and the head's weights name it too."""
-    from scheduler.store import TiedEnd
+    from scheduler.stage_store import TiedEnd
 
     cfg = GPT2Config(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=2)
     first, _, last = stage_layouts(cfg, [0, 1, 3, 4])
@@ -163,7 +163,7 @@ def test_an_offloaded_zero_chunk_locks_its_gradient_shard_and_half_copy(cudart: 
     """The half copy (fp32: the master, or under train.update=delayed the separate compute copy) and the
     fp32 gradient shard are page-locked, at their exact size; the AdamW of a delayed chunk writes no copy."""
     from mobius.layout import ParamInfo, build_layout
-    from scheduler.zero.store import HostChunk
+    from scheduler.zero.shards import HostChunk
 
     params = [ParamInfo((f"u{u}.w",), (1000, 3), (u,), decay=True) for u in range(2)]
     layout = build_layout(params, 2, chunk_size=4096, world=2, align=16)

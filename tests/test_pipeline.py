@@ -183,7 +183,7 @@ def _run_pipeline_case(case: dict, world: int) -> dict:
 
 
 def _reference(case: dict, tmp: Path) -> dict:
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
     from mobius.models.hf import load_checkpoint
 
     cfg = _exact_cfg(case, 0, tmp)
@@ -261,16 +261,16 @@ def test_pipeline_fp16_with_loss_scaling(tmp_path: Path, deep_checkpoint: Path, 
 def test_host_memory_is_checked_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
     from mobius.errors import MobiusError
     from mobius.models import get_preset
-    from scheduler import store
+    from scheduler import stage_store
     from scheduler.stages import stage_layouts
 
     cfg = get_preset("opt-1.3b")
     layouts = stage_layouts(cfg, [0, 13, 26])
-    need = store.host_bytes(layouts, torch.bfloat16)
+    need = stage_store.host_bytes(layouts, torch.bfloat16)
     assert need == sum(lay.numel for lay in layouts) * 18  # fp32 master + AdamW + bf16 copy + fp32 grads
-    monkeypatch.setattr(store, "available_host_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(stage_store, "available_host_bytes", lambda: 8 * 2**30)
     with pytest.raises(MobiusError, match=r"needs 2[0-9.]+ GiB of host memory .* only 8\.0 GiB is available"):
-        store.check_host_memory(need, "worker 0's stages")
+        stage_store.check_host_memory(need, "worker 0's stages")
 
 
 def test_resident_stages_with_fp16_loss_scaling(tmp_path: Path, deep_checkpoint: Path, corpus: Path) -> None:
@@ -448,7 +448,7 @@ def test_a_run_measures_its_cpu_adamw_rate_for_the_next_plan(tmp_path: Path, dee
     from mobius.app.planning import hardware
     from mobius.app.settings import Machine, resolve
     from partition.cpu_rate import CPU_UPDATE_IN_STEP, cpu_update_rate, cpu_update_rate_in_step
-    from scheduler.engine import IN_STEP_STEPS, IN_STEP_WARMUP
+    from scheduler.pipeline_engine import IN_STEP_STEPS, IN_STEP_WARMUP
 
     cache = tmp_path / "plan-cache"
     par = {"mode": "pipeline", "devices": 2, "stages": 4, **SWAPPED}

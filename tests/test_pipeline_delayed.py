@@ -92,7 +92,7 @@ def _run_case(case: dict, world: int) -> dict:
 
 def _reference(case: dict, tmp: Path) -> dict:
     from mobius.assemble import initial_model
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
 
     cfg = _cfg(case, 0, tmp)
     model = initial_model(cfg, adapted_model(case, cfg), None)
@@ -200,7 +200,7 @@ def test_delayed_refuses_half_gradient_downloads_and_counts_its_compute_copy() -
     from mobius.errors import MobiusError
     from mobius.models import get_preset
     from scheduler.stages import stage_layouts
-    from scheduler.store import StageStore, host_bytes
+    from scheduler.stage_store import StageStore, host_bytes
 
     layouts = stage_layouts(get_preset("gpt2-tiny"), [0, 2, 4])
     with pytest.raises(MobiusError, match="internal error: half-precision gradient downloads .* fp32 gradients"):

@@ -12,10 +12,10 @@ import pytest
 
 from partition.costs import ModelProfile, UnitCost, tie_copy_work
 from partition.hardware import Hardware
-from partition.roundrobin import (candidate_shapes, minimax_cuts, neighbours, parts_for, round_robin_peaks, search_cuts,
+from partition.roundrobin_plan import (candidate_shapes, minimax_cuts, neighbours, parts_for, round_robin_peaks, search_cuts,
                                   shape_cuts, simulate_round_robin)
 from partition.schedule import COMPUTE, Kind, PipelineOptions, ScheduleError
-from partition.schedule.roundrobin import Cuts, build_round_robin, round_robin_timeline
+from partition.schedule.roundrobin_actions import Cuts, build_round_robin, round_robin_timeline
 from in_process import mobius
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The round-robin runtime (scheduler/roundrobin.py) on CPU worker processes (gloo), against single mode
+"""The round-robin runtime (scheduler/roundrobin_engine.py) on CPU worker processes (gloo), against single mode
 on the same batches: more ops than workers, asymmetric forward and backward cuts with inputs kept in the
 shared stash, a tied embedding and head (their two ends in two ops), LoRA, clipping or none, sync and
 delayed updates; rounds of unequal size; the bytes it moves equal the simulator's."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mobius.app.run import train
-from partition.schedule.roundrobin import Cuts
+from partition.schedule.roundrobin_actions import Cuts
 from spawned import adapted_model, delayed_run_config, exact_config, resume_from, resumed_equals_straight, spawn_cases
 from spawned import check_against_reference, pipeline_plan, to_numpy, token_batches, train_delayed_case
 
@@ -67,7 +67,7 @@ def _slow_downloads() -> list[bool]:
     were still coming down)."""
     import time
 
-    from scheduler.roundrobin import _Dispatch
+    from scheduler.roundrobin_engine import _Dispatch
 
     to_host, upload, ahead = _Dispatch._to_host, _Dispatch._upload, []
 
@@ -92,7 +92,7 @@ def _slow_reloads() -> None:
     others, whose next step has begun."""
     import time
 
-    from scheduler.roundrobin import _Dispatch
+    from scheduler.roundrobin_engine import _Dispatch
 
     reload = _Dispatch._reload_job
 
@@ -125,7 +125,7 @@ def _run_case(case: dict, world: int) -> dict:
 
 def _reference(case: dict, tmp: Path) -> dict:
     from mobius.assemble import initial_model
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
 
     cfg = _cfg(case, 0, tmp)
     model = initial_model(cfg, adapted_model(case, cfg), None)

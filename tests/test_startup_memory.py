@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 HOOK = """
 import json, os
 from pathlib import Path
-from scheduler import engine
+from scheduler import pipeline_engine
 
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith(key + ':'))
 
-init, load, seen = engine.PipelineEngine.__init__, engine.PipelineEngine._load_weights, {}
+init, load, seen = pipeline_engine.PipelineEngine.__init__, pipeline_engine.PipelineEngine._load_weights, {}
 
 def start(self, *args, **kw):  # before the stores exist
     import torch
@@ -43,7 +43,7 @@ def loaded(self, source):  # the stores allocated and filled
     load(self, source)
     Path(os.environ['MOBIUS_RSS_FILE']).write_text(json.dumps({**seen, 'peak': status('VmHWM')}))
 
-engine.PipelineEngine.__init__, engine.PipelineEngine._load_weights = start, loaded
+pipeline_engine.PipelineEngine.__init__, pipeline_engine.PipelineEngine._load_weights = start, loaded
 """
 
 

@@ -153,13 +153,13 @@ def test_a_worker_that_raises_ends_the_run_with_its_message(tmp_path: Path, deep
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os\n"
-        "from scheduler import engine\n"
-        "step = engine.PipelineEngine.train_step\n"
+        "from scheduler import pipeline_engine\n"
+        "step = pipeline_engine.PipelineEngine.train_step\n"
         "def failing(self, i, batches, lr, upcoming=None):\n"
         "    if os.environ.get('RANK') == '1' and i == 2:\n"
         "        raise RuntimeError('CUDA out of memory. Tried to allocate 20.00 GiB (injected)')\n"
         "    return step(self, i, batches, lr, upcoming)\n"
-        "engine.PipelineEngine.train_step = failing\n")
+        "pipeline_engine.PipelineEngine.train_step = failing\n")
     run_file = _run_file(tmp_path, deep_checkpoint, corpus, cache)
     proc = subprocess.Popen([sys.executable, "-m", "mobius.cli", "train", str(run_file)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,

@@ -23,9 +23,9 @@ from mobius.models.hf import read_config
 from partition.hardware import Hardware
 from partition.plan import Plan
 from partition.estimate import estimate_units
-from partition.roundrobin import simulate_round_robin
+from partition.roundrobin_plan import simulate_round_robin
 from partition.schedule import PipelineOptions
-from partition.schedule.roundrobin import Cuts
+from partition.schedule.roundrobin_actions import Cuts
 from partition.simulate import simulate
 
 PLANS = {  # name -> (workers, stages, parallel settings); 12 units: embed, 10 blocks, head

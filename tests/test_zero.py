@@ -68,7 +68,7 @@ def _batches(step: int, count: int = MICRO) -> list:
 
 
 def _reference(ck: Path, case: dict) -> dict:
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
     from mobius.models.hf import load_checkpoint
     from mobius.optim import lr_at
 

@@ -117,7 +117,7 @@ def _run_case(case: dict, world: int) -> dict:
 
 def _reference(case: dict) -> dict:
     from mobius.assemble import initial_model
-    from scheduler.single import SingleEngine
+    from scheduler.single_engine import SingleEngine
 
     cfg = _cfg(case, zero=False)
     model = initial_model(cfg, adapted_model(case, cfg), None)
@@ -263,7 +263,7 @@ def _resume_case(case: dict, world: int) -> dict:
 
     cfg = _cfg(case, zero=True)
     mc = adapted_model(case, cfg)
-    kept, logger = _Kept(), logging.getLogger("scheduler.zero.engine")
+    kept, logger = _Kept(), logging.getLogger("scheduler.zero.zero_engine")
     logger.addHandler(kept)
     logger.setLevel(logging.INFO)
     engine = ZeroEngine(cfg, mc, _plan(case, cfg, mc, world), None, torch.device("cpu"),

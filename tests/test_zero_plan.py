@@ -299,7 +299,7 @@ def test_a_delayed_update_overlaps_the_next_step_up_to_the_cpu_s_own_time(barrie
 def test_a_compute_copy_goes_after_the_running_adamw_and_pushes_back_the_waiting_ones() -> None:
     """Delayed: a chunk's compute copy starts when its gradient is down, or when the AdamW running then ends, and
     every AdamW that had not begun starts that much later (the runtime queues the copy ahead of them)."""
-    from partition.zero.simulate import _StepSim
+    from partition.zero.step_sim import _StepSim
 
     layout, w = _layout_and_work()
     sim = _StepSim(layout, _profile(layout.num_units), _hw(), Setting(2, 0), replace(w, delayed=True))

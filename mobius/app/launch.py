@@ -37,8 +37,8 @@ from partition.calibrate import ComputeScale, fit_scale, record_scale
 from partition.cpu_rate import record_in_step_rate
 from partition.plan import Plan
 from partition.zero import ZeroPlan
-from scheduler.engine import PipelineEngine
-from scheduler.roundrobin import RoundRobinEngine
+from scheduler.pipeline_engine import PipelineEngine
+from scheduler.roundrobin_engine import RoundRobinEngine
 from scheduler.updater import set_update_cores
 from scheduler.zero import ZeroEngine
 

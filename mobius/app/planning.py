@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from mobius.app.plan_cache import reuse_or_plan
 from mobius.app.settings import Machine, mode_options, resolve, static_mode
-from mobius.config import Config, Schedule
+from mobius.config import Config, ScheduleName
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import ModelConfig, tied_param_count, tied_weights, unit_specs
 from mobius.models.lora import trains
@@ -30,8 +30,8 @@ from partition.costs import ADAM_BYTES, UPDATE_BYTES, update_bytes
 from partition.estimate import MEMORY_EFFICIENCY
 from partition.hardware import (CPU_UPDATE_IN_STEP, GLOO_MESSAGE_S, HOST_COPY_Bps, HOST_DEFAULT_SOURCE,
                                 MAILBOX_MESSAGE_S, PAPER_ADAM_PARAMS_PER_S)
-from partition.single import SinglePlan
-from partition.single import plan_single as single_plan
+from partition.single_plan import SinglePlan
+from partition.single_plan import plan_single as single_plan
 from partition.zero import ZeroHardware, ZeroPlan
 from partition.zero import plan as zero_plan
 from partition.zero import replay as zero_replay
@@ -173,7 +173,7 @@ def as_runs_compute(prof: ModelProfile, cfg: Config, model_cfg: ModelConfig,
         return scale_key(units, settings.workers, settings.cpu_threads, mode)
     schedule = cfg.parallel.schedule
     own = key(f"pipeline/{schedule}" if settings.mode == "pipeline" else settings.mode)
-    others = [(key(f"pipeline/{s}"), f"with parallel.schedule={s}") for s in typing.get_args(Schedule)
+    others = [(key(f"pipeline/{s}"), f"with parallel.schedule={s}") for s in typing.get_args(ScheduleName)
               if settings.mode == "pipeline" and s != schedule]
     learnt = learnt_scale(os.path.join(cfg.partition.cache_dir, "partition"), own, others)
     out = learnt.apply(prof)

@@ -36,7 +36,7 @@ from mobius.models import ModelConfig, param_count
 from mobius.parallel import Mode, ParallelSettings
 from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
 from partition.zero import ZeroPlan
-from scheduler.single import SingleEngine
+from scheduler.single_engine import SingleEngine
 
 log = logging.getLogger(__name__)
 

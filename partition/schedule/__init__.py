@@ -2,7 +2,7 @@
 
 * :mod:`partition.schedule.pipeline` -- the swapped pipeline's per-worker action lists and the one
   :class:`PipelineOptions` value the planner, the simulator and the executor share;
-* :mod:`partition.schedule.roundrobin` -- the round-robin step (RoundPipe's class): ops dispatched to
+* :mod:`partition.schedule.roundrobin_actions` -- the round-robin step (RoundPipe's class): ops dispatched to
   the workers in rotation, separate forward and backward cuts, several steps per list;
 * :mod:`partition.schedule.zero` -- zero mode's unit-major program, the chunks each operator calls
   and where gradients are reduced.

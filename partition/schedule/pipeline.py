@@ -175,7 +175,7 @@ class Schedule:
     def stages_of(self, worker: int) -> list[int]:
         return [j for j in range(self.num_stages) if self.gpu_of[j] == worker]
 
-    # ---- what the simulator asks of every schedule family (partition.schedule.roundrobin answers the same) ----
+    # ---- what the simulator asks of every schedule family (partition.schedule.roundrobin_actions answers the same) ----
     steps = 1  # training steps the lists hold
     rounds = 1  # rounds per step (a round-robin notion: one here)
     compute_copies = 1  # train.update: delayed: host copies per stage of the weights the GPU computes with (and
@@ -192,7 +192,7 @@ class Schedule:
 
     tie_ends = property(lambda self: (0, self.num_stages - 1))  # the stages holding the two ends of a tied weight
     tie_readers = tie_ends  # the ends whose updates read both ends' gradients (each updates its own; one worker
-    # holding both: the embedding's store updates the head's end, scheduler.store.TiedEnd)
+    # holding both: the embedding's store updates the head's end, scheduler.stage_store.TiedEnd)
     tie_held = property(lambda self: self.num_stages - 1 if self.tie_in else None)  # the end that takes no AdamW
     # of its own
     tie_copies = False  # (nor a copy: the head's end reads the embedding's weights)

@@ -1,6 +1,6 @@
 """The pipeline simulator's mechanisms, one module each; :mod:`partition.simulate` is its entry (``simulate``,
 ``with_spread``), and :func:`partition.sim.event_loop.run_schedule` runs any schedule's lists (the round-robin's
-too, :mod:`partition.roundrobin`).
+too, :mod:`partition.roundrobin_plan`).
 
 * :mod:`~partition.sim.event_loop` -- the loop: start what is ready, share, jump to the next completion.
 * :mod:`~partition.sim.clock` -- now, the step, and what may let a held upload go.

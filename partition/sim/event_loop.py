@@ -19,7 +19,7 @@ from partition.sim.result import SimResult
 from partition.sim.transfers import Transfers
 from partition.sim.updates import CpuUpdates
 from partition.sim.worker_lists import Worker
-from partition.timing import Shape, StageExprs, memory_peaks
+from partition.timing import PipelineShape, StageExprs, memory_peaks
 
 
 def run_schedule(profile: ModelProfile, costs: list[StageCost], hw: Hardware, worker_gpus: list[int],
@@ -174,7 +174,7 @@ class Simulation:
         """Each GPU's memory peak: the memory model's of its workers."""
         half = self.profile.precision != "fp32"
         st: list[StageExprs] = [stage_exprs(c, half) for c in self.costs]
-        shape = Shape(self.sched.num_stages, len(self.workers), self.sched.micro_batches, self.sched.options,
+        shape = PipelineShape(self.sched.num_stages, len(self.workers), self.sched.micro_batches, self.sched.options,
                       self.profile.tied_params / GB * self.sched.tied)
         per_worker = memory_peaks(st, shape)
         out = [0] * self.hw.num_gpus

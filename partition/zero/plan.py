@@ -52,7 +52,7 @@ class ZeroPlan:
     compute_scale: dict = field(default_factory=dict)  # the factors the profile's times were scaled by to the
     # compute earlier zero runs of the setting measured on this machine (partition.calibrate; empty: as profiled)
     spread_s: float = 0.0  # of predicted_step_s, what the ranks' computes varying add (their spreads, which earlier
-    # runs measured, drawn: partition.zero.simulate.with_spread)
+    # runs measured, drawn: partition.zero.step_sim.with_spread)
 
     @property
     def peak_bytes(self) -> int:

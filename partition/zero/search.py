@@ -1,7 +1,7 @@
 """The zero-mode search engine (Elixir §4-5, Appendix A): the chunk size -- the candidate that
 replaces the fewest bytes in rCache per step (Belady, simulated, with the rCache the memory allows
 when every chunk is offloaded), ties broken by predicted time -- then rCache blocks and GPU chunks
-(:mod:`partition.zero.choice`), the prediction (:mod:`partition.zero.simulate`) and the
+(:mod:`partition.zero.choice`), the prediction (:mod:`partition.zero.step_sim`) and the
 alternatives the plan reports (:class:`~partition.zero.plan.ZeroPlan`)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from mobius.errors import ConfigError, size_text
 from mobius.layout import ALIGN, ChunkLayout, ParamInfo, build_layout
 from partition.costs import ModelProfile
 from partition.schedule.zero import chunk_trace, train_program
-from partition.zero.cache import simulate_cache
+from partition.zero.replacement import simulate_cache
 from partition.zero.choice import choose_setting, gpu_benefit, rcache_benefit
 from partition.zero.memory import (F_FRAG, GiB, Setting, Workload, ZeroHardware, activation_bytes, host_bytes,
                                    model_state_bytes, usable_bytes)
 from partition.zero.plan import ZeroPlan
-from partition.zero.simulate import Prediction, predict, with_spread
+from partition.zero.step_sim import Prediction, predict, with_spread
 
 MIN_CHUNK_BYTES = 32 * 2**20  # chunks of at least this many half-precision bytes keep transfers efficient
 CHUNK_FACTORS = (0.25, 1 / 3, 0.5, 2 / 3, 1.0, 1.5, 2.0, 3.0, 4.0)  # candidates: x the largest unit

@@ -1,5 +1,5 @@
 """scheduler.zero: the runtime of ``parallel.mode: zero`` (see README.md)."""
 
-from scheduler.zero.engine import ZeroEngine, share
+from scheduler.zero.zero_engine import ZeroEngine, share
 
 __all__ = ["ZeroEngine", "share"]

@@ -5,8 +5,8 @@ A step runs the unit-major program of :mod:`partition.schedule.zero`: each unit'
 this rank's micro-batches, the last unit's loss and backward, then each unit's backward in reverse
 (recomputing its forward from the saved input with activation checkpointing; otherwise through the
 graph kept since the forward). Before an operator runs, rCache holds the chunks its unit uses
-(:class:`~scheduler.zero.cache.RCache`); after the last backward call of a chunk's run, its gradient
-is reduce-scattered into the owners' shards (:class:`~scheduler.zero.cache.GradBuffers`). Then the
+(:class:`~scheduler.zero.rank_cache.RCache`); after the last backward call of a chunk's run, its gradient
+is reduce-scattered into the owners' shards (:class:`~scheduler.zero.rank_cache.GradBuffers`). Then the
 global norm, clipping and loss scaling as in the other modes; GPU chunks take one fused AdamW step,
 offloaded chunks a CPU AdamW each on the optimizer thread -- as soon as their gradients are down
 when nothing waits for the norm (no clipping, no fp16), which then overlaps the backward and the next
@@ -16,7 +16,7 @@ Micro-batches: rank ``r`` of ``N`` takes micro-batches ``r*M/N .. (r+1)*M/N - 1`
 (dropout seeded by their global index), so every mode trains the same model from the same config.
 
 ``train.update: delayed``: gathers read each shard's compute copy, one update behind the master
-(:mod:`scheduler.zero.store`); an update first copies the master into it, then runs AdamW on the
+(:mod:`scheduler.zero.shards`); an update first copies the master into it, then runs AdamW on the
 master alone -- offloaded chunks on the optimizer thread beside the next step's forward, whose
 gathers wait only for the copy. Evaluation puts the newest weights in the compute copies meanwhile;
 a resumable checkpoint keeps the compute weights beside the newest.
@@ -54,12 +54,12 @@ from partition.zero import ZeroPlan
 from scheduler.collectives import all_gather_flat
 from scheduler.counters import Counters
 from scheduler.pinned import host_zeros
-from scheduler.store import check_host_memory
+from scheduler.stage_store import check_host_memory
 from scheduler.trace import ComputeSpans, by_worker
-from scheduler.zero.cache import GradBuffers, RCache, Streams
+from scheduler.zero.rank_cache import GradBuffers, RCache, Streams
 from scheduler.dispatch_thread import Background
 from scheduler.updater import sum_over_ranks
-from scheduler.zero.store import HostChunk, Shards
+from scheduler.zero.shards import HostChunk, Shards
 
 log = logging.getLogger(__name__)
 

@@ -4,11 +4,11 @@ It runs the plan it is given (stages, their workers, device slots, where boundar
 resident and kept stages, the gradient download dtype): the schedule is built from the plan by
 :mod:`partition.schedule` -- the same action lists the planner simulated -- and the
 :class:`~scheduler.executor.Executor` dispatches them. Weights and optimizer moments are held per
-stage (:mod:`scheduler.store`): in host memory, or on the GPU for resident stages; checkpoints go
+stage (:mod:`scheduler.stage_store`): in host memory, or on the GPU for resident stages; checkpoints go
 through :mod:`mobius.checkpoint` like every other mode's.
 
 ``train.update: delayed``: each store's copy the GPU computes with holds the compute weights, one
-update behind the master (:class:`~scheduler.store.StageStore`); evaluation puts the newest weights
+update behind the master (:class:`~scheduler.stage_store.StageStore`); evaluation puts the newest weights
 there meanwhile, and a resumable checkpoint keeps the compute weights beside the newest.
 """
 
@@ -42,7 +42,7 @@ from scheduler.executor import Executor
 from scheduler.executor_state import Collectives, ExecutorOptions, StepIO
 from scheduler.messages import trailer_numel
 from scheduler.stages import stage_layouts, tied_places
-from scheduler.store import StageStore, TiedEnd, check_host_memory, host_bytes
+from scheduler.stage_store import StageStore, TiedEnd, check_host_memory, host_bytes
 from scheduler.trace import HeldTrace, StepTrace, by_worker, write_step_trace
 from scheduler.updater import sum_over_ranks
 

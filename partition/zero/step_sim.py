@@ -32,7 +32,7 @@ from mobius.layout import ChunkLayout
 from partition.costs import ModelProfile, compute_copy_work
 from partition.schedule.zero import OpKind, chunk_trace, grad_flushes, train_program
 from partition.spread import SPREAD_STEPS, compute_factor, mean_period, worker_speeds
-from partition.zero.cache import simulate_cache
+from partition.zero.replacement import simulate_cache
 from partition.zero.memory import GRAD_BYTES, Setting, Workload, ZeroHardware
 
 

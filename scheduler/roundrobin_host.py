@@ -34,7 +34,7 @@ from mobius.optim import FlatAdamW
 from mobius.states import Moments
 from scheduler import pinned
 from scheduler.stages import StageLayout, stage_layouts, tied_places, trains_last
-from scheduler.store import check_host_memory
+from scheduler.stage_store import check_host_memory
 
 log = logging.getLogger(__name__)
 PAGE = 4096

@@ -1,9 +1,9 @@
-"""The round-robin runtime: RoundPipe's schedule class (:mod:`partition.schedule.roundrobin`) on stateless
+"""The round-robin runtime: RoundPipe's schedule class (:mod:`partition.schedule.roundrobin_actions`) on stateless
 workers.
 
 No stage is bound to a worker: op ``k`` of round ``q`` runs on worker ``(first + q*K + k) mod N``, so every
 worker reads every unit's weights and adds into every unit's gradient sums. Those live once, in host memory
-all workers map (:class:`~scheduler.shared.UnitStores`), and shared counters order what crosses workers:
+all workers map (:class:`~scheduler.roundrobin_host.UnitStores`), and shared counters order what crosses workers:
 
 * an ``UPLOAD`` copies the op's units (one slice) into a device slot once the updates they wait for have run
   (sync: the previous step's; delayed: the one before, which wrote the compute copy this step reads);
@@ -54,9 +54,9 @@ from mobius.optim import UpdateRule
 from mobius.states import Moments
 from mobius.parallel import ParallelSettings
 from partition.plan import Plan
-from partition.roundrobin import round_robin_options
+from partition.roundrobin_plan import round_robin_options
 from partition.schedule import Action, Kind
-from partition.schedule.roundrobin import RoundRobinSchedule, build_round_robin, rotation_start
+from partition.schedule.roundrobin_actions import RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
 from scheduler.device_slot import DeviceSlot
 from scheduler.dispatch_thread import Background, batches_on, copy_after, dispatch_action, event_now
@@ -65,7 +65,7 @@ from scheduler.messages import Messages, StageMessages, trailer_numel
 from scheduler.roundrobin_compute import OpCompute
 from scheduler.roundrobin_step import RoundRobinStep, StepReduce, ready_version
 from scheduler.roundrobin_updates import OpUpdates
-from scheduler.shared import Span, UnitStores, wait_for
+from scheduler.roundrobin_host import Span, UnitStores, wait_for
 from scheduler.stages import bind
 from scheduler.trace import ComputeSpans, DispatchTime, HeldTrace, StepTrace, by_worker, write_step_trace
 from scheduler.updater import sum_over_ranks
@@ -142,7 +142,7 @@ class RoundRobinEngine:
     def _tied(self) -> dict[int, tuple[int, slice, slice]]:
         """op -> (the other end's op, this end's slice and the other's in the fp32 buffers) for a tied weight
         that trains; its two ends are in unit 0 (the last backward op, whose update runs the tied weight's AdamW:
-        :attr:`~partition.schedule.roundrobin.RoundRobinSchedule.tie_readers`) and the head (the fused op)."""
+        :attr:`~partition.schedule.roundrobin_actions.RoundRobinSchedule.tie_readers`) and the head (the fused op)."""
         t, U = self.stores.tie, self.stores.num_units
         if t is None:
             return {}

@@ -1,6 +1,6 @@
 """The round-robin schedule family (RoundPipe's class): its memory model, its simulation and its cuts.
 
-:mod:`partition.schedule.roundrobin` builds the action lists; :func:`simulate_round_robin` runs them
+:mod:`partition.schedule.roundrobin_actions` builds the action lists; :func:`simulate_round_robin` runs them
 through the pipeline's simulator (:mod:`partition.simulate`, the same engines, links, root complexes
 and CPU update model) over several consecutive steps, so that with ``train.update: delayed`` the
 next step's rounds fill the GPUs while the last one drains. :func:`search_cuts` chooses the two
@@ -23,7 +23,7 @@ from partition.evaluate import GB, stage_exprs
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
 from partition.schedule.pipeline import Kind
-from partition.schedule.roundrobin import Cuts, build_round_robin
+from partition.schedule.roundrobin_actions import Cuts, build_round_robin
 from partition.sim.event_loop import run_schedule
 from partition.sim.flows import Sharing
 from partition.sim.result import SimResult
@@ -147,7 +147,7 @@ class RoundRobinChoice:
     rejected: list[str] = field(default_factory=list)  # candidates over the memory budget, why
 
 
-Shape = tuple[int, int, int]  # (the fused stage's first unit, forward ops, backward ops)
+CutShape = tuple[int, int, int]  # (the fused stage's first unit, forward ops, backward ops)
 
 
 def _times(profile: ModelProfile, c: int) -> tuple[list[float], list[float]]:
@@ -155,7 +155,7 @@ def _times(profile: ModelProfile, c: int) -> tuple[list[float], list[float]]:
     return [u.fwd_s for u in profile.units[:c]], [u.bwd_s + u.acc_s for u in profile.units[:c]]
 
 
-def candidate_shapes(profile: ModelProfile, fused_choices: int = 2) -> list[Shape]:
+def candidate_shapes(profile: ModelProfile, fused_choices: int = 2) -> list[CutShape]:
     """Shapes to compare: for the fused stage from the head alone up to ``fused_choices`` units, and for target
     op times around the fused op's, the fewest forward and backward ops under the target."""
     U, out = profile.num_units, []
@@ -168,14 +168,14 @@ def candidate_shapes(profile: ModelProfile, fused_choices: int = 2) -> list[Shap
     return list(dict.fromkeys(out))
 
 
-def shape_cuts(profile: ModelProfile, shape: Shape) -> Cuts:
+def shape_cuts(profile: ModelProfile, shape: CutShape) -> Cuts:
     """The minimax cuts of a shape (each part's time as even as it can be)."""
     c, F, B = shape
     fwd, bwd = _times(profile, c)
     return Cuts(minimax_cuts(fwd, F), minimax_cuts(bwd, B), profile.num_units)
 
 
-def neighbours(shape: Shape) -> list[Shape]:
+def neighbours(shape: CutShape) -> list[CutShape]:
     """One forward or one backward op more or fewer."""
     c, F, B = shape
     return [(c, f, b) for f, b in ((F - 1, B), (F + 1, B), (F, B - 1), (F, B + 1)) if 1 <= f <= c and 1 <= b <= c]
@@ -188,11 +188,11 @@ def search_cuts(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int
     then up to ``climbs`` moves from the fastest to a faster neighbouring shape (:func:`neighbours`); the fastest
     predicted step wins (ties: fewer ops). Raises ``ValueError`` when none fits."""
     t0 = time.perf_counter()
-    seen: dict[Shape, tuple[float, int] | None] = {}
-    results: dict[Shape, tuple[Cuts, SimResult]] = {}
+    seen: dict[CutShape, tuple[float, int] | None] = {}
+    results: dict[CutShape, tuple[Cuts, SimResult]] = {}
     rejected: list[str] = []
 
-    def judge(shape: Shape) -> tuple[float, int] | None:
+    def judge(shape: CutShape) -> tuple[float, int] | None:
         if shape not in seen:
             cuts = shape_cuts(profile, shape)
             need = round_robin_peaks(profile, cuts, len(worker_gpus), options.num_slots)
@@ -205,7 +205,7 @@ def search_cuts(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int
                 seen[shape], results[shape] = (res.step_s, cuts.num_ops), (cuts, res)
         return seen[shape]
 
-    def fastest(shapes: list[Shape]) -> Shape | None:
+    def fastest(shapes: list[CutShape]) -> CutShape | None:
         judged = [(key, sh) for sh in shapes if (key := judge(sh)) is not None]
         return min(judged)[1] if judged else None
 
@@ -225,7 +225,7 @@ def search_cuts(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int
 class RoundRobinPlan:
     """The round-robin family's plan of a run: its cuts and their simulated step under the run's update rule
     and under the other one (same cuts), as the planner compares it with the swapped pipeline's (``mobius train``
-    runs it when asked for, or under ``auto`` when it is predicted faster: ``scheduler/roundrobin.py``)."""
+    runs it when asked for, or under ``auto`` when it is predicted faster: ``scheduler/roundrobin_engine.py``)."""
 
     cuts: Cuts
     update: str  # the run's rule: "sync" or "delayed"
