@@ -257,7 +257,7 @@ def test_packed_blocks_hold_whole_conversations_with_transformers_targets(tmp_pa
     transformers' mask marks them, else IGNORE; documents sum to T; the tail is one padding document that trains
     nothing; longer conversations are counted as dropped; the packing efficiency is what the rows hold. (Batches
     of 7 conversations: several are rendered while others are tokenized.)"""
-    monkeypatch.setattr("mobius.data.token_cache.BATCH", 7)
+    monkeypatch.setattr("mobius.data.cache.BATCH", 7)
     d = make_tokenizer(tmp_path / "tok", "chatml")
     f = _many(tmp_path)
     tok = load_tokenizer(str(d), None)

@@ -119,7 +119,7 @@ def _disk_fills(monkeypatch: pytest.MonkeyPatch, t: Path) -> None:
     """The disk fills up as the token cache's first tokens are written."""
     def full(*args: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr("mobius.data.token_cache._check_space", full)
+    monkeypatch.setattr("mobius.data.cache._check_space", full)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,13 +4,13 @@
 * :mod:`~mobius.data.sources`: the files (.txt, .jsonl, .json, .parquet) and the records in them.
 * :mod:`~mobius.data.records`: conversation records (messages, ShareGPT, Alpaca, prompt / completion).
 * :mod:`~mobius.data.chat`: chat templates, rendered as transformers renders them, and the target tokens.
-* :mod:`~mobius.data.token_cache`: memory-mapped token caches with their fingerprints.
+* :mod:`~mobius.data.cache`: memory-mapped token caches with their fingerprints.
 * :mod:`~mobius.data.pack`: blocks of ``data.seq_len`` positions as micro-batches (conversations packed whole).
 * :mod:`~mobius.data.sampler`: the seeded, resumable order of the blocks; the held-out blocks.
 * :mod:`~mobius.data.load`: all of it from a config's ``data`` section.
 """
 
-from mobius.data.token_cache import ChatCache, chat_cache, token_cache, tokenize_to_cache
+from mobius.data.cache import ChatCache, chat_cache, token_cache, tokenize_to_cache
 from mobius.data.chat import ChatTemplate, find_template
 from mobius.data.load import conversations, data_format, load_data
 from mobius.data.pack import ChatBlocks, PackedBlocks, TextBlocks, best_fit_decreasing

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterator, Literal
 
 import numpy as np
 
-from mobius.data.token_cache import ChatCache, chat_cache, text_documents, token_cache
+from mobius.data.cache import ChatCache, chat_cache, text_documents, token_cache
 from mobius.data.chat import ChatTemplate, find_template
 from mobius.data.pack import ChatBlocks
 from mobius.data.records import conversation, form_names, record_form

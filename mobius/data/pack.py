@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from mobius.batch import IGNORE, MicroBatch
-from mobius.data.token_cache import ChatCache
+from mobius.data.cache import ChatCache
 
 
 class TextBlocks:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mobius.data.token_cache import ChatCache
+from mobius.data.cache import ChatCache
 from mobius.data.pack import ChatBlocks, TextBlocks
 from mobius.data.sampler import DataStats, TrainData
 from mobius.data.tokenizer import TextTokenizer
