@@ -84,8 +84,8 @@ class ScheduleComparison:
     def from_json(cls, data: dict) -> "ScheduleComparison":
         """The comparison :meth:`to_json` wrote (``plan.json``, a kept plan): the swapped plan with its own step and
         split (from ``other_schedules`` when another schedule runs), the round-robin plan on its GPUs and settings."""
-        runs = data.get("schedule", "swapped")
-        if runs != "swapped":
+        running = data.get("schedule", "swapped")
+        if running != "swapped":
             own = next(s for s in data["other_schedules"] if s["schedule"] == "swapped")
             data = {**data, "predicted_step_s": own["predicted_step_s"], "time_split": own["time_split"]}
         swapped, rr = SwappedPlan.from_json(data), data.get("round_robin") or {}
@@ -93,19 +93,19 @@ class ScheduleComparison:
             return cls(swapped, round_robin_error=rr.get("error", ""))
         robin = RoundRobinPlan.from_json(rr, swapped.worker_gpus, swapped.micro_batches, swapped.tokens_per_step,
                                          round_robin_options(swapped.options))
-        return cls(swapped, robin, round_robin_runs=runs == "round_robin")
+        return cls(swapped, robin, round_robin_runs=running == "round_robin")
 
     def headline(self) -> str:
         """One line: the schedule that runs, its update rule, predicted step and tokens/s, and the other's."""
-        s, gpus = self.swapped, f"{len(self.swapped.worker_gpus)} GPU{'s' if len(self.swapped.worker_gpus) > 1 else ''}"
-        rule = update_name(s.options.delayed)
-        swapped = (f"swapped pipeline ({s.num_stages} stages on {gpus}), update {rule}: "
+        s, n = self.swapped, len(self.swapped.worker_gpus)
+        gpus = f"{n} GPU{'s' if n > 1 else ''}"
+        swapped = (f"swapped pipeline ({s.num_stages} stages on {gpus}), update {update_name(s.options.delayed)}: "
                    f"{s.predicted_step_s:.3f} s per step predicted, {s.tokens_per_step / s.predicted_step_s:,.0f} "
                    f"tokens/s")
         rr = self.round_robin
         if rr is None:
             return f"schedule: {swapped}"
-        other = update_name(not rr.options.delayed)
+        rule, other = update_name(rr.options.delayed), update_name(not rr.options.delayed)
         robin = (f"round-robin ({rr.cuts.num_forward} forward + 1 fused + {rr.cuts.num_backward} backward ops "
                  f"per round on {gpus}), update {rule}: {rr.predicted_step_s:.3f} s per step "
                  f"predicted, {rr.tokens_per_s():,.0f} tokens/s ({rr.tokens_per_s(rr.other_step_s):,.0f} {other})")
