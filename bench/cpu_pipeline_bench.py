@@ -144,14 +144,14 @@ def replayed(cfg, plan: dict, rows: list[dict], warmup: int) -> dict:
     from mobius.app.settings import Machine, resolve
     from mobius.assemble import planned_architecture
     from partition.calibrate import ComputeScale, fit_scale
-    from partition.plan import Plan
+    from partition import ScheduleComparison
 
     machine = Machine.detect(cfg)
     settings = resolve(cfg, machine, "pipeline", "")
     hw = hardware(cfg, settings, machine)
     measured = profile(cfg, planned_architecture(cfg), settings, machine, hw)
     learnt = ComputeScale(**plan["compute_scale"])
-    planned = Plan.from_json(plan)
+    planned = ScheduleComparison.from_json(plan).runs
     steady = steady_rows(rows, warmup)
     fit = fit_scale(measured, lambda p: planned.replay(p, hw), measured_compute(steady, dispatch=True))
     return {"as_planned_s": round(planned.replay(learnt.apply(measured), hw).step_s, 4),

@@ -64,9 +64,10 @@ def plan_row(name: str) -> dict:
     cfg = load_config(str(config), overrides)
     machine = Machine.saved(topology.load_topology(str(topo)))
     t0 = time.perf_counter()
-    plan, prof, hw = plan_pipeline(cfg, planned_architecture(cfg), resolve(cfg, machine, "pipeline", ""), machine)
+    planned, prof, hw = plan_pipeline(cfg, planned_architecture(cfg), resolve(cfg, machine, "pipeline", ""), machine)
+    plan = planned.swapped
     tokens = cfg.train.micro_batches * cfg.train.micro_batch_size * cfg.data.seq_len
-    other = plan.other_update.get("step_s")
+    other = plan.other_update.step_s if plan.other_update else None
     row = {"row": name, "gpus": hw.num_gpus, "micro_batches": cfg.train.micro_batches,
            "tokens_per_step": tokens, "grad_clip": cfg.train.grad_clip, "lora_rank": cfg.lora.rank,
            "stages": plan.num_stages, "swapped_step_s": plan.predicted_step_s,
@@ -75,14 +76,14 @@ def plan_row(name: str) -> dict:
            "host_gib": plan.host_bytes / GiB, "peak_gib": max(plan.peak_bytes) / GiB,
            "gpu_budget_gib": hw.gpu_memory_bytes / GiB, "plan_s": time.perf_counter() - t0,
            "roundpipe_measured_sync_delayed": roundpipe}
-    rr = plan.round_robin
-    if rr and "error" not in rr:
-        sync = rr["step_s"] if rr["update"] == "sync" else rr["sync_step_s"]
-        delayed = rr.get("delayed_step_s", rr["step_s"])
+    rr = planned.round_robin
+    if rr is not None:
+        sync, delayed = ((rr.other_step_s, rr.predicted_step_s) if rr.options.delayed
+                         else (rr.predicted_step_s, rr.other_step_s))
         row.update(round_robin_sync_tokens_per_s=tokens / sync, round_robin_delayed_tokens_per_s=tokens / delayed,
-                   round_robin_host_gib=rr.get("host_bytes", 0) / GiB)
-    elif rr:
-        row["round_robin_error"] = rr["error"]
+                   round_robin_host_gib=rr.host_bytes / GiB)
+    elif planned.round_robin_error:
+        row["round_robin_error"] = planned.round_robin_error
     return row
 
 

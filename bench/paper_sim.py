@@ -94,7 +94,7 @@ def mip_vs_baselines(model: PaperModel, variant: str) -> dict:
            "mip_model_s": p.model_step_s, "mip_stages": p.num_stages, "status": p.status,
            "plan_s": time.perf_counter() - t0, "resident": len(p.options.resident), "kept": len(p.options.kept),
            "traffic_x_fp32_params": p.traffic["x_fp32_param_bytes"],
-           "baseline_adopted": (p.mip.get("baseline_adopted") or {}).get("name")}  # the search lost to a baseline
+           "baseline_adopted": p.mip.baseline_adopted.name if p.mip.baseline_adopted else None}  # lost to a baseline
     for name, t in p.baselines.items():
         row[name] = t
         row[f"{name}_stages"] = len(p.baseline_boundaries[name]) - 1 if p.baseline_boundaries[name] else None
@@ -111,8 +111,8 @@ def topology_plans(model: PaperModel, variant: str, topo: str) -> dict:
     if p is None:
         p = plan(profile_of(model, model.mbs), hw, 4, with_baselines=False)
         seconds = time.perf_counter() - t0
-    tried = p.mip["contention_plans"]
-    free, adopted = tried[0], p.mip.get("simulated_rates_GBps") is not None
+    tried = p.mip.contention_plans
+    free, adopted = tried[0], p.mip.simulated_rates_GBps is not None
     return {"model": model.name, "variant": variant, "topology": topo, "free_stages": len(free["boundaries"]) - 1,
             "free_model_s": free["model_step_s"], "free_sim_s": free["simulated_step_s"], "replanned": len(tried) > 1,
             "adopted": adopted, "new_partition": p.boundaries != free["boundaries"],

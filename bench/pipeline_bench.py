@@ -52,7 +52,7 @@ from mobius.errors import MobiusError  # noqa: E402
 from mobius.models import ModelConfig, build_model, param_count  # noqa: E402
 
 if TYPE_CHECKING:
-    from partition.plan import Plan
+    from partition import SwappedPlan
     from scheduler.pipeline_engine import PipelineEngine
 
 
@@ -211,7 +211,7 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     settings = resolve(cfg, machine)
     name = f"mobius pipeline, {args.cap_gib:g} GiB cap" + clip_tag(args) + (f" [{variant}]" if variant else "")
     try:
-        plan, _, _ = plan_pipeline(cfg, mc, settings, machine)
+        plan = plan_pipeline(cfg, mc, settings, machine)[0].swapped
     except MobiusError as exc:  # no plan fits (GPU or host memory): a row with the planner's reason
         dist.destroy_process_group()
         return {"name": name, "step_s": None, "error": f"no plan: {exc}", "grad_clip": args.grad_clip}
@@ -246,7 +246,7 @@ def run_mobius(args: argparse.Namespace, variant: str = "") -> dict:
     return row
 
 
-def plan_fields(plan: Plan) -> dict:
+def plan_fields(plan: SwappedPlan) -> dict:
     """What a row says of the plan it ran: stages, the runtime's settings (``PipelineOptions``), the
     predicted step, GPU peaks and host memory."""
     options = plan.options.to_json()

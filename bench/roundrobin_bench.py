@@ -37,6 +37,7 @@ from mobius.app.settings import Machine, resolve  # noqa: E402
 from mobius.assemble import planned_architecture  # noqa: E402
 from mobius.config import load_config  # noqa: E402
 from partition.evaluate import GB  # noqa: E402
+from partition.request import update_name  # noqa: E402
 from partition.roundrobin_plan import search_cuts, simulate_round_robin  # noqa: E402
 from partition.schedule import PipelineOptions  # noqa: E402
 from partition.schedule.roundrobin_actions import Cuts  # noqa: E402
@@ -82,13 +83,12 @@ def _plan(model: str, clip: float, profile_file: Path, micro_batches: int = 16, 
 
 def _ablations(prof, hw, plan) -> dict[str, float]:
     """The round-robin delayed steady state with the fp32 sums free, and with 100 GB/s host links too."""
-    cuts = plan.round_robin_cuts()
-    opts = PipelineOptions(grad_dtype=plan.options.grad_dtype, delayed=True)
+    cuts, gpus = plan.round_robin.cuts, plan.round_robin.worker_gpus
+    opts = PipelineOptions(grad_dtype=plan.swapped.options.grad_dtype, delayed=True)
     no_acc, fast = _no_sums(prof), _links(hw, 1e11)
-    return {"delayed_no_fp32_sums_s": simulate_round_robin(no_acc, cuts, hw, plan.worker_gpus, 16, opts,
-                                                           record=False).step_s,
-            "delayed_no_fp32_sums_fast_links_s": simulate_round_robin(no_acc, cuts, fast, plan.worker_gpus, 16,
-                                                                      opts, record=False).step_s}
+    return {"delayed_no_fp32_sums_s": simulate_round_robin(no_acc, cuts, hw, gpus, 16, opts, record=False).step_s,
+            "delayed_no_fp32_sums_fast_links_s": simulate_round_robin(no_acc, cuts, fast, gpus, 16, opts,
+                                                                      record=False).step_s}
 
 
 def roundpipe_cuts(model: str, num_units: int) -> Cuts:
@@ -122,11 +122,11 @@ def _like_for_like(model: str, prof, hw, plan) -> dict[str, float]:
     """Seconds per step of RoundPipe's cuts and mobius's under mobius's costs (sync and delayed steady state),
     and under RoundPipe's simulator's assumptions (sync: one step from empty GPUs; delayed: steady state),
     where mobius's search chooses its cuts again."""
-    rr, gpus = plan.round_robin, plan.worker_gpus
+    rr, gpus = plan.to_json()["round_robin"], plan.swapped.worker_gpus
     theirs = roundpipe_cuts(model, prof.num_units)
     out: dict[str, float] = {}
     for delayed in (False, True):
-        rule, opts = "delayed" if delayed else "sync", PipelineOptions(delayed=delayed)
+        rule, opts = update_name(delayed), PipelineOptions(delayed=delayed)
         out[f"roundpipe_cuts_{rule}_s"] = simulate_round_robin(prof, theirs, hw, gpus, 16, opts, record=False).step_s
         free_prof, free_hw = _free(prof, hw)
         mine = search_cuts(free_prof, free_hw, gpus, 16, opts, hw.gpu_memory_bytes / GB).cuts
@@ -151,7 +151,7 @@ def _host(model: str, profile_file: Path) -> list[dict]:
         if not micro:
             continue
         plan, _, _ = _plan(model, 0.0, profile_file, micro, rate, "round_robin")
-        sync, delayed = _sync_delayed(plan.round_robin)
+        sync, delayed = _sync_delayed(plan.to_json()["round_robin"])
         tokens = micro * 4 * 2048
         out.append({"micro_batches": micro, "cpu_update_rate": rate, "sync_tokens_per_s": tokens / sync,
                     "delayed_tokens_per_s": tokens / delayed})
@@ -177,9 +177,9 @@ def run(models: list[str], clips: list[float], host: bool = True) -> list[dict]:
             for clip in clips:
                 t0 = time.perf_counter()
                 plan, prof, hw = _plan(model, clip, path)
-                rr = plan.round_robin
-                row = {"model": model, "grad_clip": clip, "swapped_step_s": plan.predicted_step_s,
-                       "swapped_tokens_per_s": TOKENS / plan.predicted_step_s, "round_robin": rr,
+                rr, swapped = plan.to_json()["round_robin"], plan.swapped
+                row = {"model": model, "grad_clip": clip, "swapped_step_s": swapped.predicted_step_s,
+                       "swapped_tokens_per_s": TOKENS / swapped.predicted_step_s, "round_robin": rr,
                        "roundpipe_measured_sync": ROUNDPIPE[model][0],
                        "roundpipe_measured_delayed": ROUNDPIPE[model][1],
                        "roundpipe_simulator_one_step": ROUNDPIPE[model][2]}

@@ -301,7 +301,7 @@ def roundrobin_bench_cases(models: list[str], clips: list[float], deep: bool) ->
                 t0 = time.perf_counter()
                 rb.EXTRA[:] = [f"--partition.cache_dir={tmp}", "--partition.reuse_plan=false"]
                 plan, prof, hw = rb._plan(model, clip, path)
-                if deep and clip == 0 and "error" not in plan.round_robin:
+                if deep and clip == 0 and plan.round_robin is not None:
                     rb._ablations(prof, hw, plan)
                     rb._like_for_like(model, prof, hw, plan)
                 log.info("roundrobin_bench %s clip %s: %.1f s", model, clip, time.perf_counter() - t0)

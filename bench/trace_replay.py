@@ -91,7 +91,7 @@ def replay(out: Path, variant: str, step: int) -> dict:
     from mobius.app.settings import Machine, resolve
     from mobius.assemble import planned_architecture
     from partition.calibrate import fit_scale
-    from partition.plan import Plan
+    from partition import ScheduleComparison
 
     run = out / "runs" / f"{variant.replace(' ', '_')}-0"
     cfg = _config(out, variant)
@@ -100,7 +100,7 @@ def replay(out: Path, variant: str, step: int) -> dict:
     settings = resolve(cfg, machine, "pipeline", "")
     hw = hardware(cfg, settings, machine)
     measured = profile(cfg, planned_architecture(cfg), settings, machine, hw)
-    plan = Plan.from_json(json.loads((run / "plan.json").read_text()))
+    plan = ScheduleComparison.from_json(json.loads((run / "plan.json").read_text())).runs
     row = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][step - 1]
     fit = fit_scale(measured, lambda p: plan.replay(p, hw), measured_compute([row], dispatch=True))
     scaled = fit.apply(measured)  # with this step's dispatch time per compute

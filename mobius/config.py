@@ -166,6 +166,12 @@ class TrainSection(_Section):
         gradient by it, and fp16 loss scaling skips the step on overflow. The plans carry it."""
         return self.grad_clip > 0 or self.precision == "fp16"
 
+    @property
+    def delayed(self) -> bool:
+        """Whether a step computes with the weights one update older (``update: delayed``). The plans carry it
+        (``PlanRequest.delayed``, ``PipelineOptions.delayed``, ``ZeroPlan.delayed``), the engines read it there."""
+        return self.update == "delayed"
+
 
 @dataclass
 class ParallelSection(_Section):

@@ -16,7 +16,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-ProfileSource = Literal["measured", "estimated"]
+ProfileSource = Literal["measured", "datasheet", "file", "learnt"]  # where a profile's unit times come from: measured
+# here (partition.measure), a GPU's datasheet (partition.estimate), a profile file (partition.profile_file), or measured
+# and scaled to the compute earlier runs measured in their steps (partition.calibrate)
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # one element in each training precision (a frozen
 # parameter -- LoRA's base weights -- is one such copy wherever it lives)
 STATE_BYTES = 16  # device memory of a trainable parameter whose states live on the device: fp32 weight (master),

@@ -52,7 +52,7 @@ def estimate_units(specs: Sequence[Any], micro_batch_size: int, seq_len: int, pr
                             memory_efficiency, loss_bytes_per_logit, doc_tokens) for s in specs]
     notes = {"gpu": spec.name, "compute_efficiency": compute_efficiency, "memory_efficiency": memory_efficiency,
              "tflops": rate, "mem_GBps": spec.mem_GBps}
-    return ModelProfile(units, micro_batch_size, seq_len, precision, spec.name, "estimated", 0.0, notes,
+    return ModelProfile(units, micro_batch_size, seq_len, precision, spec.name, "datasheet", 0.0, notes,
                         doc_tokens=doc_tokens)
 
 

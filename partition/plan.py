@@ -1,5 +1,5 @@
-"""The plan the trainer runs: stages, their GPUs, the runtime's memory settings, predicted time and
-memory, and how it was found.
+"""The swapped pipeline's planner: its partition into stages, their GPUs, the runtime's memory settings,
+predicted time and memory, and how it was found (:class:`partition.swapped_plan.SwappedPlan`).
 
 :func:`plan_model` is the one entry point: given the units' profile, the machine and what is asked
 (:class:`partition.request.PlanRequest`), solve the MIP over every stage count under each memory
@@ -8,7 +8,7 @@ memory), choose the resident and kept stages of its partition (:mod:`partition.r
 simulate the plan's schedule on the real topology (root-complex contention included) -- and, where
 the simulated step shows contention the MIP's rates did not, plan again at the rates the simulated
 step reached, keeping the faster -- then choose the gradient download dtype and simulate the
-baselines beside it. The runtime takes :meth:`Plan.runtime_settings` from the plan and builds the
+baselines beside it. The runtime takes :meth:`SwappedPlan.runtime_settings` from the plan and builds the
 same schedule the simulator ran.
 """
 
@@ -16,356 +16,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 from partition.baselines import BASELINES
-from partition.costs import (MOMENT_BYTES, PRECISION_BYTES, STATES_ORDER, ModelProfile, compute_copy_work,
-                             host_bytes_per_param, stage_costs, states_advice, tied_end_bytes_per_param, tied_end_held)
+from partition.costs import (PRECISION_BYTES, STATES_ORDER, ModelProfile, compute_copy_work, host_bytes_per_param,
+                             stage_costs, states_advice, tied_end_bytes_per_param, tied_end_held)
 from mobius.errors import ConfigError, MobiusError
 from partition import residency
 from partition.evaluate import ModelEvaluator, stage_exprs
 from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
-from partition.schedule.roundrobin_actions import Cuts
-from partition.spread import drawn_text
 from partition.mapping import GpusFor, as_gpus_function
 from partition.mip import MipResult, StageCountResult, explain_infeasible, given_partition, solve_partition
 from partition.request import PlanRequest
-from partition.roundrobin_plan import plan_round_robin, round_robin_options, simulate_round_robin
 from partition.sim.result import SimResult
 from partition.simulate import simulate, with_spread
+from partition.swapped_plan import BaselineAdopted, LinkRates, MipReport, OtherUpdate, StagePlan, SwappedPlan
 from partition.timing import Numbers, PipelineShape, worker_needs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StagePlan:
-    """One stage: its units ``[first_unit, end_unit)``, GPU, costs and memory figures."""
-
-    index: int
-    first_unit: int
-    end_unit: int
-    units: str  # "embed..block.3"
-    gpu: int
-    param_bytes: int
-    fwd_s: float  # per micro-batch
-    bwd_s: float  # per micro-batch: recompute + backward (+ fp32 sums); the last stage's FB; no recompute if kept
-    fwd_peak_bytes: int  # its worker's device memory during the stage's forward
-    bwd_peak_bytes: int  # ... and during its backward
-    backward_in_place: bool  # the backward follows the forward on the GPU without re-uploading
-    upload_wait_s: float  # simulated time its compute waited for its uploads (prefetch not hiding them)
-    # (whether it is resident or keeps its activations is the plan's options.resident / options.kept)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "StagePlan":
-        """A stage as :meth:`Plan.to_json` wrote it (keys of older plans, such as ``resident``, ignored)."""
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
-
-@dataclass(frozen=True)
-class PlannedSchedule:
-    """One schedule planned for a pipeline run, as the plan's JSON gives it: the one ``mobius train`` runs at its
-    top level, the others under ``other_schedules``."""
-
-    schedule: str  # "swapped" (the swapped pipeline) or "round_robin" (the round-robin family)
-    update: str  # train.update: "sync" or "delayed"
-    predicted_step_s: float  # the schedule simulated on the topology
-    tokens_per_s: float
-    time_split: dict[str, float]  # where its simulated step goes (SimResult.time_split)
-
-
-@dataclass
-class Plan:
-    """A partition of the model into stages mapped to GPUs, the runtime's settings and the predicted cost."""
-
-    boundaries: list[int]
-    worker_gpus: list[int]
-    num_gpus: int
-    micro_batches: int
-    micro_batch_size: int
-    seq_len: int
-    precision: str
-    options: PipelineOptions  # the runtime's settings: device slots, offload, barrier, resident / kept stages,
-    # gradient download dtype, prefetch buffer (the one place the plan holds them)
-    predicted_step_s: float  # the swapped pipeline simulated on the topology (contention included); the
-    # round-robin family's, when it runs, is round_robin's "step_s" (schedules() names the one that runs)
-    model_step_s: float  # the MIP's own figure (no root-complex contention)
-    solver: str
-    solve_s: float
-    gap: float
-    status: str  # "optimal" only when proven; else how close
-    baselines: dict[str, float | None]  # name -> simulated step time (None: does not fit)
-    baseline_boundaries: dict[str, list[int] | None]
-    profile_source: str
-    device_name: str
-    stages: list[StagePlan]
-    peak_bytes: list[int]  # per GPU
-    traffic: dict[str, float]
-    unit_names: list[str]
-    mapping_kind: str
-    hardware: str
-    gpu_memory_bytes: int
-    param_count: int
-    cpu_adam_params_per_s: float
-    mip: dict[str, Any] = field(default_factory=dict)
-    host_bytes: int = 0  # host memory of the swapped stages' stores (weights, AdamW, transfer buffers)
-    host_bytes_by_states: dict[str, int] = field(default_factory=dict)  # the same stores with each
-    # train.optimizer_states rule's moments (the plan's own is ``options.states``)
-    host_memory_bytes: int | None = None  # what the stores may take on the host (None: not known)
-    grad_choice: str = ""  # why this gradient dtype
-    time_split: dict[str, float] = field(default_factory=dict)  # SimResult.time_split of the predicted step
-    round_robin: dict = field(default_factory=dict)  # the round-robin family's plan (RoundRobinPlan.to_json; {}:
-    # not asked for); where its "runs" is true the runtime runs it (mobius.app.launch starts the round-robin
-    # engine), else it is there for comparison and the swapped pipeline runs
-    compute_scale: dict = field(default_factory=dict)  # the factors the profile's times were scaled by to the
-    # compute earlier runs measured in their steps (partition.calibrate.ComputeScale's fields; {}: as profiled)
-    other_update: dict = field(default_factory=dict)  # the same stages under the other train.update rule
-    # (other_update_options): its simulated "step_s" and "host_bytes"
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.boundaries) - 1
-
-    def gpu_of_stage(self, j: int) -> int:
-        return self.worker_gpus[j % len(self.worker_gpus)]
-
-    def schedules(self) -> list[PlannedSchedule]:
-        """Every schedule planned, the one ``mobius train`` runs first: the swapped pipeline, and the round-robin
-        family's when it was planned beside it (first when ``round_robin["runs"]``, as :meth:`replay` runs it)."""
-        tokens = self.micro_batches * self.micro_batch_size * self.seq_len
-        swapped = PlannedSchedule("swapped", "delayed" if self.options.delayed else "sync", self.predicted_step_s,
-                                  tokens / self.predicted_step_s, dict(self.time_split))
-        rr = self.round_robin
-        if not rr or "error" in rr:
-            return [swapped]
-        robin = PlannedSchedule("round_robin", rr["update"], rr["step_s"], rr["tokens_per_s"], dict(rr["time_split"]))
-        return [robin, swapped] if rr.get("runs") else [swapped, robin]
-
-    def to_json(self) -> dict:
-        """A JSON-ready dict (also what ``mobius plan --json`` prints and ``plan.json`` holds): the plan's
-        fields, the options' as top-level keys (:meth:`PipelineOptions.to_json`), and at the top level the
-        schedule that runs -- its ``schedule``, ``update``, ``predicted_step_s``, ``tokens_per_s`` and
-        ``time_split`` -- with the others, the same fields each, under ``other_schedules``."""
-        out = asdict(self)
-        out.pop("options")
-        out.update(self.options.to_json())
-        out["num_stages"] = self.num_stages
-        out["mapping"] = {"kind": self.mapping_kind, "worker_gpus": self.worker_gpus,
-                          "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)]}
-        runs, *others = self.schedules()
-        out.update(asdict(runs))
-        out["other_schedules"] = [asdict(o) for o in others]
-        return _finite(out)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "Plan":
-        """A plan from :meth:`to_json`'s dict (``plan.json``; derived keys such as ``mapping`` ignored; the
-        swapped pipeline's step and split from ``other_schedules`` when another schedule runs)."""
-        kw = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        kw["stages"] = [StagePlan.from_json(s) for s in data["stages"]]
-        kw["options"] = PipelineOptions.from_json(data)
-        if data.get("schedule", "swapped") != "swapped":
-            swapped = next(s for s in data["other_schedules"] if s["schedule"] == "swapped")
-            kw["predicted_step_s"], kw["time_split"] = swapped["predicted_step_s"], swapped["time_split"]
-        return cls(**kw)
-
-    def round_robin_cuts(self) -> Cuts:
-        """The round-robin family's cuts (planned beside the swapped pipeline: ``round_robin`` holds them)."""
-        rr = self.round_robin
-        return Cuts(tuple(rr["forward"]), tuple(rr["backward"]), rr["fused"][1])
-
-    def replay(self, profile: ModelProfile, hardware: Hardware) -> SimResult:
-        """The step of the schedule this plan runs (the round-robin one when it runs) simulated again with
-        ``profile``'s unit times on ``hardware`` (the plan's own profile and machine: its prediction), with
-        ``profile``'s spreads drawn (:func:`with_spread`)."""
-        common = {"hardware": hardware, "worker_gpus": self.worker_gpus, "micro_batches": self.micro_batches}
-        if self.round_robin.get("runs"):
-            sim = functools.partial(simulate_round_robin, cuts=self.round_robin_cuts(),
-                                    options=round_robin_options(self.options), **common)
-        else:
-            sim = functools.partial(simulate, boundaries=self.boundaries, options=self.options, **common)
-        return with_spread(sim(profile), profile,
-                           lambda steps, draw: sim(profile, record=False, steps=steps, draw=draw))
-
-    def runtime_settings(self) -> dict:
-        """What the runtime takes from the plan (the test that the plan shown is the plan run compares these)."""
-        return {"boundaries": list(self.boundaries), "stage_gpus": [self.gpu_of_stage(j) for j in range(self.num_stages)],
-                **self.options.to_json()}
-
-    def headline(self) -> str:
-        """One line: the schedule, the update rule and the predicted step and tokens/s (and the round-robin
-        family's, when it was planned beside)."""
-        tokens = self.micro_batches * self.micro_batch_size * self.seq_len
-        rule = "delayed" if self.options.delayed else "sync"
-        gpus = f"{len(self.worker_gpus)} GPU{'s' if len(self.worker_gpus) > 1 else ''}"
-        swapped = (f"swapped pipeline ({self.num_stages} stages on {gpus}), update {rule}: "
-                   f"{self.predicted_step_s:.3f} s per step predicted, {tokens / self.predicted_step_s:,.0f} tokens/s")
-        rr = self.round_robin
-        if not rr or "error" in rr:
-            return f"schedule: {swapped}"
-        other = "delayed" if rr["update"] == "sync" else "sync"
-        robin = (f"round-robin ({len(rr['forward']) - 1} forward + 1 fused + {len(rr['backward']) - 1} backward ops "
-                 f"per round on {gpus}), update {rule}: {rr['step_s']:.3f} s per step "
-                 f"predicted, {rr['tokens_per_s']:,.0f} tokens/s ({rr[f'{other}_tokens_per_s']:,.0f} {other})")
-        if rr.get("runs"):
-            return f"schedule: {robin}; not run: the {swapped}"
-        return f"schedule: {swapped}; not run: the {robin}"
-
-    def summary(self) -> str:
-        """A human-readable report: stages table, settings, predicted time, memory, traffic, baselines."""
-        return "\n".join(_summary_lines(self))
-
-
-def _finite(obj: Any) -> Any:
-    """Replace non-finite floats by None so that the JSON is standard."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def _gb(n: float) -> str:
-    return f"{n / GB:.2f} GB"
-
-
-def _stage_list(stages: Collection[int]) -> str:
-    return ", ".join(map(str, sorted(stages))) if stages else "none"
-
-
-def _time_split_line(split: dict[str, float], step_s: float) -> str:
-    """"where the time goes": the simulated step's seconds per GPU by what fills them."""
-    names = {"forward": "forward", "backward": "backward (recompute and the last stage's forward included)",
-             "device_adamw": "device AdamW", "dispatch": "messages posted to other workers",
-             "upload_wait": "waiting for uploads",
-             "idle": "idle (pipeline fill and drain, activations, the slower worker or compute)"}
-    parts = [f"{label} {split[k]:.3f} s ({100 * split[k] / step_s:.0f}%)" for k, label in names.items()
-             if split.get(k, 0.0) > 0.0005 * step_s or k in ("forward", "backward", "upload_wait")]
-    return (f"where the time goes (per GPU, mean): {', '.join(parts)}; after the last backward "
-            f"{split.get('tail', 0.0):.3f} s (global norm, CPU AdamW, reduce)")
-
-
-def _summary_lines(p: Plan) -> list[str]:
-    """The plan as ``mobius plan`` prints it: its stages, runtime, prediction, search, memory and traffic."""
-    lines = _stage_lines(p) + _runtime_lines(p) + _search_lines(p)
-    if p.time_split:
-        lines.append(_time_split_line(p.time_split, p.predicted_step_s))
-    lines += _totals_lines(p)
-    rr = p.round_robin
-    if rr:
-        lines += rr["summary"] if "summary" in rr else [f"round-robin schedule: {rr['error']}"]
-    return lines
-
-
-def _stage_lines(p: Plan) -> list[str]:
-    """The stages, one row each."""
-    lines = [f"stages: {p.num_stages} on {p.num_gpus} GPU(s), {p.mapping_kind} mapping, worker GPUs {p.worker_gpus} "
-             f"(stage j runs on GPU worker_gpus[j % {len(p.worker_gpus)}])",
-             f"  {'stage':>5}  {'units':<22} {'gpu':>3}  {'where':<8} {'params':>9}  {'fwd/mb':>8}  {'bwd/mb':>8}  "
-             f"{'upload wait':>11}  {'peak fwd':>9}  {'peak bwd':>9}"]
-    opts = p.options
-    for s in p.stages:
-        where = ("resident" if s.index in opts.resident else "swapped")[:8]
-        lines.append(f"  {s.index:>5}  {s.units:<22} {s.gpu:>3}  {where:<8} {_gb(s.param_bytes):>9}  "
-                     f"{s.fwd_s * 1e3:>6.1f}ms  {s.bwd_s * 1e3:>6.1f}ms{'K' if s.index in opts.kept else ' '} "
-                     f"{s.upload_wait_s * 1e3:>9.1f}ms  {s.fwd_peak_bytes / GiB:>6.2f}GiB  {s.bwd_peak_bytes / GiB:>6.2f}GiB")
-    lines.append("  resident: weights, fp32 master and AdamW states live on the GPU (device AdamW, no uploads); "
-                 "K: keeps its forward's activations (no recompute)")
-    return lines
-
-
-def _runtime_lines(p: Plan) -> list[str]:
-    """What the runtime does with the stages (slots, inputs, updates, residency), and the predicted step."""
-    opts, lines = p.options, []
-    slots = ("2 per GPU (the next stage uploads while one computes)" if opts.num_slots == 2 else
-             f"1 per GPU and a {opts.prefetch_bytes / GiB:.2f} GiB prefetch buffer (the next stage's first bytes "
-             f"upload while one computes, the rest once its slot is free)" if opts.prefetch_bytes else
-             "1 per GPU (no prefetch)")
-    lines.append(f"runtime: device slots {slots}; boundary inputs "
-                 f"{'in host memory' if opts.offload_inputs else 'kept on the GPU'}"
-                 f"; CPU AdamW at {p.cpu_adam_params_per_s / 1e9:.2f} G params/s per worker (all updating), "
-                 + ("after the global norm (clipping or fp16), overlapping the next forward" if opts.barrier
-                    else "as each stage's gradients arrive")
-                 + ("; update delayed: a stage's next uploads wait only for its master's copy into the compute copy"
-                    if opts.delayed else ""))
-    lines.append(f"resident stages: {_stage_list(opts.resident)}; kept activations: {_stage_list(opts.kept)}; "
-                 f"gradient downloads in {opts.grad_dtype} ({p.grad_choice}); host memory for the swapped stages: "
-                 f"{p.host_bytes / GiB:.1f} GiB " + (f"of {p.host_memory_bytes / GiB:.1f} GiB available"
-                                                     if p.host_memory_bytes is not None else
-                                                     "(not checked: set partition.host_memory_gib)"))
-    lines.append(states_line(p))
-    rates = p.mip.get("simulated_rates_GBps")
-    seen = (f"at the upload rates the simulated step reached ({', '.join(f'{r:.1f}' for r in rates['h2d'])} GB/s "
-            f"per GPU; re-planned under contention)" if rates else "contention-free")
-    drawn = drawn_text(p.compute_scale, "workers")
-    drawn = f", {drawn}" if drawn else ""
-    lines.append(f"predicted step time: {p.predicted_step_s:.3f} s (the runtime's schedule simulated with root-complex "
-                 f"contention{drawn}; the MIP's model, {seen}, says {p.model_step_s:.3f} s; solver {p.solver}, "
-                 f"{p.solve_s:.2f} s, {p.status})")
-    return lines
-
-
-def states_line(p: Plan) -> str:
-    """The optimizer states' line of a plan: the chosen rule's bytes per trained parameter and the host memory
-    each rule's moments would need."""
-    per = host_bytes_per_param(p.precision, p.options.grad_dtype == "half", p.options.delayed, p.options.states)
-    others = ", ".join(f"{r} {b / GiB:.1f} GiB" for r, b in p.host_bytes_by_states.items())
-    return (f"optimizer states: {p.options.states} ({MOMENT_BYTES[p.options.states]:g} bytes of AdamW moments, "
-            f"{per:g} bytes in host memory per trained swapped parameter); the swapped stages' host memory by "
-            f"train.optimizer_states: {others}")
-
-
-def _search_lines(p: Plan) -> list[str]:
-    """Where the plan came from: a kept plan, the other update rule, the search's alternatives, a baseline."""
-    lines = []
-    reused = p.mip.get("reused")
-    if reused:
-        lines.append(f"plan reused: made on {reused['made']} for the same profile, machine, settings "
-                     f"and code (its search took {reused['search_s']:.1f} s); partition.reuse_plan=false searches again")
-    other = p.other_update
-    if other:
-        room = ("" if p.host_memory_bytes is None or other["host_bytes"] <= p.host_memory_bytes else
-                f", but its stores need {other['host_bytes'] / GiB:.1f} GiB of host memory")
-        lines.append(f"with train.update={other['update']} the same stages would take {other['step_s']:.3f} s per "
-                     f"step ({other['step_s'] / p.predicted_step_s - 1:+.0%}{room}; delayed computes each step "
-                     f"with the weights one update older)")
-    alts = p.mip.get("alternatives") or []
-    if len(alts) > 1:
-        each = ", ".join(f"{a['num_stages']} stages {a['simulated_step_s']:.3f} s" for a in alts)
-        ranked = ("; ranked by the sync rule's timing model, whose plan simulated faster than the delayed rule's"
-                  if p.mip.get("ranked_by") == "sync" and p.options.delayed else "")
-        lines.append(f"partition: the fastest simulated, each with its own resident/kept stages, of the search's "
-                     f"{len(alts)} near-best and finest ({each}{ranked})")
-    adopted = p.mip.get("baseline_adopted")
-    if adopted:
-        lines.append(f"partition: the {adopted['name']} baseline's, which simulates faster than the search's "
-                     f"({adopted['search_step_s']:.3f} s; {p.status})")
-    return lines
-
-
-def _totals_lines(p: Plan) -> list[str]:
-    """Peak GPU memory, traffic per step and the baselines."""
-    lines = []
-    mem = ", ".join(f"GPU{g} {b / GiB:.1f}" for g, b in enumerate(p.peak_bytes))
-    lines.append(f"peak GPU memory (GiB, budget {p.gpu_memory_bytes / GiB:.1f}): {mem}")
-    t = p.traffic
-    lines.append(f"traffic per step: {_gb(t['total_bytes'])} = {t['x_param_bytes']:.2f} x the parameter bytes in "
-                 f"{p.precision} ({t['x_fp32_param_bytes']:.2f} x fp32): host->GPU {_gb(t['h2d_bytes'])}, "
-                 f"GPU->host {_gb(t['d2h_bytes'])}, peer {_gb(t['p2p_bytes'])}")
-    base = []
-    for name, v in p.baselines.items():
-        base.append(f"{name} {v:.3f} s ({100 * (v / p.predicted_step_s - 1):+.1f}%)" if v else f"{name}: does not fit")
-    lines.append("baselines (simulated the same way): " + ", ".join(base))
-    return lines
 
 
 CONTENTION_GAP = 0.03  # re-plan when the simulated step exceeds the MIP's model of it by more than this
@@ -395,7 +69,7 @@ class PlanContext:
         if req.grad_download == "half" and prof.precision != "bf16":
             raise ConfigError(f"parallel.grad_download=half needs train.precision bf16, got {prof.precision} (fp32 has "
                               f"no half copy to land in; fp16 sums of loss-scaled gradients can overflow)")
-        if req.grad_download == "half" and req.update == "delayed":
+        if req.grad_download == "half" and req.delayed:
             raise ConfigError("parallel.grad_download=half cannot go with train.update=delayed: the half copy holds "
                               "the weights the next step computes with; set parallel.grad_download=fp32 or auto")
         if req.boundaries is not None and req.boundaries[-1] != prof.num_units:
@@ -432,7 +106,7 @@ class PlanContext:
 
 
 # ---------------------------------------------------------------------------------- entry point
-def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) -> Plan:
+def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) -> SwappedPlan:
     """Find the best partition and runtime settings of ``request`` for the unit costs ``profile`` on
     ``hardware``, simulate the plan and (``request.with_baselines``) the baselines.
 
@@ -440,7 +114,8 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
     simulated step shows contention the MIP's rates did not, the planner plans again at the rates
     the simulated step reached (:func:`_replan_under_contention`); then the gradient download dtype
     (:func:`_grad_dtype`). A profile comes from :func:`partition.profile.get_profile` (or
-    :func:`partition.estimate.estimate_units`)."""
+    :func:`partition.estimate.estimate_units`). ``request.schedule`` is for
+    :func:`partition.schedule_comparison.plan_schedules`, which plans the round-robin family beside this plan."""
     ctx = PlanContext.of(profile, hardware, request)
     best, tried = _plan_at(ctx, hardware, request.rel_gap), []
     if request.contention_rounds > 0 and request.boundaries is None:
@@ -455,45 +130,24 @@ def plan_model(profile: ModelProfile, hardware: Hardware, request: PlanRequest) 
         name, bounds, options, base_sim = faster
         log.warning("the %s baseline's partition simulates faster (%.3f s) than the search's (%.3f s, %s): "
                     "planned with it", name, base_sim.step_s, sim.step_s, res.status_text())
-        adopted, sim = {"name": name, "search_step_s": sim.step_s}, base_sim
+        adopted, sim = BaselineAdopted(name, sim.step_s), base_sim
     res.solve_s = time.perf_counter() - ctx.started
     sim = ctx.with_spread(bounds, options, sim)
     plan = _assemble(ctx, bounds, options, sim, res, base, base_bounds)
-    plan.mip["baseline_adopted"] = adopted
+    plan.mip.baseline_adopted = adopted
     plan.grad_choice = choice
     plan.model_step_s = ctx.evaluator(best.model_hw, options).step_time(bounds)
-    plan.mip["contention_plans"] = tried
-    plan.mip["alternatives"] = best.alternatives
-    plan.mip["ranked_by"] = best.ranked_by
+    plan.mip.contention_plans = tried
+    plan.mip.alternatives = best.alternatives
+    plan.mip.ranked_by = best.ranked_by
     plan.compute_scale = {k: v for k, v in profile.notes.get("in_run", {}).items() if k != "key"}
     other = other_update_options(options)
-    plan.other_update = {"update": "delayed" if other.delayed else "sync",
-                         "step_s": ctx.simulate(bounds, other, record=False).step_s + sim.spread_s,  # (the spreads
-                         # as they slow this plan's step)
-                         "host_bytes": _host_bytes(ctx, bounds, other)}
-    if request.schedule != "swapped":
-        plan.round_robin = _round_robin(ctx, plan)
+    plan.other_update = OtherUpdate(other.delayed, ctx.simulate(bounds, other, record=False).step_s + sim.spread_s,
+                                    _host_bytes(ctx, bounds, other))  # (the spreads as they slow this plan's step)
     if best.model_hw is not hardware:
-        plan.mip["simulated_rates_GBps"] = {"h2d": [r / GB for r in best.model_hw.h2d_Bps],
-                                            "d2h": [r / GB for r in best.model_hw.d2h_Bps]}
+        plan.mip.simulated_rates_GBps = LinkRates([r / GB for r in best.model_hw.h2d_Bps],
+                                                  [r / GB for r in best.model_hw.d2h_Bps])
     return plan
-
-
-def _round_robin(ctx: PlanContext, plan: Plan) -> dict:
-    """The round-robin family planned on the same GPUs under the same update rule and gradient dtype, and whether
-    it runs (``schedule`` round_robin, or auto and faster predicted); or why it cannot be ({"error": ...}: an
-    error when the run asks for it)."""
-    try:
-        if len(plan.worker_gpus) < 2:
-            raise ValueError(f"it needs at least 2 workers, the run has {len(plan.worker_gpus)}")
-        rr = plan_round_robin(ctx.prof, ctx.hw, plan.worker_gpus, ctx.req.micro_batches, plan.options,
-                              ctx.hw.gpu_memory_bytes, ctx.req.sharing)
-    except ValueError as e:
-        if ctx.req.schedule == "round_robin":
-            raise MobiusError(f"parallel.schedule=round_robin: {e}") from e
-        return {"error": str(e)}
-    runs = ctx.req.schedule == "round_robin" or rr.step_s < plan.predicted_step_s
-    return {**rr.to_json(), "runs": runs, "summary": rr.lines(plan.predicted_step_s, runs)}
 
 
 @dataclass
@@ -522,7 +176,7 @@ def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float, rules: tuple[
     one searches alone. ``rules`` names the rankings to search with instead (a re-plan's: the one whose plan it
     re-plans)."""
     if not rules:
-        rules = ("sync",) if ctx.req.update != "delayed" else ("sync", "delayed") if _cpu_weighs(ctx) else ("delayed",)
+        rules = ("sync",) if not ctx.req.delayed else ("sync", "delayed") if _cpu_weighs(ctx) else ("delayed",)
     searches = [dataclasses.replace(ctx, ranks_as_sync=rule == "sync") for rule in rules]
     results = [_search(c, model_hw, ctx.time_left() / (len(searches) - i), rel_gap, MIN_SEARCH_S / len(searches))
                for i, c in enumerate(searches)]
@@ -845,8 +499,7 @@ def _option_sets(req: PlanRequest) -> list[list[PipelineOptions]]:
     """The runtime settings to try, in tiers: one slot is tried only when no two-slot plan fits."""
     offloads = {"on": [True], "off": [False]}.get(req.offload_inputs, [False, True])
     grad_dtype = "half" if req.grad_download == "half" else "fp32"
-    delayed = req.update == "delayed"
-    return [[PipelineOptions(k, o, req.barrier, grad_dtype=grad_dtype, delayed=delayed, states=req.states)
+    return [[PipelineOptions(k, o, req.barrier, grad_dtype=grad_dtype, delayed=req.delayed, states=req.states)
              for o in offloads]
             for k in ((2, 1) if req.prefetch else (1,))]
 
@@ -891,7 +544,7 @@ def other_update_options(options: PipelineOptions) -> PipelineOptions:
 
 
 def _assemble(ctx: PlanContext, bounds: list[int], options: PipelineOptions, sim: SimResult, res: MipResult,
-              base: dict, base_bounds: dict) -> Plan:
+              base: dict, base_bounds: dict) -> SwappedPlan:
     """The plan of the partition ``bounds`` under ``options``, simulated as ``sim``, found as ``res``."""
     prof, hw, worker_gpus = ctx.prof, ctx.hw, ctx.gpus_for(len(bounds) - 1)
     total = sim.total_bytes()
@@ -902,22 +555,21 @@ def _assemble(ctx: PlanContext, bounds: list[int], options: PipelineOptions, sim
     best = res.best
     per_count = [{"num_stages": r.num_stages, "status": r.status, "predicted_s": r.predicted_s, "bound": r.bound}
                  for r in res.per_stage_count]
-    mip_info = {"num_stages": best.num_stages, "status": best.status, "encoding": best.encoding,
-                "stage_counts_tried": len(res.per_stage_count), "stage_counts_skipped": res.stage_counts_skipped,
-                "max_variables": res.max_size[0], "max_constraints": res.max_size[1],
-                "lower_bound_s": res.lower_bound, "per_stage_count": per_count}
+    mip = MipReport(best.num_stages, best.status, best.encoding, len(res.per_stage_count), res.stage_counts_skipped,
+                    res.max_size[0], res.max_size[1], res.lower_bound, per_count)
     mapping = ctx.req.mapping if isinstance(ctx.req.mapping, str) else "given"
-    return Plan(boundaries=bounds, worker_gpus=worker_gpus, num_gpus=hw.num_gpus, micro_batches=ctx.req.micro_batches,
-                micro_batch_size=prof.micro_batch_size, seq_len=prof.seq_len, precision=prof.precision,
-                options=options, predicted_step_s=sim.step_s, model_step_s=best.predicted_s, solver=res.solver,
-                solve_s=res.solve_s, gap=res.gap, status=res.status_text(), baselines=base,
-                baseline_boundaries=base_bounds, profile_source=prof.source, device_name=prof.device_name,
-                stages=_stage_plans(ctx, bounds, options, sim), peak_bytes=list(sim.peak_bytes), traffic=traffic,
-                unit_names=[u.name for u in prof.units], mapping_kind=mapping, hardware=hw.describe(),
-                gpu_memory_bytes=hw.gpu_memory_bytes, param_count=prof.param_count(),
-                cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half", len(worker_gpus)),
-                mip=mip_info, host_bytes=_host_bytes(ctx, bounds, options), host_memory_bytes=hw.host_memory_bytes,
-                host_bytes_by_states=_host_bytes_by_states(ctx, bounds, options), time_split=sim.time_split())
+    return SwappedPlan(boundaries=bounds, worker_gpus=worker_gpus, num_gpus=hw.num_gpus,
+                       micro_batches=ctx.req.micro_batches, micro_batch_size=prof.micro_batch_size,
+                       seq_len=prof.seq_len, precision=prof.precision, options=options, predicted_step_s=sim.step_s,
+                       model_step_s=best.predicted_s, solver=res.solver, solve_s=res.solve_s, gap=res.gap,
+                       status=res.status_text(), baselines=base, baseline_boundaries=base_bounds,
+                       profile_source=prof.source, device_name=prof.device_name,
+                       stages=_stage_plans(ctx, bounds, options, sim), peak_bytes=list(sim.peak_bytes),
+                       traffic=traffic, unit_names=[u.name for u in prof.units], mapping_kind=mapping,
+                       hardware=hw.describe(), gpu_memory_bytes=hw.gpu_memory_bytes, param_count=prof.param_count(),
+                       cpu_adam_params_per_s=hw.cpu_update_rate(options.grad_dtype == "half", len(worker_gpus)),
+                       mip=mip, host_bytes=_host_bytes(ctx, bounds, options), host_memory_bytes=hw.host_memory_bytes,
+                       host_bytes_by_states=_host_bytes_by_states(ctx, bounds, options), time_split=sim.time_split())
 
 
 def _stage_plans(ctx: PlanContext, bounds: list[int], options: PipelineOptions, sim: SimResult) -> list[StagePlan]:

@@ -173,7 +173,7 @@ def apply_profile_file(base: ModelProfile, data: dict, path: str | Path) -> Mode
              if u.kind in times else u for u in base.units]
     kept = sorted({u.kind for u in base.units} - set(times))
     notes = {**base.notes, "profile_file": str(path), "estimated_kinds": kept}
-    return dataclasses.replace(base, units=units, device_name=data.get("gpu") or base.device_name, source="measured",
+    return dataclasses.replace(base, units=units, device_name=data.get("gpu") or base.device_name, source="file",
                                profile_s=0.0, notes=notes)
 
 

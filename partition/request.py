@@ -15,9 +15,15 @@ from partition.sim.flows import Sharing
 
 CONTENTION_ROUNDS = 1  # re-plans at the simulated rates, at most
 
+
+def update_name(delayed: bool) -> str:
+    """The ``train.update`` rule a plan's ``delayed`` flag stands for, as the configuration, the plans' JSON and
+    their reports name it."""
+    return "delayed" if delayed else "sync"
+
 _CHOICES = {"solver": get_args(SolverName), "bandwidth_view": get_args(BandwidthView), "sharing": get_args(Sharing),
             "offload_inputs": ("auto", "on", "off"), "grad_download": ("auto", "fp32", "half"),
-            "update": ("sync", "delayed"), "schedule": ("swapped", "round_robin", "auto"),
+            "schedule": ("swapped", "round_robin", "auto"),
             "states": ("fp32", "bf16", "int8")}
 
 
@@ -37,8 +43,8 @@ class PlanRequest:
     :mod:`partition.residency`). ``grad_download``: "fp32", "half" or "auto" (half when host memory
     needs it or the simulator finds it clearly faster). ``contention_rounds``: how often to re-plan
     at the simulated transfer rates when contention the MIP does not see slows the simulated step
-    (0: never). ``update``: "sync", or "delayed" (a step computes with the weights one update older and
-    does not wait for its CPU updates). ``states``: the AdamW moments' precision (``train.optimizer_states``:
+    (0: never). ``delayed``: ``train.update: delayed`` (a step computes with the weights one update older and
+    does not wait for its CPU updates; :attr:`mobius.config.TrainSection.delayed`). ``states``: the AdamW moments' precision (``train.optimizer_states``:
     "fp32", "bf16" or "int8"; the host bytes per parameter and the CPU update's rate follow it). ``schedule``:
     "swapped" (the swapped pipeline alone),
     "round_robin" (also plan the round-robin family, :mod:`partition.roundrobin_plan`, on the same GPUs, and run it)
@@ -62,7 +68,7 @@ class PlanRequest:
     kept: Collection[int] | None = None
     grad_download: str = "auto"
     contention_rounds: int = CONTENTION_ROUNDS
-    update: str = "sync"
+    delayed: bool = False
     schedule: str = "swapped"
     states: str = "fp32"
 

@@ -17,10 +17,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from partition.costs import MOMENT_BYTES, ModelProfile, StageCost, moment_savings, stage_cost, states_advice
 from partition.evaluate import GB, stage_exprs
 from partition.hardware import Hardware
+from partition.request import update_name
 from partition.schedule import PipelineOptions
 from partition.schedule.pipeline import Kind
 from partition.schedule.roundrobin_actions import Cuts, build_round_robin
@@ -223,13 +225,16 @@ def search_cuts(profile: ModelProfile, hardware: Hardware, worker_gpus: list[int
 
 @dataclass
 class RoundRobinPlan:
-    """The round-robin family's plan of a run: its cuts and their simulated step under the run's update rule
-    and under the other one (same cuts), as the planner compares it with the swapped pipeline's (``mobius train``
-    runs it when asked for, or under ``auto`` when it is predicted faster: ``scheduler/roundrobin_engine.py``)."""
+    """The round-robin family's plan of a run, the one ``scheduler/roundrobin_engine.py`` runs: its cuts on the GPUs
+    of the swapped pipeline's plan it was made beside, its runtime settings, and its simulated step under the run's
+    update rule and under the other one (the same cuts)."""
 
+    schedule: ClassVar[str] = "round_robin"  # (parallel.schedule's name of it)
     cuts: Cuts
-    update: str  # the run's rule: "sync" or "delayed"
-    step_s: float  # simulated steady-state step under ``update``
+    worker_gpus: list[int]
+    micro_batches: int
+    options: PipelineOptions  # round_robin_options: the barrier, the update rule (delayed) and the optimizer states
+    predicted_step_s: float  # simulated steady-state step under the run's rule
     other_step_s: float  # the same cuts under the other rule
     first_step_s: float  # the first step from empty GPUs (the period before the steady state)
     tokens_per_step: int
@@ -241,27 +246,48 @@ class RoundRobinPlan:
     search_s: float
 
     def tokens_per_s(self, step_s: float | None = None) -> float:
-        return self.tokens_per_step / (step_s if step_s is not None else self.step_s)
+        return self.tokens_per_step / (step_s if step_s is not None else self.predicted_step_s)
+
+    def replay(self, profile: ModelProfile, hardware: Hardware) -> SimResult:
+        """The plan's step simulated again with ``profile``'s unit times on ``hardware`` (the plan's own: its
+        prediction), with ``profile``'s spreads drawn (:func:`with_spread`)."""
+        def sim(record: bool = True, steps: int = STEPS, draw: int = -1) -> SimResult:
+            return simulate_round_robin(profile, self.cuts, hardware, self.worker_gpus, self.micro_batches,
+                                        self.options, record=record, steps=steps, draw=draw)
+        return with_spread(sim(), profile, lambda steps, draw: sim(False, steps, draw))
 
     def to_json(self) -> dict:
-        other = "delayed" if self.update == "sync" else "sync"
-        return {**self.cuts.to_json(), "update": self.update, "step_s": self.step_s, f"{other}_step_s":
-                self.other_step_s, "first_step_s": self.first_step_s, "tokens_per_s": self.tokens_per_s(),
-                "host_bytes": self.host_bytes, "time_split": self.time_split,
+        """Its cuts and predictions, each rule's under its name (``sync_step_s`` or ``delayed_step_s`` for the
+        other one); its GPUs, micro-batches and settings are those of the swapped plan it was made beside."""
+        other = update_name(not self.options.delayed)
+        return {**self.cuts.to_json(), "update": update_name(self.options.delayed), "step_s": self.predicted_step_s,
+                f"{other}_step_s": self.other_step_s, "first_step_s": self.first_step_s,
+                "tokens_per_s": self.tokens_per_s(), "host_bytes": self.host_bytes, "time_split": self.time_split,
                 f"{other}_tokens_per_s": self.tokens_per_s(self.other_step_s), "peak_bytes": self.peak_bytes,
                 "traffic_bytes": self.traffic_bytes, "cuts_simulated": self.tried, "search_s": self.search_s}
+
+    @classmethod
+    def from_json(cls, data: dict, worker_gpus: list[int], micro_batches: int, tokens_per_step: int,
+                  options: PipelineOptions) -> "RoundRobinPlan":
+        """The plan :meth:`to_json` wrote, on the GPUs, micro-batches, tokens and settings of the swapped plan it
+        was made beside."""
+        other = update_name(not options.delayed)
+        cuts = Cuts(tuple(data["forward"]), tuple(data["backward"]), data["fused"][1])
+        return cls(cuts, list(worker_gpus), micro_batches, options, data["step_s"], data[f"{other}_step_s"],
+                   data["first_step_s"], tokens_per_step, data["peak_bytes"], data["host_bytes"],
+                   dict(data["time_split"]), data["traffic_bytes"], data["cuts_simulated"], data["search_s"])
 
     def lines(self, swapped_step_s: float, runs: bool) -> list[str]:
         """What ``mobius plan`` prints of it, beside the swapped pipeline's ``swapped_step_s`` (``runs``: mobius
         train runs it)."""
-        c, other = self.cuts, "delayed" if self.update == "sync" else "sync"
-        faster = swapped_step_s / self.step_s
+        c, rule, other = self.cuts, update_name(self.options.delayed), update_name(not self.options.delayed)
+        faster = swapped_step_s / self.predicted_step_s
         what = "runs" if runs else "not run: the swapped pipeline is faster predicted"
         return [f"round-robin schedule (RoundPipe's class; {what}): {c.num_forward} forward + 1 "
                 f"fused + {c.num_backward} backward stages per round, forward cuts {list(c.forward)}, fused units "
                 f"[{c.fused_from}, {c.num_units}), backward cuts {list(c.backward)}",
-                f"  predicted {self.step_s:.3f} s per step = {self.tokens_per_s():,.0f} tokens/s with update "
-                f"{self.update} ({faster:.2f}x the swapped pipeline's {swapped_step_s:.3f} s), "
+                f"  predicted {self.predicted_step_s:.3f} s per step = {self.tokens_per_s():,.0f} tokens/s with update "
+                f"{rule} ({faster:.2f}x the swapped pipeline's {swapped_step_s:.3f} s), "
                 f"{self.other_step_s:.3f} s = {self.tokens_per_s(self.other_step_s):,.0f} tokens/s with {other}; "
                 f"first step from empty GPUs {self.first_step_s:.3f} s; peak {self.peak_bytes / 2**30:.1f} GiB per "
                 f"GPU, {self.host_bytes / 2**30:.1f} GiB of host memory (shared by the workers), "
@@ -297,8 +323,7 @@ def plan_round_robin(profile: ModelProfile, hardware: Hardware, worker_gpus: lis
     other = simulate_round_robin(profile, choice.cuts, hardware, worker_gpus, micro_batches, flipped, sharing,
                                  record=False)
     res = choice.result
-    return RoundRobinPlan(choice.cuts, "delayed" if options.delayed else "sync", recorded.step_s,
-                          other.step_s + recorded.spread_s,
-                          res.step_ends[0], micro_batches * profile.micro_batch_size * profile.seq_len,
-                          max(res.peak_bytes), host, recorded.time_split(), res.total_bytes(), choice.tried + 1,
-                          choice.search_s)
+    return RoundRobinPlan(choice.cuts, list(worker_gpus), micro_batches, options, recorded.step_s,
+                          other.step_s + recorded.spread_s, res.step_ends[0],
+                          micro_batches * profile.micro_batch_size * profile.seq_len, max(res.peak_bytes), host,
+                          recorded.time_split(), res.total_bytes(), choice.tried + 1, choice.search_s)

@@ -33,11 +33,12 @@ from mobius.models.experts import balance_of
 from mobius.optim import UpdateRule
 from mobius.states import Moments
 from mobius.parallel import ParallelSettings
-from partition.plan import Plan
+from partition.swapped_plan import SwappedPlan
 from partition.schedule import Schedule, build_eval_schedule, build_schedule
 from scheduler.arbiter import UploadArbiter, arbiter_name, remove_stale
 from scheduler.counters import Counters
 from scheduler.links import link_to, mailboxes_for
+from scheduler.plan_check import check_plan
 from scheduler.executor import Executor
 from scheduler.executor_state import Collectives, ExecutorOptions, StepIO
 from scheduler.messages import trailer_numel
@@ -56,8 +57,9 @@ class PipelineEngine:
 
     looks_ahead = False
 
-    def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: Plan, settings: ParallelSettings,
+    def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: SwappedPlan, settings: ParallelSettings,
                  device: torch.device, weights_from: WeightSource | None = None, skip_updates: bool = False):
+        check_plan("the plan", plan.options.delayed, plan.options.states, cfg.train)
         self.cfg, self.model_cfg, self.plan, self.settings, self.device = cfg, model_cfg, plan, settings, device
         self.comm = ProcessGroup()
         self.rank, self.world = self.comm.rank, self.comm.world
@@ -72,13 +74,7 @@ class PipelineEngine:
         if half_grads and self.dtype != torch.bfloat16:
             raise MobiusError(f"the plan downloads half-precision gradients, which needs bf16 training, not "
                               f"{cfg.train.precision}; plan again for this configuration")
-        self.delayed = plan.options.delayed  # the plan carries the rule (one source); a stale plan is refused
-        if self.delayed != (cfg.train.update == "delayed"):
-            raise MobiusError(f"the plan was made for train.update={'delayed' if plan.options.delayed else 'sync'}, "
-                              f"but the run has train.update={cfg.train.update}; plan again for this configuration")
-        if plan.options.states != cfg.train.optimizer_states:
-            raise MobiusError(f"the plan was made for train.optimizer_states={plan.options.states}, but the run has "
-                              f"{cfg.train.optimizer_states}; plan again for this configuration")
+        self.delayed = plan.options.delayed  # the plan carries the rule (check_plan: the run's)
         swapped = [j for j in mine if j not in plan.options.resident]
         tied_end = self._tied_end(swapped)
         held = self.layouts[-1].trainable_numel - tied_end[0] if tied_end else 0  # the end, padding included

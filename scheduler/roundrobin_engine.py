@@ -53,8 +53,7 @@ from mobius.models.params import build_units
 from mobius.optim import UpdateRule
 from mobius.states import Moments
 from mobius.parallel import ParallelSettings
-from partition.plan import Plan
-from partition.roundrobin_plan import round_robin_options
+from partition.roundrobin_plan import RoundRobinPlan
 from partition.schedule import Action, Kind
 from partition.schedule.roundrobin_actions import RoundRobinSchedule, build_round_robin, rotation_start
 from scheduler.counters import Counters
@@ -62,6 +61,7 @@ from scheduler.device_slot import DeviceSlot
 from scheduler.dispatch_thread import Background, batches_on, copy_after, dispatch_action, event_now
 from scheduler.links import link_to, mailboxes_for, post_early
 from scheduler.messages import Messages, StageMessages, trailer_numel
+from scheduler.plan_check import check_plan
 from scheduler.roundrobin_compute import OpCompute
 from scheduler.roundrobin_step import RoundRobinStep, StepReduce, ready_version
 from scheduler.roundrobin_updates import OpUpdates
@@ -77,8 +77,9 @@ class RoundRobinEngine:
     """The round-robin schedule on this worker (rank) of the default process group: the ``Engine`` the
     trainer drives (train step, evaluation, checkpoint state)."""
 
-    def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: Plan, settings: ParallelSettings,
+    def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: RoundRobinPlan, settings: ParallelSettings,
                  device: torch.device, weights_from: WeightSource | None = None, skip_updates: bool = False):
+        check_plan("the round-robin plan", plan.options.delayed, plan.options.states, cfg.train)
         self.cfg, self.model_cfg, self.device = cfg, model_cfg, device
         self.comm = ProcessGroup()
         self.rank, self.world = self.comm.rank, self.comm.world
@@ -86,16 +87,9 @@ class RoundRobinEngine:
         if settings.nodes > 1:
             raise ConfigError("the round-robin schedule runs on one machine (its workers share host memory); "
                               f"this run spans {settings.nodes} nodes: use parallel.schedule=swapped")
-        self.cuts = plan.round_robin_cuts()
+        self.cuts, self.options = plan.cuts, plan.options
         self.delayed = plan.options.delayed
-        if self.delayed != (cfg.train.update == "delayed"):
-            raise MobiusError(f"the plan was made for train.update={'delayed' if self.delayed else 'sync'}, but the "
-                              f"run has train.update={cfg.train.update}; plan again for this configuration")
-        if plan.options.states != cfg.train.optimizer_states:
-            raise MobiusError(f"the plan was made for train.optimizer_states={plan.options.states}, but the run has "
-                              f"{cfg.train.optimizer_states}; plan again for this configuration")
         self.dtype = DTYPES[cfg.train.precision]
-        self.options = round_robin_options(plan.options)
         M, (B, T, H) = cfg.train.micro_batches, (cfg.train.micro_batch_size, cfg.data.seq_len, hidden_size(model_cfg))
         self.act_shape = (B, T, H)
         self.balance = balance_of(model_cfg)  # an MoE's load-balancing loss (None: dense)

@@ -129,7 +129,7 @@ class SingleEngine:
         self.named = [(n, p) for n, p in dict((id(p), (n, p)) for n, p in model.named_parameters()).values()
                       if p.requires_grad]  # tied weights once; what trains (LoRA freezes the base weights)
         self.params = [p for _, p in self.named]
-        self.weights = DelayedWeights(self.named) if cfg.train.update == "delayed" else SyncWeights(self.named)
+        self.weights = DelayedWeights(self.named) if cfg.train.delayed else SyncWeights(self.named)
         self.optimizer = make_adamw(self.weights.named, cfg.train, fused=device.type == "cuda")
         self.rule = UpdateRule(cfg.train)
         self.dropout = dropout_active(model.config)

@@ -259,13 +259,25 @@ def to_numpy(out: dict) -> dict:
 
 
 def pipeline_plan(cfg: Any, model_cfg: Any) -> tuple[Any, Any]:
-    """The plan ``mobius train`` makes for a pipeline run on this machine, and the run's parallel settings."""
+    """The swapped pipeline's plan ``mobius train`` makes for a pipeline run on this machine, and the run's parallel
+    settings."""
     from mobius.app.planning import plan_pipeline
     from mobius.app.settings import Machine, resolve
 
     machine = Machine.detect(cfg)
     settings = resolve(cfg, machine)
-    return plan_pipeline(cfg, model_cfg, settings, machine)[0], settings
+    return plan_pipeline(cfg, model_cfg, settings, machine)[0].swapped, settings
+
+
+def round_robin_plan(swapped: Any, forward: tuple[int, ...], backward: tuple[int, ...], units: int) -> Any:
+    """A round-robin plan of the given cuts on the GPUs and settings of ``swapped`` (a swapped pipeline's plan), as
+    the planner makes one beside it (its predictions left at 0: a runtime test runs it)."""
+    from partition.roundrobin_plan import RoundRobinPlan, round_robin_options
+    from partition.schedule.roundrobin_actions import Cuts
+
+    return RoundRobinPlan(Cuts(tuple(forward), tuple(backward), units), list(swapped.worker_gpus),
+                          swapped.micro_batches, round_robin_options(swapped.options), 0.0, 0.0, 0.0,
+                          swapped.tokens_per_step, 0, 0, {}, 0.0, 0, 0.0)
 
 
 def delayed_run_config(tmp: Any, ck: Any, corpus: Any, out: str, micro_batches: int, mode: dict,

@@ -70,7 +70,7 @@ def test_a_pcie_2x2_box_runs_the_pipeline_with_zero_as_runner_up() -> None:
 def test_an_8_gpu_pcie_4x4_box_runs_the_pipeline() -> None:
     choice = _choose("topo8_4x4_nic.txt", "--parallel.devices=8", "--train.micro_batches=8")
     assert choice.mode == "pipeline" and _by_mode(choice)["zero"].fits
-    assert choice.chosen.settings.workers == 8 and choice.chosen.plan.num_gpus == 8
+    assert choice.chosen.settings.workers == 8 and choice.chosen.runs.num_gpus == 8
 
 
 def test_an_nvlink_box_runs_zero() -> None:
@@ -175,15 +175,15 @@ def test_a_run_on_a_gpu_plans_with_that_gpu_and_says_when_partition_gpu_names_an
                                   f"to plan for the rtx3090's datasheet)")
     asked, measured = _on_a_local_h100(monkeypatch, "--partition.profile=estimated")  # a datasheet, on purpose
     prof = asked.chosen.profile
-    assert not measured and prof.source == "estimated" and prof.device_name == "rtx3090"
+    assert not measured and prof.source == "datasheet" and prof.device_name == "rtx3090"
     assert profile_line(prof).endswith("(60% of 71.0 TFLOP/s; partition.profile=estimated)")
-    assert asked.chosen.plan.predicted_step_s > 2 * choice.chosen.plan.predicted_step_s  # a 3090 is slower
+    assert asked.chosen.runs.predicted_step_s > 2 * choice.chosen.runs.predicted_step_s  # a 3090 is slower
 
 
 def test_a_plan_for_another_machine_uses_the_datasheet_and_says_why() -> None:
     from mobius.app.planning import profile_line
 
     prof = _choose("topo2x2_sys.txt").chosen.profile
-    assert prof.source == "estimated"
+    assert prof.source == "datasheet"
     assert profile_line(prof) == ("estimated for rtx3090 from its datasheet (60% of 71.0 TFLOP/s; planned for another "
                                   "machine, whose GPUs are not here to measure)")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.partition.profiles import toy_profile
-from partition import Hardware, Plan, PlanRequest, plan_model
+from partition import Hardware, PlanRequest, RoundRobinPlan, SwappedPlan, plan_model, plan_schedules
 from mobius.app.launch import measured_compute
 from partition.calibrate import (KEPT_RUNS, ComputeScale, fit_action, fit_reduce_scatter, fit_scale, learnt_scale,
                                  record_scale, scale_key, scale_path)
@@ -21,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
 
-def _plan(schedule: str) -> tuple[Plan, Hardware]:
+def _plan(schedule: str) -> tuple[SwappedPlan | RoundRobinPlan, Hardware]:
+    """The plan of ``schedule`` that runs, and its machine."""
     prof, hw = toy_profile(blocks=6), Hardware.uniform(2, 8 * GiB, 10e9)
-    return plan_model(prof, hw, PlanRequest(micro_batches=4, mapping=[0, 1], schedule=schedule)), hw
+    return plan_schedules(prof, hw, PlanRequest(micro_batches=4, mapping=[0, 1], schedule=schedule)).runs, hw
 
 
 @pytest.mark.parametrize("schedule", ["swapped", "round_robin"])
@@ -31,9 +32,9 @@ def test_the_fit_finds_the_factors_a_run_computed_at(schedule: str) -> None:
     """A run whose forwards took 1.3x and backwards (apart from their recompute) 0.9x the profile: the fit
     against the phases that step shows gives those factors back, for the schedule that ran."""
     plan, hw = _plan(schedule)
-    assert plan.round_robin.get("runs", False) == (schedule == "round_robin")
+    assert plan.schedule == schedule
     prof = toy_profile(blocks=6)
-    assert plan.replay(prof, hw).step_s == pytest.approx(plan.round_robin.get("step_s", plan.predicted_step_s))
+    assert plan.replay(prof, hw).step_s == pytest.approx(plan.predicted_step_s)
     truth = ComputeScale(1.3, 0.9)
     ran = plan.replay(truth.apply(prof), hw).time_split()
     fit = fit_scale(prof, lambda p: plan.replay(p, hw), {k: ran[k] for k in ("forward", "backward")})
@@ -103,13 +104,13 @@ def test_a_plan_whose_workers_speeds_vary_waits_for_the_slower_one(schedule: str
     spread = ComputeScale(worker_spread=0.15).apply(prof)
     assert (spread.worker_spread, prof.worker_spread) == (0.15, 0.0)
     req = PlanRequest(micro_batches=4, mapping=[0, 1], schedule=schedule)
-    alike, apart = plan_model(prof, hw, req), plan_model(spread, hw, req)
-    step = (lambda p: p.round_robin["step_s"]) if schedule == "round_robin" else (lambda p: p.predicted_step_s)
+    alike, apart = plan_schedules(prof, hw, req).runs, plan_schedules(spread, hw, req).runs  # (the schedule's plan)
+    assert apart.schedule == schedule
     nominal = apart.replay(prof, hw)
     drawn = apart.replay(spread, hw)
     assert drawn.spread_s > 0.01 * nominal.step_s and drawn.step_s == pytest.approx(nominal.step_s + drawn.spread_s)
-    assert step(apart) == pytest.approx(drawn.step_s) and apart.replay(spread, hw).step_s == drawn.step_s
-    assert step(alike) == pytest.approx(alike.replay(prof, hw).step_s)
+    assert apart.predicted_step_s == pytest.approx(drawn.step_s) and apart.replay(spread, hw).step_s == drawn.step_s
+    assert alike.predicted_step_s == pytest.approx(alike.replay(prof, hw).step_s)
     split, plain = drawn.time_split(), nominal.time_split()
     assert split["idle"] == pytest.approx(plain["idle"] + drawn.spread_s) and split["tail"] == pytest.approx(plain["tail"])
     run = {k: nominal.time_split()[k] for k in ("forward", "backward")}

@@ -56,7 +56,7 @@ def test_a_workers_share_is_its_rate_alone_or_the_hosts_total_over_those_updatin
     assert [hw.cpu_update_rate(updating=k) for k in (1, 2, 3, 4)] == pytest.approx([3e9, 3e9, 8e9 / 3, 2e9])
     assert hw.cpu_update_rate(True, updating=4) == pytest.approx(1e9)
     assert hw.host_update_total() == pytest.approx(8e9) and hw.host_update_total(workers=2) == pytest.approx(6e9)
-    rates = rates_for(ModelProfile([], 1, 1, "fp16", "x", "estimated"), hw, [0, 1, 2, 3], 8)
+    rates = rates_for(ModelProfile([], 1, 1, "fp16", "x", "datasheet"), hw, [0, 1, 2, 3], 8)
     assert rates.cpu == pytest.approx(2.0)  # G params/s: the MIP plans every worker at the share of all four
 
 

@@ -267,7 +267,7 @@ cfg = config_from_dict({"model": {"preset": "qwen2.5-0.5b", "dropout": 0.0}, "da
                         "output": {"dir": sys.argv[2]}}, "probe")
 mc = with_adapters(dataclasses.replace(get_preset("qwen2.5-0.5b"), num_hidden_layers=4), cfg)
 settings = resolve(cfg, Machine.detect(cfg))
-plan, _, _ = plan_pipeline(cfg, mc, settings, Machine.detect(cfg))
+plan = plan_pipeline(cfg, mc, settings, Machine.detect(cfg))[0].swapped
 before = rss()
 engine = PipelineEngine(cfg, mc, plan, settings, torch.device("cpu"), None)
 grown = rss() - before

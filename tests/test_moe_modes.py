@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from conftest import make_hf_moe
-from spawned import EXACT_EPS, adapted_model, check_against_reference, exact_config, pipeline_plan, spawn_cases
+from spawned import EXACT_EPS, adapted_model, check_against_reference, exact_config, pipeline_plan, round_robin_plan
+from spawned import spawn_cases
 from spawned import to_numpy, token_batches, train_delayed_case
 
 STEPS, MICRO = 4, 4
@@ -105,12 +106,10 @@ def _zero_plan(cfg, mc, world: int):
     blocks = (layout.min_blocks + layout.num_chunks) // 2
     return plan(model_params(mc), units, prof, hw, micro_batches=MICRO,
                 checkpointing=cfg.model.activation_checkpointing, barrier=cfg.train.barrier, chunk_size=chunk,
-                cache_blocks=blocks, gpu_chunks=trained // 2, delayed=cfg.train.update == "delayed")
+                cache_blocks=blocks, gpu_chunks=trained // 2, delayed=cfg.train.delayed)
 
 
 def _planned(case: dict, world: int, tmp: Path) -> dict:
-    from partition.schedule.roundrobin_actions import Cuts
-
     cfg = _cfg(case, world, tmp)
     mc = adapted_model(case, cfg)
     out = {**case, "cfg": cfg, "model_cfg": mc}
@@ -118,8 +117,7 @@ def _planned(case: dict, world: int, tmp: Path) -> dict:
         return {**out, "plan": _zero_plan(cfg, mc, world), "settings": None}
     plan, settings = pipeline_plan(cfg, mc)
     if case["mode"] == "round_robin":
-        fwd, bwd = case["parallel"]["cuts"]
-        plan.round_robin = {**Cuts(fwd, bwd, mc.num_hidden_layers + 2).to_json(), "runs": True}
+        plan = round_robin_plan(plan, *case["parallel"]["cuts"], mc.num_hidden_layers + 2)
     return {**out, "plan": plan, "settings": settings}
 
 

@@ -13,7 +13,7 @@ from fixtures.partition.profiles import toy_profile
 from mobius import cli
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import get_preset, unit_specs
-from partition import Hardware, Plan, PlanRequest, estimate_units, plan_model
+from partition import Hardware, PlanRequest, SwappedPlan, estimate_units, plan_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "partition"
 SMI_2X2 = FIXTURES / "paper_topo2x2_nvidia_smi.txt"
@@ -62,14 +62,14 @@ def test_plan_json_round_trip() -> None:
     hw = Hardware.uniform(2, 2 * GiB, 10e9, groups=[[0], [1]])
     plan = plan_model(prof, hw, PlanRequest(micro_batches=2, mapping=[0, 1]))
     data = json.loads(json.dumps(plan.to_json()))
-    again = Plan.from_json(data)
+    again = SwappedPlan.from_json(data)
     assert again.to_json() == plan.to_json()
     assert again.boundaries == plan.boundaries and again.stages[0] == plan.stages[0]
     assert set(data["baselines"]) == {"minimum-stage", "maximum-stage", "time-balanced"}
     assert data["mapping"]["stage_gpus"] == [plan.gpu_of_stage(j) for j in range(plan.num_stages)]
     assert {k: data[k] for k in plan.options.to_json()} == plan.options.to_json()  # the options: top-level keys
     older = {**data, "stages": [{**s, "resident": False, "kept": False} for s in data["stages"]]}
-    assert Plan.from_json(older).to_json() == data  # a plan.json that stored each stage's residency still reads
+    assert SwappedPlan.from_json(older).to_json() == data  # a plan.json that stored each stage's residency still reads
 
 
 def test_a_search_cut_short_on_a_worse_partition_than_a_baseline_plans_with_the_baseline(
@@ -93,14 +93,14 @@ def test_a_search_cut_short_on_a_worse_partition_than_a_baseline_plans_with_the_
     monkeypatch.setattr(plan_mod, "solve_partition", cut_short)
     plan = plan_model(prof, hw, PlanRequest(micro_batches=4, barrier=True))
     fastest = min((v, k) for k, v in plan.baselines.items() if v)
-    adopted = plan.mip["baseline_adopted"]
-    assert adopted["name"] == fastest[1] and plan.boundaries == plan.baseline_boundaries[fastest[1]] != poor
-    assert plan.predicted_step_s == fastest[0] < adopted["search_step_s"]
+    adopted = plan.mip.baseline_adopted
+    assert adopted.name == fastest[1] and plan.boundaries == plan.baseline_boundaries[fastest[1]] != poor
+    assert plan.predicted_step_s == fastest[0] < adopted.search_step_s
     assert plan.options.resident or plan.options.kept  # the baseline's own residency choice came with it
     assert f"partition: the {fastest[1]} baseline's, which simulates faster than the search's" in plan.summary()
-    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).mip["baseline_adopted"] == adopted
+    assert SwappedPlan.from_json(json.loads(json.dumps(plan.to_json()))).mip.baseline_adopted == adopted
     given = plan_model(prof, hw, PlanRequest(micro_batches=4, barrier=True, boundaries=poor))
-    assert given.boundaries == poor and given.mip["baseline_adopted"] is None
+    assert given.boundaries == poor and given.mip.baseline_adopted is None
 
 
 def test_pipeline_options_serialise_by_field_name() -> None:
@@ -123,11 +123,11 @@ def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
     # fp16 updates after the global norm; no 0.5% proof needed, 1.5 s of search each (the checks do not need the best)
     kw = dict(micro_batches=4, barrier=True, rel_gap=0.02, time_limit_s=1.5)
     swapped = plan_model(prof, hw, PlanRequest(resident=[], kept=[], **kw))  # the paper's pipeline: all swapped
-    assert swapped.profile_source == "estimated" and swapped.boundaries[-1] == len(specs)
+    assert swapped.profile_source == "datasheet" and swapped.boundaries[-1] == len(specs)
     assert 3.0 < swapped.traffic["x_param_bytes"] < 5.0  # two half-precision uploads, fp32 gradients down
     plan = plan_model(prof, hw, PlanRequest(**kw))  # the second pass uses the memory the swapped plan leaves free
     for p in (swapped, plan):
-        if "simulated_rates_GBps" not in p.mip:  # the contention-free model: contention only adds time (the
+        if p.mip.simulated_rates_GBps is None:  # the contention-free model: contention only adds time (the
             # model gives each worker the CPU share of all updating at once, the simulator of those updating then)
             assert p.predicted_step_s >= p.model_step_s * 0.98
         assert all(v is None or v >= p.predicted_step_s * 0.98 for v in p.baselines.values())
@@ -142,9 +142,9 @@ def test_plan_model_for_a_real_model_with_an_estimated_profile() -> None:
     # beside it, the same stages under the other update rule: delayed (fp32 gradient downloads) hides CPU updates
     # that a step after the norm would wait for
     other = plan.other_update
-    assert other["update"] == "delayed" and other["step_s"] <= plan.predicted_step_s * 1.001
-    assert other["host_bytes"] >= plan.host_bytes and "with train.update=delayed the same stages" in text
-    assert Plan.from_json(plan.to_json()).other_update == other
+    assert other.delayed and other.step_s <= plan.predicted_step_s * 1.001
+    assert other.host_bytes >= plan.host_bytes and "with train.update=delayed the same stages" in text
+    assert SwappedPlan.from_json(plan.to_json()).other_update == other
 
 
 def test_hardware_from_a_saved_nvidia_smi_topology_and_a_bandwidth_file() -> None:
@@ -173,7 +173,7 @@ def test_mobius_plan_for_opt_13b_on_the_papers_2x2_box_from_a_saved_file(opt13b_
     for key in ("stages", "mapping", "predicted_step_s", "baselines", "solver", "solve_s"):
         assert key in out
     assert out["boundaries"][-1] == 42 and out["mapping"]["worker_gpus"] == [0, 2, 1, 3]
-    assert out["solve_s"] < 20 and out["profile"]["source"] == "estimated"  # (the search stops at 4 s; 7 s unbounded)
+    assert out["solve_s"] < 20 and out["profile"]["source"] == "datasheet"  # (the search stops at 4 s; 7 s unbounded)
     assert all(isinstance(v, float) or v is None for v in out["baselines"].values())
     assert "traceEvents" in json.loads(trace.read_text())
 
@@ -282,10 +282,10 @@ def test_the_plan_adapts_its_partition_to_root_complex_contention() -> None:
     assert aware.predicted_step_s < free.predicted_step_s * 0.9, (aware.predicted_step_s, free.predicted_step_s)
     assert free.model_step_s < free.predicted_step_s * 0.8  # what the contention-free model did not see
     assert aware.model_step_s == pytest.approx(aware.predicted_step_s, rel=0.1)
-    rates = aware.mip["simulated_rates_GBps"]["h2d"]
+    rates = aware.mip.simulated_rates_GBps.h2d
     assert rates[0] > 4.5 > 4.0 > max(rates[1:])  # the GPU alone keeps (nearly) its link's rate
     assert "re-planned under contention" in aware.summary()
-    first, again = aware.mip["contention_plans"]
+    first, again = aware.mip.contention_plans
     assert (first["rates"], again["rates"]) == ("link", "simulated")
     assert first["simulated_step_s"] == free.predicted_step_s and again["simulated_step_s"] == aware.predicted_step_s
 
@@ -297,7 +297,7 @@ def test_without_shared_root_complexes_the_plan_is_not_re_planned() -> None:
     free = plan_model(prof, hw, PlanRequest(micro_batches=4, with_baselines=False, contention_rounds=0))
     aware = plan_model(prof, hw, PlanRequest(micro_batches=4, with_baselines=False))
     assert aware.boundaries == free.boundaries and aware.predicted_step_s == free.predicted_step_s
-    assert "simulated_rates_GBps" not in aware.mip and "contention-free" in aware.summary()
+    assert aware.mip.simulated_rates_GBps is None and "contention-free" in aware.summary()
 
 
 def test_where_two_slots_do_not_fit_the_plan_prefetches_what_fits_of_the_next_stage() -> None:
@@ -320,7 +320,7 @@ def test_where_two_slots_do_not_fit_the_plan_prefetches_what_fits_of_the_next_st
                      dataclasses.replace(plan.options, prefetch_bytes=0))
     assert plan.predicted_step_s < 0.95 * plain.step_s
     assert "prefetch buffer" in plan.summary() and plan.runtime_settings()["prefetch_bytes"] == opts.prefetch_bytes
-    assert Plan.from_json(plan.to_json()).options == plan.options
+    assert SwappedPlan.from_json(plan.to_json()).options == plan.options
 
 
 def test_the_residency_pass_chooses_among_the_near_best_partitions() -> None:
@@ -346,8 +346,8 @@ def test_the_residency_pass_chooses_among_the_near_best_partitions() -> None:
     assert plan.boundaries == res.alternatives[fastest].boundaries
     assert plan.predicted_step_s == pytest.approx(steps[fastest], rel=1e-9)
     chosen = res.alternatives[fastest]  # the gap stated is the chosen partition's, in the MIP's model
-    assert plan.gap == pytest.approx(max(0.0, 1 - plan.mip["lower_bound_s"] / chosen.predicted_s), rel=1e-9)
-    assert plan.mip["num_stages"] == plan.num_stages and dataclasses.replace(plan.options, resident=frozenset(),
+    assert plan.gap == pytest.approx(max(0.0, 1 - plan.mip.lower_bound_s / chosen.predicted_s), rel=1e-9)
+    assert plan.mip.num_stages == plan.num_stages and dataclasses.replace(plan.options, resident=frozenset(),
                                                                              kept=frozenset()) == options
 
 
@@ -364,7 +364,7 @@ def test_a_delayed_plan_is_the_faster_simulated_of_its_two_rankings(seed: int, s
 
     prof, hw, M = random_case(seed)
     hw = dataclasses.replace(hw, cpu_adam_params_per_s=hw.cpu_adam_params_per_s / slower_cpu)
-    request = PlanRequest(micro_batches=M, update="delayed", with_baselines=False, contention_rounds=0,
+    request = PlanRequest(micro_batches=M, delayed=True, with_baselines=False, contention_rounds=0,
                           time_limit_s=30.0)  # (each search ends optimal in well under a second; a loaded machine
     # stopped by the default 3 s limit can rank the two rules the other way)
     plan = plan_model(prof, hw, request)
@@ -372,7 +372,7 @@ def test_a_delayed_plan_is_the_faster_simulated_of_its_two_rankings(seed: int, s
     assert pp._cpu_weighs(ctx)
     each = {rule: pp._plan_at(ctx, hw, request.rel_gap, (rule,)).sim.step_s for rule in ("sync", "delayed")}
     assert min(each, key=each.__getitem__) == faster and max(each.values()) > min(each.values()) * 1.03, each
-    assert plan.mip["ranked_by"] == faster and plan.predicted_step_s == pytest.approx(each[faster], rel=1e-9)
+    assert plan.mip.ranked_by == faster and plan.predicted_step_s == pytest.approx(each[faster], rel=1e-9)
     assert plan.options.delayed and plan.model_step_s == pytest.approx(
         ctx.evaluator(hw, plan.options).step_time(plan.boundaries), rel=1e-9)
     assert ("ranked by the sync rule's timing model" in plan.summary()) == (faster == "sync")
@@ -392,10 +392,10 @@ def test_where_the_cpu_work_is_small_a_delayed_plan_searches_once(monkeypatch: p
     rankings: list[bool] = []
     search = pp._search
     monkeypatch.setattr(pp, "_search", lambda ctx, *a: rankings.append(ctx.ranks_as_sync) or search(ctx, *a))
-    request = PlanRequest(micro_batches=M, update="delayed", with_baselines=False, contention_rounds=0)
+    request = PlanRequest(micro_batches=M, delayed=True, with_baselines=False, contention_rounds=0)
     plan = plan_model(prof, hw, request)
     assert not pp._cpu_weighs(pp.PlanContext.of(prof, hw, request))
-    assert rankings == [False] and plan.mip["ranked_by"] == "delayed"
+    assert rankings == [False] and plan.mip.ranked_by == "delayed"
     rankings.clear()
     plan_model(prof, hw, PlanRequest(micro_batches=M, with_baselines=False, contention_rounds=0))
     assert rankings == [True]  # (sync: its own rule's model)

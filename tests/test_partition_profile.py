@@ -97,7 +97,7 @@ def test_estimate_matches_measured_proportions_between_units(measured: ModelProf
     within a factor of two, a bound a loaded or slow machine's timings stay inside."""
     cpu_like = {"base": "rtx3090", "fp32_tflops": 0.2, "mem_GBps": 20}
     estimated = estimate_units(_small_gpt(), 2, 128, "fp32", cpu_like)
-    assert estimated.source == "estimated"
+    assert estimated.source == "datasheet"
     assert [u.param_bytes for u in estimated.units] == [u.param_bytes for u in measured.units]
     est = _shares(estimated)
     ratios = []
@@ -173,7 +173,7 @@ def test_estimated_profile_needs_a_gpu_model() -> None:
     with pytest.raises(ConfigError, match="unknown GPU"):
         get_profile(specs, 1, 32, "bf16", "estimated", gpu="voodoo2")
     prof = get_profile(specs, 1, 32, "bf16", "auto", gpu="rtx4090")
-    assert prof.source == "estimated" and prof.device_name == "rtx4090"
+    assert prof.source == "datasheet" and prof.device_name == "rtx4090"
 
 
 def test_catalogue_understands_device_names() -> None:
@@ -222,6 +222,7 @@ def test_a_plan_takes_its_unit_times_from_a_profile_file_and_estimates_the_kinds
     estimated = estimate_units(unit_specs(get_preset("llama-3.1-8b")), 4, 2048, "bf16", "rtx4090").units[0]
     assert units["embed"]["fwd_s"] == pytest.approx(estimated.fwd_s)  # not named: the datasheet's
     assert out["profile"]["device"] == "rtx4090" and out["profile"]["notes"]["estimated_kinds"] == ["embed"]
+    assert out["profile"]["source"] == out["profile_source"] == "file"
     assert out["predicted_step_s"] > 32 * 16 * (0.0185037 + 0.0597103) / 8  # at least the blocks' work per GPU
 
 

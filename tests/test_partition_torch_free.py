@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''
     import partition.single_plan
     import partition.zero
     from mobius.layout import ParamInfo
-    from partition import Hardware, Plan, PlanRequest, estimate_units, plan_model
+    from partition import Hardware, PlanRequest, SwappedPlan, estimate_units, plan_model
     from partition.zero import ZeroHardware
 
     H, V = 256, 1000  # a small GPT-shaped model: the unit descriptions mobius.models.unit_specs gives, by hand
@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent('''
     hw = Hardware.uniform(2, 2 * 2**30, 10e9, groups=[[0], [1]])
     prof = estimate_units(specs, 1, 64, "bf16", "rtx3090")
     plan = plan_model(prof, hw, PlanRequest(micro_batches=2, time_limit_s=2, with_baselines=False))
-    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    again = SwappedPlan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again.options == plan.options and again.boundaries == plan.boundaries
     params = [ParamInfo((f"{s.name}.weight",), (s.param_count,), (i,), True) for i, s in enumerate(specs)]
     zhw = ZeroHardware(1, 2 * 2**30, 10e9, 10e9, 10e9, 700e9, 1e9, 25e9)

@@ -15,7 +15,7 @@ import torch
 
 from mobius.config import config_from_dict
 from mobius.models.hf import read_state_dict
-from partition.plan import Plan
+from partition import ScheduleComparison
 from spawned import EXACT_EPS, case_model, spawn_cases, token_batches
 from mobius.app.run import train
 from in_process import mobius
@@ -197,7 +197,7 @@ def _planned(case: dict, world: int, tmp: Path) -> dict:
     cfg = _exact_cfg(case, world, tmp)
     machine = Machine.detect(cfg)
     settings = resolve(cfg, machine)
-    plan, _, _ = plan_pipeline(cfg, _model_cfg(case), settings, machine)
+    plan = plan_pipeline(cfg, _model_cfg(case), settings, machine)[0].swapped
     par = case["parallel"]
     for key in ("resident", "kept"):
         if f"{key}_stages" in par:
@@ -383,9 +383,9 @@ def test_demo_pipeline_on_two_workers_matches_single(tmp_path: Path, demo_single
     assert "predicted step time" in r.stderr  # the plan summary is shown before training
     assert "plan reused: made on " in r.stderr  # the plan shown, kept: not searched again
     _compare(demo_single, tmp_path / "pipe", atol=1e-5)
-    plan, ran = Plan.from_json(json.loads(shown.stdout)), Plan.from_json(json.loads((tmp_path / "pipe" / "plan.json")
-                                                                                     .read_text()))
-    assert plan.runtime_settings() == ran.runtime_settings()  # the plan shown is the plan run
+    shown_plan = ScheduleComparison.from_json(json.loads(shown.stdout)).runs
+    ran = ScheduleComparison.from_json(json.loads((tmp_path / "pipe" / "plan.json").read_text())).runs
+    assert shown_plan.runtime_settings() == ran.runtime_settings()  # the plan shown is the plan run
     trace = json.loads((tmp_path / "pipe" / "trace-step2.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {1, 2}  # both workers

@@ -21,19 +21,25 @@ BOX = topology.load_topology(ROOT / "tests" / "fixtures" / "topology" / "topo2x2
 
 @pytest.fixture
 def searches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the planner's searches (calls of partition.plan_model through the app)."""
+    """Counts the planner's searches (calls of partition.plan_schedules through the app)."""
     calls: list[int] = []
-    search = planning.plan_model
-    monkeypatch.setattr(planning, "plan_model", lambda *a: calls.append(1) or search(*a))
+    search = planning.plan_schedules
+    monkeypatch.setattr(planning, "plan_schedules", lambda *a: calls.append(1) or search(*a))
     return calls
 
 
-def _plan(cache: Path, *overrides: str):
+def _plans(cache: Path, *overrides: str):
+    """The pipeline's schedules planned for the demo on a 2+2 box."""
     cfg = load_config(ROOT / "configs" / "demo.yaml",  # a small GPT-2: searches of 0.1 s
                       ["--parallel.mode=pipeline", "--parallel.device=cuda", "--parallel.devices=4",
                        "--partition.gpu=rtx3090", "--partition.time_limit_s=1", f"--partition.cache_dir={cache}",
                        *overrides])
     return plan_run(cfg, planned_architecture(cfg), Machine.saved(BOX)).chosen.plan
+
+
+def _plan(cache: Path, *overrides: str):
+    """The swapped pipeline's plan of :func:`_plans`."""
+    return _plans(cache, *overrides).swapped
 
 
 def test_a_plan_is_searched_once_and_reused_for_the_same_inputs(tmp_path: Path, searches: list[int]) -> None:
@@ -42,13 +48,25 @@ def test_a_plan_is_searched_once_and_reused_for_the_same_inputs(tmp_path: Path, 
     assert len(searches) == 1
     assert again.runtime_settings() == first.runtime_settings()
     assert again.predicted_step_s == first.predicted_step_s and again.stages == first.stages
-    assert "reused" not in first.mip
+    assert first.mip.reused is None
     kept = (tmp_path / "partition" / "plans").glob("*.json")
-    assert again.mip["reused"]["file"] == str(next(kept).resolve())
+    assert again.mip.reused.file == str(next(kept).resolve())
     line = next(x for x in again.summary().splitlines() if x.startswith("plan reused: "))
     assert "partition.reuse_plan=false searches again" in line
     expected = {k: v for k, v in first.to_json().items() if k != "mip"}
     assert {k: v for k, v in again.to_json().items() if k != "mip"} == expected  # the whole plan, as made
+
+
+def test_a_kept_plan_of_both_schedules_runs_the_same_round_robin_plan(tmp_path: Path, searches: list[int]) -> None:
+    """With ``parallel.schedule: round_robin`` the kept plan holds both schedules: reused, the round-robin plan runs
+    again with its cuts, settings and predictions, beside the same swapped plan."""
+    from partition import RoundRobinPlan
+
+    first = _plans(tmp_path, "--parallel.schedule=round_robin")
+    again = _plans(tmp_path, "--parallel.schedule=round_robin")
+    assert len(searches) == 1 and again.swapped.mip.reused is not None
+    assert isinstance(again.runs, RoundRobinPlan) and again.runs == first.runs
+    assert again.schedules() == first.schedules()
 
 
 def test_any_input_the_code_or_the_users_word_searches_again(tmp_path: Path, searches: list[int],
@@ -60,8 +78,8 @@ def test_any_input_the_code_or_the_users_word_searches_again(tmp_path: Path, sea
     _plan(tmp_path, "--partition.cpu_update_rate=8")  # the machine
     assert len(searches) == 5
     again = _plan(tmp_path, "--partition.reuse_plan=false")  # asked for: searched again, and kept
-    assert len(searches) == 6 and "reused" not in again.mip
-    assert "reused" in _plan(tmp_path).mip and len(searches) == 6
+    assert len(searches) == 6 and again.mip.reused is None
+    assert _plan(tmp_path).mip.reused is not None and len(searches) == 6
     monkeypatch.setattr(plan_cache, "code_fingerprint", lambda: "other code")
     _plan(tmp_path)
     assert len(searches) == 7
@@ -70,7 +88,7 @@ def test_any_input_the_code_or_the_users_word_searches_again(tmp_path: Path, sea
 def test_the_hosts_measured_memory_may_drift_a_little_and_must_hold_the_stores(tmp_path: Path) -> None:
     """The free memory measured on the machine is left out of the key: a kept plan runs while it stays within
     2% (or 1 GiB) of what the plan was made with and holds the plan's stores."""
-    from partition import Hardware, PlanRequest, plan_model
+    from partition import Hardware, PlanRequest, plan_schedules
     from partition.estimate import estimate_units
     from mobius.models import unit_specs
 
@@ -83,7 +101,7 @@ def test_the_hosts_measured_memory_may_drift_a_little_and_must_hold_the_stores(t
         hw = Hardware.uniform(2, 22 * 2**30, 12e9)
         hw.host_memory_bytes = int(gib * 2**30)
         return plan_cache.reuse_or_plan(tmp_path, prof, hw, request,
-                                        lambda: made.append(1) or plan_model(prof, hw, request))
+                                        lambda: made.append(1) or plan_schedules(prof, hw, request)).swapped
 
     first = plan_with(100)
     near = plan_with(101)
@@ -102,9 +120,9 @@ def test_a_damaged_kept_plan_is_searched_again(tmp_path: Path, searches: list[in
     (path,) = (tmp_path / "partition" / "plans").glob("*.json")
     path.write_text(json.dumps({"plan": {"boundaries": [0, 1]}}))  # a key missing
     again = _plan(tmp_path)
-    assert len(searches) == 2 and "reused" not in again.mip
+    assert len(searches) == 2 and again.mip.reused is None
     assert f"ignoring the kept plan {path}" in caplog.text
-    assert "reused" in _plan(tmp_path).mip  # the new one kept in its place
+    assert _plan(tmp_path).mip.reused is not None  # the new one kept in its place
 
 
 def test_the_newest_plans_are_kept(tmp_path: Path, searches: list[int], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -97,7 +97,7 @@ def _profile(blocks: int = 8, tied: bool = False) -> ModelProfile:
                         64 << 20, 16 << 20)
     units = [unit("embed", 0, 0.001, 50_000_000)] + [unit("block", i, 0.010, 100_000_000) for i in range(blocks)]
     units.append(unit("head", 0, 0.020, 50_000_000))
-    return ModelProfile(units, 1, 1024, "bf16", "test", "estimated", tied_params=50_000_000 if tied else 0)
+    return ModelProfile(units, 1, 1024, "bf16", "test", "datasheet", tied_params=50_000_000 if tied else 0)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -243,7 +243,7 @@ def test_mobius_plan_json_gives_at_its_top_level_the_schedule_that_runs(tmp_path
     """Issue 65: with the round-robin schedule running, the JSON's top level gave the swapped pipeline's step. Its
     top level is the schedule that runs (schedule, update, step, tokens/s, where the step goes), every other one
     under ``other_schedules`` with the same fields, and auto's comparison and plan.json's round trip agree."""
-    from partition.plan import Plan
+    from partition import RoundRobinPlan, ScheduleComparison
 
     args = ["plan", "configs/demo.yaml", "--gpus", "4", "--parallel.mode=pipeline", "--parallel.device=cuda",
             "--partition.gpu=rtx3090", "--partition.time_limit_s=1", "--parallel.schedule=round_robin",
@@ -260,8 +260,10 @@ def test_mobius_plan_json_gives_at_its_top_level_the_schedule_that_runs(tmp_path
     tokens = out["micro_batches"] * out["micro_batch_size"] * out["seq_len"]
     assert swapped["tokens_per_s"] == pytest.approx(tokens / swapped["predicted_step_s"])
     assert swapped["predicted_step_s"] != out["predicted_step_s"]
-    again = Plan.from_json(out)  # plan.json and the kept plans read it back
-    assert again.predicted_step_s == swapped["predicted_step_s"] and again.time_split == swapped["time_split"]
+    again = ScheduleComparison.from_json(out)  # plan.json and the kept plans read it back
+    s = again.swapped
+    assert s.predicted_step_s == swapped["predicted_step_s"] and s.time_split == swapped["time_split"]
+    assert isinstance(again.runs, RoundRobinPlan) and again.runs.predicted_step_s == out["predicted_step_s"]
     assert again.to_json() == {k: v for k, v in out.items() if k not in ("mode", "profile", "model", "host")}
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mobius.app.run import train
-from partition.schedule.roundrobin_actions import Cuts
 from spawned import adapted_model, delayed_run_config, exact_config, resume_from, resumed_equals_straight, spawn_cases
-from spawned import check_against_reference, pipeline_plan, to_numpy, token_batches, train_delayed_case
+from spawned import check_against_reference, pipeline_plan, round_robin_plan, to_numpy, token_batches
+from spawned import train_delayed_case
 
 STEPS, MICRO = 4, 3
 UNITS = 12  # every fixture: the embedding, 10 blocks, the head
@@ -55,9 +55,8 @@ def _planned(case: dict, world: int, tmp: Path) -> dict:
     """The run's pipeline plan with the case's round-robin cuts to run."""
     cfg = _cfg(case, world, tmp)
     mc = adapted_model(case, cfg)
-    plan, settings = pipeline_plan(cfg, mc)
-    fwd, bwd = case["cuts"]
-    plan.round_robin = {**Cuts(fwd, bwd, UNITS).to_json(), "runs": True}
+    swapped, settings = pipeline_plan(cfg, mc)
+    plan = round_robin_plan(swapped, *case["cuts"], UNITS)
     return {**case, "cfg": cfg, "settings": settings, "plan": plan, "model_cfg": mc}
 
 

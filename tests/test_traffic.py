@@ -21,11 +21,10 @@ from mobius.config import config_from_dict
 from mobius.models import tied_param_count, unit_specs
 from mobius.models.hf import read_config
 from partition.hardware import Hardware
-from partition.plan import Plan
+from partition.schedule_comparison import ScheduleComparison
 from partition.estimate import estimate_units
-from partition.roundrobin_plan import simulate_round_robin
+from partition.roundrobin_plan import RoundRobinPlan, simulate_round_robin
 from partition.schedule import PipelineOptions
-from partition.schedule.roundrobin_actions import Cuts
 from partition.simulate import simulate
 
 PLANS = {  # name -> (workers, stages, parallel settings); 12 units: embed, 10 blocks, head
@@ -63,7 +62,7 @@ def test_simulated_bytes_equal_the_runtimes(tmp_path: Path, aligned_checkpoint: 
            "parallel": {"mode": "pipeline", "device": "cpu", "devices": workers, "stages": stages, **par},
            "partition": {"cache_dir": str(tmp_path / "cache")}, "output": {"dir": str(tmp_path / "run"), "plot": False}}
     train(config_from_dict(raw, "test.yaml"))
-    plan = Plan.from_json(json.loads((tmp_path / "run" / "plan.json").read_text()))
+    plan = ScheduleComparison.from_json(json.loads((tmp_path / "run" / "plan.json").read_text())).swapped
     opts = plan.options
     assert (sorted(opts.resident), sorted(opts.kept), opts.offload_inputs) == (par["resident_stages"], par["kept_stages"],
                                                                              par.get("offload_inputs") == "on")
@@ -91,10 +90,11 @@ def _with_buffer(monkeypatch: pytest.MonkeyPatch, share: float) -> None:
     plan_pipeline = planning.PLANNERS["pipeline"]
 
     def buffered(*args, **kwargs):
-        plan, prof, hw = plan_pipeline(*args, **kwargs)
+        plans, prof, hw = plan_pipeline(*args, **kwargs)
+        plan = plans.swapped
         largest = max(s.param_bytes for s in plan.stages if s.index not in plan.options.resident)
         plan.options = replace(plan.options, prefetch_bytes=int(share * largest))
-        return plan, prof, hw
+        return plans, prof, hw
     monkeypatch.setitem(planning.PLANNERS, "pipeline", buffered)
 
 
@@ -112,11 +112,10 @@ def test_round_robin_moves_the_bytes_simulated(tmp_path: Path, aligned_checkpoin
            "parallel": {"mode": "pipeline", "device": "cpu", "devices": workers, "schedule": "round_robin"},
            "partition": {"cache_dir": str(tmp_path / "cache")}, "output": {"dir": str(tmp_path / "run"), "plot": False}}
     train(config_from_dict(raw, "test.yaml"))
-    plan = Plan.from_json(json.loads((tmp_path / "run" / "plan.json").read_text()))
-    rr = plan.round_robin
-    cuts = Cuts(tuple(rr["forward"]), tuple(rr["backward"]), rr["fused"][1])
+    plan = ScheduleComparison.from_json(json.loads((tmp_path / "run" / "plan.json").read_text())).runs
+    cuts = plan.cuts  # as plan.json keeps them
     measured = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert rr["runs"] and measured["schedule"] == "round_robin" and measured["update"] == update
+    assert isinstance(plan, RoundRobinPlan) and measured["schedule"] == "round_robin" and measured["update"] == update
     prof = estimate_units(unit_specs(read_config(aligned_checkpoint)), 2, 16, "fp32", "h100")
     hw = Hardware.uniform(workers, 2**34, 1e9)
     options = PipelineOptions(barrier=plan.options.barrier, delayed=plan.options.delayed)

@@ -81,7 +81,7 @@ def _plan(case: dict, cfg, mc, world: int = 2):
     hw = ZeroHardware(world, 2**30, 5e9, 5e9, 2e9, 5e9, 1e9, 1e9, name="CPU workers")
     return plan(model_params(mc), units, prof, hw, micro_batches=MICRO, checkpointing=e["ac"],
                 barrier=cfg.train.barrier, chunk_size=chunk, cache_blocks=blocks, gpu_chunks=gpu,
-                delayed=cfg.train.update == "delayed", states=cfg.train.optimizer_states)
+                delayed=cfg.train.delayed, states=cfg.train.optimizer_states)
 
 
 def _train(engine, cfg, overflow: bool = False) -> dict:

@@ -34,7 +34,7 @@ def _params(sizes: list[list[int]], tied: bool = False) -> list[ParamInfo]:
 def _profile(num_units: int, fwd_s: float = 1e-3, act: int = 1000) -> ModelProfile:
     units = [UnitCost(f"u{u}", "block", "b", 0, fwd_s, 2 * fwd_s, 0, 0, act, act, 3 * act, act)
              for u in range(num_units)]
-    return ModelProfile(units, 1, 8, "fp32", "test", "estimated")
+    return ModelProfile(units, 1, 8, "fp32", "test", "datasheet")
 
 
 def _hw(ranks: int = 1, memory: int = 8 * GiB, **kw) -> ZeroHardware:

@@ -31,11 +31,11 @@ from mobius.engine import Engine
 from mobius.models import ModelConfig
 from mobius.parallel import ParallelSettings
 from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
-from mobius.app.planning import Planned
+from mobius.app.planning import Planned, RunPlan
 from mobius.app.settings import update_cores
 from partition.calibrate import ComputeScale, fit_scale, record_scale
 from partition.cpu_rate import record_in_step_rate
-from partition.plan import Plan
+from partition import RoundRobinPlan, SwappedPlan
 from partition.zero import ZeroPlan
 from scheduler.pipeline_engine import PipelineEngine
 from scheduler.roundrobin_engine import RoundRobinEngine
@@ -93,17 +93,16 @@ def open_device(settings: ParallelSettings, local_rank: int) -> torch.device:
     return dev
 
 
-def make_engine(cfg: Config, model_cfg: ModelConfig, plan: Plan | ZeroPlan, settings: ParallelSettings,
+ENGINES: dict[type, type] = {SwappedPlan: PipelineEngine, RoundRobinPlan: RoundRobinEngine, ZeroPlan: ZeroEngine}
+
+
+def make_engine(cfg: Config, model_cfg: ModelConfig, plan: RunPlan, settings: ParallelSettings,
                 device: torch.device, weights_from: WeightSource) -> Engine:
-    """This worker's engine for ``settings.mode`` (pipeline or zero)."""
-    if settings.mode == "zero":
-        engine = ZeroEngine
-    else:
-        engine = RoundRobinEngine if plan.round_robin.get("runs") else PipelineEngine
-    return engine(cfg, model_cfg, plan, settings, device, weights_from)
+    """This worker's engine: the one that runs ``plan``'s type (:data:`ENGINES`)."""
+    return ENGINES[type(plan)](cfg, model_cfg, plan, settings, device, weights_from)
 
 
-def worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, model_cfg: ModelConfig,
+def worker(cfg: Config, settings: ParallelSettings, plan: RunPlan, model_cfg: ModelConfig,
            ck_dtype: torch.dtype | None, resume_from: Path | None, startup: Startup) -> TrainResult:
     """One supervised worker: join the group, then :func:`run_worker` with what the parent resolved
     (the architecture, the checkpoint's dtype, the checkpoint resumed); each worker maps the token
@@ -116,10 +115,10 @@ def worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, model
     return run_worker(cfg, settings, plan, Prepared(tokenizer, data, model_cfg, ck_dtype, resume_from, resume), startup)
 
 
-def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, ready: Prepared,
+def run_worker(cfg: Config, settings: ParallelSettings, plan: RunPlan, ready: Prepared,
                startup: Startup) -> TrainResult:
     """This process's part of a pipeline or zero run, in the default (gloo) process group: build the
-    mode's engine and run the shared training loop.
+    engine of ``plan`` and run the shared training loop.
 
     On failure it neither closes the engine nor leaves the group: the supervisor (or torchrun) ends
     the process and every other one (a graceful close could wait forever on a peer that is gone)."""
@@ -142,7 +141,7 @@ def run_worker(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, r
     return result
 
 
-def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: Plan, rate: float | None) -> None:
+def keep_update_rate(cfg: Config, settings: ParallelSettings, plan: SwappedPlan, rate: float | None) -> None:
     """Keep the CPU AdamW rate the pipeline measured inside its steps (per worker) for the next plan on
     this machine (:mod:`partition.cpu_rate`); nothing when the run was too short to measure it."""
     if rate is None:
@@ -315,22 +314,21 @@ def measured_compute(steady: list[dict], dispatch: bool = False, waits: bool = F
     return out
 
 
-def log_phases(plan: Plan | ZeroPlan, metrics: Path) -> None:
-    """Log :func:`phases` (:func:`zero_phases`) of the run whose metrics are in ``metrics`` in one line (of the
-    schedule that ran)."""
+def log_phases(plan: RunPlan, metrics: Path) -> None:
+    """Log :func:`phases` (:func:`zero_phases`) of the run of ``plan`` whose metrics are in ``metrics`` in one
+    line."""
     rows = run_rows(metrics)
     if isinstance(plan, ZeroPlan):
         table = zero_phases(plan, rows)
     else:
-        runs = plan.schedules()[0]
-        table = phases(runs.predicted_step_s, runs.time_split, rows)
+        table = phases(plan.predicted_step_s, plan.time_split, rows)
     if table is None:
         return
     log.info("predicted / measured per step: " + ", ".join(f"{p.replace('_', ' ')} {a:.3f} / {b:.3f} s"
                                                              for p, (a, b) in table.items()))
 
 
-def spawn(cfg: Config, settings: ParallelSettings, plan: Plan | ZeroPlan, ready: Prepared,
+def spawn(cfg: Config, settings: ParallelSettings, plan: RunPlan, ready: Prepared,
           startup: Startup) -> TrainResult:
     """Run the workers (supervised) and return rank 0's result."""
     startup.launched = time.time()

@@ -1,12 +1,14 @@
 """Pipeline plans kept under ``partition.cache_dir``, so that a plan is searched once.
 
-A pipeline plan is a pure function of the unit profile, the machine as the planner sees it
-(:class:`~partition.Hardware`), the request and the planner's code (:func:`partition.plan_model`). Its
+A pipeline plan (:class:`~partition.ScheduleComparison`: the swapped pipeline's, and the round-robin family's
+beside it when asked for) is a pure function of the unit profile, the machine as the planner sees it
+(:class:`~partition.Hardware`), the request and the planner's code (:func:`partition.plan_schedules`). Its
 search takes seconds to tens of seconds (the configs' time limits, what a solve overruns them by, the
 residency pass), and a search stopped by its limit may land elsewhere the next time. So ``mobius plan``
 and ``mobius train`` keep each plan under ``partition.cache_dir``, named by a hash of those inputs (the
-code as the hash of mobius's own source files), and a later run with the same inputs runs the same plan
-at once: ``mobius plan`` then ``mobius train``, a resumed run, a second run of a config.
+code as the hash of mobius's own source files: a plan kept by other code, in whatever format, is never read),
+and a later run with the same inputs runs the same plan at once: ``mobius plan`` then ``mobius train``, a
+resumed run, a second run of a config.
 ``partition.reuse_plan: false`` searches again (and keeps the new plan).
 
 The host's free memory is an input that moves from minute to minute: it is left out of the hash, and a
@@ -26,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from partition import Hardware, ModelProfile, Plan, PlanRequest
+from partition import Hardware, ModelProfile, PlanRequest, ScheduleComparison
+from partition.swapped_plan import PlanReuse
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +74,8 @@ def _plain(obj: Any) -> Any:
 
 
 def reuse_or_plan(cache_dir: str | os.PathLike, profile: ModelProfile, hardware: Hardware, request: PlanRequest,
-                  make: Callable[[], Plan], reuse: bool = True) -> Plan:
-    """The plan kept for these inputs (``plan.mip["reused"]`` says when it was made), else ``make()``'s,
+                  make: Callable[[], ScheduleComparison], reuse: bool = True) -> ScheduleComparison:
+    """The plan kept for these inputs (its swapped plan's ``mip.reused`` says when it was made), else ``make()``'s,
     which is kept for the next run."""
     key = plan_key(profile, hardware, request)
     if key is None:
@@ -91,22 +94,22 @@ def reuse_or_plan(cache_dir: str | os.PathLike, profile: ModelProfile, hardware:
     return plan
 
 
-def _read(path: Path, memory: int | None) -> Plan | None:
+def _read(path: Path, memory: int | None) -> ScheduleComparison | None:
     """The plan kept at ``path`` when it is readable and still fits ``memory`` (see :func:`_memory_holds`)."""
     try:
         entry = json.loads(path.read_text())
-        plan = Plan.from_json(entry["plan"])
+        plan = ScheduleComparison.from_json(entry["plan"])
         made, search_s, then = entry["made"], float(entry["search_s"]), entry["plan"].get("host_memory_bytes")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("ignoring the kept plan %s (%s); planning again", path, e)
         return None
-    if not _memory_holds(then, memory, plan.host_bytes):
+    if not _memory_holds(then, memory, plan.swapped.host_bytes):
         log.info("the host's memory moved since the kept plan %s was made; planning again", path.name)
         return None
-    plan.host_memory_bytes = memory
-    plan.mip["reused"] = {"made": made, "search_s": search_s, "file": str(path.resolve())}
+    plan.swapped.host_memory_bytes = memory
+    plan.swapped.mip.reused = PlanReuse(made, search_s, str(path.resolve()))
     with contextlib.suppress(OSError):
         os.utime(path)  # the newest used are the last pruned
     return plan
@@ -120,7 +123,7 @@ def _memory_holds(then: int | None, now: int | None, needed: int) -> bool:
     return abs(now - then) <= max(MEMORY_DRIFT * then, MEMORY_DRIFT_BYTES) and needed <= now
 
 
-def _write(path: Path, plan: Plan, search_s: float) -> None:
+def _write(path: Path, plan: ScheduleComparison, search_s: float) -> None:
     """Keep ``plan`` at ``path`` (whole or not at all), then prune the oldest beyond ``PLANS_KEPT``."""
     entry = {"made": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "search_s": round(search_s, 3), "plan": plan.to_json()}
     try:

@@ -20,7 +20,8 @@ from mobius.errors import ConfigError, MobiusError
 from mobius.models import ModelConfig, tied_param_count, tied_weights, unit_specs
 from mobius.models.lora import trains
 from mobius.parallel import Mode, ParallelSettings, mailboxes_work_here
-from partition import Hardware, ModelProfile, Plan, PlanRequest, get_profile, lookup_gpu, plan_model
+from partition import (Hardware, ModelProfile, PlanRequest, RoundRobinPlan, ScheduleComparison, SwappedPlan,
+                       get_profile, lookup_gpu, plan_schedules)
 from partition.estimate import estimate_units
 from partition.calibrate import ComputeScale, learnt_scale, scale_key
 from partition.profile import apply_profile_file, profile_key, read_profile_file
@@ -41,7 +42,8 @@ from mobius.models.params import model_params
 log = logging.getLogger(__name__)
 NVLINK_Bps = 20e9  # one NVLink's effective rate per direction (NVLink 3: 25 GB/s), for an unmeasured box
 INTER_NODE_Bps = 12.5e9  # assumed network of one node to the others (100 Gb/s), shared by its ranks
-AnyPlan = SinglePlan | Plan | ZeroPlan
+AnyPlan = SinglePlan | ScheduleComparison | ZeroPlan  # what a mode plans (and mobius plan prints)
+RunPlan = SwappedPlan | RoundRobinPlan | ZeroPlan  # what an engine runs (mobius.app.launch.make_engine)
 
 
 def hardware(cfg: Config, settings: ParallelSettings, machine: Machine, bandwidth_file: str | None = None) -> Hardware:
@@ -158,12 +160,12 @@ def profile(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, mac
 def as_runs_compute(prof: ModelProfile, cfg: Config, model_cfg: ModelConfig,
                     settings: ParallelSettings) -> ModelProfile:
     """A measured ``prof`` scaled to the compute the last runs of this mode and setting measured inside their
-    steps on this machine (:mod:`partition.calibrate`; as measured when none has), with the key the next run
-    keeps its own factors under (``notes["in_run"]``). A datasheet's or a profile file's as given. The pipeline's
-    schedules (``parallel.schedule``) learn apart, their dispatch threads differ (on 2 CPU workers 0.4-1.0 ms per
-    compute action in the swapped pipeline, 0.4-0.8 ms in the round-robin), and a schedule with no runs of its
-    own yet is planned with another's (the same units computed)."""
-    if prof.source != "measured" or cfg.partition.profile_file:
+    steps on this machine (:mod:`partition.calibrate`; its source then ``learnt``; as measured when none has), with
+    the key the next run keeps its own factors under (``notes["in_run"]``). A datasheet's or a profile file's as
+    given. The pipeline's schedules (``parallel.schedule``) learn apart, their dispatch threads differ (on 2 CPU
+    workers 0.4-1.0 ms per compute action in the swapped pipeline, 0.4-0.8 ms in the round-robin), and a schedule
+    with no runs of its own yet is planned with another's (the same units computed)."""
+    if prof.source != "measured":
         return prof
     t = cfg.train
     units = profile_key(unit_specs(model_cfg), t.micro_batch_size, cfg.data.seq_len, t.precision, prof.device_name,
@@ -176,7 +178,7 @@ def as_runs_compute(prof: ModelProfile, cfg: Config, model_cfg: ModelConfig,
     others = [(key(f"pipeline/{s}"), f"with parallel.schedule={s}") for s in typing.get_args(ScheduleName)
               if settings.mode == "pipeline" and s != schedule]
     learnt = learnt_scale(os.path.join(cfg.partition.cache_dir, "partition"), own, others)
-    out = learnt.apply(prof)
+    out = dataclasses.replace(learnt.apply(prof), source="learnt") if learnt.runs else prof
     out.notes["in_run"] = {"key": own, **dataclasses.asdict(learnt)}
     return out
 
@@ -215,7 +217,7 @@ def _profile_reason(cfg: Config, settings: ParallelSettings, machine: Machine, p
     """Why the profile is what it is, for the plan's ``profile:`` line: the GPU measured when
     ``partition.gpu`` names another one, the datasheet and why it was used."""
     named = cfg.partition.gpu
-    if cfg.partition.profile_file:
+    if prof.source == "file":
         kept = prof.notes.get("estimated_kinds", [])
         return (f"partition.profile_file {cfg.partition.profile_file}" +
                 (f"; {', '.join(kept)} estimated from the datasheet" if kept else ""))
@@ -239,10 +241,10 @@ def profile_line(prof: ModelProfile) -> str:
     documents' length ("; attention within documents of 412 tokens") when the rows hold several."""
     why = prof.notes.get("why", "")
     docs = f"; attention within documents of {prof.doc_tokens} tokens" if prof.doc_tokens else ""
-    if prof.source == "estimated":
+    if prof.source == "datasheet":
         rate = f"{100 * prof.notes.get('compute_efficiency', 0):.0f}% of {prof.notes.get('tflops', 0):.1f} TFLOP/s"
         return f"estimated for {prof.device_name} from its datasheet ({rate}{'; ' + why if why else ''}){docs}"
-    if "profile_file" in prof.notes:
+    if prof.source == "file":
         return f"measured on {prof.device_name}, from {why}" + (f"{docs} (the file's units as it gives them)"
                                                                  if docs else "")
     took = f"in {prof.profile_s:.1f} s" if prof.profile_s else "(cached)"
@@ -260,8 +262,9 @@ def even_boundaries(num_units: int, num_stages: int) -> list[int]:
 
 
 def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, machine: Machine,
-                  bandwidth_file: str | None = None) -> tuple[Plan, ModelProfile, Hardware]:
-    """The pipeline plan of a run: the MIP's partition, or ``parallel.stages`` split evenly."""
+                  bandwidth_file: str | None = None) -> tuple[ScheduleComparison, ModelProfile, Hardware]:
+    """The pipeline plan of a run: the swapped pipeline's (the MIP's partition, or ``parallel.stages`` split evenly)
+    and, as ``parallel.schedule`` asks, the round-robin family's beside it."""
     hw = hardware(cfg, settings, machine, bandwidth_file)
     prof = as_runs_compute(profile(cfg, model_cfg, settings, machine, hw), cfg, model_cfg, settings)
     forced = even_boundaries(prof.num_units, cfg.parallel.stages) if cfg.parallel.stages else None
@@ -273,9 +276,9 @@ def plan_pipeline(cfg: Config, model_cfg: ModelConfig, settings: ParallelSetting
                           time_limit_s=p.time_limit_s, prefetch=par.prefetch, min_stages=settings.workers,
                           boundaries=forced, offload_inputs=par.offload_inputs, barrier=t.barrier,
                           resident=par.resident_stages, kept=par.kept_stages, grad_download=par.grad_download,
-                          update=t.update, schedule=par.schedule, states=t.optimizer_states)
+                          delayed=t.delayed, schedule=par.schedule, states=t.optimizer_states)
     plan = reuse_or_plan(os.path.join(p.cache_dir, "partition"), prof, hw, request,
-                         lambda: plan_model(prof, hw, request), reuse=p.reuse_plan)
+                         lambda: plan_schedules(prof, hw, request), reuse=p.reuse_plan)
     return plan, prof, hw
 
 
@@ -330,7 +333,7 @@ def plan_zero(cfg: Config, model_cfg: ModelConfig, settings: ParallelSettings, m
                      checkpointing=cfg.model.activation_checkpointing,
                      barrier=t.barrier, prefetch=cfg.parallel.prefetch,
                      chunk_size=z.chunk_size, cache_blocks=z.cache_blocks, gpu_chunks=z.gpu_chunks,
-                     delayed=t.update == "delayed", states=t.optimizer_states)
+                     delayed=t.delayed, states=t.optimizer_states)
     return plan, prof, zhw  # one that does not fit: auto reports it in its comparison, train refuses it
 
 
@@ -357,8 +360,8 @@ PLANNERS: dict[Mode, Callable[..., tuple[Any, ModelProfile, Any]]] = {
 
 @dataclass
 class Planned:
-    """One mode planned for a run: its settings, its plan (None: single mode, which needs none to run),
-    the unit profile and the planner's view of the machine."""
+    """One mode planned for a run: its settings, its plan (a pipeline's: its schedules compared; None: single mode,
+    which needs none to run), the unit profile and the planner's view of the machine."""
 
     settings: ParallelSettings
     plan: AnyPlan | None = None
@@ -372,6 +375,12 @@ class Planned:
     def mode(self) -> Mode:
         return self.settings.mode
 
+    @property
+    def runs(self) -> RunPlan | SinglePlan | None:
+        """The plan the mode runs: of a pipeline's schedules the one chosen (:attr:`ScheduleComparison.runs`), zero's
+        plan; single mode's, where it was made, is only its prediction (its engine needs none)."""
+        return self.plan.runs if isinstance(self.plan, ScheduleComparison) else self.plan
+
     def host_resources(self) -> dict[str, Any]:
         """The host figures the plan assumed and where each came from: CPU AdamW per worker (alone and
         while every local worker updates) and in total, host memory available and needed ({} when
@@ -379,7 +388,7 @@ class Planned:
         hw, n = self.host, self.settings.local_workers
         if hw is None:
             return {}
-        half = isinstance(self.plan, Plan) and self.plan.options.grad_dtype == "half"
+        half = isinstance(self.plan, ScheduleComparison) and self.plan.swapped.options.grad_dtype == "half"
         return {"workers": n, "cpu_alone_params_per_s": hw.cpu_update_rate(half),
                 "cpu_shared_params_per_s": hw.cpu_update_rate(half, n),
                 "cpu_total_params_per_s": hw.host_update_total(half, n), "cpu_source": hw.host_sources.get("cpu", ""),
@@ -405,15 +414,14 @@ class Planned:
         if p is None:
             return Candidate(self.mode, None, True, "not planned")
         fits = getattr(p, "fits", True)  # a pipeline plan is only made when it fits
-        step = p.schedules()[0].predicted_step_s if isinstance(p, Plan) else p.predicted_step_s  # of what runs
-        return Candidate(self.mode, step, fits, _note(p, self.settings))
+        return Candidate(self.mode, self.runs.predicted_step_s, fits, _note(p, self.settings))
 
 
 def _host_need(plan: AnyPlan | None, workers: int) -> int:
     """Host memory the plan's stores take on this host: the pipeline's swapped stages, zero's offloaded
     chunk shards of every local rank (plain training keeps its states on the device)."""
-    if isinstance(plan, Plan):
-        return plan.host_bytes
+    if isinstance(plan, ScheduleComparison):
+        return plan.swapped.host_bytes
     if isinstance(plan, ZeroPlan):
         return plan.memory["host"] * workers
     return 0
@@ -441,11 +449,11 @@ def _note(plan: AnyPlan, settings: ParallelSettings) -> str:
         return (f"{where}: {plan.num_chunks} chunks, {plan.cache_blocks} rCache blocks, "
                 f"{plan.num_chunks - plan.gpu_chunks} offloaded" + ("" if plan.fits else
                 f"; needs {plan.peak_bytes / 2**30:.1f} GiB of {plan.memory['capacity'] / 2**30:.1f} GiB"))
-    if plan.schedules()[0].schedule == "round_robin":
-        rr = plan.round_robin
-        return (f"{where}: round-robin, {len(rr['forward']) - 1} forward + 1 fused + {len(rr['backward']) - 1} "
+    runs = plan.runs
+    if isinstance(runs, RoundRobinPlan):
+        return (f"{where}: round-robin, {runs.cuts.num_forward} forward + 1 fused + {runs.cuts.num_backward} "
                 f"backward ops per round")
-    return f"{where}: {plan.num_stages} stages, {plan.mapping_kind} mapping"
+    return f"{where}: {runs.num_stages} stages, {runs.mapping_kind} mapping"
 
 
 @dataclass
@@ -503,12 +511,14 @@ def plan_mode(cfg: Config, model_cfg: ModelConfig, machine: Machine, mode: Mode,
 
 def _replayer(plan: AnyPlan, hw: Any, model_cfg: ModelConfig,
               prof: ModelProfile) -> Callable[[ModelProfile], Any] | None:
-    """How ``plan``'s step is simulated again with other unit times (None: single mode's, not simulated)."""
+    """How the step of what ``plan`` runs is simulated again with other unit times (None: single mode's, not
+    simulated)."""
     if isinstance(plan, ZeroPlan):
         params = model_params(model_cfg)
         return lambda p: zero_replay(plan, params, prof.num_units, p, hw)
-    if isinstance(plan, Plan):
-        return lambda p: plan.replay(p, hw)
+    if isinstance(plan, ScheduleComparison):
+        runs = plan.runs
+        return lambda p: runs.replay(p, hw)
     return None
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from mobius.app import torchrun
 from mobius.app.launch import keeping_compute, open_device, run_worker, spawn
-from mobius.app.planning import AnyPlan, ModeChoice, Planned, plan_run, profile_line
+from mobius.app.planning import ModeChoice, Planned, RunPlan, plan_run, profile_line
 from mobius.app.rundir import PLAN_FILE, RunDir
 from mobius.app.settings import Machine, Torchrun, local_cpu_workers, mode_options, resolve, static_mode
 from mobius.app.supervise import end_when_orphaned, helpers_settled, start_helpers_early
@@ -35,6 +35,7 @@ from mobius.files import write_failure, write_text_atomic
 from mobius.models import ModelConfig, param_count
 from mobius.parallel import Mode, ParallelSettings
 from mobius.trainer import Startup, Trainer, TrainResult, save_dtype_for
+from partition.single_plan import SinglePlan
 from partition.zero import ZeroPlan
 from scheduler.single_engine import SingleEngine
 
@@ -77,11 +78,11 @@ def train(cfg: Config, resume: str | None = None, machine: Machine | None = None
             check_plan(choice)
         rundir.set_aside()
         _announce(cfg, choice)
-        settings, plan = choice.chosen.settings, choice.chosen.plan
+        settings = choice.chosen.settings
         if settings.mode == "single":
             return _run_single(cfg, settings, ready, startup)
         with keeping_compute(cfg, choice.chosen):
-            return spawn(cfg, settings, plan, ready, startup)
+            return spawn(cfg, settings, choice.chosen.runs, ready, startup)
     finally:
         rundir.release()
 
@@ -156,7 +157,7 @@ def _zero_too_big(plan: ZeroPlan) -> str:
 
 def check_disk(out: Path, cfg: Config, model_cfg: ModelConfig, save_dtype: torch.dtype) -> None:
     """``output.dir``'s disk holds the largest checkpoint the run writes (estimated from the model)."""
-    delayed, states = cfg.train.update == "delayed", cfg.train.optimizer_states
+    delayed, states = cfg.train.delayed, cfg.train.optimizer_states
     sizes = {"the final checkpoint": checkpoint_bytes(model_cfg, save_dtype, save_dtype == torch.float32, delayed,
                                                       states)}
     if cfg.output.save_every and cfg.output.save_every < cfg.train.max_steps:
@@ -176,7 +177,7 @@ def _announce(cfg: Config, choice: ModeChoice) -> None:
     plan; keep the plan a pipeline or zero run runs in ``output.dir``."""
     log.info("%s", choice.line())
     log.info("%s", choice.chosen.settings.describe())
-    if cfg.train.update == "delayed":
+    if cfg.train.delayed:
         log.info("train.update=delayed: each step computes with the weights one update older than the newest "
                  "(step t with w_{t-2}); evaluation and saved weights are the newest")
     if choice.chosen.profile is not None:
@@ -253,7 +254,7 @@ def _torchrun_ranks(cfg: Config, run: Torchrun, machine: Machine, resume: str | 
 
 
 def _plan_and_announce(cfg: Config, ready: Prepared, machine: Machine, rundir: RunDir | None,
-                       chosen: list[Planned]) -> tuple[Mode, str, AnyPlan | None]:
+                       chosen: list[Planned]) -> tuple[Mode, str, RunPlan | SinglePlan | None]:
     check_prepared(cfg, ready)
     choice = plan_run(cfg, ready.model_cfg, machine)
     chosen.append(choice.chosen)
@@ -261,4 +262,4 @@ def _plan_and_announce(cfg: Config, ready: Prepared, machine: Machine, rundir: R
     if rundir is not None:
         rundir.set_aside()
     _announce(cfg, choice)
-    return choice.mode, choice.reason, choice.chosen.plan
+    return choice.mode, choice.reason, choice.chosen.runs

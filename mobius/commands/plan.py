@@ -50,9 +50,8 @@ from mobius.config import Config, load_config
 from mobius.errors import ConfigError, MobiusError
 from mobius.models import preset_names
 from mobius.models.lora import LoraSpec
-from partition import simulate
+from partition import ScheduleComparison, simulate
 from partition.costs import ModelProfile
-from partition.plan import Plan
 from partition.gpus import GB, gpu_spec
 
 log = logging.getLogger(__name__)
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
                           f"step; the run's mode is {choice.mode} (set --parallel.mode=pipeline or zero)")
     sim = None
     if choice.mode == "pipeline" and (args.trace or args.timeline):
-        plan = chosen.plan
+        plan = chosen.plan.swapped
         sim = simulate(chosen.profile, plan.boundaries, chosen.hardware, plan.worker_gpus, plan.micro_batches, plan.options)
     if args.trace:
         sim.write_chrome_trace(args.trace)
@@ -207,7 +206,7 @@ def experts_line(model_cfg: Any, prof: ModelProfile) -> str | None:
         return None
     E, k = model_cfg.num_experts, model_cfg.num_experts_per_tok
     tokens = prof.micro_batch_size * prof.seq_len
-    how = "timed" if prof.source == "measured" and "profile_file" not in prof.notes else "estimated"
+    how = "timed" if prof.source in ("measured", "learnt") else "estimated"
     return (f"experts: {balance.layers} MoE layers of {E} experts, {k} per token: a layer's bytes are all {E} "
             f"experts', its FLOPs the {k} each token reaches; {how} with a micro-batch's {tokens * k:,} choices spread "
             f"evenly ({tokens * k / E:,.0f} tokens per expert, as a random router spreads them; a trained router "
@@ -219,12 +218,12 @@ def _report(cfg: Config, model_cfg: Any, choice: ModeChoice) -> str:
     lora = model_cfg.lora
     chosen = choice.chosen
     prof, hw, plan = chosen.profile, chosen.hardware, chosen.plan
-    head = [plan.headline()] if isinstance(plan, Plan) else []
+    head = [plan.headline()] if isinstance(plan, ScheduleComparison) else []
     lines = head + [choice.line() if choice.explicit else choice.table(),
              f"model: {_model_name(cfg)}: {prof.num_units} units, {_amount(prof.param_count())} parameters "
              f"({_amount(prof.param_bytes(), 'B')} in {prof.precision}){_lora_part(lora, prof)}; micro-batch "
              f"{prof.micro_batch_size} x "
-             f"{prof.seq_len} tokens, {plan.micro_batches} micro-batches",
+             f"{prof.seq_len} tokens, {chosen.runs.micro_batches} micro-batches",
              f"hardware: {hw.describe()}",
              chosen.host_line(),
              f"profile: {profile_line(prof)}; per micro-batch:"]

@@ -51,6 +51,7 @@ from mobius.layout import build_layout
 from partition.costs import host_bytes_per_param
 from partition.schedule.zero import OpKind, eval_program, grad_flushes, train_program
 from partition.zero import ZeroPlan
+from scheduler.plan_check import check_plan
 from scheduler.collectives import all_gather_flat
 from scheduler.counters import Counters
 from scheduler.pinned import host_zeros
@@ -105,14 +106,9 @@ class ZeroEngine:
 
     def __init__(self, cfg: Config, model_cfg: ModelConfig, plan: ZeroPlan, settings: ParallelSettings,
                  device: torch.device, weights_from: WeightSource | None = None):
+        check_plan("the zero plan", plan.delayed, plan.states, cfg.train)
         self.cfg, self.model_cfg, self.plan, self.device = cfg, model_cfg, plan, device
-        self.delayed = plan.delayed  # the plan carries the rule (one source); a stale plan is refused
-        if self.delayed != (cfg.train.update == "delayed"):
-            raise MobiusError(f"the zero plan was made for train.update={'delayed' if plan.delayed else 'sync'}, but "
-                              f"the run has train.update={cfg.train.update}; plan again for this configuration")
-        if plan.states != cfg.train.optimizer_states:
-            raise MobiusError(f"the zero plan was made for train.optimizer_states={plan.states}, but the run has "
-                              f"{cfg.train.optimizer_states}; plan again for this configuration")
+        self.delayed = plan.delayed  # the plan carries the rule (check_plan: the run's)
         self.comm = ProcessGroup()
         self.rank, self.world = self.comm.rank, self.comm.world
         self.is_main = self.rank == 0
