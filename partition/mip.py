@@ -337,7 +337,9 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     settles most and bounds the rest; then the counts still open, the lowest bound first, sharing
     what time is left -- so one hard count cannot leave the others untried. Stage counts below
     :func:`fewest_stages` cannot fit and are not solved. The result's ``alternatives`` are the
-    near-best and finest partitions of other stage counts (:func:`near_best`) for the residency pass.
+    near-best and finest partitions of other stage counts (:func:`near_best`) for the residency pass, those the
+    local search found solved again without a cutoff in the time left (:meth:`_CountSearch.polish`). The local
+    search stops climbing at the time limit too.
     """
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))
@@ -349,7 +351,7 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     ranking: dict[int, float] = {}
     inc = None
     if seed:
-        inc = find_incumbent(ev, counts)
+        inc = find_incumbent(ev, counts, deadline=t0 + time_limit_s)
         ranking = inc.per_stage_count
         if inc.boundaries is not None:
             search.best = _from_schedule(ev, inc.boundaries, gpus_for)
@@ -364,8 +366,9 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     if best is not None and best.status == "local search":
         proven = all(r.status in ("cutoff", "infeasible") for r in done) and not skipped
         best.status = "optimal" if proven else best.status
+    alternatives = near_best(best, done, inc.partitions if inc else {}, inc.per_stage_count if inc else {})
     return MipResult(best, done, time.perf_counter() - t0, _lower_bound(done, counts, best, search.floor), skipped,
-                     near_best(best, done, inc.partitions if inc else {}, inc.per_stage_count if inc else {}))
+                     search.polish(alternatives))
 
 
 NEAR_BEST = 0.05  # alternatives: partitions of other stage counts within this fraction of the best's model time
@@ -434,6 +437,21 @@ class _CountSearch:
             each = FIRST_PASS_MIN_S + (sum(self.overheads) / len(self.overheads) if self.overheads else 0.0)
             owed = OWED_MARGIN * each * (len(todo) - i)  # this count's and those after it
             self.count(S, min(left, FIRST_PASS_MIN_S + FIRST_PASS_SHARE * max(0.0, left - owed)))
+
+    def polish(self, alternatives: list[StageCountResult]) -> list[StageCountResult]:
+        """``alternatives`` with those the local search found solved again by the MIP in the time left, without a
+        cutoff (its count's best partition, where the cutoff of a better count's left the local search's); the
+        best stays first."""
+        todo = [i for i, r in enumerate(alternatives) if i > 0 and r.status == "local search"]
+        out = list(alternatives)
+        for n, i in enumerate(todo):
+            left = self.left()
+            if left <= 0.01:
+                break
+            r = self.solve(out[i].num_stages, left / (len(todo) - n), None)
+            if r.boundaries is not None and r.predicted_s < out[i].predicted_s:
+                out[i] = r
+        return out
 
     def second_pass(self) -> None:
         """The counts still open, the lowest bound first, sharing the time left."""
