@@ -224,7 +224,8 @@ class PartitionSection(_Section):
     solver: Literal["auto", "gurobi", "highs"] = _f("auto", "MIP solver: gurobi, highs, or auto (gurobi, then HiGHS "
                                                     "when the free licence cannot take the model).")
     time_limit_s: float = _f(3.0, "The pipeline planner's time for its searching as a whole, in seconds: the "
-                             "partition search (the local search and every MIP) takes 80% of it, the residency "
+                             "partition search (the local search and every MIP; inputs kept on the GPU, then "
+                             "in host memory) takes 80% of it, the residency "
                              "passes on its near-best and finest partitions the rest, and where the simulated step "
                              "shows root-complex contention the re-plan at the simulated rates gets what is left "
                              "(a delayed plan whose CPU work weighs shares each part between two searches). The "

@@ -325,7 +325,7 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
                     solver: SolverName = "auto", time_limit_s: float = 30.0, stage_counts: list[int] | None = None,
                     encoding: Encoding = "auto", bandwidth: BandwidthView = "link",
                     seed: bool = True, rel_gap: float = DEFAULT_REL_GAP,
-                    options: PipelineOptions = PipelineOptions()) -> MipResult:
+                    options: PipelineOptions = PipelineOptions(), beat: float = math.inf) -> MipResult:
     """The fastest partition over every stage count (``1..units`` unless given), proven by the MIP
     to within ``rel_gap`` where the time limit allows; the achieved gap is reported.
 
@@ -339,7 +339,9 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     :func:`fewest_stages` cannot fit and are not solved. The result's ``alternatives`` are the
     near-best and finest partitions of other stage counts (:func:`near_best`) for the residency pass, those the
     local search found solved again without a cutoff in the time left (:meth:`_CountSearch.polish`). The local
-    search stops climbing at the time limit too.
+    search stops climbing at the time limit too. ``beat``: a step time found elsewhere (another runtime setting's
+    best): the MIPs look only for partitions faster than it (and than the best found here), so a count that cannot
+    beat it is settled at once.
     """
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))
@@ -347,7 +349,7 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     search = _CountSearch(lambda S, cap, cutoff: solve_stage_count(
         profile, hw, gpus_for(S), micro_batches, S, solver, cap, cutoff, encoding, bandwidth, rel_gap, options),
         t0 + time_limit_s, rel_gap, lambda S: compute_bound(profile, S, len(gpus_for(S)), micro_batches, options,
-                                                            hw.gpu_memory_bytes))
+                                                            hw.gpu_memory_bytes), beat=beat)
     ranking: dict[int, float] = {}
     inc = None
     if seed:
@@ -407,6 +409,7 @@ class _CountSearch:
     deadline: float  # time.perf_counter() at which the search stops
     rel_gap: float
     floor: Callable[[int], float] = lambda S: 0.0  # a bound on every partition of a count, known without solving
+    beat: float = math.inf  # a step time found elsewhere that a partition must beat to count (solve_partition)
     best: StageCountResult | None = None
     results: dict[int, StageCountResult] = field(default_factory=dict)
     overheads: list[float] = field(default_factory=list)  # each solve's seconds beyond its solver's within its cap
@@ -414,9 +417,13 @@ class _CountSearch:
     def left(self) -> float:
         return self.deadline - time.perf_counter()
 
+    def bar(self) -> float:
+        """What a partition must beat: the best found here, or ``beat``, the faster."""
+        return min(self.best.predicted_s if self.best is not None else math.inf, self.beat)
+
     def count(self, S: int, cap: float) -> None:
         """Solve stage count ``S`` for at most ``cap`` seconds against the best plan so far."""
-        cutoff = self.best.predicted_s * (1 - self.rel_gap) if self.best is not None else None  # a real improvement
+        cutoff = self.bar() * (1 - self.rel_gap) if math.isfinite(self.bar()) else None  # a real improvement
         start = time.perf_counter()
         r = self.solve(S, cap, cutoff)
         self.overheads.append(max(0.0, time.perf_counter() - start - min(cap, r.solve_s)))  # model build, overrun
@@ -455,22 +462,23 @@ class _CountSearch:
 
     def second_pass(self) -> None:
         """The counts still open, the lowest bound first, sharing the time left."""
-        todo = sorted((r.num_stages for r in self.results.values() if _open(r, self.best, self.rel_gap)),
+        todo = sorted((r.num_stages for r in self.results.values() if _open(r, self.best, self.bar(), self.rel_gap)),
                       key=lambda S: self.results[S].bound)
         for i, S in enumerate(todo):
             left = self.left()
             if left <= 0.01:
                 return
-            if _open(self.results[S], self.best, self.rel_gap):  # (a better plan found since may have settled it)
+            if _open(self.results[S], self.best, self.bar(), self.rel_gap):  # (a better plan found since may
+                # have settled it)
                 self.count(S, left / (len(todo) - i))
 
 
-def _open(r: StageCountResult, best: StageCountResult | None, rel_gap: float) -> bool:
-    """Whether a stage count's solve left room below the best plan (more than ``rel_gap``)."""
+def _open(r: StageCountResult, best: StageCountResult | None, bar: float, rel_gap: float) -> bool:
+    """Whether a stage count's solve left room below what a partition must beat (``bar``: the best plan's time, or
+    less; more than ``rel_gap``)."""
     if r.status in ("cutoff", "infeasible") or r is best and r.status == "optimal":
         return False
-    target = best.predicted_s * (1 - rel_gap) if best is not None else math.inf
-    return r.bound < target
+    return r.bound < bar * (1 - rel_gap)
 
 
 def fewest_stages(profile: ModelProfile, budget_bytes: int, options: PipelineOptions) -> int:

@@ -373,6 +373,8 @@ CONTENTION_GAP = 0.03  # re-plan when the simulated step exceeds the MIP's model
 CONTENTION_REL_GAP = 0.02  # the re-plan's optimality gap: its rates are one simulated step's estimates
 MIN_SEARCH_S = 0.05  # the least time a search gets, whatever the limit left (its local search runs whole)
 SEARCH_SHARE = 0.8  # of a planning round's time: its searches; its residency passes (and a re-plan) the rest
+FIRST_SETTING_SHARE = 0.7  # of a search's time: its first runtime setting's (inputs on the GPU), where a second
+# (inputs in host memory) follows and looks only for what beats the first's best
 PASSES_SHARE = 0.5  # of what a round's searches leave: its residency passes where a re-plan follows (it gets the
 # rest)
 
@@ -586,8 +588,8 @@ def _replan_under_contention(ctx: PlanContext, best: _Candidate) -> tuple[_Candi
     simulated step exceeds the model's by more than ``CONTENTION_GAP`` (uploads and downloads slowed
     by the root complex they share, or by activations on their links), plan again at the rates the
     simulated step reached (:func:`simulated_rates`, the MIP to the request's gap or
-    ``CONTENTION_REL_GAP``, the larger, under the runtime settings of the plan it re-plans; its residency pass
-    also tries the partitions the first round found, at these rates) in the time the first round left, and keep
+    ``CONTENTION_REL_GAP``, the larger; its residency pass also tries the partitions the first round found, at
+    these rates) in the time the first round left, and keep
     the new plan if it simulates faster. Also returns each plan tried: its rates, partition, resident and kept
     stages, model and simulated step."""
     def row(c: _Candidate, model_s: float) -> dict:
@@ -603,9 +605,7 @@ def _replan_under_contention(ctx: PlanContext, best: _Candidate) -> tuple[_Candi
     for _ in range(ctx.req.contention_rounds):
         if best.sim.step_s <= tried[-1]["model_step_s"] * (1 + CONTENTION_GAP):
             break
-        settings = dataclasses.replace(best.options, resident=frozenset(), kept=frozenset(), prefetch_bytes=0)
-        again = _plan_at(ctx, simulated_rates(ctx.hw, best.sim), gap, (best.ranked_by,), best.res.alternatives,
-                         settings)
+        again = _plan_at(ctx, simulated_rates(ctx.hw, best.sim), gap, (best.ranked_by,), best.res.alternatives)
         tried.append(row(again, model_of(again)))
         log.info("contention: the simulated step %.3f s exceeds the model's %.3f s; re-planned at the simulated rates: "
                  "%.3f s simulated (%d stages)", best.sim.step_s, tried[-2]["model_step_s"], again.sim.step_s,
@@ -934,11 +934,14 @@ def _search(ctx: PlanContext, model_hw: Hardware, time_limit_s: float, rel_gap: 
             if req.boundaries is not None:
                 res = given_partition(ctx.prof, model_hw, ctx.gpus_for, req.micro_batches, list(req.boundaries),
                                       req.bandwidth_view, ctx.model_options(options))
-            else:  # the tier's settings share the time left
-                left = max(least_s, (time_limit_s - (time.perf_counter() - t0)) / (len(tier) - i))
+            else:  # the tier's settings share the time left, the first the most: a later one looks only for
+                # what beats the best found so far, which settles most stage counts at once
+                share = FIRST_SETTING_SHARE if i == 0 and len(tier) > 1 else 1 / (len(tier) - i)
+                left = max(least_s, (time_limit_s - (time.perf_counter() - t0)) * share)
+                beat = best[0].best.predicted_s if best is not None else math.inf
                 res = solve_partition(ctx.prof, model_hw, ctx.gpus_for, req.micro_batches, req.solver, left,
                                       stage_counts=counts, bandwidth=req.bandwidth_view, rel_gap=rel_gap,
-                                      options=ctx.model_options(options))
+                                      options=ctx.model_options(options), beat=beat)
             bounds.append(res.lower_bound)
             skipped += res.stage_counts_skipped
             if res.best is not None and res.best.boundaries is not None and math.isfinite(res.best.predicted_s):

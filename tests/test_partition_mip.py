@@ -486,3 +486,19 @@ def test_the_alternatives_the_local_search_found_are_solved_again_in_the_time_le
             assert alt.predicted_s <= own.predicted_s * (1 + DEFAULT_REL_GAP + 1e-9), (seed, alt, own)
             checked += 1
     assert checked >= 20
+
+
+def test_a_search_given_a_time_to_beat_looks_only_for_faster_partitions() -> None:
+    """``beat`` (the best step of the runtime setting searched before: inputs on the GPU before inputs in host
+    memory) is the cutoff from the first solve on: where no partition beats it, every stage count the MIP solves
+    is settled at once (proven not to beat it, and bounded by it), and the bound stated is at least it."""
+    from partition.mip import DEFAULT_REL_GAP
+
+    prof, hw, M = random_case(3)
+    free = solve_partition(prof, hw, _sequential(hw.num_gpus), M, time_limit_s=10)
+    beat = free.best.predicted_s * 0.98
+    res = solve_partition(prof, hw, _sequential(hw.num_gpus), M, time_limit_s=10, beat=beat)
+    solved = [r for r in res.per_stage_count if r.solver]
+    assert solved and all(r.status in ("cutoff", "infeasible") for r in solved), solved
+    assert res.lower_bound >= beat * (1 - DEFAULT_REL_GAP) * (1 - 1e-12)
+    assert res.best.predicted_s >= free.best.predicted_s * (1 - DEFAULT_REL_GAP)  # (the local search's, none faster)
