@@ -704,16 +704,18 @@ def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOption
     """The residency pass on the search's best partition and, when the pass chooses both lists, on the
     ``carried`` partitions (an earlier round's, scored at ``model_hw``'s rates; the first whatever the time left)
     and the search's near-best and finest alternatives (:func:`partition.mip.near_best`) that fit in ``budget_s``
-    (their cost estimated from the first pass's, as the cube of the stage count) get their resident and kept
+    (their cost estimated from the first choice's, as the cube of the stage count) get their resident and kept
     stages, and are simulated while the time lasts, the fastest in the timing model first (that one whatever the
-    time left); the fastest simulated becomes ``res.best`` (resident stages and kept activations can reorder
+    time left where the model puts it ahead of the best's); the fastest simulated becomes ``res.best`` (resident stages and kept activations can reorder
     partitions the timing model puts within a few percent of each other). Where the best's simulated step exceeds
     the model's by more than ``CONTENTION_GAP`` (a re-plan at the simulated rates follows,
     :func:`_replan_under_contention`) the passes take ``contended_share`` of the budget, leaving the rest to the
     re-plan. Also returns a row per partition simulated."""
     start = time.perf_counter()
+    first_t = _residency_choice(ctx, res.best.boundaries, options, model_hw)[1]  # (the pass's choice alone)
+    choice_s = time.perf_counter() - start
     chosen, sim = _residency(ctx, res.best.boundaries, options, model_hw=model_hw)
-    first_s, tried = time.perf_counter() - start, [_alternative_row(res.best, chosen, sim)]
+    tried = [_alternative_row(res.best, chosen, sim)]
     if (ctx.req.resident, ctx.req.kept) != (None, None):
         return chosen, sim, tried
     if contended_share < 1 and sim.step_s > ctx.evaluator(model_hw, chosen).step_time(res.best.boundaries) * (
@@ -727,7 +729,7 @@ def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOption
         if tuple(alt.boundaries) in seen or len(alt.boundaries) - 1 < ctx.req.min_stages:
             continue
         seen.add(tuple(alt.boundaries))
-        expected = first_s * (alt.num_stages / first.num_stages) ** 3  # (rounds x moves x stages)
+        expected = choice_s * (alt.num_stages / first.num_stages) ** 3  # (rounds x moves x stages)
         if (k > 0 or not carried) and time.perf_counter() - start + expected > budget_s:
             continue
         try:
@@ -736,7 +738,7 @@ def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOption
             continue
         scored.append((t, k, alt, alt_chosen))
     for n, (t, _, alt, alt_chosen) in enumerate(sorted(scored, key=lambda x: x[:2])):
-        if n > 0 and time.perf_counter() - start > budget_s:
+        if (n > 0 or t >= first_t) and time.perf_counter() - start > budget_s:
             break
         alt_sim = ctx.simulate(alt.boundaries, alt_chosen)  # (checked against no residency only if it wins)
         tried.append(_alternative_row(alt, alt_chosen, alt_sim))

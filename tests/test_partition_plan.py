@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -438,10 +439,12 @@ def test_the_time_limit_bounds_the_planners_searches_as_a_whole(monkeypatch: pyt
     assert plan.num_stages >= 1 and plan.solve_s < limit + 30  # (the baselines off: what follows is simulations)
 
 
-def test_a_re_plan_tries_the_first_rounds_partition_at_the_simulated_rates_whatever_the_time_left() -> None:
+def test_a_re_plan_tries_the_first_rounds_partition_at_the_simulated_rates_whatever_the_time_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The residency pass of a re-plan under contention tries, beside its own search's, the partitions the first
-    round found (``carried``), scored at the simulated rates: the first of them whatever the time left (there the
-    residency pass sees the contention the first round's rates did not), the others while the time lasts."""
+    round found (``carried``), scored at the simulated rates: the first of them gets its resident and kept stages
+    whatever the time left (there the residency pass sees the contention the first round's rates did not), the
+    others while the time lasts; with time, each is simulated."""
     import partition.plan as pp
     from partition.mip import StageCountResult
 
@@ -455,10 +458,13 @@ def test_a_re_plan_tries_the_first_rounds_partition_at_the_simulated_rates_whate
     carried = [StageCountResult(len(b) - 1, "local search", 0.0, 0.0, b, "", 0.0, 0, 0, "local search")
                for b in (fewer, best[:1] + best[2:])]
     res.alternatives = [res.best]
-    _, _, tried = pp._fastest_residency(ctx, res, options, hw, 0.0, carried)  # (no time beyond the first two)
-    assert [row["num_stages"] for row in tried] == [len(best) - 1, len(fewer) - 1]
+    chosen: list[list[int]] = []
+    choice = pp._residency_choice
+    monkeypatch.setattr(pp, "_residency_choice", lambda c, b, *a: chosen.append(list(b)) or choice(c, b, *a))
+    pp._fastest_residency(ctx, res, options, hw, 0.0, carried)  # (no time beyond the first two)
+    assert best in chosen and fewer in chosen and carried[1].boundaries not in chosen
     res.best = res.alternatives[0]
-    rows = pp._fastest_residency(ctx, res, options, hw, 60.0, carried)[2]
+    rows = pp._fastest_residency(dataclasses.replace(ctx, memo={}), res, options, hw, 60.0, carried)[2]
     assert len(rows) == 3 and rows[0]["num_stages"] == len(best) - 1
 
 
