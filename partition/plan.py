@@ -710,7 +710,9 @@ def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOption
     partitions the timing model puts within a few percent of each other). Where the best's simulated step exceeds
     the model's by more than ``CONTENTION_GAP`` (a re-plan at the simulated rates follows,
     :func:`_replan_under_contention`) the passes take ``contended_share`` of the budget, leaving the rest to the
-    re-plan. Also returns a row per partition simulated."""
+    re-plan; otherwise at least as long as the best's pass took (the model can rank the partitions apart from the
+    simulator: on full fine-tuning, whose step the host's CPU work bounds, by 10%). Also returns a row per partition
+    simulated."""
     start = time.perf_counter()
     first_t = _residency_choice(ctx, res.best.boundaries, options, model_hw)[1]  # (the pass's choice alone)
     choice_s = time.perf_counter() - start
@@ -721,6 +723,8 @@ def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOption
     if contended_share < 1 and sim.step_s > ctx.evaluator(model_hw, chosen).step_time(res.best.boundaries) * (
             1 + CONTENTION_GAP):
         budget_s *= contended_share
+    else:  # (no re-plan follows) the others get at least the time the best's pass took: the timing model can rank
+        budget_s = max(budget_s, 2 * (time.perf_counter() - start))  # them apart from the simulator
     first, seen = res.best, {tuple(res.best.boundaries)}
     ev = ctx.evaluator(model_hw, options)
     others = [_from_schedule(ev, list(r.boundaries), ctx.gpus_for) for r in carried] + list(res.alternatives[1:])
@@ -730,7 +734,7 @@ def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOption
             continue
         seen.add(tuple(alt.boundaries))
         expected = choice_s * (alt.num_stages / first.num_stages) ** 3  # (rounds x moves x stages)
-        if (k > 0 or not carried) and time.perf_counter() - start + expected > budget_s:
+        if k > 0 and time.perf_counter() - start + expected > budget_s:
             continue
         try:
             alt_chosen, t = _residency_choice(ctx, alt.boundaries, options, model_hw)

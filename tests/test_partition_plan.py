@@ -461,7 +461,7 @@ def test_a_re_plan_tries_the_first_rounds_partition_at_the_simulated_rates_whate
     chosen: list[list[int]] = []
     choice = pp._residency_choice
     monkeypatch.setattr(pp, "_residency_choice", lambda c, b, *a: chosen.append(list(b)) or choice(c, b, *a))
-    pp._fastest_residency(ctx, res, options, hw, 0.0, carried)  # (no time beyond the first two)
+    pp._fastest_residency(ctx, res, options, hw, 0.0, carried, 0.0)  # (contended: no time beyond the first two)
     assert best in chosen and fewer in chosen and carried[1].boundaries not in chosen
     res.best = res.alternatives[0]
     rows = pp._fastest_residency(dataclasses.replace(ctx, memo={}), res, options, hw, 60.0, carried)[2]
