@@ -229,10 +229,14 @@ class PartitionSection(_Section):
     _name = "partition"
     solver: Literal["auto", "gurobi", "highs"] = _f("auto", "MIP solver: gurobi, highs, or auto (gurobi, then HiGHS "
                                                     "when the free licence cannot take the model).")
-    time_limit_s: float = _f(3.0, "The partition search's time limit in seconds (the local search and every MIP; a "
-                             "re-plan under contention gets at least 1 s more; a delayed plan whose CPU work weighs shares it "
-                             "between two searches; the residency pass on the near-best and finest partitions and "
-                             "the baselines follow it). Longer may narrow the gap the plan states.",
+    time_limit_s: float = _f(3.0, "The pipeline planner's time for its searching as a whole, in seconds: the "
+                             "partition search (the local search and every MIP; inputs kept on the GPU, then "
+                             "in host memory) takes 80% of it, the residency "
+                             "passes on its near-best and finest partitions the rest, and where the simulated step "
+                             "shows root-complex contention the re-plan at the simulated rates gets what is left "
+                             "(a delayed plan whose CPU work weighs shares each part between two searches). The "
+                             "simulations that follow (gradient dtype, baselines, the other update rule) add to it: "
+                             "a plan takes about the limit plus those. Longer may narrow the gap the plan states.",
                              gt=0)
     profile: Literal["auto", "measured", "estimated"] = _f("auto", "Unit costs measured on this machine (its GPU; "
                                                            "the CPU for CPU workers), estimated from the datasheet of "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,8 +62,9 @@ def neighbours(bounds: list[int]) -> list[list[int]]:
 
 
 def find_incumbent(ev: ModelEvaluator, stage_counts: list[int], starts: int = 3,
-                   max_evaluations: int = 1000) -> Incumbent:
-    """Best partition by local search from time-proportional splits (see module docstring)."""
+                   max_evaluations: int = 1000, deadline: float = math.inf) -> Incumbent:
+    """Best partition by local search from time-proportional splits (see module docstring), climbing until
+    ``deadline`` (``time.perf_counter()``) at the latest: every stage count's split is scored whatever the time."""
     units = ev.profile.units
     costs = [u.fwd_s + u.bwd_s for u in units]
     per_s: dict[int, float] = {}
@@ -81,7 +83,7 @@ def find_incumbent(ev: ModelEvaluator, stage_counts: list[int], starts: int = 3,
     for value, bounds in seeds[:starts]:
         if not math.isfinite(value):
             break
-        value, bounds = _climb(ev, score, bounds, value, budget, per_s, allowed, found)
+        value, bounds = _climb(ev, score, bounds, value, budget, per_s, allowed, found, deadline)
         if value < best_val:
             best_val, best = value, bounds
     return Incumbent(best, best_val, per_s, {S: b for S, b in found.items() if math.isfinite(per_s[S])})
@@ -125,11 +127,12 @@ class _Scores:
 
 
 def _climb(ev: ModelEvaluator, score: _Scores, bounds: list[int], value: float, budget: int,
-           per_s: dict[int, float], allowed: set[int], found: dict[int, list[int]]) -> tuple[float, list[int]]:
-    """First-improvement hill climbing over :func:`neighbours` with stage counts in ``allowed``;
-    ``per_s`` / ``found`` keep each count's best value and partition met on the way."""
+           per_s: dict[int, float], allowed: set[int], found: dict[int, list[int]],
+           deadline: float = math.inf) -> tuple[float, list[int]]:
+    """First-improvement hill climbing over :func:`neighbours` with stage counts in ``allowed`` (until
+    ``deadline``); ``per_s`` / ``found`` keep each count's best value and partition met on the way."""
     improved = True
-    while improved and ev.evaluations < budget:
+    while improved and ev.evaluations < budget and time.perf_counter() < deadline:
         improved = False
         cands = [c for c in neighbours(bounds) if len(c) - 1 in allowed]
         for i, cand in enumerate(cands):

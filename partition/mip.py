@@ -325,7 +325,7 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
                     solver: SolverName = "auto", time_limit_s: float = 30.0, stage_counts: list[int] | None = None,
                     encoding: Encoding = "auto", bandwidth: BandwidthView = "link",
                     seed: bool = True, rel_gap: float = DEFAULT_REL_GAP,
-                    options: PipelineOptions = PipelineOptions()) -> MipResult:
+                    options: PipelineOptions = PipelineOptions(), beat: float = math.inf) -> MipResult:
     """The fastest partition over every stage count (``1..units`` unless given), proven by the MIP
     to within ``rel_gap`` where the time limit allows; the achieved gap is reported.
 
@@ -337,7 +337,11 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     settles most and bounds the rest; then the counts still open, the lowest bound first, sharing
     what time is left -- so one hard count cannot leave the others untried. Stage counts below
     :func:`fewest_stages` cannot fit and are not solved. The result's ``alternatives`` are the
-    near-best and finest partitions of other stage counts (:func:`near_best`) for the residency pass.
+    near-best and finest partitions of other stage counts (:func:`near_best`) for the residency pass, those the
+    local search found solved again without a cutoff in the time left (:meth:`_CountSearch.polish`). The local
+    search stops climbing at the time limit too. ``beat``: a step time found elsewhere (another runtime setting's
+    best): the MIPs look only for partitions faster than it (and than the best found here), so a count that cannot
+    beat it is settled at once.
     """
     t0 = time.perf_counter()
     counts = stage_counts or list(range(1, profile.num_units + 1))
@@ -345,11 +349,11 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     search = _CountSearch(lambda S, cap, cutoff: solve_stage_count(
         profile, hw, gpus_for(S), micro_batches, S, solver, cap, cutoff, encoding, bandwidth, rel_gap, options),
         t0 + time_limit_s, rel_gap, lambda S: compute_bound(profile, S, len(gpus_for(S)), micro_batches, options,
-                                                            hw.gpu_memory_bytes))
+                                                            hw.gpu_memory_bytes), beat=beat)
     ranking: dict[int, float] = {}
     inc = None
     if seed:
-        inc = find_incumbent(ev, counts)
+        inc = find_incumbent(ev, counts, deadline=t0 + time_limit_s)
         ranking = inc.per_stage_count
         if inc.boundaries is not None:
             search.best = _from_schedule(ev, inc.boundaries, gpus_for)
@@ -364,8 +368,9 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     if best is not None and best.status == "local search":
         proven = all(r.status in ("cutoff", "infeasible") for r in done) and not skipped
         best.status = "optimal" if proven else best.status
+    alternatives = near_best(best, done, inc.partitions if inc else {}, inc.per_stage_count if inc else {})
     return MipResult(best, done, time.perf_counter() - t0, _lower_bound(done, counts, best, search.floor), skipped,
-                     near_best(best, done, inc.partitions if inc else {}, inc.per_stage_count if inc else {}))
+                     search.polish(alternatives))
 
 
 NEAR_BEST = 0.05  # alternatives: partitions of other stage counts within this fraction of the best's model time
@@ -404,6 +409,7 @@ class _CountSearch:
     deadline: float  # time.perf_counter() at which the search stops
     rel_gap: float
     floor: Callable[[int], float] = lambda S: 0.0  # a bound on every partition of a count, known without solving
+    beat: float = math.inf  # a step time found elsewhere that a partition must beat to count (solve_partition)
     best: StageCountResult | None = None
     results: dict[int, StageCountResult] = field(default_factory=dict)
     overheads: list[float] = field(default_factory=list)  # each solve's seconds beyond its solver's within its cap
@@ -411,9 +417,13 @@ class _CountSearch:
     def left(self) -> float:
         return self.deadline - time.perf_counter()
 
+    def bar(self) -> float:
+        """What a partition must beat: the best found here, or ``beat``, the faster."""
+        return min(self.best.predicted_s if self.best is not None else math.inf, self.beat)
+
     def count(self, S: int, cap: float) -> None:
         """Solve stage count ``S`` for at most ``cap`` seconds against the best plan so far."""
-        cutoff = self.best.predicted_s * (1 - self.rel_gap) if self.best is not None else None  # a real improvement
+        cutoff = self.bar() * (1 - self.rel_gap) if math.isfinite(self.bar()) else None  # a real improvement
         start = time.perf_counter()
         r = self.solve(S, cap, cutoff)
         self.overheads.append(max(0.0, time.perf_counter() - start - min(cap, r.solve_s)))  # model build, overrun
@@ -435,24 +445,40 @@ class _CountSearch:
             owed = OWED_MARGIN * each * (len(todo) - i)  # this count's and those after it
             self.count(S, min(left, FIRST_PASS_MIN_S + FIRST_PASS_SHARE * max(0.0, left - owed)))
 
+    def polish(self, alternatives: list[StageCountResult]) -> list[StageCountResult]:
+        """``alternatives`` with those the local search found solved again by the MIP in the time left, without a
+        cutoff (its count's best partition, where the cutoff of a better count's left the local search's); the
+        best stays first."""
+        todo = [i for i, r in enumerate(alternatives) if i > 0 and r.status == "local search"]
+        out = list(alternatives)
+        for n, i in enumerate(todo):
+            left = self.left()
+            if left <= 0.01:
+                break
+            r = self.solve(out[i].num_stages, left / (len(todo) - n), None)
+            if r.boundaries is not None and r.predicted_s < out[i].predicted_s:
+                out[i] = r
+        return out
+
     def second_pass(self) -> None:
         """The counts still open, the lowest bound first, sharing the time left."""
-        todo = sorted((r.num_stages for r in self.results.values() if _open(r, self.best, self.rel_gap)),
+        todo = sorted((r.num_stages for r in self.results.values() if _open(r, self.best, self.bar(), self.rel_gap)),
                       key=lambda S: self.results[S].bound)
         for i, S in enumerate(todo):
             left = self.left()
             if left <= 0.01:
                 return
-            if _open(self.results[S], self.best, self.rel_gap):  # (a better plan found since may have settled it)
+            if _open(self.results[S], self.best, self.bar(), self.rel_gap):  # (a better plan found since may
+                # have settled it)
                 self.count(S, left / (len(todo) - i))
 
 
-def _open(r: StageCountResult, best: StageCountResult | None, rel_gap: float) -> bool:
-    """Whether a stage count's solve left room below the best plan (more than ``rel_gap``)."""
+def _open(r: StageCountResult, best: StageCountResult | None, bar: float, rel_gap: float) -> bool:
+    """Whether a stage count's solve left room below what a partition must beat (``bar``: the best plan's time, or
+    less; more than ``rel_gap``)."""
     if r.status in ("cutoff", "infeasible") or r is best and r.status == "optimal":
         return False
-    target = best.predicted_s * (1 - rel_gap) if best is not None else math.inf
-    return r.bound < target
+    return r.bound < bar * (1 - rel_gap)
 
 
 def fewest_stages(profile: ModelProfile, budget_bytes: int, options: PipelineOptions) -> int:

@@ -32,7 +32,8 @@ from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
 from partition.mapping import GpusFor, as_gpus_function
-from partition.mip import MipResult, StageCountResult, explain_infeasible, given_partition, solve_partition
+from partition.mip import (MipResult, StageCountResult, _from_schedule, explain_infeasible, given_partition,
+                           solve_partition)
 from partition.request import PlanRequest
 from partition.sim.result import SimResult
 from partition.simulate import simulate, with_spread
@@ -44,15 +45,20 @@ log = logging.getLogger(__name__)
 
 CONTENTION_GAP = 0.03  # re-plan when the simulated step exceeds the MIP's model of it by more than this
 CONTENTION_REL_GAP = 0.02  # the re-plan's optimality gap: its rates are one simulated step's estimates
-MIN_SEARCH_S = 1.0  # the least time a search gets, whatever the limit left
-ALTERNATIVES_SHARE = 0.5  # of the time limit: the residency passes on a search's partitions (the best's included)
+MIN_SEARCH_S = 0.05  # the least time a search gets, whatever the limit left (its local search runs whole)
+SEARCH_SHARE = 0.8  # of a planning round's time: its searches; its residency passes (and a re-plan) the rest
+FIRST_SETTING_SHARE = 0.7  # of a search's time: its first runtime setting's (inputs on the GPU), where a second
+# (inputs in host memory) follows and looks only for what beats the first's best
+PASSES_SHARE = 0.5  # of what a round's searches leave: its residency passes where a re-plan follows (it gets the
+# rest)
 
 
 @dataclass(frozen=True)
 class PlanContext:
     """What the helpers of one planning share: the request, the profile, the machine the plan runs
     on (the MIP may see it at other rates: their ``model_hw``), the stage-to-GPU slot orders, and
-    when the planning started (the request's time limit counts from then)."""
+    when the planning started (the request's time limit counts from then: it bounds the searches, their
+    residency passes and the re-plan's together)."""
 
     req: PlanRequest
     prof: ModelProfile
@@ -61,6 +67,9 @@ class PlanContext:
     started: float = field(default_factory=time.perf_counter)
     ranks_as_sync: bool = False  # the timing model ranks partitions and residency as under train.update: sync (a
     # delayed plan's second search, :func:`_plan_at`); the simulator always runs the request's rule
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # each partition's simulations under each
+    # settings and its residency choices (:func:`_residency_choice`), shared by the contexts replaced from this one: a
+    # partition the search and a baseline share is simulated once
 
     @classmethod
     def of(cls, prof: ModelProfile, hw: Hardware, req: PlanRequest) -> PlanContext:
@@ -77,9 +86,14 @@ class PlanContext:
                               f"{prof.num_units} units")
         return cls(req, prof, hw, as_gpus_function(req.mapping, hw.groups))
 
-    def time_left(self) -> float:
-        """What the request's time limit leaves, at least ``MIN_SEARCH_S``."""
-        return max(MIN_SEARCH_S, self.req.time_limit_s - (time.perf_counter() - self.started))
+    @property
+    def deadline(self) -> float:
+        """When the request's time limit ends (``time.perf_counter()``)."""
+        return self.started + self.req.time_limit_s
+
+    def time_left(self, until: float | None = None) -> float:
+        """Seconds until ``until`` (by default the end of the request's time limit); none below 0."""
+        return max(0.0, (self.deadline if until is None else until) - time.perf_counter())
 
     def model_options(self, options: PipelineOptions) -> PipelineOptions:
         """``options`` as the timing model ranks with them (:attr:`ranks_as_sync`)."""
@@ -92,9 +106,15 @@ class PlanContext:
 
     def simulate(self, bounds: Sequence[int], options: PipelineOptions, record: bool = True) -> SimResult:
         """The partition ``bounds`` under ``options`` simulated on the machine (every worker at its profile's
-        speed: the searches compare partitions so)."""
-        return simulate(self.prof, bounds, self.hw, self.gpus_for(len(bounds) - 1), self.req.micro_batches, options,
-                        self.req.sharing, record=record)
+        speed: the searches compare partitions so); each once (a recorded simulation also answers for an unrecorded
+        one: they differ in the events alone)."""
+        key = (tuple(bounds), options)
+        sim = self.memo.get(("sim", key, True)) or (None if record else self.memo.get(("sim", key, False)))
+        if sim is None:
+            sim = simulate(self.prof, bounds, self.hw, self.gpus_for(len(bounds) - 1), self.req.micro_batches, options,
+                           self.req.sharing, record=record)
+            self.memo[("sim", key, record)] = sim
+        return sim
 
     def with_spread(self, bounds: Sequence[int], options: PipelineOptions, nominal: SimResult) -> SimResult:
         """``nominal`` (:meth:`simulate`'s of ``bounds`` under ``options``) with the step the plan reports: the
@@ -163,9 +183,16 @@ class _Candidate:
     ranked_by: str  # the update rule whose timing model ranked the partitions and residency (:func:`_plan_at`)
 
 
-def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float, rules: tuple[str, ...] = ()) -> _Candidate:
+def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float, rules: tuple[str, ...] = (),
+             carried: Sequence[StageCountResult] = (), settings: PipelineOptions | None = None) -> _Candidate:
     """The MIP's partition (to ``rel_gap``) and the residency pass at ``model_hw``'s rates, simulated
-    on the machine (a re-plan gets what time is left, at least ``MIN_SEARCH_S`` over its searches).
+    on the machine. The request's time limit bounds the planning as a whole: the searches get ``SEARCH_SHARE``
+    of what it leaves (at least ``MIN_SEARCH_S`` together) and the residency passes the rest (the best partition's
+    pass runs whatever is left), ``PASSES_SHARE`` of it where a re-plan under contention follows, which gets
+    what this round leaves. ``carried``: partitions an earlier round found (a re-plan's: the first round's), which
+    the residency pass tries beside the search's, the first of them whatever the time left (at the re-plan's rates
+    it ranks them closer to the simulator); ``settings``: the runtime settings to search under (by default the
+    request's).
 
     Under ``train.update: delayed`` the search runs twice, sharing the time: ranked by the delayed rule's
     timing model, and by the sync rule's; the faster simulated wins. Once the host's CPU work bounds a delayed
@@ -178,12 +205,16 @@ def _plan_at(ctx: PlanContext, model_hw: Hardware, rel_gap: float, rules: tuple[
     if not rules:
         rules = ("sync",) if not ctx.req.delayed else ("sync", "delayed") if _cpu_weighs(ctx) else ("delayed",)
     searches = [dataclasses.replace(ctx, ranks_as_sync=rule == "sync") for rule in rules]
-    results = [_search(c, model_hw, ctx.time_left() / (len(searches) - i), rel_gap, MIN_SEARCH_S / len(searches))
+    searched = time.perf_counter() + SEARCH_SHARE * ctx.time_left()  # when the searches end
+    results = [_search(c, model_hw, max(MIN_SEARCH_S, searched - time.perf_counter()) / (len(searches) - i), rel_gap,
+                       MIN_SEARCH_S / len(searches), settings)
                for i, c in enumerate(searches)]
     found: list[_Candidate] = []
-    budget = ALTERNATIVES_SHARE * ctx.req.time_limit_s / len(searches)
-    for rule, c, (res, options) in zip(rules, searches, results):
-        chosen, sim, tried = _fastest_residency(c, res, options, model_hw, budget)
+    replan = model_hw is ctx.hw and ctx.req.contention_rounds > 0 and ctx.req.boundaries is None  # may follow
+    for i, (rule, c, (res, options)) in enumerate(zip(rules, searches, results)):
+        budget = ctx.time_left() / (len(searches) - i)
+        chosen, sim, tried = _fastest_residency(c, res, options, model_hw, budget, carried,
+                                                PASSES_SHARE if replan else 1.0)
         if options.num_slots == 1 and ctx.req.prefetch:  # two slots do not fit: prefetch what fits of the next stage
             chosen, sim = _partial_prefetch(c, res.best.boundaries, options, model_hw, (chosen, sim))
         found.append(_Candidate(model_hw, res, chosen, sim, tried, rule))
@@ -211,8 +242,10 @@ def _replan_under_contention(ctx: PlanContext, best: _Candidate) -> tuple[_Candi
     simulated step exceeds the model's by more than ``CONTENTION_GAP`` (uploads and downloads slowed
     by the root complex they share, or by activations on their links), plan again at the rates the
     simulated step reached (:func:`simulated_rates`, the MIP to the request's gap or
-    ``CONTENTION_REL_GAP``, the larger) and keep the new plan if it simulates faster. Also returns
-    each plan tried: its rates, partition, resident and kept stages, model and simulated step."""
+    ``CONTENTION_REL_GAP``, the larger; its residency pass also tries the partitions the first round found, at
+    these rates) in the time the first round left, and keep
+    the new plan if it simulates faster. Also returns each plan tried: its rates, partition, resident and kept
+    stages, model and simulated step."""
     def row(c: _Candidate, model_s: float) -> dict:
         return {"rates": "link" if c.model_hw is ctx.hw else "simulated", "boundaries": c.res.best.boundaries,
                 "resident": sorted(c.options.resident), "kept": sorted(c.options.kept), "model_step_s": model_s,
@@ -226,7 +259,7 @@ def _replan_under_contention(ctx: PlanContext, best: _Candidate) -> tuple[_Candi
     for _ in range(ctx.req.contention_rounds):
         if best.sim.step_s <= tried[-1]["model_step_s"] * (1 + CONTENTION_GAP):
             break
-        again = _plan_at(ctx, simulated_rates(ctx.hw, best.sim), gap, (best.ranked_by,))
+        again = _plan_at(ctx, simulated_rates(ctx.hw, best.sim), gap, (best.ranked_by,), best.res.alternatives)
         tried.append(row(again, model_of(again)))
         log.info("contention: the simulated step %.3f s exceeds the model's %.3f s; re-planned at the simulated rates: "
                  "%.3f s simulated (%d stages)", best.sim.step_s, tried[-2]["model_step_s"], again.sim.step_s,
@@ -266,10 +299,26 @@ RESIDENCY_RESERVE = 0.06  # of the usable GPU memory, kept free by the automatic
 def _residency(ctx: PlanContext, bounds: list[int], options: PipelineOptions, model_hw: Hardware | None = None,
                against_none: bool = True) -> tuple[PipelineOptions, SimResult]:
     """The partition's resident and kept stages (the request's, or chosen by the second pass at
-    ``model_hw``'s rates, by default the machine's) and its simulation on the machine; an automatic
-    choice the simulator finds slower than none is dropped (unless ``against_none`` is off: the
+    ``model_hw``'s rates, by default the machine's: :func:`_residency_choice`) and its simulation on the machine; an
+    automatic choice the simulator finds slower than none is dropped (unless ``against_none`` is off: the
     caller checks)."""
-    model_hw = model_hw or ctx.hw
+    resident, kept = ctx.req.resident, ctx.req.kept
+    chosen = _residency_choice(ctx, bounds, options, model_hw or ctx.hw)[0]
+    sim = ctx.simulate(bounds, chosen)
+    if (chosen.resident or chosen.kept) and (resident is None or kept is None) and not (resident or kept) \
+            and against_none:
+        return _unless_none_is_faster(ctx, bounds, options, chosen, sim)
+    return chosen, sim
+
+
+def _residency_choice(ctx: PlanContext, bounds: list[int], options: PipelineOptions,
+                      model_hw: Hardware) -> tuple[PipelineOptions, float]:
+    """The partition's resident and kept stages (the request's, or chosen by the second pass at ``model_hw``'s
+    rates) and the step the timing model gives them; each partition's once per settings and rates."""
+    key = (tuple(bounds), options, id(model_hw), ctx.ranks_as_sync, ctx.req.resident, ctx.req.kept)
+    known = ctx.memo.get(("choice", key))
+    if known is not None and known[0] is model_hw:
+        return known[1]
     resident, kept = ctx.req.resident, ctx.req.kept
     ev = ctx.evaluator(model_hw, options)
     if resident or kept:
@@ -287,10 +336,8 @@ def _residency(ctx: PlanContext, bounds: list[int], options: PipelineOptions, mo
         broken = ev.evaluate(bounds, chosen).violations[0]
         raise MobiusError(f"resident stages {sorted(res)} and kept stages {sorted(kp)} do not fit: {broken[0]} needs "
                           f"{broken[1]:.2f} GB of the {broken[2]:.2f} GB usable per GPU")
-    sim = ctx.simulate(bounds, chosen)
-    if (res or kp) and (resident is None or kept is None) and not (resident or kept) and against_none:
-        return _unless_none_is_faster(ctx, bounds, options, chosen, sim)
-    return chosen, sim
+    ctx.memo[("choice", key)] = (model_hw, (chosen, t))
+    return chosen, t
 
 
 def _unless_none_is_faster(ctx: PlanContext, bounds: list[int], options: PipelineOptions, chosen: PipelineOptions,
@@ -306,26 +353,52 @@ def _unless_none_is_faster(ctx: PlanContext, bounds: list[int], options: Pipelin
 
 
 def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOptions, model_hw: Hardware,
-                       budget_s: float) -> tuple[PipelineOptions, SimResult, list[dict]]:
-    """The residency pass on the search's best partition and, when the pass chooses both lists, on its
-    near-best and finest alternatives (:func:`partition.mip.near_best`) that fit in ``budget_s`` (their cost
-    estimated from the first pass's, as the cube of the stage count): the fastest simulated becomes
-    ``res.best`` (resident stages and kept activations can reorder partitions the timing model puts
-    within a few percent of each other). Also returns a row per partition tried."""
+                       budget_s: float, carried: Sequence[StageCountResult] = (), contended_share: float = 1.0
+                       ) -> tuple[PipelineOptions, SimResult, list[dict]]:
+    """The residency pass on the search's best partition and, when the pass chooses both lists, on the
+    ``carried`` partitions (an earlier round's, scored at ``model_hw``'s rates; the first whatever the time left)
+    and the search's near-best and finest alternatives (:func:`partition.mip.near_best`) that fit in ``budget_s``
+    (their cost estimated from the first choice's, as the cube of the stage count) get their resident and kept
+    stages, and are simulated while the time lasts, the fastest in the timing model first (that one whatever the
+    time left where the model puts it ahead of the best's); the fastest simulated becomes ``res.best`` (resident stages and kept activations can reorder
+    partitions the timing model puts within a few percent of each other). Where the best's simulated step exceeds
+    the model's by more than ``CONTENTION_GAP`` (a re-plan at the simulated rates follows,
+    :func:`_replan_under_contention`) the passes take ``contended_share`` of the budget, leaving the rest to the
+    re-plan; otherwise at least as long as the best's pass took (the model can rank the partitions apart from the
+    simulator: on full fine-tuning, whose step the host's CPU work bounds, by 10%). Also returns a row per partition
+    simulated."""
     start = time.perf_counter()
+    first_t = _residency_choice(ctx, res.best.boundaries, options, model_hw)[1]  # (the pass's choice alone)
+    choice_s = time.perf_counter() - start
     chosen, sim = _residency(ctx, res.best.boundaries, options, model_hw=model_hw)
-    first_s, tried = time.perf_counter() - start, [_alternative_row(res.best, chosen, sim)]
+    tried = [_alternative_row(res.best, chosen, sim)]
     if (ctx.req.resident, ctx.req.kept) != (None, None):
         return chosen, sim, tried
-    first = res.best
-    for alt in res.alternatives[1:]:
-        expected = first_s * (alt.num_stages / first.num_stages) ** 3  # (rounds x moves x stages)
-        if time.perf_counter() - start + expected > budget_s:
+    if contended_share < 1 and sim.step_s > ctx.evaluator(model_hw, chosen).step_time(res.best.boundaries) * (
+            1 + CONTENTION_GAP):
+        budget_s *= contended_share
+    else:  # (no re-plan follows) the others get at least the time the best's pass took: the timing model can rank
+        budget_s = max(budget_s, 2 * (time.perf_counter() - start))  # them apart from the simulator
+    first, seen = res.best, {tuple(res.best.boundaries)}
+    ev = ctx.evaluator(model_hw, options)
+    others = [_from_schedule(ev, list(r.boundaries), ctx.gpus_for) for r in carried] + list(res.alternatives[1:])
+    scored: list[tuple[float, int, StageCountResult, PipelineOptions]] = []
+    for k, alt in enumerate(others):
+        if tuple(alt.boundaries) in seen or len(alt.boundaries) - 1 < ctx.req.min_stages:
             continue
-        try:  # (checked against no residency only if it wins)
-            alt_chosen, alt_sim = _residency(ctx, alt.boundaries, options, model_hw=model_hw, against_none=False)
+        seen.add(tuple(alt.boundaries))
+        expected = choice_s * (alt.num_stages / first.num_stages) ** 3  # (rounds x moves x stages)
+        if k > 0 and time.perf_counter() - start + expected > budget_s:
+            continue
+        try:
+            alt_chosen, t = _residency_choice(ctx, alt.boundaries, options, model_hw)
         except MobiusError:
             continue
+        scored.append((t, k, alt, alt_chosen))
+    for n, (t, _, alt, alt_chosen) in enumerate(sorted(scored, key=lambda x: x[:2])):
+        if (n > 0 or t >= first_t) and time.perf_counter() - start > budget_s:
+            break
+        alt_sim = ctx.simulate(alt.boundaries, alt_chosen)  # (checked against no residency only if it wins)
         tried.append(_alternative_row(alt, alt_chosen, alt_sim))
         if alt_sim.step_s < sim.step_s:
             chosen, sim, res.best = alt_chosen, alt_sim, alt
@@ -505,25 +578,29 @@ def _option_sets(req: PlanRequest) -> list[list[PipelineOptions]]:
 
 
 def _search(ctx: PlanContext, model_hw: Hardware, time_limit_s: float, rel_gap: float,
-            least_s: float = MIN_SEARCH_S) -> tuple[MipResult, PipelineOptions]:
+            least_s: float = MIN_SEARCH_S, settings: PipelineOptions | None = None
+            ) -> tuple[MipResult, PipelineOptions]:
     """The best partition (the request's, or the MIP's to ``rel_gap`` within ``time_limit_s``, each setting at
-    least ``least_s``) under the best runtime settings at ``model_hw``'s rates (the MIP's model decides); the
-    result's lower bound is the lowest of its tier's settings (what no setting tried can beat) and its untried
-    stage counts are theirs together."""
+    least ``least_s``) under the best runtime settings at ``model_hw``'s rates (the MIP's model decides; or under
+    ``settings`` alone); the result's lower bound is the lowest of its tier's settings (what no setting tried can
+    beat) and its untried stage counts are theirs together."""
     req, t0 = ctx.req, time.perf_counter()
     counts = list(range(req.min_stages, ctx.prof.num_units + 1))
     best: tuple[MipResult, PipelineOptions] | None = None
-    for tier in _option_sets(req):
+    for tier in _option_sets(req) if settings is None else [[settings]]:
         bounds, skipped = [], 0
         for i, options in enumerate(tier):
             if req.boundaries is not None:
                 res = given_partition(ctx.prof, model_hw, ctx.gpus_for, req.micro_batches, list(req.boundaries),
                                       req.bandwidth_view, ctx.model_options(options))
-            else:  # the tier's settings share the time left
-                left = max(least_s, (time_limit_s - (time.perf_counter() - t0)) / (len(tier) - i))
+            else:  # the tier's settings share the time left, the first the most: a later one looks only for
+                # what beats the best found so far, which settles most stage counts at once
+                share = FIRST_SETTING_SHARE if i == 0 and len(tier) > 1 else 1 / (len(tier) - i)
+                left = max(least_s, (time_limit_s - (time.perf_counter() - t0)) * share)
+                beat = best[0].best.predicted_s if best is not None else math.inf
                 res = solve_partition(ctx.prof, model_hw, ctx.gpus_for, req.micro_batches, req.solver, left,
                                       stage_counts=counts, bandwidth=req.bandwidth_view, rel_gap=rel_gap,
-                                      options=ctx.model_options(options))
+                                      options=ctx.model_options(options), beat=beat)
             bounds.append(res.lower_bound)
             skipped += res.stage_counts_skipped
             if res.best is not None and res.best.boundaries is not None and math.isfinite(res.best.predicted_s):

@@ -173,8 +173,10 @@ class _Rounds:
         if not variants:
             return []
         self.evaluations += 1
-        if variants == [Variant()] and memory is None:
-            return [self.ev.evaluate(self.boundaries, self.options(base)).T]
+        if len(variants) == 1 and not variants[0].free and (memory is None or memory[0]):  # one variant: in numbers,
+            # the same a batch gives it (the tests hold batches to them), without arrays of one
+            move = Move(base.resident, base.kept | variants[0].kept, base.what)
+            return [self.ev.evaluate(self.boundaries, self.options(move)).T]
         shape = PipelineShape(self.S, self.N, self.ev.M, self.options(base), self.ev.profile.tied_params / GB, tuple(variants))
         alg = VariantNumbers(len(variants))
         step = np.broadcast_to(step_model(alg, self.st, self.rates, shape, self.budget).step, alg.broken.shape)

@@ -60,7 +60,7 @@ What it models (one worker per slot ``s = j mod N``; ``M`` micro-batches; ``K`` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property, reduce
+from functools import cached_property, lru_cache, reduce
 from typing import Any, Callable, Protocol, Union
 
 import numpy as np
@@ -170,6 +170,11 @@ class PipelineShape:
     @cached_property
     def _turning(self) -> frozenset[int]:
         return self.options.resident | frozenset(mine[-1] for mine in self._swapped if mine)
+
+    @cached_property
+    def posts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Each stage's messages per micro-batch of its forward (``[0]``) and backward (``[1]``): :func:`_posts`."""
+        return _posts_table(self.num_stages, self.num_workers)
 
     @cached_property
     def _masks(self) -> dict[tuple[str, int], np.ndarray]:
@@ -313,12 +318,13 @@ def step_model(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShap
     """State the whole step in ``alg``; returns its event times (``step`` is the objective)."""
     t = StepTimes()
     upload = _Uploads(alg, st, r, shape, t)
+    per = _PerMicroBatch(st, r, shape)
     _memory(alg, st, shape, budget)
     for j in range(shape.num_stages):
-        _forward(alg, st, r, shape, t, upload, j)
+        _forward(alg, st, r, shape, t, upload, per, j)
     for j in reversed(range(shape.num_stages)):
         if j < shape.num_stages - 1:
-            _backward(alg, st, r, shape, t, upload, j)
+            _backward(alg, st, r, shape, t, upload, per, j)
         if j not in shape.resident:
             _download(alg, st, r, shape, t, j)
     _updates(alg, st, r, shape, t)
@@ -333,34 +339,41 @@ class _Uploads:
         self.order = {w: shape.occupancies(w) for w in range(shape.num_workers)}
         self.position = {occ: i for w in self.order for i, occ in enumerate(self.order[w])}
         self.ready = _update_offsets(st, r, shape) if shape.barrier and not shape.options.delayed else {}
+        # the shape's settings, read once (done() asks for them at every occupancy)
+        self.N, self.K, self.P, self.tie_in = shape.num_workers, shape.num_slots, shape.prefetch_gb, shape.tie_in
 
     def done(self, kind: str, j: int) -> Expr:
         """Upload completion of occupancy (kind, j), defining the worker's earlier ones first."""
         key = ("b" if kind == "B" else "f", j)
-        if key in self.t.upload_done:
-            return self.t.upload_done[key]
-        occ = self.order[self.shape.worker(j)]
+        known = self.t.upload_done.get(key)
+        if known is not None:
+            return known
+        shape, w = self.shape, j % self.N
+        occ = self.order[w]
         i = self.position[(kind, j)]
         terms: list[Expr] = []
         if i > 0:
             terms.append(self.done(*occ[i - 1]))
-        if i >= self.shape.num_slots:
-            terms.append(self._released(*occ[i - self.shape.num_slots]))
+        if i >= self.K:
+            terms.append(self._released(*occ[i - self.K]))
         if kind != "B" and j in self.ready:
             terms.append(self.ready[j])
-        s, M = self.st[j], self.shape.micro_batches
+        s, M = self.st[j], shape.micro_batches
         # a backward's offloaded inputs come back right after its weights
-        nbytes = either(kind == "B" and self.shape.offloads(j),
-                        lambda back: s.pbytes + s.in_b * M if back else s.pbytes)
-        if i > 0 and self.shape.prefetch_gb > 0:
+        back = kind == "B" and shape.offloads(j)
+        nbytes = (s.pbytes + s.in_b * M if back else s.pbytes) if isinstance(back, bool) else either(
+            back, lambda back: s.pbytes + s.in_b * M if back else s.pbytes)
+        if i > 0 and self.P > 0:
             upload = self._partly_prefetched(key, j, terms, nbytes, occ[i - 1])
         else:
             upload = self.alg.max(("u" + key[0], j), terms) + nbytes * (1.0 / self.r.up[j])
-        if kind == "B" and j == 0 and self.shape.tie_in:  # then the head's end's gradient, once it is down
-            head = self.t.download_done[self.shape.num_stages - 1]
+        if kind == "B" and j == 0 and self.tie_in:  # then the head's end's gradient, once it is down
+            head = self.t.download_done[shape.num_stages - 1]
             upload = (self.alg.max(("ut", j), [upload, head])
-                      + self.shape.tied_gp * self.shape.grad_bytes * (1.0 / self.r.up[j]))
-        value = either(self.shape.frees(self.shape.worker(j)), lambda free: 0.0 if free else upload)
+                      + shape.tied_gp * shape.grad_bytes * (1.0 / self.r.up[j]))
+        free = shape.frees(w)
+        value = (0.0 if free else upload) if isinstance(free, bool) else either(
+            free, lambda free: 0.0 if free else upload)
         self.t.upload_done[key] = value
         return value
 
@@ -406,11 +419,36 @@ def _device_updates(st: list[StageExprs], r: Rates, shape: PipelineShape, w: int
     return sum((st[j].params * (1.0 / r.device) for j in shape.stages_of(w) if j in shape.resident), 0.0)
 
 
+class _PerMicroBatch:
+    """Each stage's seconds per micro-batch of its forward (FB for the last stage) and of its backward, dispatch
+    included, each stated once (a stage's is also the start of its neighbour's hop)."""
+
+    def __init__(self, st: list[StageExprs], r: Rates, shape: PipelineShape):
+        self.st, self.r, self.shape = st, r, shape
+        self._fwd: dict[int, Expr] = {}
+        self._bwd: dict[int, Expr] = {}
+
+    def forward(self, j: int) -> Expr:
+        per = self._fwd.get(j)
+        if per is None:
+            st, r, shape = self.st, self.r, self.shape
+            per = self._fwd[j] = ((st[j].bwd if j == shape.num_stages - 1 else st[j].fwd)
+                                  + r.message_s * shape.posts[0][j] + r.action_s)
+        return per
+
+    def backward(self, j: int) -> Expr:
+        per = self._bwd.get(j)
+        if per is None:
+            r, shape = self.r, self.shape
+            per = self._bwd[j] = shape.bwd_time(self.st[j], j) + r.message_s * shape.posts[1][j] + r.action_s
+        return per
+
+
 def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, t: StepTimes, up: _Uploads,
-             j: int) -> None:
+             pmb: _PerMicroBatch, j: int) -> None:
     """First and last micro-batch of stage j's forward (FB for the last stage)."""
     S, N, M = shape.num_stages, shape.num_workers, shape.micro_batches
-    per = (st[j].bwd if j == S - 1 else st[j].fwd) + r.message_s * _posts(shape, j, False) + r.action_s
+    per = pmb.forward(j)
     first: list[Expr] = []
     if j not in shape.resident:
         first.append(up.done("FB" if j == S - 1 else "R" if shape.turns(j) else "F", j))
@@ -420,7 +458,7 @@ def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape,
     elif shape.barrier and shape.resident:
         first.append(either(shape.frees(j), lambda free: 0.0 if free else _device_updates(st, r, shape, j)))
     if j > 0:
-        hop = st[j - 1].fwd + r.message_s * _posts(shape, j - 1, False) + r.action_s + st[j - 1].out_b * r.lat_in[j]
+        hop = pmb.forward(j - 1) + st[j - 1].out_b * r.lat_in[j]  # (stage j - 1 < S - 1 runs a forward)
         first.append(t.fwd_start[j - 1] + hop)
         last.append(t.fwd_last[j - 1] + hop)
     t.fwd_start[j] = alg.max(("sf0_", j), first)
@@ -433,21 +471,27 @@ def _forward(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape,
 
 
 def _backward(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, t: StepTimes, up: _Uploads,
-              j: int) -> None:
+              pmb: _PerMicroBatch, j: int) -> None:
     """First and last micro-batch of stage j's backward (recompute + backward, or kept activations)."""
     N, M = shape.num_workers, shape.micro_batches
     first: list[Expr] = [t.fwd_end[j] if shape.last_forward(j) else t.bwd_end[j + N]]
     if not shape.turns(j):
         first.append(up.done("B", j))
-    per = shape.bwd_time(st[j], j) + r.message_s * _posts(shape, j, True) + r.action_s
-    hop = (shape.bwd_time(st[j + 1], j + 1) + r.message_s * _posts(shape, j + 1, True) + r.action_s
-           + st[j + 1].in_b * r.lat_back[j])
+    per = pmb.backward(j)
+    hop = pmb.backward(j + 1) + st[j + 1].in_b * r.lat_back[j]
     first.append(t.bwd_start[j + 1] + hop)
     t.bwd_start[j] = alg.max(("sb0_", j), first)
     t.bwd_last[j] = alg.max(("sbl_", j), [t.bwd_last[j + 1] + hop, t.bwd_start[j] + per * (M - 1)])
     t.bwd_end[j] = t.bwd_last[j] + per
     if j in shape.resident and not shape.barrier:  # its device AdamW follows on the compute stream
         t.bwd_end[j] = t.bwd_end[j] + st[j].params * (1.0 / r.device)
+
+
+@lru_cache(maxsize=None)
+def _posts_table(num_stages: int, num_workers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:attr:`PipelineShape.posts` of every shape of ``num_stages`` stages on ``num_workers`` workers."""
+    shape = PipelineShape(num_stages, num_workers, 1)
+    return tuple(tuple(_posts(shape, j, backward) for j in range(num_stages)) for backward in (False, True))
 
 
 def _posts(shape: PipelineShape, j: int, backward: bool) -> int:
@@ -462,11 +506,14 @@ def _posts(shape: PipelineShape, j: int, backward: bool) -> int:
 def _download(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, t: StepTimes, j: int) -> None:
     """Gradients down after the stage's last backward, one download at a time per worker."""
     after = [t.bwd_end[j]]
-    later = [i for i in shape.swapped(shape.worker(j)) if i > j]
+    w = j % shape.num_workers
+    later = [i for i in shape.swapped(w) if i > j]
     if later:
         after.append(t.download_done[min(later)])
     done = alg.max(("d", j), after) + st[j].params * (shape.grad_bytes / r.down[j])
-    t.download_done[j] = either(shape.frees(shape.worker(j)), lambda free: t.bwd_end[j] if free else done)
+    free = shape.frees(w)
+    t.download_done[j] = (t.bwd_end[j] if free else done) if isinstance(free, bool) else either(
+        free, lambda free: t.bwd_end[j] if free else done)
 
 
 def _updates(alg: Algebra, st: list[StageExprs], r: Rates, shape: PipelineShape, t: StepTimes) -> None:
