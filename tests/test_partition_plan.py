@@ -485,4 +485,4 @@ def test_a_plan_simulates_each_partition_once_under_each_setting(monkeypatch: py
     prof = toy_profile(blocks=8, fwd_s=0.01, param_bytes=200e6)  # (a 1+3 box: re-planned under contention)
     hw = Hardware.uniform(4, 6 * GiB, 5e9, groups=[[0], [1, 2, 3]], cpu_adam_params_per_s=1e12)
     plan = plan_model(prof, hw, PlanRequest(micro_batches=4))
-    assert plan.baselines and plan.mip["simulated_rates_GBps"] and len(runs) == len(set(runs)) > 3, runs
+    assert plan.baselines and plan.mip.simulated_rates_GBps and len(runs) == len(set(runs)) > 3, runs
