@@ -53,6 +53,16 @@ PASSES_SHARE = 0.5  # of what a round's searches leave: its residency passes whe
 # rest)
 
 
+@dataclass
+class PlanMemo:
+    """What one planning computed once: each partition's simulations under each settings (recorded or not) and its
+    residency choices per settings and rates (:func:`_residency_choice`; the rates' :class:`Hardware` kept beside
+    the choice, since the key holds its ``id``)."""
+
+    sims: dict[tuple[tuple[int, ...], PipelineOptions, bool], SimResult] = field(default_factory=dict)
+    choices: dict[tuple, tuple[Hardware, tuple[PipelineOptions, float]]] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class PlanContext:
     """What the helpers of one planning share: the request, the profile, the machine the plan runs
@@ -67,9 +77,8 @@ class PlanContext:
     started: float = field(default_factory=time.perf_counter)
     ranks_as_sync: bool = False  # the timing model ranks partitions and residency as under train.update: sync (a
     # delayed plan's second search, :func:`_plan_at`); the simulator always runs the request's rule
-    memo: dict = field(default_factory=dict, compare=False, repr=False)  # each partition's simulations under each
-    # settings and its residency choices (:func:`_residency_choice`), shared by the contexts replaced from this one: a
-    # partition the search and a baseline share is simulated once
+    memo: PlanMemo = field(default_factory=PlanMemo, compare=False, repr=False)  # shared by the contexts
+    # replaced from this one: a partition the search and a baseline share is simulated once
 
     @classmethod
     def of(cls, prof: ModelProfile, hw: Hardware, req: PlanRequest) -> PlanContext:
@@ -109,11 +118,11 @@ class PlanContext:
         speed: the searches compare partitions so); each once (a recorded simulation also answers for an unrecorded
         one: they differ in the events alone)."""
         key = (tuple(bounds), options)
-        sim = self.memo.get(("sim", key, True)) or (None if record else self.memo.get(("sim", key, False)))
+        sim = self.memo.sims.get((*key, True)) or (None if record else self.memo.sims.get((*key, False)))
         if sim is None:
             sim = simulate(self.prof, bounds, self.hw, self.gpus_for(len(bounds) - 1), self.req.micro_batches, options,
                            self.req.sharing, record=record)
-            self.memo[("sim", key, record)] = sim
+            self.memo.sims[(*key, record)] = sim
         return sim
 
     def with_spread(self, bounds: Sequence[int], options: PipelineOptions, nominal: SimResult) -> SimResult:
@@ -316,7 +325,7 @@ def _residency_choice(ctx: PlanContext, bounds: list[int], options: PipelineOpti
     """The partition's resident and kept stages (the request's, or chosen by the second pass at ``model_hw``'s
     rates) and the step the timing model gives them; each partition's once per settings and rates."""
     key = (tuple(bounds), options, id(model_hw), ctx.ranks_as_sync, ctx.req.resident, ctx.req.kept)
-    known = ctx.memo.get(("choice", key))
+    known = ctx.memo.choices.get(key)
     if known is not None and known[0] is model_hw:
         return known[1]
     resident, kept = ctx.req.resident, ctx.req.kept
@@ -336,7 +345,7 @@ def _residency_choice(ctx: PlanContext, bounds: list[int], options: PipelineOpti
         broken = ev.evaluate(bounds, chosen).violations[0]
         raise MobiusError(f"resident stages {sorted(res)} and kept stages {sorted(kp)} do not fit: {broken[0]} needs "
                           f"{broken[1]:.2f} GB of the {broken[2]:.2f} GB usable per GPU")
-    ctx.memo[("choice", key)] = (model_hw, (chosen, t))
+    ctx.memo.choices[key] = (model_hw, (chosen, t))
     return chosen, t
 
 

@@ -464,7 +464,7 @@ def test_a_re_plan_tries_the_first_rounds_partition_at_the_simulated_rates_whate
     pp._fastest_residency(ctx, res, options, hw, 0.0, carried, 0.0)  # (contended: no time beyond the first two)
     assert best in chosen and fewer in chosen and carried[1].boundaries not in chosen
     res.best = res.alternatives[0]
-    rows = pp._fastest_residency(dataclasses.replace(ctx, memo={}), res, options, hw, 60.0, carried)[2]
+    rows = pp._fastest_residency(dataclasses.replace(ctx, memo=pp.PlanMemo()), res, options, hw, 60.0, carried)[2]
     assert len(rows) == 3 and rows[0]["num_stages"] == len(best) - 1
 
 
