@@ -356,7 +356,7 @@ def solve_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
         inc = find_incumbent(ev, counts, deadline=t0 + time_limit_s)
         ranking = inc.per_stage_count
         if inc.boundaries is not None:
-            search.best = _from_schedule(ev, inc.boundaries, gpus_for)
+            search.best = model_result(ev, inc.boundaries, gpus_for)
     order = sorted(counts, key=lambda S: (ranking.get(S, math.inf), S))
     fewest = fewest_stages(profile, hw.gpu_memory_bytes, options)
     search.results = {S: StageCountResult(S, "infeasible", math.inf, math.inf, None, "", 0.0, 0, 0, "memory bound")
@@ -514,12 +514,12 @@ def given_partition(profile: ModelProfile, hw: Hardware, gpus_for: Callable[[int
     """A result for a partition chosen by the user (``parallel.stages``), scored by the timing model."""
     t0 = time.perf_counter()
     ev = ModelEvaluator(profile, hw, gpus_for, micro_batches, bandwidth, options)
-    res = _from_schedule(ev, list(boundaries), gpus_for)
+    res = model_result(ev, list(boundaries), gpus_for)
     res.status, res.encoding = "given", "given"
     return MipResult(res, [res], time.perf_counter() - t0, res.predicted_s)
 
 
-def _from_schedule(ev: ModelEvaluator, bounds: list[int], gpus_for: Callable[[int], list[int]]) -> StageCountResult:
+def model_result(ev: ModelEvaluator, bounds: list[int], gpus_for: Callable[[int], list[int]]) -> StageCountResult:
     """A result for a partition the local search (or the user) chose; its time is the model's."""
     return StageCountResult(len(bounds) - 1, "local search", ev.step_time(bounds), 0.0, bounds, "", 0.0, 0, 0,
                             "local search")

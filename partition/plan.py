@@ -32,7 +32,7 @@ from partition.gpus import GB, GiB
 from partition.hardware import Hardware
 from partition.schedule import PipelineOptions
 from partition.mapping import GpusFor, as_gpus_function
-from partition.mip import (MipResult, StageCountResult, _from_schedule, explain_infeasible, given_partition,
+from partition.mip import (MipResult, StageCountResult, model_result, explain_infeasible, given_partition,
                            solve_partition)
 from partition.request import PlanRequest
 from partition.sim.result import SimResult
@@ -390,7 +390,7 @@ def _fastest_residency(ctx: PlanContext, res: MipResult, options: PipelineOption
         budget_s = max(budget_s, 2 * (time.perf_counter() - start))  # them apart from the simulator
     first, seen = res.best, {tuple(res.best.boundaries)}
     ev = ctx.evaluator(model_hw, options)
-    others = [_from_schedule(ev, list(r.boundaries), ctx.gpus_for) for r in carried] + list(res.alternatives[1:])
+    others = [model_result(ev, list(r.boundaries), ctx.gpus_for) for r in carried] + list(res.alternatives[1:])
     scored: list[tuple[float, int, StageCountResult, PipelineOptions]] = []
     for k, alt in enumerate(others):
         if tuple(alt.boundaries) in seen or len(alt.boundaries) - 1 < ctx.req.min_stages:
